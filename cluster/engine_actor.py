@@ -1,0 +1,187 @@
+"""One P or D instance: a Ray actor that owns one vLLM AsyncLLM engine.
+
+The actor translates typed messages (cluster/messages.py) into vLLM calls. P runs
+`prefill` (max_tokens=1; its connector keeps the KV for D and returns a transfer
+handle); D runs `decode` (a streaming generator) with that handle. What differs
+per instance (engine args, env, connector config) is computed by the pure
+functions below, so it is unit-tested without an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.cluster.devices import DEVICES
+from pdcluster.cluster.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    InstanceInfo,
+    PrefillRequest,
+    PrefillResult,
+    Role,
+    SamplingSpec,
+    TransferStats,
+)
+from pdcluster.cluster.spec import ClusterSpec
+
+CONNECTOR_MODULE = "pdcluster.transfer.connector"
+CONNECTOR_CLASS = "PdcConnector"
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """Everything one instance needs to start, derived from the spec."""
+
+    name: str
+    role: Role
+    index: int
+    engine_id: str
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+    kv_port: int | None  # P only
+
+
+def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
+    eng = spec.role_engine(role)
+    name = f"{role}-{index}"
+    engine_id = f"{spec.name}-{name}"
+    kv_port = spec.transfer.base_port + index if role == "prefill" else None
+    extra = {
+        "host": spec.transfer.host,
+        "port": kv_port or 0,
+        "lease_s": spec.transfer.lease_s,
+        "timeout_s": spec.transfer.timeout_s,
+        "chunk_bytes": spec.transfer.chunk_bytes,
+    }
+    args: dict[str, Any] = dict(
+        model=spec.model.path,
+        served_model_name=spec.model.served_name,
+        skip_tokenizer_init=True,  # the router tokenizes
+        block_size=eng.block_size,
+        max_model_len=eng.max_model_len,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_num_seqs=eng.max_num_seqs,
+        enable_prefix_caching=eng.enable_prefix_caching,
+        dtype=eng.dtype,
+        enforce_eager=eng.enforce_eager,
+        kv_transfer_config=dict(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+            engine_id=engine_id,
+            kv_load_failure_policy="recompute" if spec.transfer.on_failure == "recompute" else "fail",
+            kv_connector_extra_config=extra,
+        ),
+    )
+    if eng.seed is not None:
+        args["seed"] = eng.seed
+    if eng.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = eng.gpu_memory_utilization
+    args.update(eng.extra)
+
+    device = DEVICES[spec.device]
+    env: dict[str, str] = {}
+    if spec.device == "cpu" and eng.kv_cache_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.kv_cache_space_gib)
+    bind = getattr(spec, role).resources.cpu_bind
+    if bind is not None and device.bind_env is not None:
+        env[device.bind_env] = bind[index]
+    return InstancePlan(name, role, index, engine_id, args, env, kv_port)
+
+
+def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+        seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids),
+        detokenize=False, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
+    )
+
+
+class EngineActor:
+    """Ray actor body (wrapped with ray.remote by the launcher)."""
+
+    def __init__(self, spec: ClusterSpec, role: Role, index: int):
+        self.plan = plan_instance(spec, role, index)
+        os.environ.update(self.plan.env)  # before vLLM reads its env
+        from vllm import AsyncEngineArgs
+        from vllm.config import KVTransferConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = dict(self.plan.engine_args)
+        args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+        self.started_s = time.time()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self.started_s = time.time() - self.started_s
+
+    def info(self) -> InstanceInfo:
+        p = self.plan
+        host = socket.gethostbyname(socket.gethostname()) if p.kv_port is None else None
+        kv_address = None
+        if p.kv_port is not None:
+            cfg = p.engine_args["kv_transfer_config"]["kv_connector_extra_config"]
+            kv_address = f"{cfg['host']}:{p.kv_port}"
+        import ray
+
+        return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address() or host or "",
+                            pid=os.getpid(), kv_address=kv_address, engine_id=p.engine_id, started_s=self.started_s)
+
+    async def health(self) -> bool:
+        await self.llm.check_health()
+        return True
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        from vllm.inputs import TokensPrompt
+
+        from pdcluster.transfer.handle import PRODUCE_KEY
+
+        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={PRODUCE_KEY: True})
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
+                                           request_id=req.request_id):
+            final = out
+        assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
+        m = final.metrics
+        return PrefillResult(
+            request_id=req.request_id, handle=final.kv_transfer_params, prompt_tokens=len(req.prompt_token_ids),
+            p_cached_tokens=final.num_cached_tokens or 0,
+            queued_ts=getattr(m, "queued_ts", 0.0), scheduled_ts=getattr(m, "scheduled_ts", 0.0),
+            first_token_ts=getattr(m, "first_token_ts", 0.0),
+        )
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
+        from vllm.inputs import TokensPrompt
+
+        from pdcluster.transfer.connector import D_STATS_KEY
+
+        sp = sampling_params(req.sampling, kv_transfer_params=req.handle)
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
+                                           request_id=req.request_id):
+            completion = out.outputs[0]
+            transfer = None
+            if out.finished:
+                report = (out.kv_transfer_params or {}).get(D_STATS_KEY) or {}
+                transfer = TransferStats(
+                    d_cached_tokens=report.get("d_cached_tokens", 0),
+                    transferred_tokens=report.get("transferred_tokens", 0),
+                    blocks_per_group=tuple(report.get("blocks_per_group", ())),
+                    bytes_per_group=tuple(report.get("bytes_per_group", ())),
+                )
+            yield DecodeDelta(new_token_ids=list(completion.token_ids),
+                              finish_reason=completion.finish_reason if out.finished else None,
+                              transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,88 @@
+"""Typed messages between the router and the P/D engine actors.
+
+Everything that crosses a Ray call is one of these frozen dataclasses (Ray pickles
+them). Token ids, never text: the router owns the tokenizer, engines run with
+`skip_tokenizer_init=True`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The subset of vLLM SamplingParams the router forwards."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off (vLLM's -1)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    # kv_transfer_params P's connector returned: a TransferHandle as a dict (None if P held no KV).
+    handle: dict | None
+    prompt_tokens: int
+    p_cached_tokens: int  # P's own prefix-cache hit
+    # Engine-side timestamps (s, monotonic clock of P's host), from vLLM's RequestStateStats.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    handle: dict | None
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What D's connector reports for one request, from the D side."""
+
+    d_cached_tokens: int = 0  # D's own prefix-cache hit
+    transferred_tokens: int = 0
+    blocks_per_group: tuple[int, ...] = ()
+    bytes_per_group: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DecodeDelta:
+    """New tokens since the last delta; the last one has `finish_reason` set."""
+
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    transfer: TransferStats | None = None  # set on the last delta
+    num_cached_tokens: int = 0  # D's count: local hit + transferred
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    name: str  # "prefill-0"
+    role: Role
+    index: int
+    node_ip: str
+    pid: int
+    kv_address: str | None  # P: where its KV server listens
+    engine_id: str
+    started_s: float
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,207 @@
+"""The cluster spec: one YAML file describes a P/D cluster.
+
+`load_spec(path)` parses and validates it before anything starts; every problem
+raises `SpecError` whose message names the field (`prefill.engine.block_size`)
+and what is wrong with it. P and D are checked against each other: KV blocks move
+one to one between them, so whatever shapes a block must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdcluster.cluster.devices import DEVICES
+
+
+class SpecError(ValueError):
+    """An invalid cluster spec; the message names the field and the problem."""
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors: a typo ("block_sise") must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelSpec(_Strict):
+    """Generate a tiny random-weight model at `model.path` if it is missing."""
+
+    arch: Literal["qwen3", "llama"] = "qwen3"
+    seed: int = 0
+
+
+class ModelSpec(_Strict):
+    path: str = Field(description="checkpoint directory (config, weights, tokenizer)")
+    name: str | None = Field(None, description="served model name; default: the directory name")
+    tiny: TinyModelSpec | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.path).name
+
+
+class EngineSpec(_Strict):
+    """vLLM engine args. In a role's `engine:`, unset fields inherit the shared ones."""
+
+    block_size: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    kv_cache_space_gib: int | None = Field(None, ge=1, description="KV pool per instance on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enable_prefix_caching: bool | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    enforce_eager: bool | None = None
+    seed: int | None = None
+    extra: dict[str, Any] = Field(default_factory=dict, description="more AsyncEngineArgs, passed as is")
+
+    def merged_over(self, base: EngineSpec) -> EngineSpec:
+        # An explicit `null` inherits like an unset field (else None reaches the checks below).
+        mine = self.model_dump(exclude_unset=True, exclude_none=True)
+        merged = base.model_dump()
+        merged.update({k: v for k, v in mine.items() if k != "extra"})
+        merged["extra"] = {**base.extra, **self.extra}
+        return EngineSpec(**merged)
+
+
+DEFAULT_ENGINE = EngineSpec(
+    block_size=128, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=64,
+    kv_cache_space_gib=1, enable_prefix_caching=True, dtype="auto", enforce_eager=True,
+)
+
+
+class ResourceSpec(_Strict):
+    cpus: float = Field(0, ge=0, description="Ray num_cpus per instance")
+    gpus: int = Field(0, ge=0)
+    npus: int = Field(0, ge=0)
+    cpu_bind: list[str] | None = Field(
+        None, description="per instance, the cores its engine's threads use (CPU: VLLM_CPU_OMP_THREADS_BIND)")
+
+
+class RoleSpec(_Strict):
+    instances: int = Field(1, ge=1, le=64)
+    engine: EngineSpec = EngineSpec()
+    resources: ResourceSpec = ResourceSpec()
+
+
+class TransferSpec(_Strict):
+    backend: Literal["grpc"] = "grpc"
+    host: str = "127.0.0.1"
+    base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
+    lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
+    timeout_s: float = Field(30.0, gt=0, description="D gives up fetching a request's KV after this long")
+    chunk_bytes: int = Field(4 << 20, ge=4096, description="gRPC message payload size")
+    on_failure: Literal["error", "recompute"] = Field(
+        "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
+
+
+class RouterSpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
+
+
+class ClusterSpec(_Strict):
+    name: str = "pdcluster"
+    model: ModelSpec
+    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+    engine: EngineSpec = DEFAULT_ENGINE
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+    transfer: TransferSpec = TransferSpec()
+    router: RouterSpec = RouterSpec()
+
+    @field_validator("engine")
+    @classmethod
+    def _fill_engine_defaults(cls, engine: EngineSpec) -> EngineSpec:
+        return engine.merged_over(DEFAULT_ENGINE)
+
+    def role_engine(self, role: Literal["prefill", "decode"]) -> EngineSpec:
+        """The engine args one role runs with: its overrides over the shared `engine:`."""
+        return getattr(self, role).engine.merged_over(self.engine)
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> ClusterSpec:
+        p, d = self.role_engine("prefill"), self.role_engine("decode")
+        # A KV block moves one to one: its size and element type must agree.
+        for field in ("block_size", "dtype"):
+            if getattr(p, field) != getattr(d, field):
+                raise ValueError(
+                    f"prefill.engine.{field} ({getattr(p, field)}) != decode.engine.{field} "
+                    f"({getattr(d, field)}): P and D exchange KV blocks one to one")
+        if d.max_model_len < p.max_model_len:
+            raise ValueError(f"decode.engine.max_model_len ({d.max_model_len}) < prefill.engine.max_model_len "
+                             f"({p.max_model_len}): D could not hold what P prefills")
+        for role in ("prefill", "decode"):
+            eng = self.role_engine(role)
+            if not eng.enable_prefix_caching:
+                raise ValueError(f"{role}.engine.enable_prefix_caching: must be true; "
+                                 f"both sides skip what their prefix cache holds")
+            if eng.max_num_batched_tokens < eng.max_model_len:
+                raise ValueError(f"{role}.engine.max_num_batched_tokens ({eng.max_num_batched_tokens}) < "
+                                 f"max_model_len ({eng.max_model_len})")
+            res, instances = getattr(self, role).resources, getattr(self, role).instances
+            if res.cpu_bind is not None and len(res.cpu_bind) != instances:
+                raise ValueError(f"{role}.resources.cpu_bind has {len(res.cpu_bind)} entries for "
+                                 f"{role}.instances ({instances}): give one per instance")
+            device = DEVICES[self.device]
+            if device.ray_resource is None and (res.gpus or res.npus):
+                which = "gpus" if res.gpus else "npus"
+                raise ValueError(f"{role}.resources.{which} ({getattr(res, which)}) set but device is "
+                                 f"{self.device!r}")
+            if self.device == "cuda" and res.gpus < 1:
+                raise ValueError(f"{role}.resources.gpus: device 'cuda' needs at least 1 per instance")
+            if self.device == "npu" and res.npus < 1:
+                raise ValueError(f"{role}.resources.npus: device 'npu' needs at least 1 per instance")
+        last_kv_port = self.transfer.base_port + self.prefill.instances - 1
+        if self.transfer.base_port <= self.router.port <= last_kv_port:
+            raise ValueError(f"router.port ({self.router.port}) falls in the KV ports "
+                             f"{self.transfer.base_port}..{last_kv_port} (transfer.base_port + one per "
+                             f"prefill instance)")
+        return self
+
+
+def _field_path(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid cluster spec"]
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {_field_path(e['loc'])}: {msg}" if e["loc"] else f"  {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) -> ClusterSpec:
+    """Validate a parsed YAML document; relative model paths resolve against `base_dir`."""
+    if data is None:
+        raise SpecError(f"{source}: the spec is empty; it needs at least `model: {{path: ...}}`")
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, source)) from None
+    path = Path(spec.model.path).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = (base_dir / path).resolve()
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(path)})})
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from None
+    # Model paths in a spec are relative to the current directory, as on a command line.
+    return parse_spec(data, str(path), base_dir=Path.cwd())

@@ -1,0 +1,62 @@
+"""The contract between the HTTP front end and whatever generates tokens.
+
+The OpenAI-compatible app (router/openai_api.py) only knows `TokenBackend`; the
+P/D dispatcher (router/pd_dispatch.py) implements it over Ray actors. Unit tests
+of the HTTP layer use a small in-process backend instead of engines.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdcluster.cluster.messages import SamplingSpec
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    max_model_len: int
+    vocab_size: int  # valid token ids are 0 .. vocab_size-1
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New tokens of one request. The last chunk has `finish_reason` and the counts."""
+
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    p_cached_tokens: int = 0  # prompt tokens P's prefix cache held
+    d_cached_tokens: int = 0  # prompt tokens D's prefix cache held
+    transferred_tokens: int = 0  # prompt tokens whose KV moved P -> D
+
+
+class BackendError(Exception):
+    """Generation failed; `status` is the HTTP status the client should see."""
+
+    def __init__(self, message: str, status: int = 500, kind: str = "server_error"):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class TokenBackend(abc.ABC):
+    """Generates tokens for already-validated token-id prompts.
+
+    Contract: `generate` yields at least one chunk; exactly the last has
+    `finish_reason` set. It raises BackendError (never hangs) when the request
+    cannot finish, and frees everything the request held when the consumer stops
+    iterating early (client disconnect, stop string).
+    """
+
+    @abc.abstractmethod
+    def model_card(self) -> ModelCard: ...
+
+    @abc.abstractmethod
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]: ...
+
+    async def health(self) -> dict[str, bool]:
+        """Instance name -> healthy."""
+        return {}

@@ -1,0 +1,303 @@
+"""The cluster spec: the shipped deploy files load, roles inherit the shared engine
+args, and every invalid spec raises SpecError naming the field that is wrong."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pdcluster.cluster.spec import ClusterSpec, SpecError, load_spec, parse_spec
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def minimal(**changes) -> dict:
+    """A valid minimal spec dict; each keyword replaces one top-level section."""
+    data = {
+        "model": {"path": "/models/tiny"},
+        "device": "cpu",
+        "engine": {"block_size": 128, "max_model_len": 1024, "max_num_batched_tokens": 1024},
+        "prefill": {"instances": 1},
+        "decode": {"instances": 1},
+        "transfer": {"base_port": 18600},
+        "router": {"port": 8000},
+    }
+    data.update(changes)
+    return data
+
+
+def spec_error(data) -> str:
+    with pytest.raises(SpecError) as exc:
+        parse_spec(data)
+    return str(exc.value)
+
+
+def test_minimal_is_valid():
+    spec = parse_spec(minimal())
+    assert isinstance(spec, ClusterSpec)
+    assert spec.model.path == "/models/tiny"
+    assert spec.model.served_name == "tiny"
+
+
+# --- the shipped deploy files -------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["p1d1-tiny-cpu.yaml", "p2d2-tiny-cpu.yaml", "p8d8-npu.yaml"])
+def test_deploy_files_load(name):
+    spec = load_spec(DEPLOY / name)
+    assert spec.role_engine("prefill") == spec.role_engine("decode")
+    assert spec.role_engine("prefill").block_size == 128
+
+
+def test_p1d1_tiny_cpu():
+    spec = load_spec(DEPLOY / "p1d1-tiny-cpu.yaml")
+    assert spec.device == "cpu"
+    assert (spec.prefill.instances, spec.decode.instances) == (1, 1)
+    assert spec.prefill.resources.cpu_bind == ["0"]
+    assert spec.decode.resources.cpu_bind == ["1"]
+    assert spec.model.tiny is not None and spec.model.tiny.arch == "qwen3" and spec.model.tiny.seed == 0
+    assert spec.model.served_name == "tiny-qwen3"
+    # A relative model path resolves against the current directory.
+    assert spec.model.path == str(Path.cwd() / ".pdcluster/models/tiny-qwen3")
+    eng = spec.role_engine("decode")
+    assert (eng.max_model_len, eng.max_num_batched_tokens, eng.kv_cache_space_gib) == (8192, 8192, 1.0)
+    assert (eng.dtype, eng.enforce_eager) == ("float32", True)
+    assert (spec.transfer.lease_s, spec.transfer.timeout_s, spec.transfer.on_failure) == (60, 30, "error")
+    assert (spec.router.host, spec.router.port) == ("127.0.0.1", 8000)
+
+
+def test_p2d2_tiny_cpu():
+    spec = load_spec(DEPLOY / "p2d2-tiny-cpu.yaml")
+    assert (spec.prefill.instances, spec.decode.instances) == (2, 2)
+    assert spec.prefill.resources.cpu_bind == ["0", "0"]
+    assert spec.decode.resources.cpu_bind == ["1", "1"]
+    assert spec.role_engine("prefill").kv_cache_space_gib == 1
+
+
+def test_p8d8_npu():
+    spec = load_spec(DEPLOY / "p8d8-npu.yaml")
+    assert spec.device == "npu"
+    assert spec.ray_address == "auto"
+    assert (spec.prefill.instances, spec.decode.instances) == (8, 8)
+    assert spec.prefill.resources.npus == 1 and spec.decode.resources.npus == 1
+    assert spec.model.tiny is None
+    assert spec.model.path == "/models/DeepSeek-V4-Flash"
+    eng = spec.role_engine("prefill")
+    assert (eng.max_model_len, eng.max_num_batched_tokens, eng.dtype) == (131072, 131072, "bfloat16")
+    assert (spec.transfer.lease_s, spec.transfer.timeout_s, spec.transfer.on_failure) == (120, 60, "recompute")
+    assert (spec.router.host, spec.router.port) == ("0.0.0.0", 8000)
+
+
+# --- role engine merging --------------------------------------------------------------
+
+def test_role_override_wins_and_the_rest_inherits():
+    spec = parse_spec(minimal(
+        engine={"block_size": 128, "max_model_len": 1024, "max_num_batched_tokens": 1024, "max_num_seqs": 8},
+        prefill={"engine": {"max_num_seqs": 2, "kv_cache_space_gib": 3}},
+    ))
+    p, d = spec.role_engine("prefill"), spec.role_engine("decode")
+    assert (p.max_num_seqs, p.kv_cache_space_gib) == (2, 3.0)
+    assert (d.max_num_seqs, d.kv_cache_space_gib) == (8, 1.0)  # 1.0: the built-in default
+    assert (p.block_size, p.max_model_len, p.max_num_batched_tokens) == (128, 1024, 1024)
+
+
+def test_unset_shared_fields_take_the_defaults():
+    spec = parse_spec(minimal(engine={"dtype": "float32"}))
+    eng = spec.role_engine("prefill")
+    assert (eng.dtype, eng.block_size, eng.max_model_len, eng.enable_prefix_caching) == ("float32", 128, 8192, True)
+
+
+def test_extra_merges_key_by_key():
+    spec = parse_spec(minimal(
+        engine={"extra": {"a": 1, "b": 2}},
+        decode={"engine": {"extra": {"b": 3, "c": 4}}},
+    ))
+    assert spec.role_engine("decode").extra == {"a": 1, "b": 3, "c": 4}
+    assert spec.role_engine("prefill").extra == {"a": 1, "b": 2}
+
+
+def test_explicit_null_inherits():
+    spec = parse_spec(minimal(
+        engine={"max_model_len": None},
+        decode={"engine": {"block_size": None}},
+    ))
+    d = spec.role_engine("decode")
+    assert (d.max_model_len, d.block_size) == (8192, 128)
+
+
+# --- validation errors name their field -----------------------------------------------
+
+def test_unknown_field():
+    msg = spec_error(minimal(engine={"block_sise": 64}))
+    assert "engine.block_sise: Extra inputs are not permitted" in msg
+
+
+def test_unknown_field_in_a_role():
+    msg = spec_error(minimal(decode={"instance": 2}))
+    assert "decode.instance: Extra inputs are not permitted" in msg
+
+
+def test_unknown_top_level_field():
+    assert "routr: Extra inputs are not permitted" in spec_error(minimal(routr={"port": 9000}))
+
+
+def test_zero_instances():
+    msg = spec_error(minimal(prefill={"instances": 0}))
+    assert "prefill.instances: Input should be greater than or equal to 1" in msg
+
+
+def test_negative_lease():
+    msg = spec_error(minimal(transfer={"lease_s": -1}))
+    assert "transfer.lease_s: Input should be greater than 0" in msg
+
+
+def test_zero_block_size_in_a_role():
+    msg = spec_error(minimal(decode={"engine": {"block_size": 0}}))
+    assert "decode.engine.block_size: Input should be greater than 0" in msg
+
+
+def test_wrong_type():
+    msg = spec_error(minimal(engine={"max_model_len": "long"}))
+    assert "engine.max_model_len: Input should be a valid integer" in msg
+
+
+def test_wrong_literal():
+    msg = spec_error(minimal(device="tpu"))
+    assert re.search(r"^  device: Input should be 'cpu', 'cuda' or 'npu'", msg, re.M)
+
+
+def test_all_errors_are_listed():
+    msg = spec_error(minimal(prefill={"instances": 0}, transfer={"timeout_s": 0}))
+    assert "prefill.instances" in msg and "transfer.timeout_s" in msg
+
+
+def test_block_size_mismatch():
+    msg = spec_error(minimal(decode={"engine": {"block_size": 64}}))
+    assert "prefill.engine.block_size (128) != decode.engine.block_size (64)" in msg
+
+
+def test_dtype_mismatch():
+    msg = spec_error(minimal(prefill={"engine": {"dtype": "bfloat16"}}))
+    assert "prefill.engine.dtype (bfloat16) != decode.engine.dtype (auto)" in msg
+
+
+def test_decode_shorter_than_prefill():
+    msg = spec_error(minimal(decode={"engine": {"max_model_len": 512}}))
+    assert "decode.engine.max_model_len (512) < prefill.engine.max_model_len (1024)" in msg
+
+
+def test_prefix_caching_off():
+    msg = spec_error(minimal(decode={"engine": {"enable_prefix_caching": False}}))
+    assert "decode.engine.enable_prefix_caching: must be true" in msg
+
+
+def test_batched_tokens_below_model_len():
+    msg = spec_error(minimal(prefill={"engine": {"max_num_batched_tokens": 512}}))
+    assert "prefill.engine.max_num_batched_tokens (512) < max_model_len (1024)" in msg
+
+
+def test_cpu_bind_length():
+    msg = spec_error(minimal(prefill={"instances": 2, "resources": {"cpu_bind": ["0"]}}))
+    assert "prefill.resources.cpu_bind has 1 entries for prefill.instances (2)" in msg
+
+
+def test_gpus_on_cpu():
+    msg = spec_error(minimal(decode={"resources": {"gpus": 1}}))
+    assert "decode.resources.gpus (1) set but device is 'cpu'" in msg
+
+
+def test_npu_without_npus():
+    msg = spec_error(minimal(device="npu", decode={"resources": {"npus": 1}}))
+    assert "prefill.resources.npus: device 'npu' needs at least 1 per instance" in msg
+
+
+def test_npu_with_npus_is_valid():
+    spec = parse_spec(minimal(device="npu", prefill={"resources": {"npus": 1}}, decode={"resources": {"npus": 2}}))
+    assert spec.decode.resources.npus == 2
+
+
+def test_cuda_without_gpus():
+    msg = spec_error(minimal(device="cuda"))
+    assert "prefill.resources.gpus: device 'cuda' needs at least 1 per instance" in msg
+
+
+def test_router_port_in_kv_ports():
+    msg = spec_error(minimal(prefill={"instances": 4}, router={"port": 18603}))
+    assert "router.port (18603) falls in the KV ports 18600..18603" in msg
+
+
+def test_router_port_just_past_kv_ports_is_valid():
+    assert parse_spec(minimal(prefill={"instances": 4}, router={"port": 18604})).router.port == 18604
+
+
+def test_missing_model():
+    data = minimal()
+    del data["model"]
+    assert re.search(r"^  model: Field required", spec_error(data), re.M)
+
+
+def test_missing_model_path():
+    assert "model.path: Field required" in spec_error(minimal(model={"name": "x"}))
+
+
+def test_unknown_tiny_arch():
+    msg = spec_error(minimal(model={"path": "/m", "tiny": {"arch": "gpt2"}}))
+    assert "model.tiny.arch: Input should be 'qwen3' or 'llama'" in msg
+
+
+def test_parse_not_a_mapping():
+    with pytest.raises(SpecError, match="the top level must be a mapping, got list"):
+        parse_spec([1, 2])
+
+
+# --- files ------------------------------------------------------------------------------
+
+def test_load_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {path: /m}\nprefill: {instances: 0}\n")
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    assert str(exc.value).startswith(f"{path}: invalid cluster spec")
+    assert "prefill.instances" in str(exc.value)
+
+
+def test_load_relative_model_path(tmp_path, monkeypatch):
+    path = tmp_path / "ok.yaml"
+    path.write_text("model: {path: models/m}\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_spec(path).model.path == str(tmp_path / "models" / "m")
+
+
+def test_load_yaml_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- engine\n")
+    with pytest.raises(SpecError, match="the top level must be a mapping, got list"):
+        load_spec(path)
+
+
+def test_load_empty_file(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    with pytest.raises(SpecError, match="the spec is empty"):
+        load_spec(path)
+
+
+def test_load_malformed_yaml(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: {path: /m\nengine: [\n")
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    assert str(exc.value).startswith(f"{path}: not valid YAML")
+
+
+def test_load_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(SpecError) as exc:
+        load_spec(path)
+    assert str(exc.value) == f"{path}: no such file"
+
+
+def test_load_directory(tmp_path):
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path)

@@ -1,0 +1,109 @@
+"""The tiny random-weight checkpoint: deterministic per seed, and loadable by transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdcluster.cluster.tiny_model import ARCHS, CORPUS_DIR, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Build each checkpoint once per module: qwen3 seed 0 twice, and seed 1."""
+    root = tmp_path_factory.mktemp("tiny")
+    built = {}
+
+    def get(name: str, seed: int):
+        if name not in built:
+            built[name] = make_tiny_model(root / name, arch="qwen3", seed=seed)
+        return built[name]
+
+    return get
+
+
+def test_same_seed_same_files(models):
+    a, b = models("a", 0), models("b", 0)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    assert (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
+
+
+def test_different_seed_different_weights(models):
+    a, c = models("a", 0), models("c", 1)
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    # The tokenizer depends only on the corpus.
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
+
+
+def test_metadata_file(models):
+    meta = json.loads((models("c", 1) / "pdcluster_tiny.json").read_text())
+    assert (meta["arch"], meta["seed"]) == ("qwen3", 1)
+
+
+def test_tokenizer_round_trips_the_corpus(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models("a", 0))
+    text = (CORPUS_DIR / "serving.txt").read_text()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert 0 < len(ids) < len(text)  # BPE merges: fewer tokens than characters
+    assert tok.decode(ids) == text
+    # Text the tokenizer was not trained on still round-trips (byte-level BPE).
+    other = "Zygote émigré 日本語 ✓ {\"k\": [1, 2]}\n\ttab"
+    assert tok.decode(tok.encode(other, add_special_tokens=False)) == other
+
+
+def test_special_tokens(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models("a", 0))
+    assert tok.eos_token == "<|im_end|>"
+    assert tok.pad_token == tok.bos_token == "<|endoftext|>"
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [tok.convert_tokens_to_ids("<|im_start|>")]
+
+
+def test_chat_template(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models("a", 0))
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt.endswith("<|im_start|>assistant\n")
+    without = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert without == "<|im_start|>user\nHello<|im_end|>\n"
+
+
+def test_model_loads_and_matches_the_tokenizer(models):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = models("a", 0)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen3"
+    assert model.config.vocab_size == len(tok)
+    assert model.config.eos_token_id == tok.eos_token_id
+    ids = torch.tensor([tok.encode("Prefill and decode", add_special_tokens=False)])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok))
+    assert torch.isfinite(logits).all()
+
+
+def test_unknown_arch(tmp_path):
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'; choose one of qwen3, llama") as exc:
+        make_tiny_model(tmp_path / "x", arch="gpt2")
+    assert all(arch in str(exc.value) for arch in ARCHS)
+    assert not (tmp_path / "x").exists()  # nothing written before the check
+
+
+def test_llama_arch_loads(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_tiny_model(tmp_path / "llama", arch="llama", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "llama"
+    assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(path))

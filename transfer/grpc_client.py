@@ -1,0 +1,135 @@
+"""D side of the gRPC transport: pulls planned blocks from P into D's cache.
+
+Runs in D's worker process. Each load is one job on a small thread pool, so the
+model runner keeps decoding other requests while KV arrives. A job ends in
+exactly one of `finished` or `failed` (reported once via `take_results`), and
+always tries to release P's lease, whatever happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdcluster.transfer import kv_transfer_pb2 as pb
+from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.grpc_server import GRPC_OPTIONS, layout_of
+from pdcluster.transfer.handle import TransferHandle
+from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.plan import TransferPlan
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    request_id: str  # D's request id
+    handle: TransferHandle
+    plan: TransferPlan  # empty when D already holds everything: only release P's lease
+
+
+@dataclass
+class LoadResults:
+    finished: set[str] = field(default_factory=set)  # loaded, or failed (vLLM wants both here)
+    failed: set[str] = field(default_factory=set)
+
+
+class KvFetcher:
+    def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4):
+        self._engine_id = engine_id
+        self._kv = kv
+        self._timeout_s = timeout_s
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
+        self._lock = threading.Lock()
+        self._results = LoadResults()
+        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
+        self._checked_peers: set[str] = set()
+
+    def submit(self, job: LoadJob) -> None:
+        self._pool.submit(self._run, job)
+
+    def take_results(self) -> LoadResults:
+        with self._lock:
+            out, self._results = self._results, LoadResults()
+            return out
+
+    def _stub(self, address: str) -> pb_grpc.KvTransferStub:
+        if address not in self._stubs:
+            self._stubs[address] = pb_grpc.KvTransferStub(grpc.insecure_channel(address, options=GRPC_OPTIONS))
+        return self._stubs[address]
+
+    def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
+        if handle.address in self._checked_peers:
+            return
+        theirs = stub.GetLayout(pb.LayoutRequest(), timeout=self._timeout_s)
+        mine = layout_of(self._engine_id, self._kv)
+        strip = lambda layout: [(l.name, l.group, list(l.block_shape), l.dtype) for l in layout.layers]  # noqa: E731
+        if strip(theirs) != strip(mine):
+            raise TransferError(f"P {theirs.engine_id} at {handle.address} has a different KV layout than D "
+                                f"{self._engine_id}: different model, dtype or block size")
+        self._checked_peers.add(handle.address)
+
+    def _run(self, job: LoadJob) -> None:
+        ok = False
+        try:
+            stub = self._stub(job.handle.address)
+            if job.plan.num_blocks:
+                self._check_peer(stub, job.handle)
+                self._pull(stub, job)
+            ok = True
+        except Exception as err:  # any failure fails this request, never the engine
+            log.error("KV load of %s from %s failed: %s", job.request_id, job.handle.address, err)
+        finally:
+            self._release(job)
+            # Only requests vLLM parked for this load wait for a result (a
+            # release-only job is for a request that is not waiting).
+            if job.plan.num_blocks:
+                with self._lock:
+                    self._results.finished.add(job.request_id)
+                    if not ok:
+                        self._results.failed.add(job.request_id)
+
+    def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob) -> None:
+        t0 = time.perf_counter()
+        request = pb.ReadBlocksRequest(request_id=job.handle.request_id, groups=[
+            pb.GroupBlocks(group=g.group, block_ids=list(g.remote_block_ids)) for g in job.plan.groups if g.num_blocks
+        ])
+        # Every (layer, block) of the plan must arrive exactly once.
+        expected = {layer.name: job.plan.groups[layer.group].num_blocks
+                    for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
+        received = dict.fromkeys(expected, 0)
+        nbytes = 0
+        for chunk in stub.ReadBlocks(request, timeout=self._timeout_s):
+            if chunk.layer not in expected:
+                raise TransferError(f"P sent layer {chunk.layer!r} that D does not expect")
+            local = job.plan.groups[chunk.group].local_block_ids[chunk.first:chunk.first + chunk.count]
+            if len(local) != chunk.count:
+                raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of group "
+                                    f"{chunk.group}, past the {job.plan.groups[chunk.group].num_blocks} planned")
+            self._kv.write(chunk.layer, local, chunk.data)
+            received[chunk.layer] += chunk.count
+            nbytes += len(chunk.data)
+        if received != expected:
+            short = {k: (received[k], v) for k, v in expected.items() if received[k] != v}
+            raise TransferError(f"incomplete transfer, (received, expected) blocks per layer: {short}")
+        log.info("pulled %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks, nbytes / 1e6,
+                 job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
+
+    def _release(self, job: LoadJob) -> None:
+        try:
+            self._stub(job.handle.address).Release(pb.ReleaseRequest(request_id=job.handle.request_id), timeout=5.0)
+        except grpc.RpcError as err:
+            # P's lease expires on its own; nothing is lost but time.
+            log.warning("could not release %s on %s: %s", job.handle.request_id, job.handle.address, err.code())
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

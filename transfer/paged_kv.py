@@ -1,0 +1,63 @@
+"""Block-level reads and writes of one engine's paged KV cache.
+
+vLLM hands the worker one tensor per attention layer (`register_kv_caches`).
+Backends lay them out differently (CPU: [num_blocks, 2, ...]; flash-attn:
+[2, num_blocks, ...]), so each layer is viewed with its block dimension first:
+`view[b]` is block b of that layer, whatever the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str
+    group: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _block_first(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    # The block dimension is the one of size num_blocks; dim 0 wins a tie
+    # (CPU layout), then dim 1 (flash-attn's leading K/V dimension of size 2).
+    for dim in (0, 1):
+        if t.shape[dim] == num_blocks:
+            return t.movedim(dim, 0)
+    raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV tensor of shape {tuple(t.shape)}")
+
+
+class PagedKv:
+    """The layers of one engine's KV cache, addressed by (layer, block ids)."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_groups: dict[str, int], num_blocks: int):
+        missing = set(kv_caches) - set(layer_groups)
+        assert not missing, f"layers {sorted(missing)} are in no KV-cache group: kv_cache_config out of sync"
+        self._views = {name: _block_first(t, num_blocks) for name, t in kv_caches.items()}
+        self.layers = {
+            name: LayerInfo(name, layer_groups[name], tuple(v.shape[1:]), v.dtype) for name, v in self._views.items()
+        }
+
+    def read(self, layer: str, block_ids: Sequence[int]) -> bytes:
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        # index_select copies, so the bytes stay valid after the blocks are reused.
+        return self._views[layer].index_select(0, idx).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def write(self, layer: str, block_ids: Sequence[int], data: bytes) -> None:
+        info = self.layers[layer]
+        expected = len(block_ids) * info.block_bytes
+        if len(data) != expected:
+            raise ValueError(f"layer {layer}: got {len(data)} bytes for {len(block_ids)} blocks, expected {expected}")
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(info.dtype).view(len(block_ids), *info.block_shape)
+        self._views[layer][torch.tensor(block_ids, dtype=torch.long)] = src
