@@ -1,0 +1,185 @@
+"""`pdc`: the command line.
+
+  pdc model tiny OUT_DIR [--arch qwen3] [--seed N]   write a tiny random-weight model
+  pdc up SPEC.yaml                                   start a cluster, return when healthy
+  pdc status [--name NAME]                           list instances: role, address, health
+  pdc down [--name NAME]                             stop what `pdc up` started
+  pdc demo [SPEC.yaml]                               up, a few requests, down (the README's main job)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("PDC_STATE_DIR", Path.home() / ".pdcluster" / "state"))
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "deploy" / "p1d1-tiny-cpu.yaml"
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"pdc: {msg}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _load(path: str):
+    from pdcluster.cluster.spec import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as err:
+        _fail(str(err))
+
+
+def cmd_model_tiny(a) -> None:
+    from pdcluster.cluster.tiny_model import make_tiny_model
+
+    out = make_tiny_model(a.out_dir, arch=a.arch, seed=a.seed)
+    print(f"wrote tiny {a.arch} model (seed {a.seed}) to {out}")
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+def _connect(address: str | None) -> bool:
+    """Connect to Ray at `address` (or a local one, started if needed). True if we started it."""
+    import ray
+
+    from pdcluster.cluster.launch import NAMESPACE
+
+    started = False
+    if address is None:
+        try:
+            ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+            return False
+        except (ConnectionError, RuntimeError):
+            subprocess.run([_ray_bin(), "start", "--head", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false",
+                            "--disable-usage-stats"], check=True, capture_output=True)
+            started = True
+            address = "auto"
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    return started
+
+
+def cmd_up(a) -> None:
+    from pdcluster.cluster.launch import ClusterStartError, build_cluster, find_actors
+
+    spec = _load(a.spec)
+    started_ray = _connect(spec.ray_address)
+    if find_actors(spec.name):
+        _fail(f"cluster {spec.name!r} is already up (pdc status; pdc down --name {spec.name})")
+    t0 = time.monotonic()
+    try:
+        cluster = build_cluster(spec, detached=True)
+    except ClusterStartError as err:
+        if started_ray:
+            subprocess.run([_ray_bin(), "stop"], capture_output=True)
+        _fail(str(err), code=1)
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (STATE_DIR / f"{spec.name}.json").write_text(json.dumps(
+        {"name": spec.name, "spec": str(Path(a.spec).resolve()), "url": cluster.url, "started_ray": started_ray,
+         "ray_address": spec.ray_address}))
+    print(f"cluster {spec.name!r} up in {time.monotonic() - t0:.0f} s: P{len(cluster.prefill)} D{len(cluster.decode)}")
+    for info in cluster.infos:
+        print(f"  {info.name:<10} {info.role:<8} pid {info.pid:<7} node {info.node_ip}"
+              + (f"  kv {info.kv_address}" if info.kv_address else ""))
+    print(f"endpoint: {cluster.url}/v1  (model {spec.model.served_name!r})")
+
+
+def _states(name: str | None) -> list[dict]:
+    files = [STATE_DIR / f"{name}.json"] if name else sorted(STATE_DIR.glob("*.json"))
+    return [json.loads(f.read_text()) for f in files if f.exists()]
+
+
+def cmd_status(a) -> None:
+    import ray
+
+    from pdcluster.cluster.launch import find_actors
+
+    states = _states(a.name)
+    if not states:
+        print("no cluster started by pdc up" + (f" named {a.name!r}" if a.name else ""))
+        return
+    for st in states:
+        try:
+            if not ray.is_initialized():
+                ray.init(address=st["ray_address"] or "auto", namespace="pdcluster", log_to_driver=False)
+        except (ConnectionError, RuntimeError) as err:
+            print(f"{st['name']}: Ray is not reachable ({err})")
+            continue
+        actors = find_actors(st["name"])
+        print(f"cluster {st['name']!r}  endpoint {st['url']}/v1  ({len(actors)} actors)")
+        for full, handle in sorted(actors.items()):
+            inst = full.split(":", 1)[1]
+            if inst == "router":
+                print(f"  {inst:<10} router   {st['url']}")
+                continue
+            try:
+                info = ray.get(handle.info.remote(), timeout=10)
+                healthy = ray.get(handle.health.remote(), timeout=10)
+                where = f"pid {info.pid} node {info.node_ip}" + (f" kv {info.kv_address}" if info.kv_address else "")
+                print(f"  {inst:<10} {info.role:<8} {'healthy' if healthy else 'UNHEALTHY':<9} {where}")
+            except Exception as err:
+                print(f"  {inst:<10} {'?':<8} DOWN      {type(err).__name__}")
+
+
+def cmd_down(a) -> None:
+    import ray
+
+    from pdcluster.cluster.launch import find_actors
+
+    states = _states(a.name)
+    if not states:
+        _fail("no cluster started by pdc up" + (f" named {a.name!r}" if a.name else ""), code=1)
+    for st in states:
+        try:
+            if not ray.is_initialized():
+                ray.init(address=st["ray_address"] or "auto", namespace="pdcluster", log_to_driver=False)
+            for full, handle in find_actors(st["name"]).items():
+                ray.kill(handle, no_restart=True)
+                print(f"stopped {full}")
+        except (ConnectionError, RuntimeError) as err:
+            print(f"{st['name']}: Ray is not reachable ({err}); nothing to stop")
+        if st["started_ray"]:
+            ray.shutdown()
+            subprocess.run([_ray_bin(), "stop"], capture_output=True)
+            print("stopped the local Ray that pdc up started")
+        (STATE_DIR / f"{st['name']}.json").unlink(missing_ok=True)
+
+
+def cmd_demo(a) -> None:
+    from pdcluster.cluster.demo import run_demo
+
+    run_demo(_load(a.spec))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="pdc", description="prefill/decode disaggregated vLLM clusters on Ray")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="what", required=True)
+    tiny = model.add_parser("tiny", help="write a tiny random-weight checkpoint with a locally trained tokenizer")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(fn=cmd_model_tiny)
+    up = sub.add_parser("up", help="start a cluster from a spec; returns when every instance is healthy")
+    up.add_argument("spec")
+    up.set_defaults(fn=cmd_up)
+    for name, fn, help_ in (("status", cmd_status, "list instances"), ("down", cmd_down, "stop a cluster")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--name", default=None, help="cluster name (default: all started by pdc up)")
+        p.set_defaults(fn=fn)
+    demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
+    demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
+    demo.set_defaults(fn=cmd_demo)
+    a = ap.parse_args(argv)
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The router process: the OpenAI-compatible app served by uvicorn inside a Ray actor.
+
+Living in a (detached) actor lets `pdc up` return while the router keeps
+serving, and gives the router the same actor handles to P and D as any
+other Ray client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.router.backend import ModelCard
+from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+
+
+def model_card(spec: ClusterSpec) -> ModelCard:
+    config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    max_len = min(spec.role_engine("prefill").max_model_len, spec.role_engine("decode").max_model_len)
+    return ModelCard(name=spec.model.served_name, max_model_len=max_len, vocab_size=int(config["vocab_size"]))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise RuntimeError(f"router.port {port} on {host} is not free: {err.strerror}") from None
+
+
+class RouterActor:
+    """Ray actor body (wrapped with ray.remote by the launcher)."""
+
+    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance]):
+        from pdcluster.router.openai_api import build_app
+
+        self.spec = spec
+        self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s)
+        self.app = build_app(self.dispatcher, spec.model.path)
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        """Serve on router.host:port; return the base URL once it accepts connections."""
+        import uvicorn
+
+        r = self.spec.router
+        _check_port_free(r.host, r.port)  # uvicorn would sys.exit() inside this actor instead
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
+                                                     timeout_graceful_shutdown=1))
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():  # e.g. the port is taken
+                exc = self._task.exception()
+                raise RuntimeError(f"router could not serve on {r.host}:{r.port}: {exc or 'server exited'}")
+            await asyncio.sleep(0.05)
+        return f"http://{r.host}:{r.port}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.wait_for(self._task, timeout=10)
