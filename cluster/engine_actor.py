@@ -20,6 +20,7 @@ from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.messages import (
     DecodeDelta,
     DecodeRequest,
+    EngineLoad,
     InstanceInfo,
     PrefillRequest,
     PrefillResult,
@@ -119,9 +120,17 @@ class EngineActor:
 
         args = dict(self.plan.engine_args)
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-        self.started_s = time.time()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        self.started_s = time.time() - self.started_s
+        from pdcluster.cluster.engine_stats import LatestSchedulerStats
+
+        t0 = time.time()
+        self._stats: LatestSchedulerStats | None = None
+
+        def keep_stats(vllm_config, engine_index=0):
+            self._stats = LatestSchedulerStats(vllm_config, engine_index)
+            return self._stats
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[keep_stats])
+        self.started_s = time.time() - t0
 
     def info(self) -> InstanceInfo:
         p = self.plan
@@ -134,6 +143,10 @@ class EngineActor:
 
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address() or host or "",
                             pid=os.getpid(), kv_address=kv_address, engine_id=p.engine_id, started_s=self.started_s)
+
+    def load(self) -> EngineLoad:
+        assert self._stats is not None, "vLLM did not create the stat logger: log_stats off?"
+        return self._stats.load
 
     async def health(self) -> bool:
         await self.llm.check_health()

@@ -86,3 +86,13 @@ class InstanceInfo:
     engine_id: str
     started_s: float
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's scheduler state after its latest step (vLLM SchedulerStats)."""
+
+    kv_cache_usage: float  # fraction of KV blocks held by requests (cached-but-free blocks count as free)
+    running: int
+    waiting: int
+    steps: int  # scheduler steps seen so far

@@ -48,6 +48,8 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None  # accepted and ignored
+    # vLLM's extension: the choice also carries prompt_token_ids and the generated token_ids.
+    return_token_ids: bool | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -137,6 +139,7 @@ class _Job:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -147,6 +150,7 @@ class _Delta:
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
 
 
 class _Detokenizer:
@@ -222,9 +226,9 @@ async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterato
             end = len(text) if finish else max(sent, len(text) - hold)
             delta, sent = text[sent:end], end
             if finish is None:
-                yield _Delta(delta)
+                yield _Delta(delta, token_ids=chunk.new_token_ids)
                 continue
-            final = _Delta(delta, finish, _usage(job, n_out, last))
+            final = _Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids)
             if cut is not None:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
         if final is None:
@@ -276,7 +280,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return _Job(request_id=prefix + uuid.uuid4().hex, chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=tuple(s for s in stops if s), stream=bool(req.stream),
-                    include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage))
+                    include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+                    return_token_ids=bool(req.return_token_ids))
 
     def check_model(req: _CommonRequest) -> None:
         name = backend.model_card().name
@@ -296,6 +301,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                       else {"index": 0, "text": text})
             choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+            if job.return_token_ids:
+                choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
             return JSONResponse(_envelope(job, [choice], last.usage, chunk=False))
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
@@ -400,6 +407,8 @@ async def _sse(job: _Job, first: _Delta, rest: AsyncIterator[_Delta]) -> AsyncIt
         else:
             choice = {"index": 0, "text": delta.text}
         choice |= {"logprobs": None, "finish_reason": delta.finish_reason}
+        if job.return_token_ids:
+            choice["token_ids"] = delta.token_ids
         return _event(_envelope(job, [choice], None, chunk=True))
 
     try:

@@ -1,0 +1,88 @@
+"""Helpers for end-to-end tests on real engines: specs, a reference engine, HTTP calls."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from pdcluster.cluster.spec import ClusterSpec, parse_spec
+
+MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve().parent.parent / ".pdcluster" / "models"))
+
+
+def tiny_model_dir() -> str:
+    """The seed-0 tiny Qwen3, made once per checkout (deterministic, so reuse is safe)."""
+    from pdcluster.cluster.tiny_model import make_tiny_model
+
+    path = MODEL_CACHE / "tiny-qwen3"
+    if not (path / "model.safetensors").exists():
+        make_tiny_model(path, arch="qwen3", seed=0)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) -> ClusterSpec:
+    """A tiny CPU cluster on free ports; `overrides` are merged into the top level."""
+    data = {
+        "name": name,
+        "model": {"path": tiny_model_dir(), "name": "tiny-qwen3"},
+        "engine": {"block_size": 128, "max_model_len": 8192, "max_num_batched_tokens": 8192,
+                   "kv_cache_space_gib": 1, "dtype": "float32"},
+        "prefill": {"instances": prefill, "resources": {"cpu_bind": ["0"] * prefill}},
+        "decode": {"instances": decode, "resources": {"cpu_bind": ["1"] * decode}},
+        "transfer": {"base_port": free_port(), "timeout_s": 20, "lease_s": 60},
+        "router": {"port": free_port(), "request_timeout_s": 60},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return parse_spec(data)
+
+
+class ReferenceEngine:
+    """A single plain vLLM engine (no connector, prefix caching off): the tokens to match."""
+
+    def __init__(self, model: str, bind: str = "0"):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=128,
+            max_model_len=8192, max_num_batched_tokens=8192, dtype="float32", enforce_eager=True))
+
+    async def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+        out = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp,
+                                           request_id=f"ref-{time.monotonic_ns()}"):
+            pass
+        return list(out.outputs[0].token_ids)
+
+
+def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:
+    body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s")

@@ -1,0 +1,199 @@
+"""End to end on real engines: P1D1 (tiny Qwen3, block 128) on Ray, through the router.
+
+One cluster and one reference engine (prefix caching off) serve the whole module.
+The fault tests come last: they kill P, which Ray restarts.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from e2e import ReferenceEngine, cluster_spec_for, complete, tiny_model_dir, wait_until
+from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from pdcluster.transfer.handle import TransferHandle
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = cluster_spec_for("e2e-p1d1")
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    c = build_cluster(spec)
+    yield c
+    teardown(c)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+
+
+def ref_tokens(reference, prompt, max_tokens=16):
+    return ray.get(reference.greedy.remote(prompt, max_tokens))
+
+
+def reset_caches(cluster):
+    """Empty P's and D's prefix caches (retrying while a lease still pins blocks)."""
+    for inst in cluster.instances:
+        wait_until(lambda: ray.get(inst.actor.reset_prefix_cache.remote()), 10, what=f"{inst.name} cache reset")
+
+
+def run(cluster, prompt, max_tokens=16):
+    r = complete(cluster.url, prompt, max_tokens)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["token_ids"], body["usage"]
+
+
+# ---- the seed experiment (../shared/seeds/000): A, B share 1,024 tokens; B' changes token 17 of B
+
+@pytest.fixture(scope="module")
+def seed_prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    doc = tok.encode("Prefix caching saves prefill computation, not memory. " * 200)[:1024]
+    suffix_a = tok.encode(" Question A: briefly describe what the cache does.")[:14]
+    suffix_b = tok.encode(" Question B: what computation can repeated input save?")[:14]
+    assert len(doc) == 1024 and len(suffix_a) == len(suffix_b) == 14
+    a, b = doc + suffix_a, doc + suffix_b
+    b_changed = list(b)
+    b_changed[17] = (b[17] + 1) % len(tok)
+    return a, b, b_changed
+
+
+def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
+    a, b, b_changed = seed_prompts
+    reset_caches(cluster)
+    cold_tokens, cold = run(cluster, b, 3)
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038}
+
+    reset_caches(cluster)
+    run(cluster, a, 3)
+    warm_tokens, warm = run(cluster, b, 3)
+    assert warm["prompt_tokens_details"]["cached_tokens"] == 1024
+    # D got A's KV from P, so it holds the shared 1,024 tokens too and pulls only the tail.
+    assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14}
+
+    reset_caches(cluster)
+    run(cluster, a, 3)
+    changed_tokens, changed = run(cluster, b_changed, 3)
+    assert changed["prompt_tokens_details"]["cached_tokens"] == 0
+    assert changed["pd"]["d_cached_tokens"] == 0
+
+    assert cold_tokens == warm_tokens == ref_tokens(reference, b, 3)
+    assert changed_tokens == ref_tokens(reference, b_changed, 3)
+
+
+def test_random_prompts_match_single_engine(cluster, reference):
+    rng = random.Random(2)
+    lengths = [1, 127, 128, 129, 6000] + [rng.randint(1, 6000) for _ in range(15)]
+    mismatches = []
+    for n in lengths:
+        prompt = [rng.randrange(3, 1000) for _ in range(n)]
+        got, usage = run(cluster, prompt, 16)
+        assert usage["pd"]["d_cached_tokens"] + usage["pd"]["transferred_tokens"] == n
+        want = ref_tokens(reference, prompt, 16)
+        if got != want:
+            mismatches.append((n, got, want))
+    assert not mismatches, mismatches
+
+
+def test_repeat_fetches_no_prefix_blocks(cluster):
+    prompt = [random.Random(3).randrange(3, 1000) for _ in range(1000)]
+    first_tokens, first = run(cluster, prompt)
+    second_tokens, second = run(cluster, prompt)
+    assert first["pd"]["transferred_tokens"] == 1000 - first["pd"]["d_cached_tokens"]
+    # The second time D holds every full block (896 tokens) and pulls only the partial tail block.
+    assert second["pd"] == {"p_cached_tokens": 896, "d_cached_tokens": 896, "transferred_tokens": 104}
+    assert second_tokens == first_tokens
+
+
+def test_openai_client_streaming_and_not(cluster):
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none")
+    full = client.completions.create(model="tiny-qwen3", prompt="The prefill instance computes", max_tokens=8,
+                                     temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-qwen3", prompt="The prefill instance computes", max_tokens=8, temperature=0, stream=True)
+        if c.choices)
+    assert full.choices[0].text == streamed and full.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model="tiny-qwen3", max_tokens=5, temperature=0,
+                                          messages=[{"role": "user", "content": "hello"}])
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 5
+
+
+def test_bad_requests_are_4xx(cluster):
+    too_long = complete(cluster.url, [5] * 8190, max_tokens=16)
+    assert too_long.status_code == 400 and "maximum context length is 8192" in too_long.text
+    bad_id = complete(cluster.url, [5, 10**6])
+    assert bad_id.status_code == 400 and "1000000" in bad_id.text
+    assert httpx.post(f"{cluster.url}/v1/completions", content=b"{nope", timeout=10).status_code == 400
+    assert httpx.post(f"{cluster.url}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10).status_code == 404
+
+
+def test_no_kv_block_leaks_after_requests(cluster):
+    # P frees a request's blocks when D releases its lease; D frees at finish.
+    for inst in cluster.instances:
+        wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, 10,
+                   what=f"{inst.name} KV usage back to 0")
+
+
+# ---- faults (last: they restart P)
+
+def test_broken_transfer_errors_and_d_frees_blocks(cluster):
+    p, d = cluster.prefill[0].actor, cluster.decode[0].actor
+    prompt = list(range(3, 1003))
+    sampling = SamplingSpec(max_tokens=4, temperature=0, ignore_eos=True)
+    pre = ray.get(p.prefill.remote(PrefillRequest("broken-1", prompt, sampling)))
+    handle = TransferHandle.from_params(pre.handle)
+    # D is sent to a port where nothing listens: the pull fails.
+    broken = TransferHandle(handle.engine_id, f"127.0.0.1:{_closed_port()}", handle.request_id,
+                            handle.block_ids, handle.num_tokens)
+    t0 = time.monotonic()
+    deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
+        DecodeRequest("broken-1", prompt, sampling, broken.to_params()))]
+    assert deltas[-1].finish_reason == "error"
+    assert time.monotonic() - t0 < cluster.spec.transfer.timeout_s
+    wait_until(lambda: ray.get(d.load.remote()).kv_cache_usage == 0.0, 10, what="D frees the failed request's blocks")
+    # P's lease was never released by D: it expires (60 s); the next request is served meanwhile.
+    tokens, usage = run(cluster, list(range(3, 503)))
+    assert len(tokens) == 16
+
+
+def test_killed_prefill_errors_then_recovers(cluster):
+    prompt = [random.Random(4).randrange(3, 1000) for _ in range(6000)]
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", complete(cluster.url, prompt)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)  # P is prefilling
+    ray.kill(cluster.prefill[0].actor, no_restart=False)
+    t.join(timeout=cluster.spec.router.request_timeout_s + 5)
+    r = result["r"]
+    assert r.status_code == 503 and "prefill-0" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < cluster.spec.router.request_timeout_s
+    # Ray restarts P (a fresh engine); the router reports healthy again, then serves.
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,
+               interval=2, what="cluster healthy after P restart")
+    tokens, usage = run(cluster, prompt[:500])
+    assert len(tokens) == 16 and usage["pd"]["p_cached_tokens"] == 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
