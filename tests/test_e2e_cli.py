@@ -1,0 +1,40 @@
+"""`pdc up` / `pdc status` / `pdc down` as a user runs them: separate processes, a detached cluster."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from e2e import cluster_spec_for
+from test_cli import pdc
+
+pytestmark = pytest.mark.e2e
+
+
+def test_up_status_serve_down(tmp_path):
+    spec = cluster_spec_for("e2e-cli")
+    spec_file = tmp_path / "cluster.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    url = f"http://{spec.router.host}:{spec.router.port}"
+    up = pdc("up", str(spec_file), env_state=tmp_path, timeout=600)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"endpoint: {url}/v1" in up.stdout and "P1 D1" in up.stdout
+
+        status = pdc("status", env_state=tmp_path)
+        assert status.returncode == 0, status.stderr[-3000:]
+        lines = status.stdout.splitlines()
+        assert any("prefill-0" in l and "healthy" in l and "kv 127.0.0.1:" in l for l in lines), status.stdout
+        assert any("decode-0" in l and "healthy" in l for l in lines), status.stdout
+
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        down = pdc("down", env_state=tmp_path, timeout=120)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert "stopped e2e-cli:prefill-0" in down.stdout and "stopped e2e-cli:router" in down.stdout
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=5)
+    assert "no cluster started by pdc up" in pdc("status", env_state=tmp_path).stdout
