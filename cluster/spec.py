@@ -93,7 +93,9 @@ class TransferSpec(_Strict):
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
     lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
     timeout_s: float = Field(30.0, gt=0, description="D gives up fetching a request's KV after this long")
-    chunk_bytes: int = Field(4 << 20, ge=4096, description="gRPC message payload size")
+    # 1 MiB measured best on loopback (bench/grpc_bandwidth.py): P copies the next
+    # chunk while D writes the last one.
+    chunk_bytes: int = Field(1 << 20, ge=4096, description="gRPC message payload size")
     on_failure: Literal["error", "recompute"] = Field(
         "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
 

@@ -59,7 +59,7 @@ class ConnectorSettings:
     advertise_host: str | None = None  # address D should dial; default: host
     lease_s: float = 60.0
     timeout_s: float = 30.0
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -51,7 +51,8 @@ class KvFetcher:
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
         self._lock = threading.Lock()
         self._results = LoadResults()
-        self._stubs: dict[str, pb_grpc.KvTransferStub] = {}
+        # address -> (channel, stub); filled from pool threads, hence the lock.
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
         self._checked_peers: set[str] = set()
 
     def submit(self, job: LoadJob) -> None:
@@ -63,9 +64,11 @@ class KvFetcher:
             return out
 
     def _stub(self, address: str) -> pb_grpc.KvTransferStub:
-        if address not in self._stubs:
-            self._stubs[address] = pb_grpc.KvTransferStub(grpc.insecure_channel(address, options=GRPC_OPTIONS))
-        return self._stubs[address]
+        with self._lock:
+            if address not in self._stubs:
+                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                self._stubs[address] = (channel, pb_grpc.KvTransferStub(channel))
+            return self._stubs[address][1]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
         if handle.address in self._checked_peers:
@@ -106,7 +109,7 @@ class KvFetcher:
         # Every (layer, block) of the plan must arrive exactly once.
         expected = {layer.name: job.plan.groups[layer.group].num_blocks
                     for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
-        received = dict.fromkeys(expected, 0)
+        received: dict[str, set[int]] = {name: set() for name in expected}
         nbytes = 0
         for chunk in stub.ReadBlocks(request, timeout=self._timeout_s):
             if chunk.layer not in expected:
@@ -115,11 +118,14 @@ class KvFetcher:
             if len(local) != chunk.count:
                 raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of group "
                                     f"{chunk.group}, past the {job.plan.groups[chunk.group].num_blocks} planned")
+            indices = set(range(chunk.first, chunk.first + chunk.count))
+            if indices & received[chunk.layer]:
+                raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of {chunk.layer} twice")
             self._kv.write(chunk.layer, local, chunk.data)
-            received[chunk.layer] += chunk.count
+            received[chunk.layer] |= indices
             nbytes += len(chunk.data)
-        if received != expected:
-            short = {k: (received[k], v) for k, v in expected.items() if received[k] != v}
+        if any(len(received[k]) != v for k, v in expected.items()):
+            short = {k: (len(received[k]), v) for k, v in expected.items() if len(received[k]) != v}
             raise TransferError(f"incomplete transfer, (received, expected) blocks per layer: {short}")
         log.info("pulled %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks, nbytes / 1e6,
                  job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
@@ -133,3 +139,7 @@ class KvFetcher:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()

@@ -39,7 +39,7 @@ def chunk_runs(num_blocks: int, block_bytes: int, chunk_bytes: int) -> list[tupl
 
 
 class KvTransferService(pb_grpc.KvTransferServicer):
-    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, chunk_bytes: int, lease_wait_s: float = 10.0):
+    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, chunk_bytes: int, lease_wait_s: float):
         self._engine_id = engine_id
         self._kv = kv
         self._leases = leases
@@ -76,10 +76,12 @@ class KvTransferService(pb_grpc.KvTransferServicer):
 class KvServer:
     """A gRPC server bound to host:port, serving one engine's leased blocks."""
 
-    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, host: str, port: int, chunk_bytes: int):
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdc-kv-server"),
+    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, host: str, port: int, chunk_bytes: int,
+                 lease_wait_s: float = 5.0):
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
-        pb_grpc.add_KvTransferServicer_to_server(KvTransferService(engine_id, kv, leases, chunk_bytes), self._server)
+        service = KvTransferService(engine_id, kv, leases, chunk_bytes, lease_wait_s)
+        pb_grpc.add_KvTransferServicer_to_server(service, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"KV server of {engine_id} cannot bind {host}:{port} (port in use?)")

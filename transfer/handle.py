@@ -45,6 +45,9 @@ class TransferHandle:
         if not params or HANDLE_KEY not in params:
             return None
         d = params[HANDLE_KEY]
+        if not isinstance(d, dict) or not isinstance(d.get("block_ids"), list) or not all(
+                isinstance(g, list) for g in d["block_ids"]):
+            raise HandleError(f"malformed transfer handle {d!r}: block_ids must be a list of lists")
         try:
             return cls(
                 engine_id=str(d["engine_id"]), address=str(d["address"]), request_id=str(d["request_id"]),

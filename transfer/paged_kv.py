@@ -8,6 +8,7 @@ Backends lay them out differently (CPU: [num_blocks, 2, ...]; flash-attn:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,5 +60,9 @@ class PagedKv:
         expected = len(block_ids) * info.block_bytes
         if len(data) != expected:
             raise ValueError(f"layer {layer}: got {len(data)} bytes for {len(block_ids)} blocks, expected {expected}")
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(info.dtype).view(len(block_ids), *info.block_shape)
+        with warnings.catch_warnings():
+            # `data` is read-only and only read from: the copy into the cache is the one copy.
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        src = src.view(info.dtype).view(len(block_ids), *info.block_shape)
         self._views[layer][torch.tensor(block_ids, dtype=torch.long)] = src

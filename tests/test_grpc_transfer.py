@@ -1,0 +1,401 @@
+"""P -> D block transfer over real gRPC on 127.0.0.1, with real torch KV tensors.
+
+P: KvServer over source tensors + a LeaseTable. D: KvFetcher over zeroed
+destination tensors. No vLLM, no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from pdcluster.transfer import kv_transfer_pb2 as pb
+from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults, TransferError
+from pdcluster.transfer.grpc_server import KvServer, chunk_runs
+from pdcluster.transfer.handle import TransferHandle
+from pdcluster.transfer.leases import LeaseTable
+from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.plan import GroupPlan, TransferPlan
+
+P_BLOCKS = 12  # P's and D's caches differ in size; only the block layout must match
+D_BLOCKS = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+GROUPS = dict.fromkeys(LAYERS, 0)
+LEASE_WAIT_S = 0.3  # P's wait for a lease that has not arrived (10 s in production)
+TIMEOUT_S = 2.0  # D's per-RPC timeout
+BLOCK_SIZE = 16
+
+
+# ---------------------------------------------------------------- layouts and tensors
+
+
+def cpu_shape(num_blocks, block_shape=(2, 16, 32)):  # vLLM CPU backend: block dim first
+    return (num_blocks, *block_shape)
+
+
+def flash_shape(num_blocks):  # flash-attn: [2 (K/V), num_blocks, ...]
+    return (2, num_blocks, 8, 4)
+
+
+LAYOUTS = {"cpu": (cpu_shape, 0), "flash": (flash_shape, 1)}  # shape fn, block dim
+
+
+def source_caches(shape, seed=0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """One tensor per layer, all values distinct (and non-zero) across layers."""
+    numel = torch.Size(shape).numel()
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randperm(numel * len(LAYERS), generator=g) + 1).to(dtype)
+    return {name: values[i * numel:(i + 1) * numel].view(shape).clone() for i, name in enumerate(LAYERS)}
+
+
+def zero_caches(shape, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=dtype) for name in LAYERS}
+
+
+def block(t: torch.Tensor, block_dim: int, b: int) -> torch.Tensor:
+    return t.select(block_dim, b)
+
+
+def assert_zero_except(caches, block_dim, num_blocks, written=()):
+    for name, t in caches.items():
+        for b in set(range(num_blocks)) - set(written):
+            assert not block(t, block_dim, b).any(), f"{name}: block {b} was written"
+
+
+# ---------------------------------------------------------------- factories
+
+
+def make_plan(remote, local, d_cached_tokens=0) -> TransferPlan:
+    return TransferPlan((GroupPlan(0, "full_attention", tuple(remote), tuple(local)),),
+                        d_cached_tokens=d_cached_tokens, transferred_tokens=len(remote) * BLOCK_SIZE)
+
+
+def make_handle(address, request_id="r1", block_ids=(2, 5, 7, 9)) -> TransferHandle:
+    return TransferHandle(engine_id="p0", address=address, request_id=request_id, block_ids=(tuple(block_ids),),
+                          num_tokens=len(block_ids) * BLOCK_SIZE)
+
+
+def make_job(address, remote, local, request_id="r1", d_request_id=None, lease_blocks=(2, 5, 7, 9)) -> LoadJob:
+    return LoadJob(d_request_id or f"d-{request_id}", make_handle(address, request_id, lease_blocks),
+                   make_plan(remote, local))
+
+
+def wait_results(fetcher: KvFetcher, ids, timeout=TIMEOUT_S + 1.0) -> LoadResults:
+    """Accumulate take_results() until all of ids finished, or the deadline."""
+    acc = LoadResults()
+    deadline = time.monotonic() + timeout
+    while True:
+        r = fetcher.take_results()
+        acc.finished |= r.finished
+        acc.failed |= r.failed
+        if set(ids) <= acc.finished or time.monotonic() > deadline:
+            return acc
+        time.sleep(0.005)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@dataclass
+class P:
+    caches: dict[str, torch.Tensor]
+    kv: PagedKv
+    leases: LeaseTable
+    server: KvServer
+    block_dim: int
+
+
+@dataclass
+class D:
+    caches: dict[str, torch.Tensor]
+    kv: PagedKv
+    fetcher: KvFetcher
+    block_dim: int
+
+
+@pytest.fixture
+def make_p():
+    servers = []
+
+    def make(layout="cpu", chunk_bytes=1 << 20) -> P:
+        shape_fn, block_dim = LAYOUTS[layout]
+        caches = source_caches(shape_fn(P_BLOCKS))
+        kv = PagedKv(caches, GROUPS, P_BLOCKS)
+        leases = LeaseTable()
+        server = KvServer("p0", kv, leases, "127.0.0.1", 0, chunk_bytes, lease_wait_s=LEASE_WAIT_S)
+        servers.append(server)
+        return P(caches, kv, leases, server, block_dim)
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def make_d():
+    fetchers = []
+
+    def make(layout="cpu", caches=None, timeout_s=TIMEOUT_S, max_workers=4) -> D:
+        shape_fn, block_dim = LAYOUTS[layout]
+        caches = caches if caches is not None else zero_caches(shape_fn(D_BLOCKS))
+        kv = PagedKv(caches, GROUPS, D_BLOCKS)
+        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers)
+        fetchers.append(fetcher)
+        return D(caches, kv, fetcher, block_dim)
+
+    yield make
+    for f in fetchers:
+        f.stop()
+
+
+@pytest.fixture
+def stub_to():
+    channels = []
+
+    def make(address) -> pb_grpc.KvTransferStub:
+        ch = grpc.insecure_channel(address)
+        channels.append(ch)
+        return pb_grpc.KvTransferStub(ch)
+
+    yield make
+    for ch in channels:
+        ch.close()
+
+
+# ---------------------------------------------------------------- PagedKv
+
+
+def test_paged_kv_cpu_layout_block_dim_first():
+    caches = source_caches(cpu_shape(P_BLOCKS))
+    kv = PagedKv(caches, GROUPS, P_BLOCKS)
+    info = kv.layers[LAYERS[1]]
+    assert (info.name, info.group, info.block_shape, info.dtype) == (LAYERS[1], 0, (2, 16, 32), torch.float32)
+    assert info.block_bytes == 2 * 16 * 32 * 4
+    data = kv.read(LAYERS[1], [7, 2])
+    assert data == torch.stack([caches[LAYERS[1]][7], caches[LAYERS[1]][2]]).numpy().tobytes()
+
+
+def test_paged_kv_flash_layout_finds_block_dim_1():
+    caches = source_caches(flash_shape(P_BLOCKS))
+    kv = PagedKv(caches, GROUPS, P_BLOCKS)
+    assert kv.layers[LAYERS[0]].block_shape == (2, 8, 4)
+    assert kv.layers[LAYERS[0]].block_bytes == 2 * 8 * 4 * 4
+    t = caches[LAYERS[0]]
+    assert kv.read(LAYERS[0], [3]) == t[:, 3].contiguous().numpy().tobytes()
+
+    # Writes land in the caller's tensor (the view shares its storage).
+    dst = zero_caches(flash_shape(P_BLOCKS))
+    PagedKv(dst, GROUPS, P_BLOCKS).write(LAYERS[0], [10, 4], kv.read(LAYERS[0], [3, 5]))
+    assert torch.equal(dst[LAYERS[0]][:, 10], t[:, 3])
+    assert torch.equal(dst[LAYERS[0]][:, 4], t[:, 5])
+    assert_zero_except({LAYERS[0]: dst[LAYERS[0]]}, 1, P_BLOCKS, written=(10, 4))
+    assert not dst[LAYERS[1]].any()
+
+
+def test_paged_kv_no_block_dim_raises():
+    caches = {LAYERS[0]: torch.zeros(2, 3, 8, 4)}
+    with pytest.raises(ValueError, match=r"no dimension of size num_blocks=12 in KV tensor of shape \(2, 3, 8, 4\)"):
+        PagedKv(caches, GROUPS, P_BLOCKS)
+
+
+def test_paged_kv_write_wrong_size_raises():
+    kv = PagedKv(zero_caches(cpu_shape(P_BLOCKS)), GROUPS, P_BLOCKS)
+    with pytest.raises(ValueError, match="expected 8192"):
+        kv.write(LAYERS[0], [1, 2], b"\0" * 4096)
+
+
+def test_paged_kv_layer_without_group_asserts():
+    with pytest.raises(AssertionError, match="in no KV-cache group"):
+        PagedKv(zero_caches(cpu_shape(P_BLOCKS)), {LAYERS[0]: 0}, P_BLOCKS)
+
+
+# ---------------------------------------------------------------- chunk_runs
+
+
+@pytest.mark.parametrize("num_blocks, block_bytes, chunk_bytes, runs", [
+    (5, 4096, 2 * 4096 + 1, [(0, 2), (2, 2), (4, 1)]),
+    (4, 4096, 2 * 4096, [(0, 2), (2, 2)]),
+    (3, 4096, 100, [(0, 1), (1, 1), (2, 1)]),  # smaller than a block: still one block per run
+    (4, 10, 1000, [(0, 4)]),
+    (0, 4096, 4096, []),
+])
+def test_chunk_runs(num_blocks, block_bytes, chunk_bytes, runs):
+    assert chunk_runs(num_blocks, block_bytes, chunk_bytes) == runs
+
+
+# ---------------------------------------------------------------- pulls
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_pull_copies_planned_blocks_exactly(make_p, make_d, layout):
+    p, d = make_p(layout), make_d(layout)
+    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    remote, local = (5, 2, 9), (0, 15, 4)
+    d.fetcher.submit(make_job(p.server.address, remote, local))
+
+    r = wait_results(d.fetcher, {"d-r1"})
+    assert r.finished == {"d-r1"} and r.failed == set()
+    for name in LAYERS:
+        for rb, lb in zip(remote, local):
+            assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, rb)), \
+                f"{name}: D block {lb} != P block {rb}"
+    assert_zero_except(d.caches, d.block_dim, D_BLOCKS, written=local)
+    # The source is untouched, and the lease was released once the pull was done.
+    assert torch.equal(p.caches[LAYERS[0]], source_caches(LAYOUTS[layout][0](P_BLOCKS))[LAYERS[0]])
+    assert p.leases.take_finished() == {"r1"}
+    assert d.fetcher.take_results() == LoadResults()  # reported once
+
+
+def test_pull_in_many_chunks_is_exact(make_p, make_d, monkeypatch):
+    block_bytes = 2 * 16 * 32 * 4
+    p, d = make_p("cpu", chunk_bytes=2 * block_bytes + 1), make_d("cpu")
+    p.leases.add("r1", ((1, 3, 4, 6, 8, 11),), lease_s=60)
+    writes = []
+    real_write = d.kv.write
+    monkeypatch.setattr(d.kv, "write", lambda layer, ids, data: (writes.append((layer, list(ids))),
+                                                                  real_write(layer, ids, data)))
+    remote, local = (11, 1, 8, 3, 6), (2, 3, 4, 5, 6)
+    d.fetcher.submit(make_job(p.server.address, remote, local, lease_blocks=(1, 3, 4, 6, 8, 11)))
+
+    r = wait_results(d.fetcher, {"d-r1"})
+    assert r.finished == {"d-r1"} and r.failed == set()
+    # 5 blocks in runs of at most 2, per layer.
+    assert sorted(writes) == sorted((name, ids) for name in LAYERS for ids in ([2, 3], [4, 5], [6]))
+    for name in LAYERS:
+        for rb, lb in zip(remote, local):
+            assert torch.equal(d.caches[name][lb], p.caches[name][rb])
+    assert_zero_except(d.caches, 0, D_BLOCKS, written=local)
+    assert p.leases.take_finished() == {"r1"}
+
+
+def test_read_blocks_stream_chunks(make_p, stub_to):
+    block_bytes = 2 * 16 * 32 * 4
+    p = make_p("cpu", chunk_bytes=2 * block_bytes)
+    p.leases.add("r1", ((0, 1, 2, 3, 4),), lease_s=60)
+    chunks = list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
+        request_id="r1", groups=[pb.GroupBlocks(group=0, block_ids=[4, 0, 3])]), timeout=TIMEOUT_S))
+    assert [(c.layer, c.group, c.first, c.count) for c in chunks] == [
+        (LAYERS[0], 0, 0, 2), (LAYERS[0], 0, 2, 1), (LAYERS[1], 0, 0, 2), (LAYERS[1], 0, 2, 1)]
+    assert chunks[2].data == torch.stack([p.caches[LAYERS[1]][4], p.caches[LAYERS[1]][0]]).numpy().tobytes()
+    # A read pins and unpins: the lease stays live until released.
+    assert p.leases.take_finished() == set()
+
+
+def test_pull_without_lease_fails_and_writes_nothing(make_p, make_d):
+    p, d = make_p(), make_d()
+    t0 = time.monotonic()
+    d.fetcher.submit(make_job(p.server.address, (2, 5), (0, 1), request_id="ghost"))
+
+    r = wait_results(d.fetcher, {"d-ghost"}, timeout=LEASE_WAIT_S + 1.5)
+    assert r.finished == {"d-ghost"} and r.failed == {"d-ghost"}
+    assert time.monotonic() - t0 < LEASE_WAIT_S + 1.5
+    assert_zero_except(d.caches, 0, D_BLOCKS)
+    assert p.leases.take_finished() == set() and len(p.leases) == 0
+
+
+def test_pull_from_dead_address_fails_within_timeout(make_d):
+    d = make_d(timeout_s=1.0)
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    d.fetcher.submit(make_job(address, (2, 5), (0, 1)))
+
+    r = wait_results(d.fetcher, {"d-r1"}, timeout=3.0)
+    assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
+    assert time.monotonic() - t0 < 3.0
+    assert_zero_except(d.caches, 0, D_BLOCKS)
+
+
+@pytest.mark.parametrize("plan", [
+    TransferPlan((), d_cached_tokens=64, transferred_tokens=0),  # what the connector builds
+    TransferPlan((GroupPlan(0, "full_attention", (), ()),), d_cached_tokens=64, transferred_tokens=0),
+])
+def test_job_without_blocks_only_releases(make_p, make_d, plan):
+    p = make_p()
+    d = make_d(max_workers=1)  # jobs run in order: the second one's result means the first is done
+    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    p.leases.add("r2", ((1, 3),), lease_s=60)
+    d.fetcher.submit(LoadJob("d-r1", make_handle(p.server.address), plan))
+    d.fetcher.submit(make_job(p.server.address, (3,), (8,), request_id="r2", lease_blocks=(1, 3)))
+
+    r = wait_results(d.fetcher, {"d-r2"})
+    assert r.finished == {"d-r2"} and r.failed == set()  # nothing reported for d-r1
+    assert p.leases.take_finished() == {"r1", "r2"}
+    assert_zero_except(d.caches, 0, D_BLOCKS, written=(8,))
+
+
+@pytest.mark.parametrize("d_shape, d_dtype", [
+    (cpu_shape(D_BLOCKS, (2, 16, 16)), torch.float32),  # different block shape
+    (cpu_shape(D_BLOCKS), torch.float16),  # different dtype
+])
+def test_layout_mismatch_fails(make_p, make_d, stub_to, caplog, d_shape, d_dtype):
+    p = make_p()
+    d = make_d(caches=zero_caches(d_shape, d_dtype))
+    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    handle = make_handle(p.server.address)
+
+    with pytest.raises(TransferError, match="different KV layout"):
+        d.fetcher._check_peer(stub_to(p.server.address), handle)
+
+    with caplog.at_level(logging.ERROR, logger="pdcluster.transfer.grpc_client"):
+        d.fetcher.submit(LoadJob("d-r1", handle, make_plan((2, 5), (0, 1))))
+        r = wait_results(d.fetcher, {"d-r1"})
+    assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
+    assert any("d-r1" in m and "different KV layout" in m for m in caplog.messages)
+    assert_zero_except(d.caches, 0, D_BLOCKS)
+    assert p.leases.take_finished() == {"r1"}  # released even though nothing was read
+
+
+# ---------------------------------------------------------------- the service, through the stub
+
+
+@pytest.mark.parametrize("groups", [
+    [pb.GroupBlocks(group=0, block_ids=[2, 3])],  # block 3 is not leased
+    [pb.GroupBlocks(group=1, block_ids=[2])],  # no group 1 in the lease
+])
+def test_read_outside_lease_is_refused(make_p, stub_to, groups):
+    p = make_p()
+    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(request_id="r1", groups=groups),
+                                                  timeout=TIMEOUT_S))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "outside its lease" in err.value.details()
+    # The refused read unpinned the lease: once released, it is reported.
+    p.leases.release("r1")
+    assert p.leases.take_finished() == {"r1"}
+
+
+def test_read_unknown_request_is_not_found(make_p, stub_to):
+    p = make_p()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
+            request_id="nobody", groups=[pb.GroupBlocks(group=0, block_ids=[0])]), timeout=TIMEOUT_S))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no lease for nobody" in err.value.details()
+
+
+def test_get_layout_and_release(make_p, stub_to):
+    p = make_p()
+    stub = stub_to(p.server.address)
+    layout = stub.GetLayout(pb.LayoutRequest(), timeout=TIMEOUT_S)
+    assert layout.engine_id == "p0"
+    assert [(l.name, l.group, list(l.block_shape), l.dtype) for l in layout.layers] == [
+        (name, 0, [2, 16, 32], "float32") for name in LAYERS]
+
+    p.leases.add("r1", ((2,),), lease_s=60)
+    assert stub.Release(pb.ReleaseRequest(request_id="r1"), timeout=TIMEOUT_S).known is True
+    assert stub.Release(pb.ReleaseRequest(request_id="r1"), timeout=TIMEOUT_S).known is False
+    assert p.leases.take_finished() == {"r1"}
