@@ -22,36 +22,8 @@ from pathlib import Path
 COLUMNS = ("p_prefill_ms", "d_ttft_ms", "pd_ttft_ms", "single_ttft_ms")
 
 
-class _Reference:
-    """A plain engine: no connector, prefix caching off."""
-
-    def __init__(self, model: str, bind: str, max_len: int):
-        import os
-
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=128,
-            max_model_len=max_len, max_num_batched_tokens=max_len, dtype="float32", enforce_eager=True))
-
-    async def ttft(self, prompt: list[int]) -> float:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        t0 = time.perf_counter()
-        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=prompt),
-                                         SamplingParams(max_tokens=1, detokenize=False),
-                                         request_id=f"ref-{time.monotonic_ns()}"):
-            pass
-        return time.perf_counter() - t0
-
-
 def measure(cluster, reference, prompt: list[int], rid: str) -> dict:
     import ray
-
     from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 
     p, d = cluster.prefill[0].actor, cluster.decode[0].actor
@@ -82,8 +54,8 @@ def main() -> None:
     max_len = max(sizes) + 128
 
     import ray
-
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.reference_engine import ReferenceEngine
     from pdcluster.cluster.spec import parse_spec
 
     model = a.model or ".pdcluster/models/tiny-qwen3"
@@ -95,7 +67,7 @@ def main() -> None:
     }, base_dir=Path.cwd())
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     cluster = build_cluster(spec)
-    reference = ray.remote(num_cpus=0)(_Reference).remote(spec.model.path, "0", max_len)
+    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(spec.model.path, "0", max_len)
     try:
         rng = random.Random(12345)
         warm = [rng.randrange(3, 1000) for _ in range(1000)]

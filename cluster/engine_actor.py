@@ -188,6 +188,7 @@ class EngineActor:
                     transferred_tokens=report.get("transferred_tokens", 0),
                     blocks_per_group=tuple(report.get("blocks_per_group", ())),
                     bytes_per_group=tuple(report.get("bytes_per_group", ())),
+                    error=report.get("error"),
                 )
             yield DecodeDelta(new_token_ids=list(completion.token_ids),
                               finish_reason=completion.finish_reason if out.finished else None,

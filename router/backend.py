@@ -30,6 +30,7 @@ class GenerationChunk:
     p_cached_tokens: int = 0  # prompt tokens P's prefix cache held
     d_cached_tokens: int = 0  # prompt tokens D's prefix cache held
     transferred_tokens: int = 0  # prompt tokens whose KV moved P -> D
+    transfer_error: str | None = None  # the pull failed and D recomputed (on_failure: recompute)
 
 
 class BackendError(Exception):

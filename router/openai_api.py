@@ -78,6 +78,7 @@ class PdUsage(BaseModel):
     p_cached_tokens: int
     d_cached_tokens: int
     transferred_tokens: int
+    transfer_error: str | None = None  # set when the KV pull failed and D recomputed the prompt
 
 
 class Usage(BaseModel):
@@ -187,7 +188,7 @@ def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> U
                  total_tokens=len(job.prompt_ids) + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=last.p_cached_tokens),
                  pd=PdUsage(p_cached_tokens=last.p_cached_tokens, d_cached_tokens=last.d_cached_tokens,
-                            transferred_tokens=last.transferred_tokens))
+                            transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error))
 
 
 async def _close(it: Any) -> None:

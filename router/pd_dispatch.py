@@ -75,6 +75,9 @@ class PDDispatcher(TokenBackend):
         except _ACTOR_ERRORS as err:
             raise BackendError(f"prefill instance {p.name} is unavailable: {type(err).__name__}", 503,
                                "service_unavailable") from None
+        except asyncio.CancelledError:  # client went away mid-prefill: abort it on P too
+            ray.cancel(ref)
+            raise
 
     async def _next_delta(self, d: Instance, stream, deadline: float) -> DecodeDelta | None:
         try:
@@ -101,6 +104,7 @@ class PDDispatcher(TokenBackend):
             p_cached_tokens=pre.p_cached_tokens,
             d_cached_tokens=t.d_cached_tokens if t else 0,
             transferred_tokens=t.transferred_tokens if t else 0,
+            transfer_error=t.error if t else None,
         )
 
     async def health(self) -> dict[str, bool]:

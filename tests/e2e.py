@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from pdcluster.cluster.spec import ClusterSpec, parse_spec
 
 MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve().parent.parent / ".pdcluster" / "models"))
@@ -45,31 +44,6 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return parse_spec(data)
-
-
-class ReferenceEngine:
-    """A single plain vLLM engine (no connector, prefix caching off): the tokens to match."""
-
-    def __init__(self, model: str, bind: str = "0"):
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=128,
-            max_model_len=8192, max_num_batched_tokens=8192, dtype="float32", enforce_eager=True))
-
-    async def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
-        out = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp,
-                                           request_id=f"ref-{time.monotonic_ns()}"):
-            pass
-        return list(out.outputs[0].token_ids)
 
 
 def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:

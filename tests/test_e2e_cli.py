@@ -38,3 +38,13 @@ def test_up_status_serve_down(tmp_path):
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=5)
     assert "no cluster started by pdc up" in pdc("status", env_state=tmp_path).stdout
+
+
+def test_up_reports_the_failing_instance(tmp_path):
+    spec = cluster_spec_for("e2e-cli-bad", engine={"extra": {"bogus_engine_arg": 1}})
+    spec_file = tmp_path / "cluster.yaml"
+    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    up = pdc("up", str(spec_file), env_state=tmp_path, timeout=300)
+    assert up.returncode == 1
+    assert "instance prefill-0 failed to start" in up.stderr and "bogus_engine_arg" in up.stderr, up.stderr[-2000:]
+    assert not list(tmp_path.glob("*.json"))

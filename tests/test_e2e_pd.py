@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 import ray
-
-from e2e import ReferenceEngine, cluster_spec_for, complete, tiny_model_dir, wait_until
+from e2e import cluster_spec_for, complete, tiny_model_dir, wait_until
 from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.transfer.handle import TransferHandle
 
 pytestmark = pytest.mark.e2e
@@ -78,14 +78,16 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     reset_caches(cluster)
     cold_tokens, cold = run(cluster, b, 3)
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0
-    assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038}
+    assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038,
+                          "transfer_error": None}
 
     reset_caches(cluster)
     run(cluster, a, 3)
     warm_tokens, warm = run(cluster, b, 3)
     assert warm["prompt_tokens_details"]["cached_tokens"] == 1024
     # D got A's KV from P, so it holds the shared 1,024 tokens too and pulls only the tail.
-    assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14}
+    assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14,
+                          "transfer_error": None}
 
     reset_caches(cluster)
     run(cluster, a, 3)
@@ -117,7 +119,8 @@ def test_repeat_fetches_no_prefix_blocks(cluster):
     second_tokens, second = run(cluster, prompt)
     assert first["pd"]["transferred_tokens"] == 1000 - first["pd"]["d_cached_tokens"]
     # The second time D holds every full block (896 tokens) and pulls only the partial tail block.
-    assert second["pd"] == {"p_cached_tokens": 896, "d_cached_tokens": 896, "transferred_tokens": 104}
+    assert second["pd"] == {"p_cached_tokens": 896, "d_cached_tokens": 896, "transferred_tokens": 104,
+                          "transfer_error": None}
     assert second_tokens == first_tokens
 
 

@@ -108,7 +108,8 @@ def test_completion_text_prompt(make, tok):
     n_out = len(tok.encode(TEXT)) + 1  # the eos counts as a completion token but is not text
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n_out,
                              "total_tokens": len(ids) + n_out, "prompt_tokens_details": {"cached_tokens": 3},
-                             "pd": {"p_cached_tokens": 3, "d_cached_tokens": 1, "transferred_tokens": 5}}
+                             "pd": {"p_cached_tokens": 3, "d_cached_tokens": 1, "transferred_tokens": 5,
+                                    "transfer_error": None}}
     assert backend.closed_early == []
 
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,15 @@ class PdcConnector(KVConnectorBase_V1):
             blocks[g.group] = g.num_blocks
         return {"d_cached_tokens": plan.d_cached_tokens, "transferred_tokens": plan.transferred_tokens,
                 "blocks_per_group": blocks, "bytes_per_group": [n * b for n, b in zip(blocks, page_bytes)]}
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
+        # either way nothing came from P, and the report says so.
+        for request_id in connector_output.failed_recving or ():
+            report = self._d_stats.get(request_id)
+            if report is not None:
+                report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed")
+                report["blocks_per_group"] = report["bytes_per_group"] = [0] * len(self.kinds)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, PdcMetadata()

@@ -1,0 +1,45 @@
+"""A single plain vLLM engine: no connector, prefix caching off.
+
+What a P/D cluster's output must equal token for token, and the TTFT it is
+compared with. Host it in a Ray actor: `ray.remote(ReferenceEngine)`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class ReferenceEngine:
+    def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
+                 block_size: int = 128, kv_cache_space_gib: int = 1):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
+        if cpu_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=block_size,
+            max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype, enforce_eager=True))
+
+    async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        ttft, out = None, None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp,
+                                           request_id=f"ref-{time.monotonic_ns()}"):
+            if ttft is None and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+        return list(out.outputs[0].token_ids), ttft
+
+    async def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy output tokens (EOS ignored)."""
+        return (await self._run(prompt, max_tokens))[0]
+
+    async def ttft(self, prompt: list[int]) -> float:
+        """Seconds from submission to the first token."""
+        return (await self._run(prompt, 1))[1]

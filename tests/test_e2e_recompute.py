@@ -1,0 +1,54 @@
+"""End to end with `transfer.on_failure: recompute`: a failed pull makes D prefill itself.
+
+A broken transfer (P's address points nowhere) must give the same tokens as the
+normal path, with the report saying nothing came from P.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+
+from e2e import cluster_spec_for, free_port
+from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from pdcluster.transfer.handle import TransferHandle
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute"})
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    c = build_cluster(spec)
+    yield c
+    teardown(c)
+    ray.shutdown()
+
+
+def pd_tokens(cluster, request_id, prompt, break_handle=False):
+    p, d = cluster.prefill[0].actor, cluster.decode[0].actor
+    sampling = SamplingSpec(max_tokens=8, temperature=0, ignore_eos=True)
+    pre = ray.get(p.prefill.remote(PrefillRequest(request_id, prompt, sampling)))
+    handle = TransferHandle.from_params(pre.handle)
+    if break_handle:
+        handle = TransferHandle(handle.engine_id, f"127.0.0.1:{free_port()}", handle.request_id,
+                                handle.block_ids, handle.num_tokens)
+    deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
+        DecodeRequest(request_id, prompt, sampling, handle.to_params()))]
+    return [t for delta in deltas for t in delta.new_token_ids], deltas[-1]
+
+
+def test_failed_pull_recomputes_same_tokens(cluster):
+    prompt = [random.Random(5).randrange(3, 1000) for _ in range(700)]
+    broken_tokens, last = pd_tokens(cluster, "recompute-broken", prompt, break_handle=True)
+    assert last.finish_reason == "length"
+    assert last.transfer.error == "KV pull from P failed" and last.transfer.transferred_tokens == 0
+    cluster_reset = [ray.get(i.actor.reset_prefix_cache.remote()) for i in cluster.decode]
+    assert all(cluster_reset)
+    normal_tokens, normal = pd_tokens(cluster, "recompute-normal", prompt)
+    assert normal.transfer.error is None and normal.transfer.transferred_tokens == 700
+    assert broken_tokens == normal_tokens

@@ -1,0 +1,323 @@
+"""Unit tests of the P/D request path (router/pd_dispatch.py) over fake Ray actor handles.
+
+No Ray cluster: a `FakeActor` mimics the handle surface PDDispatcher uses
+(`prefill.remote`, `decode.options(num_returns="streaming").remote`, `health.remote`)
+and `ray.cancel` is replaced by a recorder. Everything runs under `asyncio.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError, RayActorError
+
+from pdcluster.cluster.messages import (DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec,
+                                        TransferStats)
+from pdcluster.router import pd_dispatch
+from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard
+from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+
+CARD = ModelCard(name="tiny", max_model_len=64, vocab_size=100)
+SAMPLING = SamplingSpec(max_tokens=4)
+PROMPT = [1, 2, 3, 4, 5]
+HANG = object()  # script item / prefill outcome: never completes
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class FakeRef:
+    """Awaitable like a Ray ObjectRef: resolves to a value, raises an error, or never completes."""
+
+    def __init__(self, outcome, delay: float = 0.0):
+        self.outcome, self.delay = outcome, delay
+
+    async def _resolve(self):
+        if self.outcome is HANG:
+            await asyncio.Event().wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def __await__(self):
+        return self._resolve().__await__()
+
+
+class FakeStream:
+    """Like Ray's ObjectRefGenerator: `__anext__` waits for the next item and returns its ref.
+
+    Script items: a DecodeDelta (its ref resolves to it), an exception (the ref raises it,
+    as Ray stores a dead actor's error in the next ref), or HANG (`__anext__` never returns).
+    After the script, `__anext__` raises StopAsyncIteration.
+    """
+
+    def __init__(self, script: list, delay: float = 0.0):
+        self.script, self.delay, self.pos = list(script), delay, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> FakeRef:
+        if self.pos >= len(self.script):
+            raise StopAsyncIteration
+        item = self.script[self.pos]
+        self.pos += 1
+        if item is HANG:
+            await asyncio.Event().wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return FakeRef(item)
+
+
+class _Method:
+    def __init__(self, fn):
+        self._fn = fn
+        self.options_seen: list[dict] = []
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+    def options(self, **kw):
+        self.options_seen.append(kw)
+        return self
+
+
+class FakeActor:
+    """Records every call. `prefill_outcome`: a PrefillResult factory input, an exception or HANG."""
+
+    def __init__(self, p_cached: int = 0, prefill_outcome=None, decode_script: list | None = None,
+                 health_outcome=True):
+        self.p_cached = p_cached
+        self.prefill_outcome = prefill_outcome
+        self.decode_script = decode_script
+        self.health_outcome = health_outcome
+        self.prefill_calls: list[PrefillRequest] = []
+        self.decode_calls: list[DecodeRequest] = []
+        self.prefill_refs: list[FakeRef] = []
+        self.streams: list[FakeStream] = []
+        self.prefill = _Method(self._prefill)
+        self.decode = _Method(self._decode)
+        self.health = _Method(self._health)
+
+    def _prefill(self, req: PrefillRequest) -> FakeRef:
+        self.prefill_calls.append(req)
+        outcome = self.prefill_outcome
+        if outcome is None:
+            outcome = PrefillResult(request_id=req.request_id, handle={"from": id(self), "rid": req.request_id},
+                                    prompt_tokens=len(req.prompt_token_ids), p_cached_tokens=self.p_cached)
+        ref = FakeRef(outcome)
+        self.prefill_refs.append(ref)
+        return ref
+
+    def _decode(self, req: DecodeRequest) -> FakeStream:
+        self.decode_calls.append(req)
+        script = self.decode_script if self.decode_script is not None else default_script()
+        stream = FakeStream(script)
+        self.streams.append(stream)
+        return stream
+
+    def _health(self) -> FakeRef:
+        return FakeRef(self.health_outcome)
+
+
+def default_script() -> list:
+    return [DecodeDelta([10]), DecodeDelta([11, 12]),
+            DecodeDelta([13], finish_reason="length", transfer=TransferStats(d_cached_tokens=2, transferred_tokens=3))]
+
+
+@pytest.fixture
+def cancelled(monkeypatch) -> list:
+    seen: list = []
+    monkeypatch.setattr(pd_dispatch.ray, "cancel", lambda ref, **kw: seen.append(ref))
+    return seen
+
+
+def make(ps: list[FakeActor], ds: list[FakeActor], timeout: float = 5.0) -> PDDispatcher:
+    return PDDispatcher([Instance(f"prefill-{i}", a) for i, a in enumerate(ps)],
+                        [Instance(f"decode-{i}", a) for i, a in enumerate(ds)], CARD, request_timeout_s=timeout)
+
+
+async def collect(disp: PDDispatcher, rid: str = "r0") -> list[GenerationChunk]:
+    return [c async for c in disp.generate(rid, PROMPT, SAMPLING)]
+
+
+async def expect_error(disp: PDDispatcher, rid: str = "r0") -> tuple[BackendError, list[GenerationChunk]]:
+    got: list[GenerationChunk] = []
+    with pytest.raises(BackendError) as ei:
+        async for c in disp.generate(rid, PROMPT, SAMPLING):
+            got.append(c)
+    return ei.value, got
+
+
+def test_refuses_empty_prefill_or_decode_list():
+    with pytest.raises(AssertionError):
+        PDDispatcher([], [Instance("decode-0", FakeActor())], CARD, 1.0)
+    with pytest.raises(AssertionError):
+        PDDispatcher([Instance("prefill-0", FakeActor())], [], CARD, 1.0)
+
+
+def test_round_robin_over_two_p_and_two_d(cancelled):
+    ps, ds = [FakeActor(), FakeActor()], [FakeActor(), FakeActor()]
+    disp = make(ps, ds)
+
+    async def main():
+        for i in range(4):
+            await collect(disp, f"r{i}")
+
+    run(main())
+    assert [r.request_id for r in ps[0].prefill_calls] == ["r0", "r2"]
+    assert [r.request_id for r in ps[1].prefill_calls] == ["r1", "r3"]
+    assert [r.request_id for r in ds[0].decode_calls] == ["r0", "r2"]
+    assert [r.request_id for r in ds[1].decode_calls] == ["r1", "r3"]
+    assert all(m.decode.options_seen == [{"num_returns": "streaming"}] * 2 for m in ds)
+    assert cancelled == []
+
+
+def test_chunks_and_decode_request_carry_prefill_results(cancelled):
+    p, d = FakeActor(p_cached=4), FakeActor()
+    disp = make([p], [d])
+    chunks = run(collect(disp, "req-x"))
+
+    assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
+    assert [c.finish_reason for c in chunks] == [None, None, "length"]
+    assert all(c.p_cached_tokens == 4 for c in chunks)
+    last = chunks[-1]
+    assert (last.d_cached_tokens, last.transferred_tokens) == (2, 3)
+    assert all((c.d_cached_tokens, c.transferred_tokens) == (0, 0) for c in chunks[:-1])
+
+    (preq,) = p.prefill_calls
+    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING)
+    (dreq,) = d.decode_calls
+    assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, {"from": id(p), "rid": "req-x"})
+    assert cancelled == []  # a normally finished stream is not cancelled
+
+
+def test_dead_prefill_is_503_naming_the_instance(cancelled):
+    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor()
+    err, got = run(expect_error(make([p], [d])))
+    assert err.status == 503 and err.kind == "service_unavailable"
+    assert "prefill-0" in str(err)
+    assert got == [] and d.decode_calls == []
+
+
+def test_unavailable_prefill_ray_actor_error_is_503(cancelled):
+    p, d = FakeActor(), FakeActor()
+    p2 = FakeActor(prefill_outcome=RayActorError())
+    disp = make([p, p2], [d])
+
+    async def main():
+        await collect(disp, "r0")
+        return await expect_error(disp, "r1")
+
+    err, _ = run(main())
+    assert err.status == 503 and "prefill-1" in str(err)
+
+
+def test_prefill_timeout_is_504_and_cancels_the_prefill(cancelled):
+    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    t0 = time.monotonic()
+    err, got = run(expect_error(make([p], [d], timeout=0.2)))
+    elapsed = time.monotonic() - t0
+    assert err.status == 504 and err.kind == "timeout"
+    assert "prefill-0" in str(err)
+    assert 0.15 <= elapsed < 1.0
+    assert cancelled == [p.prefill_refs[0]]
+    assert got == [] and d.decode_calls == []
+
+
+def test_decode_timeout_is_504_and_cancels_the_stream(cancelled):
+    d = FakeActor(decode_script=[DecodeDelta([10]), HANG])
+    t0 = time.monotonic()
+    err, got = run(expect_error(make([FakeActor()], [d], timeout=0.2)))
+    elapsed = time.monotonic() - t0
+    assert err.status == 504 and err.kind == "timeout"
+    assert "decode-0" in str(err)
+    assert 0.15 <= elapsed < 1.0
+    assert [c.new_token_ids for c in got] == [[10]]
+    assert cancelled == [d.streams[0]]
+
+
+def test_dead_decode_mid_stream_is_503_naming_the_instance(cancelled):
+    d0 = FakeActor()
+    d1 = FakeActor(decode_script=[DecodeDelta([10]), ActorDiedError()])
+    disp = make([FakeActor()], [d0, d1])
+
+    async def main():
+        await collect(disp, "r0")  # decode-0
+        return await expect_error(disp, "r1")  # decode-1
+
+    err, got = run(main())
+    assert err.status == 503 and err.kind == "service_unavailable"
+    assert "decode-1" in str(err)
+    assert [c.new_token_ids for c in got] == [[10]]
+    assert cancelled == [d1.streams[0]]
+
+
+def test_finish_reason_error_is_502_kv_transfer_error(cancelled):
+    d = FakeActor(decode_script=[DecodeDelta([], finish_reason="error", transfer=TransferStats(error="boom"))])
+    err, got = run(expect_error(make([FakeActor()], [d])))
+    assert err.status == 502 and err.kind == "kv_transfer_error"
+    assert "decode-0" in str(err) and "prefill-0" in str(err)
+    assert got == []
+
+
+def test_consumer_closing_early_cancels_the_stream_once(cancelled):
+    d = FakeActor()
+    disp = make([FakeActor()], [d])
+
+    async def main():
+        gen = disp.generate("r0", PROMPT, SAMPLING)
+        first = await gen.__anext__()
+        await gen.aclose()
+        await gen.aclose()  # a second close is a no-op
+        return first
+
+    first = run(main())
+    assert first.new_token_ids == [10] and first.finish_reason is None
+    assert cancelled == [d.streams[0]]
+
+
+def test_stream_ending_without_finish_is_502(cancelled):
+    d = FakeActor(decode_script=[DecodeDelta([10]), DecodeDelta([11])])
+    err, got = run(expect_error(make([FakeActor()], [d])))
+    assert err.status == 502
+    assert "decode-0" in str(err) and "without a finish" in str(err)
+    assert [c.new_token_ids for c in got] == [[10], [11]]
+
+
+def test_health_reports_each_instance(cancelled):
+    ps = [FakeActor(), FakeActor(health_outcome=ActorDiedError())]
+    ds = [FakeActor(health_outcome=RuntimeError("engine dead")), FakeActor()]
+    t0 = time.monotonic()
+    health = run(make(ps, ds).health())
+    assert health == {"prefill-0": True, "prefill-1": False, "decode-0": False, "decode-1": True}
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
+    # A client disconnect cancels the task driving the generator while P is still prefilling:
+    # P's request (and the KV it would hold for D) must be aborted too.
+    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    disp = make([p], [d])
+
+    async def main():
+        gen = disp.generate("r0", PROMPT, SAMPLING)
+
+        async def first():
+            return await gen.__anext__()
+
+        task = asyncio.create_task(first())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+
+    run(main())
+    assert cancelled == [p.prefill_refs[0]]
+    assert d.decode_calls == []
