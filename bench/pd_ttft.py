@@ -7,7 +7,8 @@ machine), so the two transports compare side by side:
   PD TTFT     P prefill + handoff + D TTFT, as the P/D request path runs it
   single      a plain engine (no connector, prefix caching off) to its first token
 
-usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--out FILE.json]
+usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--dtype bfloat16]
+                                         [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,4096,8192,16384")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny seed-0 Qwen3)")
+    ap.add_argument("--dtype", default="float32", help="engine dtype (the NIXL probe ran bfloat16)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -61,13 +63,13 @@ def main() -> None:
     model = a.model or ".pdcluster/models/tiny-qwen3"
     spec = parse_spec({
         "name": "bench-pd-ttft", "model": {"path": model, "tiny": {"arch": "qwen3", "seed": 0}},
-        "engine": {"dtype": "float32", "max_model_len": max_len, "max_num_batched_tokens": max_len},
+        "engine": {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len},
         "prefill": {"resources": {"cpu_bind": ["0"]}}, "decode": {"resources": {"cpu_bind": ["1"]}},
         "router": {"port": 18999}, "transfer": {"base_port": 18900},
     }, base_dir=Path.cwd())
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     cluster = build_cluster(spec)
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(spec.model.path, "0", max_len)
+    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(spec.model.path, "0", max_len, a.dtype)
     try:
         rng = random.Random(12345)
         warm = [rng.randrange(3, 1000) for _ in range(1000)]
