@@ -10,7 +10,6 @@ functions below, so it is unit-tested without an engine.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -133,15 +132,13 @@ class EngineActor:
         self.started_s = time.time() - t0
 
     def info(self) -> InstanceInfo:
-        p = self.plan
-        host = socket.gethostbyname(socket.gethostname()) if p.kv_port is None else None
-        kv_address = None
-        if p.kv_port is not None:
-            cfg = p.engine_args["kv_transfer_config"]["kv_connector_extra_config"]
-            kv_address = f"{cfg['host']}:{p.kv_port}"
         import ray
 
-        return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address() or host or "",
+        p = self.plan
+        kv_address = None
+        if p.kv_port is not None:
+            kv_address = f"{p.engine_args['kv_transfer_config']['kv_connector_extra_config']['host']}:{p.kv_port}"
+        return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
                             pid=os.getpid(), kv_address=kv_address, engine_id=p.engine_id, started_s=self.started_s)
 
     def load(self) -> EngineLoad:

@@ -11,7 +11,7 @@ import random
 import pytest
 import ray
 
-from e2e import cluster_spec_for, free_port
+from e2e import cluster_spec_for, free_port, wait_until
 from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.transfer.handle import TransferHandle
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute"})
+    # A short lease: the broken pull never releases P's blocks, so expiry must.
+    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute", "lease_s": 3})
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     c = build_cluster(spec)
     yield c
@@ -52,3 +53,11 @@ def test_failed_pull_recomputes_same_tokens(cluster):
     normal_tokens, normal = pd_tokens(cluster, "recompute-normal", prompt)
     assert normal.transfer.error is None and normal.transfer.transferred_tokens == 700
     assert broken_tokens == normal_tokens
+
+
+def test_unreleased_lease_expires_and_p_frees_blocks(cluster):
+    p = cluster.prefill[0].actor
+    pd_tokens(cluster, "never-released", list(range(3, 603)), break_handle=True)
+    # D could not release P's lease (wrong address): P holds the blocks until lease_s passes.
+    assert ray.get(p.load.remote()).kv_cache_usage > 0
+    wait_until(lambda: ray.get(p.load.remote()).kv_cache_usage == 0.0, 15, what="P frees blocks at lease expiry")

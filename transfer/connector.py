@@ -32,7 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
+from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.handle import PRODUCE_KEY, HandleError, TransferHandle
+from pdcluster.transfer.leases import LeaseTable
+from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupKind, TransferPlan, blocks_for, plan_transfer
 
 if TYPE_CHECKING:
@@ -79,7 +83,7 @@ class PdcMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
 
     leases: list[LeaseStart] = field(default_factory=list)  # P: blocks D may now read
-    loads: list[Any] = field(default_factory=list)  # D: LoadJob (grpc_client), what to pull
+    loads: list[LoadJob] = field(default_factory=list)  # D: what to pull (or only release)
 
 
 def _group_kinds(kv_cache_config: KVCacheConfig) -> tuple[GroupKind, ...]:
@@ -126,8 +130,6 @@ class PdcConnector(KVConnectorBase_V1):
         if handle is None or request.request_id in self._handled:
             return  # also the second call, after the load finished
         self._handled.add(request.request_id)
-        from pdcluster.transfer.grpc_client import LoadJob
-
         if num_external_tokens == 0:
             # D's own cache covers everything P has: pull nothing, but free P's lease.
             plan = TransferPlan(tuple(), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
@@ -169,8 +171,6 @@ class PdcConnector(KVConnectorBase_V1):
             return False, None
         if request.request_id not in self._handled:
             # Aborted before D allocated blocks: nothing to pull, but P must not wait for its lease.
-            from pdcluster.transfer.grpc_client import LoadJob
-
             self._handled.add(request.request_id)
             self._pending.loads.append(LoadJob(request.request_id, handle, TransferPlan((), 0, 0)))
         self._handled.discard(request.request_id)
@@ -233,11 +233,6 @@ class _Worker:
     """Worker-side state: the KV server on P, the fetcher on D."""
 
     def __init__(self, conn: PdcConnector, kv_caches: dict[str, torch.Tensor]):
-        from pdcluster.transfer.grpc_client import KvFetcher
-        from pdcluster.transfer.grpc_server import KvServer
-        from pdcluster.transfer.leases import LeaseTable
-        from pdcluster.transfer.paged_kv import PagedKv
-
         cfg = conn._kv_cache_config
         groups = {name: i for i, g in enumerate(cfg.kv_cache_groups) for name in g.layer_names}
         self.kv = PagedKv(kv_caches, groups, cfg.num_blocks)

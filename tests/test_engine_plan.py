@@ -1,0 +1,48 @@
+"""What each instance is started with, derived from the spec (no engine started)."""
+
+from __future__ import annotations
+
+from pdcluster.cluster.engine_actor import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
+from pdcluster.cluster.spec import parse_spec
+
+
+def spec(**overrides):
+    data = {"name": "c", "model": {"path": "/m", "name": "tiny"},
+            "prefill": {"instances": 2, "resources": {"cpu_bind": ["0", "0-1"]}},
+            "decode": {"instances": 1, "engine": {"max_num_seqs": 8}, "resources": {"cpu_bind": ["1"]}},
+            "transfer": {"base_port": 19000, "lease_s": 7, "timeout_s": 3, "on_failure": "recompute"}}
+    data.update(overrides)
+    return parse_spec(data)
+
+
+def test_prefill_instance_is_a_producer_on_its_own_port():
+    p = plan_instance(spec(), "prefill", 1)
+    kv = p.engine_args["kv_transfer_config"]
+    assert (p.name, p.engine_id, p.kv_port) == ("prefill-1", "c-prefill-1", 19001)
+    assert kv["kv_role"] == "kv_producer" and kv["engine_id"] == "c-prefill-1"
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
+    assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "port": 19001, "lease_s": 7.0,
+                                               "timeout_s": 3.0, "chunk_bytes": 1 << 20}
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def test_decode_instance_is_a_consumer_with_its_role_overrides():
+    d = plan_instance(spec(), "decode", 0)
+    assert d.kv_port is None and d.engine_args["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert d.engine_args["max_num_seqs"] == 8
+    assert plan_instance(spec(), "prefill", 0).engine_args["max_num_seqs"] == 64
+    assert d.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_engine_args_are_what_vllm_needs():
+    args = plan_instance(spec(), "prefill", 0).engine_args
+    assert args["skip_tokenizer_init"] is True  # the router tokenizes
+    assert args["enable_prefix_caching"] is True and args["block_size"] == 128
+    assert (args["model"], args["served_model_name"]) == ("/m", "tiny")
+
+
+def test_error_policy_and_extra_args():
+    p = plan_instance(spec(transfer={"on_failure": "error"}, engine={"extra": {"swap_space": 0}}), "decode", 0)
+    assert p.engine_args["kv_transfer_config"]["kv_load_failure_policy"] == "fail"
+    assert p.engine_args["swap_space"] == 0
