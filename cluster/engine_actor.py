@@ -20,6 +20,7 @@ from pdcluster.cluster.messages import (
     DecodeDelta,
     DecodeRequest,
     EngineLoad,
+    EngineTimes,
     InstanceInfo,
     PrefillRequest,
     PrefillResult,
@@ -141,6 +142,11 @@ class EngineActor:
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
                             pid=os.getpid(), kv_address=kv_address, engine_id=p.engine_id, started_s=self.started_s)
 
+    def clock(self) -> int:
+        """This host's monotonic clock, which vLLM's engine timestamps use: the router
+        measures its offset once per instance."""
+        return time.monotonic_ns()
+
     def load(self) -> EngineLoad:
         assert self._stats is not None, "vLLM did not create the stat logger: log_stats off?"
         return self._stats.load
@@ -160,12 +166,9 @@ class EngineActor:
                                            request_id=req.request_id):
             final = out
         assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
-        m = final.metrics
         return PrefillResult(
             request_id=req.request_id, handle=final.kv_transfer_params, prompt_tokens=len(req.prompt_token_ids),
-            p_cached_tokens=final.num_cached_tokens or 0,
-            queued_ts=getattr(m, "queued_ts", 0.0), scheduled_ts=getattr(m, "scheduled_ts", 0.0),
-            first_token_ts=getattr(m, "first_token_ts", 0.0),
+            p_cached_tokens=final.num_cached_tokens or 0, engine=EngineTimes.from_vllm(final.metrics),
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
@@ -186,10 +189,14 @@ class EngineActor:
                     blocks_per_group=tuple(report.get("blocks_per_group", ())),
                     bytes_per_group=tuple(report.get("bytes_per_group", ())),
                     error=report.get("error"),
+                    transfer_start_ns=report.get("transfer_start_ns", 0),
+                    transfer_end_ns=report.get("transfer_end_ns", 0),
+                    kv_ready_ns=report.get("kv_ready_ns", 0),
                 )
             yield DecodeDelta(new_token_ids=list(completion.token_ids),
                               finish_reason=completion.finish_reason if out.finished else None,
-                              transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0)
+                              transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,
+                              engine=EngineTimes.from_vllm(out.metrics) if out.finished else None)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.llm.reset_prefix_cache()

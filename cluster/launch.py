@@ -40,6 +40,7 @@ class Cluster:
     router: ray.actor.ActorHandle
     url: str
     infos: list[InstanceInfo]
+    run_dir: str | None  # where the router writes this run's timelines (None: recording off)
 
     @property
     def instances(self) -> list[Instance]:
@@ -107,10 +108,10 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
         router = ray.remote(RouterActor).options(**router_opts).remote(spec, prefill, decode)
         started.append((ROUTER, router))
         try:
-            url = ray.get(router.start.remote(), timeout=120)
+            url = ray.get(router.start.remote(infos), timeout=120)
         except Exception as err:
             raise ClusterStartError(f"router failed to start: {_root_cause(err)}") from None
-        return Cluster(spec, prefill, decode, router, url, infos)
+        return Cluster(spec, prefill, decode, router, url, infos, ray.get(router.run_dir.remote()))
     except BaseException:
         for _, handle in started:
             ray.kill(handle, no_restart=True)

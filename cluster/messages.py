@@ -27,6 +27,23 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class EngineTimes:
+    """vLLM's own request timestamps (RequestStateStats), as time.monotonic_ns of the
+    engine's host; 0 where vLLM did not record one."""
+
+    queued_ns: int = 0
+    scheduled_ns: int = 0  # first scheduled to compute (for D: after its KV arrived)
+    first_token_ns: int = 0
+
+    @classmethod
+    def from_vllm(cls, stats) -> EngineTimes:
+        if stats is None:
+            return cls()
+        ns = lambda s: int(s * 1e9) if s else 0  # noqa: E731  (vLLM: float seconds, 0.0 = unset)
+        return cls(ns(stats.queued_ts), ns(stats.scheduled_ts), ns(stats.first_token_ts))
+
+
+@dataclass(frozen=True)
 class PrefillRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -40,10 +57,7 @@ class PrefillResult:
     handle: dict | None
     prompt_tokens: int
     p_cached_tokens: int  # P's own prefix-cache hit
-    # Engine-side timestamps (s, monotonic clock of P's host), from vLLM's RequestStateStats.
-    queued_ts: float = 0.0
-    scheduled_ts: float = 0.0
-    first_token_ts: float = 0.0
+    engine: EngineTimes = EngineTimes()
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,10 @@ class TransferStats:
     blocks_per_group: tuple[int, ...] = ()
     bytes_per_group: tuple[int, ...] = ()
     error: str | None = None
+    # time.monotonic_ns of D's host; 0: not recorded (nothing pulled)
+    transfer_start_ns: int = 0
+    transfer_end_ns: int = 0
+    kv_ready_ns: int = 0  # D's scheduler saw the pull finish
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,7 @@ class DecodeDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     transfer: TransferStats | None = None  # set on the last delta
     num_cached_tokens: int = 0  # D's count: local hit + transferred
+    engine: EngineTimes | None = None  # set on the last delta
 
 
 @dataclass(frozen=True)

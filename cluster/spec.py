@@ -104,6 +104,8 @@ class RouterSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
+    record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
+    runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
 
 
 class ClusterSpec(_Strict):
@@ -180,7 +182,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) -> ClusterSpec:
-    """Validate a parsed YAML document; relative model paths resolve against `base_dir`."""
+    """Validate a parsed YAML document; relative paths (model, runs) resolve against `base_dir`."""
     if data is None:
         raise SpecError(f"{source}: the spec is empty; it needs at least `model: {{path: ...}}`")
     if not isinstance(data, dict):
@@ -189,10 +191,14 @@ def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) 
         spec = ClusterSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(format_validation_error(err, source)) from None
-    path = Path(spec.model.path).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = (base_dir / path).resolve()
-    return spec.model_copy(update={"model": spec.model.model_copy(update={"path": str(path)})})
+    def resolve(p: str) -> str:
+        path = Path(p).expanduser()
+        return str((base_dir / path).resolve() if not path.is_absolute() and base_dir is not None else path)
+
+    return spec.model_copy(update={
+        "model": spec.model.model_copy(update={"path": resolve(spec.model.path)}),
+        "router": spec.router.model_copy(update={"runs_dir": resolve(spec.router.runs_dir)}),
+    })
 
 
 def load_spec(path: str | Path) -> ClusterSpec:

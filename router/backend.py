@@ -55,8 +55,9 @@ class TokenBackend(abc.ABC):
     def model_card(self) -> ModelCard: ...
 
     @abc.abstractmethod
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
+                 arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
+        """`arrival_ns`: when the HTTP request arrived (time.monotonic_ns), for its timeline."""
 
     async def health(self) -> dict[str, bool]:
         """Instance name -> healthy."""

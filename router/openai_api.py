@@ -141,6 +141,7 @@ class _Job:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    arrival_ns: int  # time.monotonic_ns() when the HTTP request arrived
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -201,7 +202,7 @@ async def _close(it: Any) -> None:
 
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:
     """The one generation path: backend chunks -> text deltas, stop strings applied."""
-    gen = backend.generate(job.request_id, job.prompt_ids, job.sampling)
+    gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns)
     detok = _Detokenizer(tokenizer)
     # Streamed text keeps the last len(longest stop)-1 characters back, so a
     # stop string split across tokens never reaches the client.
@@ -246,7 +247,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
     app = FastAPI(title="pdcluster OpenAI-compatible API")
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
-                 max_tokens_param: str) -> _Job:
+                 max_tokens_param: str, arrival_ns: int) -> _Job:
         card: ModelCard = backend.model_card()
         what = "messages" if chat else "prompt"
         if req.n not in (None, 1):
@@ -282,7 +283,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
         return _Job(request_id=prefix + uuid.uuid4().hex, chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=tuple(s for s in stops if s), stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=bool(req.return_token_ids))
+                    return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
 
     def check_model(req: _CommonRequest) -> None:
         name = backend.model_card().name
@@ -327,6 +328,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             return JSONResponse(_error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
 
     async def completions(request: Request) -> Response:
+        arrival_ns = time.monotonic_ns()
         req = await _parse(request, CompletionRequest)
         check_model(req)
         if req.echo:
@@ -340,9 +342,10 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
                                "send one prompt per request", param="prompt")
             prompt = prompt[0]
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens"))
+        return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns))
 
     async def chat_completions(request: Request) -> Response:
+        arrival_ns = time.monotonic_ns()
         req = await _parse(request, ChatCompletionRequest)
         check_model(req)
         if req.logprobs:
@@ -356,7 +359,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        return await serve(make_job(req, True, list(ids), max_tokens, param))
+        return await serve(make_job(req, True, list(ids), max_tokens, param, arrival_ns))
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:

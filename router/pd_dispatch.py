@@ -5,11 +5,15 @@ round-robin, bounds every wait by the request deadline, and turns each failure
 into a `BackendError` with a status and a message naming the instance: a dead
 actor is 503, a timeout 504, a failed KV transfer 502. Nothing waits forever:
 on any exit path the decode stream is cancelled, which aborts it in vLLM.
+
+Each request leaves a RequestRecord (router/timeline.py), handed to the record
+sinks when it ends, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -21,6 +25,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill
+from pdcluster.router.timeline import ClockOffset, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -34,35 +40,104 @@ class Instance:
 
 
 class PDDispatcher(TokenBackend):
-    def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float):
+    def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
+                 sinks: list[RecordSink] | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         self.prefill, self.decode = prefill, decode
         self._card = card
         self._timeout_s = request_timeout_s
         self._next_p = itertools.cycle(prefill)
         self._next_d = itertools.cycle(decode)
+        self.sinks: list[RecordSink] = list(sinks or [])
+        # Instance clock - router clock; instances not measured count as on this clock.
+        self.clocks: dict[str, ClockOffset] = {}
+        self.in_flight: dict[str, int] = {i.name: 0 for i in prefill + decode}
+
+    async def measure_clocks(self, same_host: set[str] = frozenset()) -> dict[str, ClockOffset]:
+        """Offset and uncertainty per instance: exactly 0 for instances on this host
+        (CLOCK_MONOTONIC is one clock per host), else the best of 3 round trips."""
+        for inst in self.prefill + self.decode:
+            if inst.name in same_host:
+                self.clocks[inst.name] = ClockOffset(0, 0)
+                continue
+            best = None
+            for _ in range(3):
+                before = time.monotonic_ns()
+                instance_ns = await inst.actor.clock.remote()
+                offset = ClockOffset.measure(before, instance_ns, time.monotonic_ns())
+                best = offset if best is None or offset.uncertainty_ns < best.uncertainty_ns else best
+            self.clocks[inst.name] = best
+        return dict(self.clocks)
+
+    def _clock(self, inst: Instance) -> ClockOffset:
+        return self.clocks.get(inst.name, ClockOffset(0, 0))
 
     def model_card(self) -> ModelCard:
         return self._card
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
+                       arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
+        rec = RequestRecord(request_id, prompt_tokens=len(prompt_token_ids))
+        rec.mark("arrival", arrival_ns)
+        try:
+            async for chunk in self._generate(rec, prompt_token_ids, sampling):
+                yield chunk
+        except BackendError as err:
+            rec.error = str(err)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            rec.error = "cancelled: the client went away or stopped reading"
+            raise
+        finally:
+            rec.mark("finish")
+            for sink in self.sinks:
+                sink(rec)
+
+    async def _generate(self, rec: RequestRecord, prompt_token_ids: list[int],
+                        sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]:
         deadline = time.monotonic() + self._timeout_s
         p, d = next(self._next_p), next(self._next_d)
-        pre = await self._prefill(p, PrefillRequest(request_id, prompt_token_ids, sampling), deadline)
+        rec.prefill_instance, rec.decode_instance = p.name, d.name
+        rec.mark("dispatch")
+        with self._busy(p):
+            pre = await self._prefill(p, PrefillRequest(rec.request_id, prompt_token_ids, sampling), deadline)
+        record_prefill(rec, pre, self._clock(p))
         stream = d.actor.decode.options(num_returns="streaming").remote(
-            DecodeRequest(request_id, prompt_token_ids, sampling, pre.handle))
+            DecodeRequest(rec.request_id, prompt_token_ids, sampling, pre.handle))
         finished = False
         try:
-            while not finished:
-                delta = await self._next_delta(d, stream, deadline)
-                if delta is None:
-                    raise BackendError(f"decode instance {d.name} ended {request_id} without a finish", 502)
-                finished = delta.finish_reason is not None
-                yield self._chunk(pre, delta, p, d)
+            with self._busy(d):
+                while not finished:
+                    delta = await self._next_delta(d, stream, deadline)
+                    if delta is None:
+                        raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
+                    self._record_tokens(rec, delta)
+                    finished = delta.finish_reason is not None
+                    if finished:
+                        record_decode_end(rec, delta, self._clock(d))
+                    yield self._chunk(pre, delta, p, d)
         finally:
             if not finished:
                 ray.cancel(stream)  # aborts the request inside D's engine
+
+    @contextlib.contextmanager
+    def _busy(self, inst: Instance):
+        self.in_flight[inst.name] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[inst.name] -= 1
+
+    @staticmethod
+    def _record_tokens(rec: RequestRecord, delta: DecodeDelta) -> None:
+        if not delta.new_token_ids:
+            return
+        now = time.monotonic_ns()
+        if not rec.token_ns:
+            rec.mark("first_token", now)
+        rec.token_ns.extend([now] * len(delta.new_token_ids))
+        rec.output_tokens = len(rec.token_ns)
+        rec.mark("last_token", now)
 
     async def _prefill(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
         ref = p.actor.prefill.remote(req)

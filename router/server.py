@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from pathlib import Path
 
+from pdcluster.cluster.messages import InstanceInfo
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
 
 
 def model_card(spec: ClusterSpec) -> ModelCard:
@@ -36,18 +39,42 @@ class RouterActor:
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance]):
+        from fastapi import Response
+
+        from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
 
         self.spec = spec
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s)
+        self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
+        self.dispatcher.sinks.append(self.metrics.observe)
+        self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path)
+        self.app.add_api_route("/metrics", lambda: Response(self.metrics.render(), media_type=self.metrics.content_type),
+                               methods=["GET"])
         self._server = None
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> str:
+    async def _open_run(self, infos: list[InstanceInfo]) -> RunStore:
+        """Measure each instance's clock, then start this run's directory."""
+        import ray
+
+        here = ray.util.get_node_ip_address()
+        clocks = await self.dispatcher.measure_clocks({i.name for i in infos if i.node_ip == here})
+        started_mono, started_wall = time.monotonic_ns(), time.time_ns()
+        run_id = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        meta = RunMeta(run_id=run_id, started_wall_ns=started_wall, started_mono_ns=started_mono,
+                       spec=self.spec.model_dump(mode="json"), versions=versions(),
+                       instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
+        return RunStore(Path(self.spec.router.runs_dir) / run_id, meta)
+
+    async def start(self, infos: list[InstanceInfo]) -> str:
         """Serve on router.host:port; return the base URL once it accepts connections."""
         import uvicorn
 
+        if self.spec.router.record_timeline:
+            self.store = await self._open_run(infos)
+            self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
         _check_port_free(r.host, r.port)  # uvicorn would sys.exit() inside this actor instead
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
@@ -60,7 +87,13 @@ class RouterActor:
             await asyncio.sleep(0.05)
         return f"http://{r.host}:{r.port}"
 
+    def run_dir(self) -> str | None:
+        return str(self.store.path) if self.store else None
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, timeout=10)
+        if self.store is not None:
+            self.store.close()
+            self.store = None

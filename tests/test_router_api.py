@@ -38,7 +38,7 @@ class FakeBackend(TokenBackend):
     def model_card(self) -> ModelCard:
         return self.card
 
-    async def generate(self, request_id, prompt_token_ids, sampling):
+    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None):
         self.calls.append((request_id, list(prompt_token_ids), sampling))
         done = False
         try:

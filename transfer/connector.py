@@ -21,6 +21,7 @@ Flow of one request (vLLM's NIXL connector does the same with RDMA reads):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
+from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
 from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.handle import PRODUCE_KEY, HandleError, TransferHandle
 from pdcluster.transfer.leases import LeaseTable
@@ -84,6 +86,17 @@ class PdcMetadata(KVConnectorMetadata):
 
     leases: list[LeaseStart] = field(default_factory=list)  # P: blocks D may now read
     loads: list[LoadJob] = field(default_factory=list)  # D: what to pull (or only release)
+
+
+@dataclass
+class PullTimings(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: how each finished pull went (for the request's timeline)."""
+
+    pulls: dict[str, PullTiming] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
+        return PullTimings({**self.pulls, **other.pulls})
 
 
 def _group_kinds(kv_cache_config: KVCacheConfig) -> tuple[GroupKind, ...]:
@@ -150,13 +163,23 @@ class PdcConnector(KVConnectorBase_V1):
                 "blocks_per_group": blocks, "bytes_per_group": [n * b for n, b in zip(blocks, page_bytes)]}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        now_ns = time.monotonic_ns()
+        timings = connector_output.kv_connector_worker_meta
+        if isinstance(timings, PullTimings):
+            for request_id, t in timings.pulls.items():
+                if (report := self._d_stats.get(request_id)) is not None:
+                    report.update(transfer_start_ns=t.start_ns, transfer_end_ns=t.end_ns,
+                                  bytes_per_group=list(t.bytes_per_group))
+        for request_id in connector_output.finished_recving or ():
+            if (report := self._d_stats.get(request_id)) is not None:
+                report["kv_ready_ns"] = now_ns  # the scheduler sees the KV from this step on
         # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
         # either way nothing came from P, and the report says so.
         for request_id in connector_output.failed_recving or ():
             report = self._d_stats.get(request_id)
             if report is not None:
-                report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed")
-                report["blocks_per_group"] = report["bytes_per_group"] = [0] * len(self.kinds)
+                report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed",
+                              blocks_per_group=[0] * len(self.kinds))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, PdcMetadata()
@@ -215,6 +238,10 @@ class PdcConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.results()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.take_timings()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before the request is scheduled (async pull)
 
@@ -238,6 +265,7 @@ class _Worker:
         self.kv = PagedKv(kv_caches, groups, cfg.num_blocks)
         self.settings = conn.settings
         self.leases = LeaseTable()
+        self._timings: dict[str, PullTiming] = {}  # pulls finished since the last step's metadata
         self.server = self.fetcher = None
         if conn.is_producer:
             s = conn.settings
@@ -257,6 +285,13 @@ class _Worker:
         if self.fetcher is not None:
             r = self.fetcher.take_results()
             out.finished_recving, out.failed_recving = r.finished, r.failed
+            self._timings.update(r.timings)
+        return out
+
+    def take_timings(self) -> PullTimings | None:
+        if not self._timings:
+            return None
+        out, self._timings = PullTimings(self._timings), {}
         return out
 
     def stop(self) -> None:

