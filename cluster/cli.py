@@ -5,6 +5,7 @@
   pdc status [--name NAME]                           list instances: role, address, health
   pdc down [--name NAME]                             stop what `pdc up` started
   pdc demo [SPEC.yaml]                               up, a few requests, down (the README's main job)
+  pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
 """
 
 from __future__ import annotations
@@ -83,12 +84,14 @@ def cmd_up(a) -> None:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     (STATE_DIR / f"{spec.name}.json").write_text(json.dumps(
         {"name": spec.name, "spec": str(Path(a.spec).resolve()), "url": cluster.url, "started_ray": started_ray,
-         "ray_address": spec.ray_address}))
+         "ray_address": spec.ray_address, "run_dir": cluster.run_dir}))
     print(f"cluster {spec.name!r} up in {time.monotonic() - t0:.0f} s: P{len(cluster.prefill)} D{len(cluster.decode)}")
     for info in cluster.infos:
         print(f"  {info.name:<10} {info.role:<8} pid {info.pid:<7} node {info.node_ip}"
               + (f"  kv {info.kv_address}" if info.kv_address else ""))
     print(f"endpoint: {cluster.url}/v1  (model {spec.model.served_name!r})")
+    if cluster.run_dir:
+        print(f"timelines: {cluster.run_dir}  (pdc timeline summary {cluster.run_dir})")
 
 
 def _states(name: str | None) -> list[dict]:
@@ -114,6 +117,8 @@ def cmd_status(a) -> None:
             continue
         actors = find_actors(st["name"])
         print(f"cluster {st['name']!r}  endpoint {st['url']}/v1  ({len(actors)} actors)")
+        if st.get("run_dir"):
+            print(f"  timelines {st['run_dir']}")
         for full, handle in sorted(actors.items()):
             inst = full.split(":", 1)[1]
             if inst == "router":
@@ -177,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
     demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     demo.set_defaults(fn=cmd_demo)
+    from pdcluster.router.timeline_cli import add_timeline_commands
+
+    add_timeline_commands(sub)
     a = ap.parse_args(argv)
     a.fn(a)
 

@@ -56,3 +56,9 @@ def run_demo(spec: ClusterSpec) -> None:
         teardown(cluster)
         ray.shutdown()
         print("cluster stopped")
+    if cluster.run_dir:
+        from pdcluster.router.timeline import load_run
+        from pdcluster.router.timeline_views import format_summary, summarize
+
+        print(f"\nwhere the time went (pdc timeline summary {cluster.run_dir}):")
+        print(format_summary(summarize(load_run(cluster.run_dir))))

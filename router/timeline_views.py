@@ -160,17 +160,18 @@ def _stats_row(label: str, s: Stats | None, share: str = "") -> str:
 
 
 def format_summary(s: Summary) -> str:
-    head = f"  {'':<14}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'share':>8}"
+    head_no_share = f"  {'':<14}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}"
+    head = f"{head_no_share}{'share':>8}"
     lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed", "",
              f"TTFT critical path (shares over {s.attributed} complete requests)", head]
     lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH]
     lines += [_stats_row("TTFT", s.phases.get("ttft"), "100.0%" if s.shares else "-"), "",
-              "phase intervals (they may overlap)", head.rstrip()[: -len("share")].rstrip()]
+              "phase intervals (they may overlap)", head_no_share]
     lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
-    lines += ["", "decode", head.rstrip()[: -len("share")].rstrip(),
+    lines += ["", "decode", head_no_share,
               _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
-              f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}), "
-              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}"]
+              (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}), "
+              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}")]
     groups = ", ".join(f"group {g}: {b} B" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
     if s.recomputed:
@@ -197,16 +198,17 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
     rec = run.record(request_id)  # KeyError naming the request and the run
     att = attribute(rec)
     ev = rec.events
-    lines = [f"request {rec.request_id}: P {rec.prefill_instance or '-'} -> D {rec.decode_instance or '-'}, "
-             f"finish {rec.finish_reason or '-'}"]
+    lines = [(f"request {rec.request_id}: P {rec.prefill_instance or '-'} -> D {rec.decode_instance or '-'}, "
+             f"finish {rec.finish_reason or '-'}")]
     if not ev:
         lines.append("no events recorded")
     else:
         t0 = ev.get("arrival", min(ev.values()))
         span = max(1, max(ev.values()) - t0)
-        prefix = f"  {'phase':<13}{'where':<9}{'start ms':>10}{'dur ms':>10}  "
+        prefix = f"  {'phase':<13}{'where':<9}{'start ms':>10}{'dur ms':>10}  "  # the bar starts after it
         bar_w = max(10, width - len(prefix))
-        lines += [f"span {span / NS_PER_MS:.3f} ms from {'arrival' if 'arrival' in ev else 'first event'}", prefix]
+        lines += [f"span {span / NS_PER_MS:.3f} ms from {'arrival' if 'arrival' in ev else 'first event'}",
+                  prefix.rstrip()]
         for iv in intervals(rec):
             lines.append(f"  {iv.name:<13}{iv.where:<9}{(iv.start_ns - t0) / NS_PER_MS:>10.3f}"
                          f"{iv.duration_ns / NS_PER_MS:>10.3f}  {_bar(iv.start_ns, iv.end_ns, t0, span, bar_w)}")
@@ -219,8 +221,8 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
         else:
             lines.append(f"  {name:<13}{'-':>10}")
     groups = ", ".join(f"group {g.group}: {g.blocks} blocks {g.bytes} B" for g in rec.transfer_groups) or "none"
-    lines += ["", f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}, D cached "
-                  f"{rec.d_cached_tokens}, transferred {rec.transferred_tokens}, output {rec.output_tokens}",
+    lines += ["", (f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}, D cached "
+                  f"{rec.d_cached_tokens}, transferred {rec.transferred_tokens}, output {rec.output_tokens}"),
               f"KV bytes: {groups}"]
     if rec.transfer_error:
         lines.append(f"KV pull failed, D recomputed: {rec.transfer_error}")

