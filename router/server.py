@@ -87,6 +87,10 @@ class RouterActor:
             await asyncio.sleep(0.05)
         return f"http://{r.host}:{r.port}"
 
+    def set_recording(self, on: bool) -> None:
+        """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
+        self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])) if on else []
+
     def run_dir(self) -> str | None:
         return str(self.store.path) if self.store else None
 
