@@ -100,10 +100,10 @@ def main() -> None:
         ray.shutdown()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     cost = per_record_cost_us()
-    per_request_us = 1e6 * a.concurrency / off
-    print(f"median throughput: on {on:.2f} req/s, off {off:.2f} req/s, overhead {100 * (1 - on / off):+.2f}%")
-    print(f"recording work per request: {cost:.1f} us, i.e. {100 * cost / per_request_us:.3f}% of a request's "
-          f"{per_request_us / 1e3:.0f} ms in flight")
+    print(f"median throughput: on {on:.2f} req/s, off {off:.2f} req/s, overhead {100 * (1 - on / off):+.2f}% "
+          f"(round-to-round spread {100 * (max(rates[False]) - min(rates[False])) / off:.0f}%)")
+    print(f"recording work per request: {cost:.1f} us; at {off:.1f} req/s that is {cost * off / 1e4:.2f}% "
+          f"of one core")
 
 
 if __name__ == "__main__":
