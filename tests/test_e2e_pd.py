@@ -18,6 +18,8 @@ from e2e import cluster_spec_for, complete, tiny_model_dir, wait_until
 from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.router.attribution import attribute
+from pdcluster.router.timeline import load_run
 from pdcluster.transfer.handle import TransferHandle
 
 pytestmark = pytest.mark.e2e
@@ -187,6 +189,9 @@ def test_killed_prefill_errors_then_recovers(cluster):
     r = result["r"]
     assert r.status_code == 503 and "prefill-0" in r.json()["error"]["message"], r.text
     assert time.monotonic() - t0 < cluster.spec.router.request_timeout_s
+    # Its timeline keeps what happened: dispatched to P, then the error.
+    failed = [rec for rec in load_run(cluster.run_dir).records if rec.error and "prefill-0" in rec.error]
+    assert len(failed) == 1 and attribute(failed[0]).stopped_after == "dispatch", failed
     # Ray restarts P (a fresh engine); the router reports healthy again, then serves.
     wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,
                interval=2, what="cluster healthy after P restart")

@@ -129,3 +129,19 @@ def test_metrics_endpoint(cluster, batch):
     assert count == len(batch[0])  # the batch and the warm-up
     assert 'pdc_in_flight{instance="decode-0"} 0.0' in text
     assert 'pdc_cached_tokens_total{side="prefill"} 10752.0' in text  # 3 x 3,584
+
+
+def test_exports_of_the_real_run(cluster, batch, tmp_path):
+    from pdcluster.router.perfetto import to_trace_events, validate_trace
+    from pdcluster.router.report import render_report
+    from pdcluster.router.timeline_views import format_summary, format_waterfall, summarize
+
+    _, run = batch
+    trace = json.loads(json.dumps(to_trace_events(run)))
+    assert validate_trace(trace) == []
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert any("prefill-0" in n for n in names) and any("decode-0" in n for n in names)
+    assert f"{len(run.records)} requests" in format_summary(summarize(run))
+    assert "transfer" in format_waterfall(run, run.records[0].request_id)
+    html = render_report(run)
+    assert html.count("<svg") >= 3 and "http://" not in html and "https://" not in html
