@@ -6,6 +6,7 @@
   pdc down [--name NAME]                             stop what `pdc up` started
   pdc demo [SPEC.yaml]                               up, a few requests, down (the README's main job)
   pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
+  pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
 """
 
 from __future__ import annotations
@@ -182,9 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
     demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     demo.set_defaults(fn=cmd_demo)
+    from pdcluster.bench.run import add_bench_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
 
     add_timeline_commands(sub)
+    add_bench_commands(sub)
     a = ap.parse_args(argv)
     a.fn(a)
 

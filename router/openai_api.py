@@ -373,7 +373,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
     async def _models() -> dict[str, Any]:
         card = backend.model_card()
         return {"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
-                                            "owned_by": "pdcluster", "max_model_len": card.max_model_len}]}
+                                            "owned_by": "pdcluster", "max_model_len": card.max_model_len,
+                                            "vocab_size": card.vocab_size}]}
 
     @app.get("/health")
     async def _health() -> JSONResponse:

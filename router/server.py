@@ -52,6 +52,9 @@ class RouterActor:
         self.app = build_app(self.dispatcher, spec.model.path)
         self.app.add_api_route("/metrics", lambda: Response(self.metrics.render(), media_type=self.metrics.content_type),
                                methods=["GET"])
+        # Where this router writes timelines, so a load generator can join them to its requests.
+        self.app.add_api_route("/pdc/run", lambda: {"run_dir": self.run_dir(), "cluster": spec.name},
+                               methods=["GET"])
         self._server = None
         self._task: asyncio.Task | None = None
 

@@ -1,0 +1,135 @@
+"""Send a workload to an OpenAI-compatible endpoint and observe every request.
+
+Works against the pdcluster router or any vLLM-style server: streaming
+`/v1/completions` with token-id prompts, `ignore_eos`, `include_usage`, and
+vLLM's `return_token_ids` (so chunks are counted in tokens, not guessed from
+text). Sending is closed loop (`max_concurrency` in flight), optionally capped
+by a request rate with burstiness (vLLM's benchmark_serving convention: gamma
+inter-arrivals, 1 = Poisson, 0 = fixed spacing), or paced by trace timestamps.
+Every request ends as a `RequestResult`; a failure is recorded, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from pdcluster.bench.records import BenchRequest, RequestResult
+
+
+@dataclass(frozen=True)
+class DriveConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000 (no /v1)
+    model: str | None = None
+    max_concurrency: int = 8
+    request_rate: float | None = None  # requests/s; None: as fast as slots free
+    burstiness: float = 1.0
+    duration_s: float | None = None  # stop sending after this long (in-flight requests finish)
+    follow_timestamps: bool = False  # trace replay: send at each request's arrival_s
+    timeout_s: float = 600.0
+    seed: int = 0
+    progress: bool = True
+
+
+def _inter_arrival(rng: random.Random, rate: float, burstiness: float) -> float:
+    if burstiness == 0:
+        return 1.0 / rate
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchRequest) -> RequestResult:
+    body = {"prompt": list(req.prompt_token_ids), "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if cfg.model:
+        body["model"] = cfg.model
+    res = RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
+                        start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens)
+    try:
+        async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body, timeout=cfg.timeout_s) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {_error_message(text)}"
+                return res
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    _take_event(res, json.loads(line[6:]), time.monotonic())
+        if res.error is None and res.output_tokens == 0:
+            res.error = "the stream ended without any output token"
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        res.error = f"{type(err).__name__}: {err}"
+    finally:
+        res.end_s = time.monotonic()
+    return res
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
+def _take_event(res: RequestResult, event: dict, now: float) -> None:
+    if "error" in event:  # an error after the stream started (OpenAI/vLLM style)
+        res.error = f"stream error: {event['error'].get('message', event['error'])}"
+        return
+    res.request_id = res.request_id or event.get("id")
+    for choice in event.get("choices") or []:
+        ids = choice.get("token_ids")
+        n = len(ids) if ids is not None else (1 if choice.get("text") else 0)  # servers without token ids
+        if n:
+            res.chunk_s.append(now)
+            res.chunk_tokens.append(n)
+    usage = event.get("usage")
+    if usage:
+        res.output_tokens = usage.get("completion_tokens", sum(res.chunk_tokens))
+        details = usage.get("prompt_tokens_details") or {}
+        res.cached_tokens = details.get("cached_tokens")
+        res.pd = usage.get("pd")
+
+
+async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) -> list[RequestResult]:
+    """Send these requests (one phase), wait for all of them, return results in send order."""
+    rng = random.Random(cfg.seed)
+    slots = asyncio.Semaphore(cfg.max_concurrency)
+    tasks: list[asyncio.Task] = []
+    bar = _progress(len(requests), label, cfg.progress)
+    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.monotonic()
+        deadline = t0 + cfg.duration_s if cfg.duration_s is not None else None
+
+        async def one(req: BenchRequest) -> RequestResult | None:
+            # Arrivals follow their schedule; a request then waits for a free slot,
+            # and its latency counts from when it is sent (as benchmark_serving does).
+            async with slots:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None  # the time-bounded window closed before it could be sent
+                result = await send_one(client, cfg, req)
+            bar.update(1)
+            return result
+
+        next_send = t0
+        for req in requests:
+            if cfg.follow_timestamps and req.arrival_s is not None:
+                next_send = t0 + req.arrival_s
+            await asyncio.sleep(max(0.0, next_send - time.monotonic()))
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            tasks.append(asyncio.create_task(one(req)))
+            if cfg.request_rate and not cfg.follow_timestamps:
+                next_send += _inter_arrival(rng, cfg.request_rate, cfg.burstiness)
+        results = [r for r in await asyncio.gather(*tasks) if r is not None]
+    bar.close()
+    return results
+
+
+def _progress(total: int, label: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", disable=not enabled, leave=False, dynamic_ncols=True)

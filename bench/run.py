@@ -1,0 +1,226 @@
+"""`pdc bench run`: build a workload, replay it phase by phase, summarize, write, join timelines.
+
+`run_bench(BenchConfig)` is the one entry point (the CLI and the demo call it).
+Phases run one after another, each drained before the next: warm-up (not
+counted), seed (fills the prefix caches), cache-check (verifies each reported
+`cached_tokens` against the workload's expectation), formal (the window the
+figures are about). Against a pdcluster router, each request is joined with
+its timeline record by request id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pdcluster.bench import workloads
+from pdcluster.bench.driver import DriveConfig, run_phase
+from pdcluster.bench.metrics import PhaseSummary, summarize_phases
+from pdcluster.bench.outputs import format_phase_breakdown, format_summary, write_run
+from pdcluster.bench.presets import PRESETS
+from pdcluster.bench.records import BenchRequest, RequestResult
+from pdcluster.router.timeline import RequestRecord, load_run
+
+PHASE_ORDER = ("warmup", "seed", "check", "formal")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    # synthetic workload (a preset fills these)
+    input_len: int = 4100
+    shared_prefix_ratio: float = 3712 / 4100
+    output_len: int = 32
+    num_prefixes: int = 4
+    seed_phase: bool = True
+    # or a Mooncake trace
+    trace: str | None = None
+    trace_block_size: int = 512
+    time_scale: float = 1.0
+    closed_loop: bool = False  # trace: ignore its timestamps
+    # load shape
+    num_requests: int = 40
+    max_concurrency: int = 8
+    request_rate: float | None = None  # requests/s cap; None: closed loop only
+    burstiness: float = 1.0
+    duration_s: float | None = None
+    warmup: int = 0
+    # the rest
+    engine_block_size: int = 128
+    vocab_size: int | None = None  # default: the server's /v1/models `vocab_size`
+    seed: int = 0
+    timeout_s: float = 600.0
+    out: str | None = None
+    progress: bool = True
+    preset: str | None = None
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> BenchConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        p = PRESETS[name]
+        base = dict(input_len=p.input_len, shared_prefix_ratio=p.shared_prefix_ratio, output_len=p.output_len,
+                    num_prefixes=p.num_prefixes, seed_phase=p.seed_phase, num_requests=p.num_requests,
+                    max_concurrency=p.max_concurrency, request_rate=p.request_rate, burstiness=p.burstiness,
+                    warmup=p.warmup, preset=name)
+        return cls(**{**base, **overrides})
+
+
+@dataclass
+class BenchRun:
+    config: BenchConfig
+    results: list[RequestResult]
+    summaries: dict[str, PhaseSummary]
+    hit_mismatches: list[str]  # the cache-check (and formal) requests whose hit was not the expected one
+    timelines: dict[str, RequestRecord]
+    out_dir: Path
+
+
+def server_info(base_url: str) -> tuple[int | None, str | None]:
+    """(vocab size the server declares, the pdcluster router's run dir) — None where not offered."""
+    vocab = run_dir = None
+    models = httpx.get(f"{base_url}/v1/models", timeout=10)
+    models.raise_for_status()
+    data = models.json().get("data") or [{}]
+    vocab = data[0].get("vocab_size")
+    r = httpx.get(f"{base_url}/pdc/run", timeout=10)
+    if r.status_code == 200:
+        run_dir = r.json().get("run_dir")
+    return vocab, run_dir
+
+
+def build_workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
+    if cfg.trace:
+        reqs = workloads.load_mooncake(cfg.trace, cfg.trace_block_size, cfg.engine_block_size, vocab_size=vocab_size,
+                                       seed=cfg.seed, limit=cfg.num_requests, time_scale=cfg.time_scale)
+    else:
+        formal = workloads.synthetic_shared_prefix(
+            cfg.num_requests, cfg.input_len, cfg.shared_prefix_ratio, cfg.output_len, cfg.num_prefixes,
+            cfg.engine_block_size, vocab_size=vocab_size, seed=cfg.seed, seeded=cfg.seed_phase)
+        if cfg.seed_phase:
+            prefixes = workloads.family_prefixes(cfg.num_prefixes, cfg.input_len, cfg.shared_prefix_ratio,
+                                                 vocab_size=vocab_size, seed=cfg.seed)
+            reqs = workloads.seed_protocol(formal, prefixes, block_size=cfg.engine_block_size,
+                                           vocab_size=vocab_size, seed=cfg.seed)
+        else:
+            reqs = formal
+    if cfg.warmup:
+        # Short prompts of their own seed: they share nothing with the workload.
+        warm = workloads.synthetic_shared_prefix(cfg.warmup, min(256, cfg.input_len), 0.0, min(8, cfg.output_len), 1,
+                                                 cfg.engine_block_size, vocab_size=vocab_size, seed=cfg.seed + 10_007)
+        reqs = [dataclasses.replace(r, phase="warmup", expected_cached_tokens=None) for r in warm] + reqs
+    return reqs
+
+
+def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
+    vocab, run_dir = server_info(cfg.base_url)
+    vocab = cfg.vocab_size or vocab
+    if vocab is None:
+        raise ValueError(f"{cfg.base_url} does not say its vocab size: pass --vocab-size")
+    requests = build_workload(cfg, vocab)
+    drive = DriveConfig(base_url=cfg.base_url, model=cfg.model, max_concurrency=cfg.max_concurrency,
+                        request_rate=cfg.request_rate, burstiness=cfg.burstiness, duration_s=cfg.duration_s,
+                        follow_timestamps=bool(cfg.trace) and not cfg.closed_loop, timeout_s=cfg.timeout_s,
+                        seed=cfg.seed, progress=cfg.progress)
+    results: list[RequestResult] = []
+    by_index = {r.index: r for r in requests}
+    for phase in PHASE_ORDER:
+        batch = [r for r in requests if r.phase == phase]
+        if not batch:
+            continue
+        t0 = time.monotonic()
+        # Seed and check phases fill and probe the cache: sent one family at a time, no rate cap.
+        phase_drive = drive if phase in ("formal", "warmup") else dataclasses.replace(
+            drive, request_rate=None, duration_s=None, follow_timestamps=False)
+        phase_results = asyncio.run(run_phase(batch, phase_drive, phase))
+        failed = sum(not r.ok for r in phase_results)
+        log(f"phase {phase}: {len(phase_results)} requests in {time.monotonic() - t0:.1f} s, {failed} failed")
+        results += phase_results
+    mismatches = workloads.check_hits(
+        (by_index[r.index], r.cached_tokens) for r in results if r.ok and r.phase in ("check", "formal"))
+    summaries = summarize_phases(results, cfg.max_concurrency)
+    timelines = {rec.request_id: rec for rec in load_run(run_dir).records} if run_dir else {}
+    out = Path(cfg.out or Path(".pdcluster/bench") / f"{cfg.preset or 'bench'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    config = {**dataclasses.asdict(cfg), "vocab_size": vocab, "timeline_run_dir": run_dir,
+              "hit_mismatches": mismatches}
+    write_run(out, results, summaries.values(), config, timelines or None)
+    return BenchRun(cfg, results, summaries, mismatches, timelines, out)
+
+
+def report(run: BenchRun) -> str:
+    """The formal window (or the last phase), its cache check, and the per-phase attribution beside it."""
+    parts = []
+    for phase, summary in run.summaries.items():
+        if phase in ("seed", "check"):
+            parts.append(f"{phase} phase: {summary.success_requests}/{summary.total_requests} ok in "
+                         f"{summary.benchmark_duration_s or 0:.1f} s")
+    main = run.summaries.get("formal") or next(reversed(run.summaries.values()), None)
+    if main is not None:
+        parts.append(format_summary(main))
+    parts.append("cache check: " + ("every reported cached_tokens matched the expectation" if not run.hit_mismatches
+                                    else f"{len(run.hit_mismatches)} mismatches:\n  " + "\n  ".join(
+                                        run.hit_mismatches[:10])))
+    joined = [run.timelines[r.request_id] for r in run.results
+              if r.phase == "formal" and r.request_id in run.timelines]
+    if joined:
+        parts.append(f"where the formal window's TTFT went (server side, {len(joined)} requests joined):")
+        parts.append(format_phase_breakdown(joined))
+    parts.append(f"written to {run.out_dir}/ (summary.json, summary.csv, requests.jsonl)")
+    return "\n".join(parts)
+
+
+def add_bench_commands(subparsers) -> None:
+    """`pdc bench run ...` on an existing `pdc` parser."""
+    bench = subparsers.add_parser("bench", help="replay loads against an OpenAI-compatible endpoint")
+    sub = bench.add_subparsers(dest="bench_cmd", required=True)
+    r = sub.add_parser("run", help="run a workload (a preset, a synthetic shared-prefix load, or a Mooncake trace)")
+    r.add_argument("--base-url", default=BenchConfig.base_url, help="server root, without /v1")
+    r.add_argument("--model", default=None)
+    r.add_argument("--preset", choices=sorted(PRESETS), default=None, help="c90 (production) or c90-tiny (this machine)")
+    w = r.add_argument_group("synthetic workload")
+    w.add_argument("--input-len", type=int)
+    w.add_argument("--shared-prefix-ratio", type=float)
+    w.add_argument("--output-len", type=int)
+    w.add_argument("--num-prefixes", type=int)
+    w.add_argument("--seed-phase", action=argparse.BooleanOptionalAction, default=None,
+                   help="seed and cache-check phases before the formal window")
+    t = r.add_argument_group("trace workload")
+    t.add_argument("--trace", help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids)")
+    t.add_argument("--trace-block-size", type=int)
+    t.add_argument("--time-scale", type=float, help="multiply trace timestamps (0.5: twice as fast)")
+    t.add_argument("--closed-loop", action="store_true", default=None, help="ignore the trace's timestamps")
+    ld = r.add_argument_group("load")
+    ld.add_argument("--num-requests", type=int)
+    ld.add_argument("--max-concurrency", type=int)
+    ld.add_argument("--request-rate", type=float, help="cap in requests/s (default: none, unless a preset sets one)")
+    ld.add_argument("--burstiness", type=float, help="1: Poisson arrivals, 0: fixed spacing, else gamma")
+    ld.add_argument("--duration", dest="duration_s", type=float, help="stop sending after this many seconds")
+    ld.add_argument("--warmup", type=int, help="warm-up requests, not counted")
+    r.add_argument("--vocab-size", type=int)
+    r.add_argument("--engine-block-size", type=int)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--timeout", dest="timeout_s", type=float)
+    r.add_argument("--out", help="output directory (default .pdcluster/bench/<preset>-<time>)")
+    r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    r.set_defaults(fn=_cmd_run)
+
+
+def _cmd_run(a) -> None:
+    import sys
+
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    given = {k: v for k, v in vars(a).items() if k in fields and v is not None and k != "preset"}
+    try:
+        cfg = BenchConfig.from_preset(a.preset, **given) if a.preset else BenchConfig(**given)
+        run = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, OSError, httpx.HTTPError) as err:
+        print(f"pdc bench: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(report(run))
