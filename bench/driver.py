@@ -132,4 +132,6 @@ async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) 
 def _progress(total: int, label: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=label, unit="req", disable=not enabled, leave=False, dynamic_ncols=True)
+    # disable=None: tqdm draws only on a terminal, so logs and CI output stay clean.
+    return tqdm(total=total, desc=label, unit="req", disable=None if enabled else True, leave=False,
+                dynamic_ncols=True)

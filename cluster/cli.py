@@ -161,7 +161,7 @@ def cmd_down(a) -> None:
 def cmd_demo(a) -> None:
     from pdcluster.cluster.demo import run_demo
 
-    run_demo(_load(a.spec))
+    run_demo(_load(a.spec), replay=None if a.no_replay else "c90-tiny")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         p.set_defaults(fn=fn)
     demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
     demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
+    demo.add_argument("--no-replay", action="store_true", help="skip the scaled C90 replay at the end")
     demo.set_defaults(fn=cmd_demo)
     from pdcluster.bench.run import add_bench_commands
     from pdcluster.router.timeline_cli import add_timeline_commands

@@ -1,7 +1,9 @@
-"""The README's main job: bring up a cluster, send a few requests, show usage, stop.
+"""The README's main job: bring up a cluster, send a few requests, replay a load, stop.
 
 One request is sent twice, so the second shows P's prefix-cache hit and that D
-already held the prefix (nothing transferred but the tail).
+already held the prefix (nothing transferred but the tail). Then the scaled C90
+load (bench/presets.py `c90-tiny`) replays through the router, and its AISBench
+summary is printed beside the per-phase attribution of its TTFT.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def _show(label: str, text: str, usage) -> None:
           f"transferred {pd.get('transferred_tokens')}")
 
 
-def run_demo(spec: ClusterSpec) -> None:
+def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
     import openai
     import ray
 
@@ -52,13 +54,14 @@ def run_demo(spec: ClusterSpec) -> None:
             if chunk.choices:
                 print(chunk.choices[0].text, end="", flush=True)
         print("\n(the model has random weights: the words are noise, the mechanics are real)")
+        if replay:
+            from pdcluster.bench.run import BenchConfig, report, run_bench
+
+            print(f"\n--- replaying the scaled C90 load ({replay}) through the router")
+            print(report(run_bench(BenchConfig.from_preset(replay, base_url=cluster.url))))
     finally:
         teardown(cluster)
         ray.shutdown()
         print("cluster stopped")
     if cluster.run_dir:
-        from pdcluster.router.timeline import load_run
-        from pdcluster.router.timeline_views import format_summary, summarize
-
-        print(f"\nwhere the time went (pdc timeline summary {cluster.run_dir}):")
-        print(format_summary(summarize(load_run(cluster.run_dir))))
+        print(f"every request's timeline: pdc timeline summary|report {cluster.run_dir}")
