@@ -39,7 +39,10 @@ class TinyShape:
     initializer_range: float = 0.25
 
 
-ARCHS = ("qwen3", "llama")
+ARCHS = ("qwen3", "llama", "gemma3")
+# gemma3: 5 sliding-window layers (window 256 tokens: two 128-token blocks) and 1 full-attention
+# layer, as the probes ran it; vLLM gives it one KV-cache group per kind.
+GEMMA3_WINDOW = 256
 
 
 def train_tokenizer(vocab_size: int = 2048):
@@ -65,7 +68,15 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
                     shape: TinyShape = TinyShape()) -> Path:
     """Write a tokenizer and a random-weight `arch` checkpoint to `out_dir`; return it."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -97,8 +108,15 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
-    config = config_cls(**common)
+    if arch == "gemma3":
+        common.update(num_hidden_layers=6, sliding_window=GEMMA3_WINDOW,
+                      layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=shape.head_dim)
+        config = Gemma3TextConfig(**common)
+        config.architectures = ["Gemma3ForCausalLM"]
+        model_cls = Gemma3ForCausalLM
+    else:
+        config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+        config = config_cls(**common)
     config.dtype = torch.float32
 
     torch.manual_seed(seed)

@@ -109,9 +109,24 @@ def test_plan_transfer_group_count_mismatch(kinds, remote, local_new, hits):
 
 
 def test_plan_transfer_unknown_kind():
-    with pytest.raises(PlanError, match=r"group 1: no transfer rule for 'sliding_window'"):
-        plan_transfer(("full_attention", "sliding_window"), ((1,), (2,)), ((3,), (4,)), (0, 0),
+    with pytest.raises(PlanError, match=r"group 1: no transfer rule for 'mamba'"):
+        plan_transfer(("full_attention", "mamba"), ((1,), (2,)), ((3,), (4,)), (0, 0),
                       d_cached_tokens=0, num_tokens=16)
+
+
+def test_sliding_window_pairs_d_window_blocks_with_p_tail():
+    # P holds its window's last 3 blocks; D allocated 2 (its own hit covers the first).
+    plan = plan_transfer(("full_attention", "sliding_window"), ((10, 11, 12, 13, 14), (22, 23, 24)),
+                         ((31, 32, 33, 34, 35), (41, 42)), (0, 0), d_cached_tokens=0, num_tokens=600)
+    assert plan.groups[1] == GroupPlan(1, "sliding_window", (23, 24), (41, 42))
+    assert plan.groups[0].remote_block_ids == (10, 11, 12, 13, 14)
+    # Bytes for the window group are bounded by the window, whatever the prompt length.
+    assert plan.groups[1].num_blocks == 2
+
+
+def test_sliding_window_more_d_blocks_than_p_holds_is_an_error():
+    with pytest.raises(PlanError, match="group 0: D wants 3 window blocks, P holds only 2"):
+        plan_transfer(("sliding_window",), ((1, 2),), ((5, 6, 7),), (0,), d_cached_tokens=0, num_tokens=300)
 
 
 def test_transfer_plan_num_blocks_sums_groups():

@@ -31,8 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
 from pdcluster.transfer.grpc_server import KvServer
@@ -100,17 +101,30 @@ class PullTimings(KVConnectorWorkerMetadata):
 
 
 def _group_kinds(kv_cache_config: KVCacheConfig) -> tuple[GroupKind, ...]:
-    kinds = []
+    kinds: list[GroupKind] = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if type(spec) is not FullAttentionSpec:
+        if type(spec) is FullAttentionSpec:
+            kinds.append("full_attention")
+        elif type(spec) is SlidingWindowSpec:
+            kinds.append("sliding_window")
+        else:
             raise NotImplementedError(f"KV-cache group {i} is {type(spec).__name__}: pdcluster transfers "
-                                      f"full-attention groups only so far")
-        kinds.append("full_attention")
+                                      f"full-attention and sliding-window groups so far")
     return tuple(kinds)
 
 
-class PdcConnector(KVConnectorBase_V1):
+def _window_blocks(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """Per group, how many trailing blocks hold the window (0: not a window group).
+    cdiv(window, block) + 1: the window rarely starts on a block boundary."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        out.append(-(-spec.sliding_window // spec.block_size) + 1 if type(spec) is SlidingWindowSpec else 0)
+    return tuple(out)
+
+
+class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = vllm_config.kv_transfer_config
@@ -118,6 +132,8 @@ class PdcConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config or {})
         self.block_size: int = vllm_config.cache_config.block_size
         self.kinds = _group_kinds(kv_cache_config)
+        self.window_blocks = _window_blocks(kv_cache_config)
+        self.null_block_id: int | None = None  # set by bind_gpu_block_pool (scheduler side)
         self.is_producer = cfg.is_kv_producer
         # Scheduler side ----------------------------------------------------
         self._pending = PdcMetadata()
@@ -185,10 +201,18 @@ class PdcConnector(KVConnectorBase_V1):
         meta, self._pending = self._pending, PdcMetadata()
         return meta
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self.null_block_id = gpu_block_pool.null_block.block_id
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this one when the hybrid KV cache manager is off (one group).
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
         if self.is_producer and params.get(PRODUCE_KEY):
-            return self._finish_prefill(request, (tuple(block_ids),))
+            return self._finish_prefill(request, tuple(tuple(g) for g in block_ids))
         handle = self._handle_of(request)
         if handle is None:
             return False, None
@@ -206,7 +230,14 @@ class PdcConnector(KVConnectorBase_V1):
             return False, None  # aborted or errored: nothing for D
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         n_blocks = blocks_for(num_tokens, self.block_size)
-        held = tuple(tuple(g[:n_blocks]) for g in block_ids)
+        held = []
+        for g, ids in enumerate(block_ids):
+            ids = ids[:n_blocks]
+            if self.window_blocks[g]:
+                # P freed the out-of-window blocks (now null): only the window's tail is held.
+                ids = tuple(b for b in ids[-self.window_blocks[g]:] if b != self.null_block_id)
+            held.append(tuple(ids))
+        held = tuple(held)
         self._pending.leases.append(LeaseStart(request.request_id, held))
         handle = TransferHandle(engine_id=self.engine_id, address=self._advertised_address(),
                                 request_id=request.request_id, block_ids=held, num_tokens=num_tokens)

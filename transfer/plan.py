@@ -5,7 +5,8 @@ rules are unit-tested on their own. The plan is per group because each kind of
 state moves differently (vLLM's KVCacheConfig.kv_cache_groups):
 
 - full attention: every block past what D's prefix cache already holds;
-- (next) sliding window: only blocks covering the last `window` tokens;
+- sliding window: only the blocks covering the last `window` tokens (vLLM
+  allocates D no others: out-of-window positions get its null block);
 - (next) compressed buffers and recurrent state: their own, fewer, blocks.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-GroupKind = Literal["full_attention"]
+GroupKind = Literal["full_attention", "sliding_window"]
 
 
 class PlanError(ValueError):
@@ -67,6 +68,16 @@ def plan_full_attention(group: int, remote: tuple[int, ...], local_new: tuple[in
     return GroupPlan(group, "full_attention", tuple(wanted), tuple(local_new))
 
 
+def plan_window_tail(group: int, remote_tail: tuple[int, ...], local_new: tuple[int, ...]) -> GroupPlan:
+    """Pair D's window blocks with P's last blocks: both lists end at the prompt's last block.
+
+    `remote_tail` holds P's in-window blocks (P freed the older ones); `local_new`
+    the blocks D allocated for the window past its own hit."""
+    if len(local_new) > len(remote_tail):
+        raise PlanError(f"group {group}: D wants {len(local_new)} window blocks, P holds only {len(remote_tail)}")
+    return GroupPlan(group, "sliding_window", remote_tail[len(remote_tail) - len(local_new):], tuple(local_new))
+
+
 def plan_transfer(kinds: tuple[GroupKind, ...], remote: tuple[tuple[int, ...], ...],
                   local_new: tuple[tuple[int, ...], ...], num_local_hit_blocks: tuple[int, ...],
                   d_cached_tokens: int, num_tokens: int) -> TransferPlan:
@@ -75,7 +86,10 @@ def plan_transfer(kinds: tuple[GroupKind, ...], remote: tuple[tuple[int, ...], .
                         f"D hits {len(num_local_hit_blocks)}: P and D run different models or KV layouts")
     groups = []
     for g, kind in enumerate(kinds):
-        if kind != "full_attention":
+        if kind == "full_attention":
+            groups.append(plan_full_attention(g, remote[g], local_new[g], num_local_hit_blocks[g]))
+        elif kind == "sliding_window":
+            groups.append(plan_window_tail(g, remote[g], local_new[g]))
+        else:
             raise PlanError(f"group {g}: no transfer rule for {kind!r} yet")
-        groups.append(plan_full_attention(g, remote[g], local_new[g], num_local_hit_blocks[g]))
     return TransferPlan(tuple(groups), d_cached_tokens, num_tokens - d_cached_tokens)

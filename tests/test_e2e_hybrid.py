@@ -1,0 +1,87 @@
+"""End to end on a hybrid model: tiny Gemma3 (5 sliding-window layers, window 256, + 1 full layer).
+
+The connector supports vLLM's hybrid KV cache manager (SupportsHMA), so each
+layer kind keeps its own KV-cache group, and a window group moves only the
+blocks its window covers. Tokens must equal a single engine's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+
+from e2e import MODEL_CACHE, cluster_spec_for, complete, wait_until
+from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, make_tiny_model
+from pdcluster.router.timeline import load_run
+
+pytestmark = pytest.mark.e2e
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    path = MODEL_CACHE / "tiny-gemma3"
+    if not (path / "model.safetensors").exists():
+        make_tiny_model(path, arch="gemma3", seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    spec = cluster_spec_for("e2e-gemma3", model={"path": model_dir, "name": "tiny-qwen3"})
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    c = build_cluster(spec)
+    yield c
+    teardown(c)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(cluster, model_dir):
+    """Prompts around the window and block boundaries, some extending earlier ones (D holds a prefix)."""
+    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(model_dir, "0")
+    rng = random.Random(11)
+    base = [rng.randrange(3, 1000) for _ in range(3000)]
+    prompts = [base[:n] for n in (100, 255, 256, 257, 300, 600, 1000, 1000, 1500, 3000)]
+    prompts.append([rng.randrange(3, 1000) for _ in range(700)])
+    out = []
+    for p in prompts:
+        r = complete(cluster.url, p, 8)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        out.append((p, body, ray.get(reference.greedy.remote(p, 8))))
+    return out
+
+
+def test_tokens_equal_a_single_engine(served):
+    mismatches = [(len(p), body["choices"][0]["token_ids"], want) for p, body, want in served
+                  if body["choices"][0]["token_ids"] != want]
+    assert not mismatches, mismatches
+
+
+def test_window_groups_move_only_the_window(cluster, served):
+    records = {r.request_id: r for r in load_run(cluster.run_dir).records}
+    for prompt, body, _ in served:
+        rec = records[body["id"]]
+        n, hit = len(prompt), rec.d_cached_tokens
+        n_blocks, hit_blocks = -(-n // BLOCK), hit // BLOCK
+        # vLLM keeps a window layer's blocks from the one holding token n - window on.
+        first_window_block = max(0, n - GEMMA3_WINDOW + 1) // BLOCK
+        expected_window = n_blocks - max(hit_blocks, first_window_block)
+        kinds = [g.blocks for g in rec.transfer_groups]
+        assert len(kinds) == 6, kinds  # 5 window groups + 1 full-attention group (HMA on)
+        full = max(rec.transfer_groups, key=lambda g: g.blocks)
+        assert full.blocks == n_blocks - hit_blocks, (n, hit, kinds)
+        window_counts = sorted(g.blocks for g in rec.transfer_groups)[:5]
+        assert window_counts == [expected_window] * 5, (n, hit, kinds)
+        assert expected_window <= -(-GEMMA3_WINDOW // BLOCK) + 1  # bounded by the window, not the prompt
+
+
+def test_no_blocks_leak(cluster, served):
+    for inst in cluster.instances:
+        wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, 10,
+                   what=f"{inst.name} KV usage back to 0")
