@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 class TinyModelSpec(_Strict):
     """Generate a tiny random-weight model at `model.path` if it is missing."""
 
-    arch: Literal["qwen3", "llama", "gemma3"] = "qwen3"
+    arch: Literal["qwen3", "llama", "gemma3", "gptoss"] = "qwen3"
     seed: int = 0
 
 

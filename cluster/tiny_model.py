@@ -39,10 +39,12 @@ class TinyShape:
     initializer_range: float = 0.25
 
 
-ARCHS = ("qwen3", "llama", "gemma3")
+ARCHS = ("qwen3", "llama", "gemma3", "gptoss")
 # gemma3: 5 sliding-window layers (window 256 tokens: two 128-token blocks) and 1 full-attention
 # layer, as the probes ran it; vLLM gives it one KV-cache group per kind.
 GEMMA3_WINDOW = 256
+# gptoss: 4 layers alternating sliding window (128) and full attention, attention sinks, 8 experts (top 2).
+GPTOSS_WINDOW = 128
 
 
 def train_tokenizer(vocab_size: int = 2048):
@@ -71,6 +73,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
@@ -114,6 +118,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
         config = Gemma3TextConfig(**common)
         config.architectures = ["Gemma3ForCausalLM"]
         model_cls = Gemma3ForCausalLM
+    elif arch == "gptoss":
+        common.update(num_hidden_layers=4, sliding_window=GPTOSS_WINDOW, intermediate_size=shape.hidden_size,
+                      layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=8,
+                      num_experts_per_tok=2, tie_word_embeddings=False)
+        config = GptOssConfig(**common)
+        config.architectures = ["GptOssForCausalLM"]
+        model_cls = GptOssForCausalLM
     else:
         config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
         config = config_cls(**common)
