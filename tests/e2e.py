@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,23 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return parse_spec(data)
+
+
+@contextmanager
+def running_cluster(spec: ClusterSpec):
+    """A local Ray and a cluster on it for one test module; both gone afterwards, even on failure."""
+    import ray
+    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        cluster = build_cluster(spec)
+        try:
+            yield cluster
+        finally:
+            teardown(cluster)
+    finally:
+        ray.shutdown()
 
 
 def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:

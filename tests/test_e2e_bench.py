@@ -7,11 +7,8 @@ expectation after the seed phase, and each request is joined with its timeline.
 from __future__ import annotations
 
 import pytest
-import ray
-
-from e2e import cluster_spec_for
+from e2e import cluster_spec_for, running_cluster
 from pdcluster.bench.run import BenchConfig, report, run_bench
-from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 
 pytestmark = pytest.mark.e2e
 
@@ -19,11 +16,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def cluster():
     spec = cluster_spec_for("e2e-bench")
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    c = build_cluster(spec)
-    yield c
-    teardown(c)
-    ray.shutdown()
+    with running_cluster(spec) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import yaml
-
 from e2e import cluster_spec_for
 from test_cli import pdc
 

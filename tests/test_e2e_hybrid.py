@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-
-from e2e import MODEL_CACHE, cluster_spec_for, complete, wait_until
-from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from e2e import MODEL_CACHE, cluster_spec_for, complete, running_cluster, wait_until
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
 from pdcluster.router.timeline import load_run
@@ -54,11 +52,8 @@ def model_dir(hybrid):
 @pytest.fixture(scope="module")
 def cluster(model_dir, hybrid):
     spec = cluster_spec_for(f"e2e-{hybrid.arch}", model={"path": model_dir, "name": "tiny-qwen3"})
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    c = build_cluster(spec)
-    yield c
-    teardown(c)
-    ray.shutdown()
+    with running_cluster(spec) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import httpx
 import openai
 import pytest
 import ray
-from e2e import cluster_spec_for, complete, tiny_model_dir, wait_until
-from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir, wait_until
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.router.attribution import attribute
@@ -29,11 +28,8 @@ BLOCK = 128
 @pytest.fixture(scope="module")
 def cluster():
     spec = cluster_spec_for("e2e-p1d1")
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    c = build_cluster(spec)
-    yield c
-    teardown(c)
-    ray.shutdown()
+    with running_cluster(spec) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ import random
 
 import pytest
 import ray
-
-from e2e import cluster_spec_for, free_port, wait_until
-from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from e2e import cluster_spec_for, free_port, running_cluster, wait_until
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.transfer.handle import TransferHandle
 
@@ -23,11 +21,8 @@ pytestmark = pytest.mark.e2e
 def cluster():
     # A short lease: the broken pull never releases P's blocks, so expiry must.
     spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute", "lease_s": 3})
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    c = build_cluster(spec)
-    yield c
-    teardown(c)
-    ray.shutdown()
+    with running_cluster(spec) as c:
+        yield c
 
 
 def pd_tokens(cluster, request_id, prompt, break_handle=False):

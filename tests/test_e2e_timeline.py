@@ -11,10 +11,7 @@ import time
 
 import httpx
 import pytest
-import ray
-
-from e2e import cluster_spec_for
-from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+from e2e import cluster_spec_for, running_cluster
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
 
@@ -29,11 +26,8 @@ TTFT_TOLERANCE_MS = 20.0
 @pytest.fixture(scope="module")
 def cluster():
     spec = cluster_spec_for("e2e-timeline")
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    c = build_cluster(spec)
-    yield c
-    teardown(c)
-    ray.shutdown()
+    with running_cluster(spec) as c:
+        yield c
 
 
 def stream_ttft(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, float]:

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-
 from pdcluster.transfer.leases import LeaseError, LeaseTable
 
 BLOCKS = ((3, 5, 8),)
