@@ -51,7 +51,6 @@ def _ray_bin() -> str:
 def _connect(address: str | None) -> bool:
     """Connect to Ray at `address` (or a local one, started if needed). True if we started it."""
     import ray
-
     from pdcluster.cluster.launch import NAMESPACE
 
     started = False
@@ -102,7 +101,6 @@ def _states(name: str | None) -> list[dict]:
 
 def cmd_status(a) -> None:
     import ray
-
     from pdcluster.cluster.launch import find_actors
 
     states = _states(a.name)
@@ -136,7 +134,6 @@ def cmd_status(a) -> None:
 
 def cmd_down(a) -> None:
     import ray
-
     from pdcluster.cluster.launch import find_actors
 
     states = _states(a.name)

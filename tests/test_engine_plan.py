@@ -46,3 +46,23 @@ def test_error_policy_and_extra_args():
     p = plan_instance(spec(transfer={"on_failure": "error"}, engine={"extra": {"swap_space": 0}}), "decode", 0)
     assert p.engine_args["kv_transfer_config"]["kv_load_failure_policy"] == "fail"
     assert p.engine_args["swap_space"] == 0
+
+
+def test_nixl_connector_instead_of_ours():
+    s = spec(transfer={"connector": "nixl", "base_port": 19000})
+    p, d = plan_instance(s, "prefill", 1), plan_instance(s, "decode", 0)
+    for inst in (p, d):
+        kv = inst.engine_args["kv_transfer_config"]
+        assert (kv["kv_connector"], kv["kv_role"], kv["kv_buffer_device"]) == ("NixlConnector", "kv_both", "cpu")
+        assert inst.env["PYTHONPATH"].split(":")[0].endswith("transfer/nixl_cpu")
+    # A side channel per engine: P i on base + i, D j after the P instances.
+    assert (p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("19001", "19002")
+
+
+def test_nixl_ports_cover_decode_instances_too():
+    import pytest
+    from pdcluster.cluster.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"router.port \(19002\) falls in the KV ports 19000..19002"):
+        spec(transfer={"connector": "nixl", "base_port": 19000}, router={"port": 19002})
+    spec(transfer={"connector": "pdc", "base_port": 19000}, router={"port": 19002})  # ours: P ports only

@@ -1,0 +1,41 @@
+"""End to end with vLLM's own NixlConnector selected in the spec (`transfer.connector: nixl`).
+
+The same launcher, router and timelines run with either connector, so users can
+compare them; here the tokens must still equal a single engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import ray
+
+from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir
+from pdcluster.cluster.reference_engine import ReferenceEngine
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):  # CI's set-up installs it: its absence is a failure there
+            raise
+        pytest.skip("nixl is not installed (deploy/setup.sh installs it on CPU)")
+    with running_cluster(cluster_spec_for("e2e-nixl", transfer={"connector": "nixl"})) as c:
+        yield c
+
+
+def test_nixl_cluster_matches_a_single_engine(cluster):
+    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (300, 1000, 3000)]
+    for p in prompts + prompts[1:2]:  # the repeat hits P's prefix cache
+        r = complete(cluster.url, p, 8, timeout=180)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ray.get(reference.greedy.remote(p, 8)), len(p)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 896
