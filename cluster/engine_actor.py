@@ -45,7 +45,13 @@ class InstancePlan:
     engine_id: str
     engine_args: dict[str, Any]
     env: dict[str, str]
-    kv_port: int | None  # P only
+    kv_port: int | None  # P's KV server (ours), or the engine's NIXL side channel
+
+    @property
+    def kv_address(self) -> str | None:
+        return f"{self.kv_host}:{self.kv_port}" if self.kv_port is not None else None
+
+    kv_host: str = "127.0.0.1"
 
 
 def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
@@ -95,7 +101,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     bind = getattr(spec, role).resources.cpu_bind
     if bind is not None and device.bind_env is not None:
         env[device.bind_env] = bind[index]
-    return InstancePlan(name, role, index, engine_id, args, env, kv_port)
+    return InstancePlan(name, role, index, engine_id, args, env, kv_port, spec.transfer.host)
 
 
 def _nixl_cpu_fixes() -> str:
@@ -178,11 +184,8 @@ class EngineActor:
         import ray
 
         p = self.plan
-        kv_address = None
-        if p.kv_port is not None:
-            kv_address = f"{p.engine_args['kv_transfer_config']['kv_connector_extra_config']['host']}:{p.kv_port}"
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
-                            pid=os.getpid(), kv_address=kv_address, engine_id=p.engine_id, started_s=self.started_s)
+                            pid=os.getpid(), kv_address=p.kv_address, engine_id=p.engine_id, started_s=self.started_s)
 
     def clock(self) -> int:
         """This host's monotonic clock, which vLLM's engine timestamps use: the router

@@ -18,7 +18,7 @@ def spec(**overrides):
 def test_prefill_instance_is_a_producer_on_its_own_port():
     p = plan_instance(spec(), "prefill", 1)
     kv = p.engine_args["kv_transfer_config"]
-    assert (p.name, p.engine_id, p.kv_port) == ("prefill-1", "c-prefill-1", 19001)
+    assert (p.name, p.engine_id, p.kv_address) == ("prefill-1", "c-prefill-1", "127.0.0.1:19001")
     assert kv["kv_role"] == "kv_producer" and kv["engine_id"] == "c-prefill-1"
     assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
     assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "port": 19001, "lease_s": 7.0,
@@ -57,6 +57,7 @@ def test_nixl_connector_instead_of_ours():
         assert inst.env["PYTHONPATH"].split(":")[0].endswith("transfer/nixl_cpu")
     # A side channel per engine: P i on base + i, D j after the P instances.
     assert (p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("19001", "19002")
+    assert (p.kv_address, d.kv_address) == ("127.0.0.1:19001", "127.0.0.1:19002")
 
 
 def test_nixl_ports_cover_decode_instances_too():
