@@ -99,6 +99,16 @@ def _states(name: str | None) -> list[dict]:
     return [json.loads(f.read_text()) for f in files if f.exists()]
 
 
+def _join_ray(st: dict) -> None:
+    """Connect to the Ray cluster a `pdc up` state file names (once per process)."""
+    import ray
+
+    from pdcluster.cluster.launch import NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(address=st["ray_address"] or "auto", namespace=NAMESPACE, log_to_driver=False)
+
+
 def cmd_status(a) -> None:
     import ray
     from pdcluster.cluster.launch import find_actors
@@ -109,8 +119,7 @@ def cmd_status(a) -> None:
         return
     for st in states:
         try:
-            if not ray.is_initialized():
-                ray.init(address=st["ray_address"] or "auto", namespace="pdcluster", log_to_driver=False)
+            _join_ray(st)
         except (ConnectionError, RuntimeError) as err:
             print(f"{st['name']}: Ray is not reachable ({err})")
             continue
@@ -141,8 +150,7 @@ def cmd_down(a) -> None:
         _fail("no cluster started by pdc up" + (f" named {a.name!r}" if a.name else ""), code=1)
     for st in states:
         try:
-            if not ray.is_initialized():
-                ray.init(address=st["ray_address"] or "auto", namespace="pdcluster", log_to_driver=False)
+            _join_ray(st)
             for full, handle in find_actors(st["name"]).items():
                 ray.kill(handle, no_restart=True)
                 print(f"stopped {full}")
