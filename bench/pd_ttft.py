@@ -25,6 +25,7 @@ COLUMNS = ("p_prefill_ms", "d_ttft_ms", "pd_ttft_ms", "single_ttft_ms")
 
 def measure(cluster, reference, prompt: list[int], rid: str) -> dict:
     import ray
+
     from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 
     p, d = cluster.prefill[0].actor, cluster.decode[0].actor
@@ -62,6 +63,7 @@ def main() -> None:
     max_len = max(sizes) + 128
 
     import ray
+
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
     from pdcluster.cluster.reference_engine import ReferenceEngine
     from pdcluster.cluster.spec import parse_spec

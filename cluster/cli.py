@@ -51,6 +51,7 @@ def _ray_bin() -> str:
 def _connect(address: str | None) -> bool:
     """Connect to Ray at `address` (or a local one, started if needed). True if we started it."""
     import ray
+
     from pdcluster.cluster.launch import NAMESPACE
 
     started = False
@@ -111,6 +112,7 @@ def _join_ray(st: dict) -> None:
 
 def cmd_status(a) -> None:
     import ray
+
     from pdcluster.cluster.launch import find_actors
 
     states = _states(a.name)
@@ -143,6 +145,7 @@ def cmd_status(a) -> None:
 
 def cmd_down(a) -> None:
     import ray
+
     from pdcluster.cluster.launch import find_actors
 
     states = _states(a.name)

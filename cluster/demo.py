@@ -29,6 +29,7 @@ def _show(label: str, text: str, usage) -> None:
 def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
     import openai
     import ray
+
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 
     ray.init(address=spec.ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,

@@ -215,8 +215,9 @@ class EngineActor:
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
-        from pdcluster.transfer.connector import D_STATS_KEY
         from vllm.inputs import TokensPrompt
+
+        from pdcluster.transfer.connector import D_STATS_KEY
 
         sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req.handle))
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,

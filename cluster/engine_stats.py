@@ -7,8 +7,9 @@ reaching into the EngineCore process.
 
 from __future__ import annotations
 
-from pdcluster.cluster.messages import EngineLoad
 from vllm.v1.metrics.loggers import StatLoggerBase
+
+from pdcluster.cluster.messages import EngineLoad
 
 
 class LatestSchedulerStats(StatLoggerBase):

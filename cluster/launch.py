@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+
 from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.engine_actor import EngineActor
 from pdcluster.cluster.messages import InstanceInfo, Role

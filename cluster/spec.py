@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pdcluster.cluster.devices import DEVICES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdcluster.cluster.devices import DEVICES
 
 
 class SpecError(ValueError):

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
 from pdcluster.cluster.spec import ClusterSpec, parse_spec
 
 MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve().parent.parent / ".pdcluster" / "models"))
@@ -51,6 +52,7 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
 def running_cluster(spec: ClusterSpec):
     """A local Ray and a cluster on it for one test module; both gone afterwards, even on failure."""
     import ray
+
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)

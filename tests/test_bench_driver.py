@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fake_openai import FakeServerState, serve_fake
+
 from pdcluster.bench.driver import DriveConfig, run_phase
 from pdcluster.bench.records import BenchRequest
 

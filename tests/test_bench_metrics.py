@@ -7,6 +7,7 @@ approx only guards the few sums and divisions that are not.
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.bench.metrics import Failure, per_request, percentile, stats, summarize, summarize_phases
 from pdcluster.bench.records import RequestResult
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 import pytest
+
 from pdcluster.bench.metrics import summarize_phases
 from pdcluster.bench.outputs import CSV_HEADER, format_phase_breakdown, format_summary, write_run
 from pdcluster.bench.records import RequestResult

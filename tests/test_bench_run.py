@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from fake_openai import FakeServerState, serve_fake
+
 from pdcluster.bench.run import BenchConfig, build_workload, report, run_bench
 
 

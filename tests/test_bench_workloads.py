@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from pdcluster.bench.records import BenchRequest
 from pdcluster.bench.workloads import (
     check_hits,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from e2e import cluster_spec_for, running_cluster
+
 from pdcluster.bench.run import BenchConfig, report, run_bench
 
 pytestmark = pytest.mark.e2e

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import ray
 from e2e import MODEL_CACHE, cluster_spec_for, complete, running_cluster, wait_until
+
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
 from pdcluster.router.timeline import load_run

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import ray
-
 from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir
+
 from pdcluster.cluster.reference_engine import ReferenceEngine
 
 pytestmark = pytest.mark.e2e

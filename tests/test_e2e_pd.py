@@ -15,6 +15,7 @@ import openai
 import pytest
 import ray
 from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir, wait_until
+
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.router.attribution import attribute

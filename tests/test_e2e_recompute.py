@@ -11,6 +11,7 @@ import random
 import pytest
 import ray
 from e2e import cluster_spec_for, free_port, running_cluster, wait_until
+
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.transfer.handle import TransferHandle
 

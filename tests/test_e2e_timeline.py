@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from e2e import cluster_spec_for, running_cluster
+
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
 

@@ -62,6 +62,7 @@ def test_nixl_connector_instead_of_ours():
 
 def test_nixl_ports_cover_decode_instances_too():
     import pytest
+
     from pdcluster.cluster.spec import SpecError
 
     with pytest.raises(SpecError, match=r"router.port \(19002\) falls in the KV ports 19000..19002"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults, TransferError

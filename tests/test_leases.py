@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from pdcluster.transfer.leases import LeaseError, LeaseTable
 
 BLOCKS = ((3, 5, 8),)

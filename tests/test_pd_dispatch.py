@@ -11,6 +11,8 @@ import asyncio
 import time
 
 import pytest
+from ray.exceptions import ActorDiedError, RayActorError
+
 from pdcluster.cluster.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -22,7 +24,6 @@ from pdcluster.cluster.messages import (
 from pdcluster.router import pd_dispatch
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
-from ray.exceptions import ActorDiedError, RayActorError
 
 CARD = ModelCard(name="tiny", max_model_len=64, vocab_size=100)
 SAMPLING = SamplingSpec(max_tokens=4)

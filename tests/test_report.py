@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from test_timeline_views import sample_records, write_run
+
 from pdcluster.router.report import render_report, write_report
 from pdcluster.router.timeline import load_run
 from pdcluster.router.timeline_cli import add_timeline_commands
-from test_timeline_views import sample_records, write_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+
 from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.cluster.tiny_model import make_tiny_model
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 from pdcluster.router.timeline import (
     ClockOffset,
     GroupTransfer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdcluster.cluster.tiny_model import ARCHS, CORPUS_DIR, make_tiny_model
 
 

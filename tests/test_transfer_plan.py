@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdcluster.transfer.handle import HANDLE_KEY, HandleError, TransferHandle
 from pdcluster.transfer.plan import GroupPlan, PlanError, TransferPlan, blocks_for, plan_full_attention, plan_transfer
 

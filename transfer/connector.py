@@ -33,14 +33,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
 from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.handle import PRODUCE_KEY, HandleError, TransferHandle
 from pdcluster.transfer.leases import LeaseTable
 from pdcluster.transfer.paged_kv import PagedKv
-from pdcluster.transfer.plan import GroupKind, TransferPlan, blocks_for, plan_transfer
+from pdcluster.transfer.plan import TransferPlan, blocks_for, plan_transfer
 
 if TYPE_CHECKING:
     import torch
@@ -100,39 +100,13 @@ class PullTimings(KVConnectorWorkerMetadata):
         return PullTimings({**self.pulls, **other.pulls})
 
 
-def _group_kinds(kv_cache_config: KVCacheConfig) -> tuple[GroupKind, ...]:
-    kinds: list[GroupKind] = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if type(spec) is FullAttentionSpec:
-            kinds.append("full_attention")
-        elif type(spec) is SlidingWindowSpec:
-            kinds.append("sliding_window")
-        else:
-            raise NotImplementedError(f"KV-cache group {i} is {type(spec).__name__}: pdcluster transfers "
-                                      f"full-attention and sliding-window groups so far")
-    return tuple(kinds)
-
-
-def _window_blocks(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
-    """Per group, how many trailing blocks hold the window (0: not a window group).
-    cdiv(window, block) + 1: the window rarely starts on a block boundary."""
-    out = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        out.append(-(-spec.sliding_window // spec.block_size) + 1 if type(spec) is SlidingWindowSpec else 0)
-    return tuple(out)
-
-
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = vllm_config.kv_transfer_config
         self.engine_id: str = cfg.engine_id
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config or {})
-        self.block_size: int = vllm_config.cache_config.block_size
-        self.kinds = _group_kinds(kv_cache_config)
-        self.window_blocks = _window_blocks(kv_cache_config)
+        self.groups = describe_groups(kv_cache_config)
         self.null_block_id: int | None = None  # set by bind_gpu_block_pool (scheduler side)
         self.is_producer = cfg.is_kv_producer
         # Scheduler side ----------------------------------------------------
@@ -165,18 +139,18 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
             plan = plan_transfer(
-                self.kinds, handle.block_ids, tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()),
+                tuple(g.kind for g in self.groups), handle.block_ids, tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()),
                 hit_blocks, d_cached_tokens=handle.num_tokens - num_external_tokens, num_tokens=handle.num_tokens)
         self._pending.loads.append(LoadJob(request.request_id, handle, plan))
         self._d_stats[request.request_id] = self._report(plan)
 
     def _report(self, plan: TransferPlan) -> dict:
-        page_bytes = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in self._kv_cache_config.kv_cache_groups]
-        blocks = [0] * len(self.kinds)
+        blocks = [0] * len(self.groups)
         for g in plan.groups:
             blocks[g.group] = g.num_blocks
         return {"d_cached_tokens": plan.d_cached_tokens, "transferred_tokens": plan.transferred_tokens,
-                "blocks_per_group": blocks, "bytes_per_group": [n * b for n, b in zip(blocks, page_bytes)]}
+                "blocks_per_group": blocks,
+                "bytes_per_group": [n * g.page_bytes for n, g in zip(blocks, self.groups)]}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         now_ns = time.monotonic_ns()
@@ -195,7 +169,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             report = self._d_stats.get(request_id)
             if report is not None:
                 report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed",
-                              blocks_per_group=[0] * len(self.kinds))
+                              blocks_per_group=[0] * len(self.groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending = self._pending, PdcMetadata()
@@ -229,13 +203,12 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or errored: nothing for D
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        n_blocks = blocks_for(num_tokens, self.block_size)
         held = []
-        for g, ids in enumerate(block_ids):
-            ids = ids[:n_blocks]
-            if self.window_blocks[g]:
+        for group, ids in zip(self.groups, block_ids):
+            ids = ids[:blocks_for(num_tokens, group.block_size)]
+            if group.window_blocks:
                 # P freed the out-of-window blocks (now null): only the window's tail is held.
-                ids = tuple(b for b in ids[-self.window_blocks[g]:] if b != self.null_block_id)
+                ids = tuple(b for b in ids[-group.window_blocks:] if b != self.null_block_id)
             held.append(tuple(ids))
         held = tuple(held)
         self._pending.leases.append(LeaseStart(request.request_id, held))
