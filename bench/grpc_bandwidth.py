@@ -28,21 +28,24 @@ def _tensors(num_blocks: int, fill: bool):
 
 def _serve(num_blocks: int, chunk_bytes: int, lease_ids: list[int], ready, stop) -> None:
     from pdcluster.transfer.grpc_server import KvServer
-    from pdcluster.transfer.leases import LeaseTable
     from pdcluster.transfer.paged_kv import PagedKv
+    from pdcluster.transfer.sources import SourceTable
 
-    kv = PagedKv(_tensors(num_blocks, fill=True), {f"layer.{i}": 0 for i in range(LAYERS)}, num_blocks)
-    leases = LeaseTable()
-    server = KvServer("bench-P", kv, leases, "127.0.0.1", 0, chunk_bytes)
-    ready.put((server.address, leases_adder(leases, lease_ids)))
+    layers = {f"layer.{i}": 0 for i in range(LAYERS)}
+    kv = PagedKv(_tensors(num_blocks, fill=True), layers, num_blocks)
+    sources = SourceTable(layers, (BLOCK_SHAPE[1],))
+    server = KvServer("bench-P", kv, sources, "127.0.0.1", 0, chunk_bytes)
+    ready.put((server.address, sources_adder(sources, lease_ids)))
     stop.wait()
     server.stop()
 
 
-def leases_adder(leases, ids):
-    # Many leases over the same blocks: one per trial (a released lease cannot be read again).
+def sources_adder(sources, ids):
+    # Many finished prefills over the same blocks: one per trial (a released source cannot be read again).
     for t in range(64):
-        leases.add(f"r{t}", (tuple(ids),), lease_s=3600)
+        sources.step(f"r{t}", f"r{t}", len(ids) * BLOCK_SHAPE[1], (tuple(ids),), len(ids) * BLOCK_SHAPE[1])
+        sources.step_done()
+        sources.finish(f"r{t}", lease_s=3600)
     return len(ids)
 
 
@@ -64,15 +67,16 @@ def main() -> None:
     for mb in (float(x) for x in a.mb.split(",")):
         n = max(1, int(mb * 1e6 // block_bytes))
         ready, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_serve, args=(n, int(a.chunk_mb * 2**20), list(range(n)), ready, stop))
+        # Block 0 is vLLM's null block, never served: P's blocks are 1..n.
+        proc = ctx.Process(target=_serve, args=(n + 1, int(a.chunk_mb * 2**20), list(range(1, n + 1)), ready, stop))
         proc.start()
         address, _ = ready.get(timeout=60)
         kv = PagedKv(_tensors(n, fill=False), {f"layer.{i}": 0 for i in range(LAYERS)}, n)
         fetcher = KvFetcher("bench-D", kv, timeout_s=120)
         times = []
         for t in range(a.trials + 1):  # the first pull opens the channel: not timed
-            plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(n)), tuple(range(n))),), 0, n * 128)
-            handle = TransferHandle("bench-P", address, f"r{t}", (tuple(range(n)),), n * 128)
+            plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(n)), tuple(range(n))),), 0, n * BLOCK_SHAPE[1])
+            handle = TransferHandle("bench-P", address, f"r{t}", n * BLOCK_SHAPE[1])
             t0 = time.perf_counter()
             fetcher.submit(LoadJob(f"d{t}", handle, plan))
             while not (res := fetcher.take_results()).finished:

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pdcluster.cluster.devices import DEVICES
@@ -30,6 +29,7 @@ from pdcluster.cluster.messages import (
     TransferStats,
 )
 from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 
 CONNECTOR_MODULE = "pdcluster.transfer.connector"
 CONNECTOR_CLASS = "PdcConnector"
@@ -94,20 +94,19 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
 
     device = DEVICES[spec.device]
     env: dict[str, str] = {}
+    # Run-time vLLM fixes (cluster/vllm_patches.py) the model needs, and NIXL's on CPU.
+    patch_sets = list(patch_sets_for_model(spec.model.path, spec.device))
     if spec.transfer.connector == "nixl":
         kv_port = _use_nixl(spec, role, index, engine_id, args, env)
+        if spec.device == "cpu":
+            patch_sets.append("nixl_cpu")
+    env.update(engine_env(patch_sets))
     if spec.device == "cpu" and eng.kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.kv_cache_space_gib)
     bind = getattr(spec, role).resources.cpu_bind
     if bind is not None and device.bind_env is not None:
         env[device.bind_env] = bind[index]
     return InstancePlan(name, role, index, engine_id, args, env, kv_port, spec.transfer.host)
-
-
-def _nixl_cpu_fixes() -> str:
-    import pdcluster.transfer
-
-    return str(Path(pdcluster.transfer.__file__).resolve().parent / "nixl_cpu")
 
 
 def _use_nixl(spec: ClusterSpec, role: Role, index: int, engine_id: str, args: dict, env: dict) -> int:
@@ -119,19 +118,17 @@ def _use_nixl(spec: ClusterSpec, role: Role, index: int, engine_id: str, args: d
         kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
         **({"kv_buffer_device": "cpu"} if spec.device == "cpu" else {}))
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.transfer.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
-    if spec.device == "cpu":
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_nixl_cpu_fixes(), os.environ.get("PYTHONPATH")) if p)
     return port
 
 
-def prefill_kv_params(connector: str) -> dict:
+def prefill_kv_params(connector: str, transfer_id: str) -> dict:
     """What P's request carries so its connector keeps the KV for a remote decode."""
     from pdcluster.transfer.handle import PRODUCE_KEY
 
     if connector == "nixl":  # as vLLM's toy P/D proxy sends it
         return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    return {PRODUCE_KEY: True}
+    return {PRODUCE_KEY: transfer_id}
 
 
 def decode_kv_params(connector: str, handle: dict | None) -> dict | None:
@@ -203,7 +200,8 @@ class EngineActor:
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         from vllm.inputs import TokensPrompt
 
-        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector))
+        sp = sampling_params(req.sampling, max_tokens=1,
+                             kv_transfer_params=prefill_kv_params(self.connector, req.transfer_id or req.request_id))
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
                                            request_id=req.request_id):

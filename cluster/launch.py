@@ -100,8 +100,11 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
                 infos.append(ray.get(handle.info.remote(), timeout=max(1.0, deadline - time.monotonic())))
             except Exception as err:
                 raise ClusterStartError(f"instance {name} failed to start: {_root_cause(err)}") from None
-        prefill = [Instance(n, h) for n, h in started if n.startswith("prefill")]
-        decode = [Instance(n, h) for n, h in started if n.startswith("decode")]
+        by_name = {i.name: i for i in infos}
+        prefill = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
+                   if n.startswith("prefill")]
+        decode = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
+                  if n.startswith("decode")]
         router_opts = dict(name=actor_name(spec, ROUTER), namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
         if detached:
             router_opts["lifetime"] = "detached"

@@ -48,6 +48,7 @@ class PrefillRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    transfer_id: str = ""  # the router's name for the P->D transfer; "": the request id
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 class TinyModelSpec(_Strict):
     """Generate a tiny random-weight model at `model.path` if it is missing."""
 
-    arch: Literal["qwen3", "llama", "gemma3", "gptoss"] = "qwen3"
+    arch: Literal["qwen3", "llama", "gemma3", "gptoss", "dsv4"] = "qwen3"
     seed: int = 0
 
 
@@ -91,16 +91,34 @@ class TransferSpec(_Strict):
     # pdc: the project's connector (per-group plans, leases, timelines); nixl: vLLM's own
     # NixlConnector (needs the `nixl` packages), to compare the two on the same cluster.
     connector: Literal["pdc", "nixl"] = "pdc"
+    # push: the router sends D its request with P's, and P streams each layer's KV
+    # while its forward pass runs; pull: D asks for the KV after P finished (the
+    # fallback, and the only mode of the nixl connector). Default: push for pdc.
+    mode: Literal["push", "pull"] = "push"
     backend: Literal["grpc"] = "grpc"
     host: str = "127.0.0.1"
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
     lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
-    timeout_s: float = Field(30.0, gt=0, description="D gives up fetching a request's KV after this long")
+    timeout_s: float = Field(30.0, gt=0, description="D gives up receiving a request's KV after this long "
+                                                      "(in push mode this includes P's queue and prefill)")
     # 1 MiB measured best on loopback (bench/grpc_bandwidth.py): P copies the next
     # chunk while D writes the last one.
     chunk_bytes: int = Field(1 << 20, ge=4096, description="gRPC message payload size")
     on_failure: Literal["error", "recompute"] = Field(
         "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") is None and data.get("connector", "pdc") != "pdc":
+            data = {**data, "mode": "pull"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> TransferSpec:
+        if self.mode == "push" and self.connector != "pdc":
+            raise ValueError(f"mode: push needs connector pdc; vLLM's {self.connector} connector only pulls")
+        return self
 
 
 class RouterSpec(_Strict):

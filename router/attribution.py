@@ -10,6 +10,8 @@ critical path, at boundaries that every request crosses in order:
 - prefill: P computing the prompt past its prefix hit;
 - transfer: the part of the KV pull NOT hidden under the prefill, i.e. the pull
   interval clipped to [p_done, d_scheduled];
+- (off the path: `transfer_hidden_ns`, the pull interval clipped to the
+  prefill [p_scheduled, p_done]: what a layer-wise push hid under it;)
 - d_wait: the rest of [p_done, d_scheduled]: the handoff through the router,
   D's queue, D's scheduler noticing the KV;
 - first_decode: D's first step (the last prompt token) and the token's way back.
@@ -42,6 +44,10 @@ INTERVALS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+# Intervals that only exist in pull mode: with a push, D has the request before P is done.
+PUSH_REVERSED = frozenset({"handoff"})
+
+
 @dataclass(frozen=True)
 class Interval:
     name: str
@@ -60,6 +66,9 @@ class Attribution:
     ttft_ns: int | None  # first_token - arrival, if both were recorded
     stopped_after: str | None  # the last event reached, when the request did not reach first_token
     error: str | None
+    # The KV transfer's part under P's prefill ([p_scheduled, p_done]): work a
+    # layer-wise push took off the critical path. None: not recorded.
+    transfer_hidden_ns: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -67,9 +76,11 @@ class Attribution:
 
 
 def intervals(rec: RequestRecord) -> list[Interval]:
-    """Every phase interval whose two events were recorded (they may overlap)."""
+    """Every phase interval whose two events were recorded (they may overlap; a negative
+    one is a recording bug, except those a push reverses, which are left out)."""
     ev = rec.events
-    return [Interval(name, where, ev[a], ev[b]) for name, a, b, where in INTERVALS if a in ev and b in ev]
+    return [Interval(name, where, ev[a], ev[b]) for name, a, b, where in INTERVALS
+            if a in ev and b in ev and not (name in PUSH_REVERSED and ev[b] < ev[a])]
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
@@ -81,20 +92,26 @@ def attribute(rec: RequestRecord) -> Attribution:
     parts: dict[str, int] = {}
     if "arrival" in ev and "p_scheduled" in ev:
         parts["queue"] = ev["p_scheduled"] - ev["arrival"]
-    if "p_scheduled" in ev and "p_done" in ev:
-        parts["prefill"] = ev["p_done"] - ev["p_scheduled"]
-    if "p_done" in ev and "d_scheduled" in ev:
-        gap = ev["d_scheduled"] - ev["p_done"]
+    # P stamps p_done when its output leaves the engine; with a layer-wise push D
+    # can hold all the KV, and even be scheduled, a moment before that.
+    p_end = min(ev["p_done"], ev["d_scheduled"]) if "p_done" in ev and "d_scheduled" in ev else ev.get("p_done")
+    if "p_scheduled" in ev and p_end is not None:
+        parts["prefill"] = p_end - ev["p_scheduled"]
+    if p_end is not None and "d_scheduled" in ev:
+        gap = ev["d_scheduled"] - p_end
         exposed = 0
         if "transfer_start" in ev and "transfer_end" in ev:
-            exposed = _overlap(ev["transfer_start"], ev["transfer_end"], ev["p_done"], ev["d_scheduled"])
+            exposed = _overlap(ev["transfer_start"], ev["transfer_end"], p_end, ev["d_scheduled"])
         parts["transfer"] = exposed
         parts["d_wait"] = gap - exposed
     if "d_scheduled" in ev and "first_token" in ev:
         parts["first_decode"] = ev["first_token"] - ev["d_scheduled"]
+    hidden = None
+    if all(e in ev for e in ("transfer_start", "transfer_end", "p_scheduled", "p_done")):
+        hidden = _overlap(ev["transfer_start"], ev["transfer_end"], ev["p_scheduled"], ev["p_done"])
     ttft = ev["first_token"] - ev["arrival"] if "arrival" in ev and "first_token" in ev else None
     stopped = None
     if "first_token" not in ev:
         reached = [e for e in EVENT_ORDER if e in ev and e != "finish"]
         stopped = reached[-1] if reached else None
-    return Attribution(parts, ttft, stopped, rec.error)
+    return Attribution(parts, ttft, stopped, rec.error, hidden)

@@ -27,6 +27,7 @@ from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillReques
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill
 from pdcluster.router.timeline import ClockOffset, RequestRecord
+from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,17 @@ _ACTOR_ERRORS = (ActorDiedError, ActorUnavailableError, RayActorError)
 class Instance:
     name: str  # "prefill-0"
     actor: ray.actor.ActorHandle
+    engine_id: str = ""
+    kv_address: str | None = None  # P: its KV server, where D asks for blocks
 
 
 class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
-                 sinks: list[RecordSink] | None = None):
+                 sinks: list[RecordSink] | None = None, transfer_mode: str = "pull"):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
+        assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
+            "push mode needs every P's KV address (InstanceInfo.kv_address)")
+        self.transfer_mode = transfer_mode
         self.prefill, self.decode = prefill, decode
         self._card = card
         self._timeout_s = request_timeout_s
@@ -99,13 +105,20 @@ class PDDispatcher(TokenBackend):
         p, d = next(self._next_p), next(self._next_d)
         rec.prefill_instance, rec.decode_instance = p.name, d.name
         rec.mark("dispatch")
-        with self._busy(p):
-            pre = await self._prefill(p, PrefillRequest(rec.request_id, prompt_token_ids, sampling), deadline)
-        record_prefill(rec, pre, self._clock(p))
-        stream = d.actor.decode.options(num_returns="streaming").remote(
-            DecodeRequest(rec.request_id, prompt_token_ids, sampling, pre.handle))
+        prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=rec.request_id)
+        stream = None
+        if self.transfer_mode == "push":
+            # D first, with the handle the router can name in advance: D allocates its
+            # blocks and asks P for them while P computes them.
+            handle = TransferHandle(p.engine_id, p.kv_address, rec.request_id, len(prompt_token_ids)).to_params()
+            stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
         finished = False
         try:
+            with self._busy(p):
+                pre = await self._prefill(p, prefill, deadline)
+            record_prefill(rec, pre, self._clock(p))
+            if stream is None:
+                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, pre.handle))
             with self._busy(d):
                 while not finished:
                     delta = await self._next_delta(d, stream, deadline)
@@ -117,8 +130,12 @@ class PDDispatcher(TokenBackend):
                         record_decode_end(rec, delta, self._clock(d))
                     yield self._chunk(pre, delta, p, d)
         finally:
-            if not finished:
+            if not finished and stream is not None:
                 ray.cancel(stream)  # aborts the request inside D's engine
+
+    @staticmethod
+    def _decode(d: Instance, req: DecodeRequest):
+        return d.actor.decode.options(num_returns="streaming").remote(req)
 
     @contextlib.contextmanager
     def _busy(self, inst: Instance):

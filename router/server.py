@@ -45,7 +45,8 @@ class RouterActor:
         from pdcluster.router.openai_api import build_app
 
         self.spec = spec
-        self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s)
+        self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
+                                       transfer_mode=spec.transfer.mode)
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
@@ -93,6 +94,12 @@ class RouterActor:
     def set_recording(self, on: bool) -> None:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
         self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])) if on else []
+
+    def set_transfer_mode(self, mode: str) -> None:
+        """push or pull from the next request on (the connector serves both): to compare them."""
+        assert mode in ("push", "pull"), f"unknown transfer mode {mode!r}"
+        assert mode == "pull" or self.spec.transfer.connector == "pdc", "only the pdc connector pushes"
+        self.dispatcher.transfer_mode = mode
 
     def run_dir(self) -> str | None:
         return str(self.store.path) if self.store else None

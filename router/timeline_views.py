@@ -72,6 +72,10 @@ class Summary:
     transferred_tokens: int
     bytes_per_group: dict[int, int]  # KV-cache group -> bytes pulled, summed over requests
     recomputed: int  # requests whose KV pull failed and D recomputed the prompt
+    # KV transfer time under P's prefill vs on the critical path, summed over requests
+    # that recorded both (push mode hides the first; pull mode has none).
+    transfer_hidden_ns: int = 0
+    transfer_exposed_ns: int = 0
     failures: list[Failure] = field(default_factory=list)
     failure_kinds: list[FailureKind] = field(default_factory=list)
 
@@ -143,9 +147,15 @@ def summarize(run: Run) -> Summary:
         transferred_tokens=sum(r.transferred_tokens for r in run.records),
         bytes_per_group=dict(sorted(groups.items())),
         recomputed=sum(1 for r in run.records if r.transfer_error),
+        transfer_hidden_ns=sum(a.transfer_hidden_ns for _, a in atts if _has_transfer_split(a)),
+        transfer_exposed_ns=sum(a.parts_ns["transfer"] for _, a in atts if _has_transfer_split(a)),
         failures=[Failure(r.request_id, last_event(r), r.error) for r in failed],
         failure_kinds=[FailureKind(s, k, c) for (s, k), c in sorted(kinds.items(), key=lambda kv: -kv[1])],
     )
+
+
+def _has_transfer_split(a: Attribution) -> bool:
+    return a.transfer_hidden_ns is not None and "transfer" in a.parts_ns
 
 
 def _pct(x: float | None) -> str:
@@ -174,6 +184,9 @@ def format_summary(s: Summary) -> str:
               f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}")]
     groups = ", ".join(f"group {g}: {b} B" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
+    if moved := s.transfer_hidden_ns + s.transfer_exposed_ns:
+        lines.append(f"KV transfer time: {s.transfer_hidden_ns / 1e6:.1f} ms hidden under prefills "
+                     f"({_pct(s.transfer_hidden_ns / moved)}), {s.transfer_exposed_ns / 1e6:.1f} ms on the critical path")
     if s.recomputed:
         lines.append(f"KV pull failed, D recomputed: {s.recomputed} requests")
     if s.failures:

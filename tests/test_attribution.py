@@ -98,3 +98,39 @@ def test_clock_offset_measure_and_to_router():
     assert off.to_router(60_000) == 10_000
     assert ClockOffset.measure(0, -5, 3) == ClockOffset(-6, 2)  # odd round trip: mid floors, uncertainty rounds up
     assert ClockOffset(0, 0).to_router(123) == 123
+
+
+# ---------------------------------------------------------------- layer-wise push
+
+PUSH = dict(PLAIN, d_queued=400, transfer_start=600, transfer_end=11_300, d_kv_ready=11_600, d_scheduled=12_000)
+
+
+def test_push_hidden_share_is_the_transfer_under_the_prefill():
+    a = attribute(rec(**PUSH))
+    # The transfer waited for P from 600 to 1000 (P's queue): not hidden, not on the path either.
+    assert a.transfer_hidden_ns == 10_000  # [1000, 11000]
+    assert a.parts_ns["transfer"] == 300  # [11000, 11300]
+    assert a.ttft_ns == sum(a.parts_ns.values())
+
+
+def test_pull_hides_nothing():
+    assert attribute(rec(**PLAIN)).transfer_hidden_ns == 0
+    assert attribute(rec(**{k: v for k, v in PLAIN.items() if k != "transfer_start"})).transfer_hidden_ns is None
+
+
+def test_push_record_is_in_causal_order_and_drops_the_reversed_handoff():
+    r = rec(**PUSH)
+    assert r.out_of_order() == []
+    names = [iv.name for iv in intervals(r)]
+    assert "handoff" not in names and "transfer" in names
+
+
+def test_push_d_scheduled_before_p_stamped_done_keeps_parts_non_negative():
+    # D had every layer and ran before P's output (and its p_done stamp) left P's engine.
+    a = attribute(rec(**dict(PUSH, transfer_end=10_900, d_kv_ready=10_950, d_scheduled=10_980)))
+    assert a.parts_ns["prefill"] == 9_980 and a.parts_ns["transfer"] == 0 and a.parts_ns["d_wait"] == 0
+    assert all(v >= 0 for v in a.parts_ns.values()) and a.ttft_ns == sum(a.parts_ns.values())
+
+
+def test_out_of_order_still_flags_a_d_chain_reversal():
+    assert rec(**dict(PUSH, transfer_end=500)).out_of_order() == [("transfer_start", "transfer_end")]

@@ -161,8 +161,7 @@ def test_broken_transfer_errors_and_d_frees_blocks(cluster):
     pre = ray.get(p.prefill.remote(PrefillRequest("broken-1", prompt, sampling)))
     handle = TransferHandle.from_params(pre.handle)
     # D is sent to a port where nothing listens: the pull fails.
-    broken = TransferHandle(handle.engine_id, f"127.0.0.1:{_closed_port()}", handle.request_id,
-                            handle.block_ids, handle.num_tokens)
+    broken = TransferHandle(handle.engine_id, f"127.0.0.1:{_closed_port()}", handle.transfer_id, handle.num_tokens)
     t0 = time.monotonic()
     deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
         DecodeRequest("broken-1", prompt, sampling, broken.to_params()))]

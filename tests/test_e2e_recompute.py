@@ -32,8 +32,7 @@ def pd_tokens(cluster, request_id, prompt, break_handle=False):
     pre = ray.get(p.prefill.remote(PrefillRequest(request_id, prompt, sampling)))
     handle = TransferHandle.from_params(pre.handle)
     if break_handle:
-        handle = TransferHandle(handle.engine_id, f"127.0.0.1:{free_port()}", handle.request_id,
-                                handle.block_ids, handle.num_tokens)
+        handle = TransferHandle(handle.engine_id, f"127.0.0.1:{free_port()}", handle.transfer_id, handle.num_tokens)
     deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
         DecodeRequest(request_id, prompt, sampling, handle.to_params()))]
     return [t for delta in deltas for t in delta.new_token_ids], deltas[-1]

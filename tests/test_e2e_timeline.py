@@ -140,3 +140,39 @@ def test_exports_of_the_real_run(cluster, batch, tmp_path):
     assert "transfer" in format_waterfall(run, run.records[0].request_id)
     html = render_report(run)
     assert html.count("<svg") >= 3 and "http://" not in html and "https://" not in html
+
+
+def test_push_hides_the_transfer_under_the_prefill(cluster, batch):
+    """Cold 6K prompts, pull then push on the same cluster: with push, D asks for the
+    KV before P is done and the exposed transfer (after P's prefill) shrinks."""
+    import ray
+
+    rng = random.Random(11)
+    exposed_ms: dict[str, list[float]] = {}
+    records = {}
+    try:
+        with httpx.Client() as http:
+            for mode in ("pull", "push"):
+                ray.get(cluster.router.set_transfer_mode.remote(mode))
+                for _ in range(3):
+                    rid, _ = stream_ttft(http, cluster.url, [rng.randrange(3, 1000) for _ in range(6144)])
+                    records[rid] = mode
+    finally:
+        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode))
+    time.sleep(0.5)
+    for rec in load_run(cluster.run_dir).records:
+        mode = records.get(rec.request_id)
+        if mode is None:
+            continue
+        att = attribute(rec)
+        assert rec.error is None and rec.out_of_order() == [] and sum(att.parts_ns.values()) == att.ttft_ns
+        ev = rec.events
+        if mode == "push":
+            assert ev["transfer_start"] < ev["p_done"], "push: D asked for the KV only after P finished"
+            assert att.transfer_hidden_ns > 0
+        else:
+            assert ev["transfer_start"] >= ev["p_done"] and att.transfer_hidden_ns == 0
+        exposed_ms.setdefault(mode, []).append(att.parts_ns["transfer"] / 1e6)
+    assert sorted(exposed_ms) == ["pull", "push"] and all(len(v) == 3 for v in exposed_ms.values())
+    median = {m: sorted(v)[1] for m, v in exposed_ms.items()}
+    assert median["push"] < median["pull"], exposed_ms

@@ -1,7 +1,8 @@
 """P -> D block transfer over real gRPC on 127.0.0.1, with real torch KV tensors.
 
-P: KvServer over source tensors + a LeaseTable. D: KvFetcher over zeroed
-destination tensors. No vLLM, no Ray.
+P: KvServer over source tensors + a SourceTable. D: KvFetcher over zeroed
+destination tensors. No vLLM, no Ray. `offer` plays P's connector: a finished
+prefill (every layer ready) or, step by step, a running one (push).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults, TransferError
 from pdcluster.transfer.grpc_server import KvServer, chunk_runs
 from pdcluster.transfer.handle import TransferHandle
-from pdcluster.transfer.leases import LeaseTable
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
+from pdcluster.transfer.sources import SourceTable
 
 P_BLOCKS = 12  # P's and D's caches differ in size; only the block layout must match
 D_BLOCKS = 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 GROUPS = dict.fromkeys(LAYERS, 0)
-LEASE_WAIT_S = 0.3  # P's wait for a lease that has not arrived (10 s in production)
+SOURCE_WAIT_S = 0.3  # P's wait for a transfer it has not heard of, when D sets no deadline
 TIMEOUT_S = 2.0  # D's per-RPC timeout
 BLOCK_SIZE = 16
 
@@ -73,18 +74,30 @@ def assert_zero_except(caches, block_dim, num_blocks, written=()):
 
 
 def make_plan(remote, local, d_cached_tokens=0) -> TransferPlan:
+    """remote: indices into P's block table."""
     return TransferPlan((GroupPlan(0, "full_attention", tuple(remote), tuple(local)),),
                         d_cached_tokens=d_cached_tokens, transferred_tokens=len(remote) * BLOCK_SIZE)
 
 
-def make_handle(address, request_id="r1", block_ids=(2, 5, 7, 9)) -> TransferHandle:
-    return TransferHandle(engine_id="p0", address=address, request_id=request_id, block_ids=(tuple(block_ids),),
-                          num_tokens=len(block_ids) * BLOCK_SIZE)
+def make_handle(address, transfer_id="r1", num_blocks=4) -> TransferHandle:
+    return TransferHandle(engine_id="p0", address=address, transfer_id=transfer_id,
+                          num_tokens=num_blocks * BLOCK_SIZE)
 
 
-def make_job(address, remote, local, request_id="r1", d_request_id=None, lease_blocks=(2, 5, 7, 9)) -> LoadJob:
-    return LoadJob(d_request_id or f"d-{request_id}", make_handle(address, request_id, lease_blocks),
+def make_job(address, remote, local, transfer_id="r1", d_request_id=None, num_blocks=4) -> LoadJob:
+    return LoadJob(d_request_id or f"d-{transfer_id}", make_handle(address, transfer_id, num_blocks),
                    make_plan(remote, local))
+
+
+def offer(p, transfer_id, block_ids, lease_s=60.0, ready_tokens=None):
+    """P's connector for one prefill in block_ids: every layer ready up to ready_tokens
+    (default: the whole prompt, then finished under a lease). P's request id == transfer id."""
+    num_tokens = len(block_ids) * BLOCK_SIZE
+    p.sources.step(transfer_id, transfer_id, num_tokens, (tuple(block_ids),),
+                   num_tokens if ready_tokens is None else ready_tokens)
+    p.sources.step_done()
+    if ready_tokens is None:
+        p.sources.finish(transfer_id, lease_s)
 
 
 def wait_results(fetcher: KvFetcher, ids, timeout=TIMEOUT_S + 1.0) -> LoadResults:
@@ -113,7 +126,7 @@ def free_port() -> int:
 class P:
     caches: dict[str, torch.Tensor]
     kv: PagedKv
-    leases: LeaseTable
+    sources: SourceTable
     server: KvServer
     block_dim: int
 
@@ -134,10 +147,10 @@ def make_p():
         shape_fn, block_dim = LAYOUTS[layout]
         caches = source_caches(shape_fn(P_BLOCKS))
         kv = PagedKv(caches, GROUPS, P_BLOCKS)
-        leases = LeaseTable()
-        server = KvServer("p0", kv, leases, "127.0.0.1", 0, chunk_bytes, lease_wait_s=LEASE_WAIT_S)
+        sources = SourceTable(GROUPS, (BLOCK_SIZE,))
+        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, wait_s=SOURCE_WAIT_S)
         servers.append(server)
-        return P(caches, kv, leases, server, block_dim)
+        return P(caches, kv, sources, server, block_dim)
 
     yield make
     for s in servers:
@@ -236,81 +249,82 @@ def test_chunk_runs(num_blocks, block_bytes, chunk_bytes, runs):
     assert chunk_runs(num_blocks, block_bytes, chunk_bytes) == runs
 
 
-# ---------------------------------------------------------------- pulls
+# ---------------------------------------------------------------- pulls of finished prefills
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash"])
 def test_pull_copies_planned_blocks_exactly(make_p, make_d, layout):
     p, d = make_p(layout), make_d(layout)
-    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
-    remote, local = (5, 2, 9), (0, 15, 4)
+    offer(p, "r1", (2, 5, 7, 9))
+    remote, local = (0, 1, 3), (0, 15, 4)  # P blocks 2, 5, 9
     d.fetcher.submit(make_job(p.server.address, remote, local))
 
     r = wait_results(d.fetcher, {"d-r1"})
     assert r.finished == {"d-r1"} and r.failed == set()
     for name in LAYERS:
-        for rb, lb in zip(remote, local):
-            assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, rb)), \
-                f"{name}: D block {lb} != P block {rb}"
+        for pb_id, lb in zip((2, 5, 9), local):
+            assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, pb_id)), \
+                f"{name}: D block {lb} != P block {pb_id}"
     assert_zero_except(d.caches, d.block_dim, D_BLOCKS, written=local)
-    # The source is untouched, and the lease was released once the pull was done.
+    # The source is untouched, and released once the pull was done.
     assert torch.equal(p.caches[LAYERS[0]], source_caches(LAYOUTS[layout][0](P_BLOCKS))[LAYERS[0]])
-    assert p.leases.take_finished() == {"r1"}
+    assert p.sources.take_finished() == {"r1"}
     assert d.fetcher.take_results() == LoadResults()  # reported once
 
 
 def test_pull_in_many_chunks_is_exact(make_p, make_d, monkeypatch):
     block_bytes = 2 * 16 * 32 * 4
     p, d = make_p("cpu", chunk_bytes=2 * block_bytes + 1), make_d("cpu")
-    p.leases.add("r1", ((1, 3, 4, 6, 8, 11),), lease_s=60)
+    table = (1, 3, 4, 6, 8, 11)
+    offer(p, "r1", table)
     writes = []
     real_write = d.kv.write
     monkeypatch.setattr(d.kv, "write", lambda layer, ids, data: (writes.append((layer, list(ids))),
                                                                   real_write(layer, ids, data)))
-    remote, local = (11, 1, 8, 3, 6), (2, 3, 4, 5, 6)
-    d.fetcher.submit(make_job(p.server.address, remote, local, lease_blocks=(1, 3, 4, 6, 8, 11)))
+    remote, local = (0, 1, 3, 4, 5), (2, 3, 4, 5, 6)
+    d.fetcher.submit(make_job(p.server.address, remote, local, num_blocks=len(table)))
 
     r = wait_results(d.fetcher, {"d-r1"})
     assert r.finished == {"d-r1"} and r.failed == set()
     # 5 blocks in runs of at most 2, per layer.
     assert sorted(writes) == sorted((name, ids) for name in LAYERS for ids in ([2, 3], [4, 5], [6]))
     for name in LAYERS:
-        for rb, lb in zip(remote, local):
-            assert torch.equal(d.caches[name][lb], p.caches[name][rb])
+        for i, lb in zip(remote, local):
+            assert torch.equal(d.caches[name][lb], p.caches[name][table[i]])
     assert_zero_except(d.caches, 0, D_BLOCKS, written=local)
-    assert p.leases.take_finished() == {"r1"}
+    assert p.sources.take_finished() == {"r1"}
 
 
 def test_read_blocks_stream_chunks(make_p, stub_to):
     block_bytes = 2 * 16 * 32 * 4
     p = make_p("cpu", chunk_bytes=2 * block_bytes)
-    p.leases.add("r1", ((0, 1, 2, 3, 4),), lease_s=60)
+    offer(p, "r1", (6, 1, 2, 3, 4))
     chunks = list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
-        request_id="r1", groups=[pb.GroupBlocks(group=0, block_ids=[4, 0, 3])]), timeout=TIMEOUT_S))
+        transfer_id="r1", groups=[pb.GroupBlocks(group=0, block_indices=[0, 3, 4])]), timeout=TIMEOUT_S))
     assert [(c.layer, c.group, c.first, c.count) for c in chunks] == [
         (LAYERS[0], 0, 0, 2), (LAYERS[0], 0, 2, 1), (LAYERS[1], 0, 0, 2), (LAYERS[1], 0, 2, 1)]
-    assert chunks[2].data == torch.stack([p.caches[LAYERS[1]][4], p.caches[LAYERS[1]][0]]).numpy().tobytes()
-    # A read pins and unpins: the lease stays live until released.
-    assert p.leases.take_finished() == set()
+    assert chunks[2].data == torch.stack([p.caches[LAYERS[1]][6], p.caches[LAYERS[1]][3]]).numpy().tobytes()
+    # A read pins and unpins: the source stays live until released.
+    assert p.sources.take_finished() == set()
 
 
-def test_pull_without_lease_fails_and_writes_nothing(make_p, make_d):
-    p, d = make_p(), make_d()
+def test_pull_of_unknown_transfer_fails_and_writes_nothing(make_p, make_d):
+    p, d = make_p(), make_d(timeout_s=0.5)
     t0 = time.monotonic()
-    d.fetcher.submit(make_job(p.server.address, (2, 5), (0, 1), request_id="ghost"))
+    d.fetcher.submit(make_job(p.server.address, (0, 1), (0, 1), transfer_id="ghost"))
 
-    r = wait_results(d.fetcher, {"d-ghost"}, timeout=LEASE_WAIT_S + 1.5)
+    r = wait_results(d.fetcher, {"d-ghost"}, timeout=2.0)
     assert r.finished == {"d-ghost"} and r.failed == {"d-ghost"}
-    assert time.monotonic() - t0 < LEASE_WAIT_S + 1.5
+    assert time.monotonic() - t0 < 2.0
     assert_zero_except(d.caches, 0, D_BLOCKS)
-    assert p.leases.take_finished() == set() and len(p.leases) == 0
+    assert p.sources.take_finished() == set() and len(p.sources) == 0
 
 
 def test_pull_from_dead_address_fails_within_timeout(make_d):
     d = make_d(timeout_s=1.0)
     address = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    d.fetcher.submit(make_job(address, (2, 5), (0, 1)))
+    d.fetcher.submit(make_job(address, (0, 1), (0, 1)))
 
     r = wait_results(d.fetcher, {"d-r1"}, timeout=3.0)
     assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
@@ -325,14 +339,14 @@ def test_pull_from_dead_address_fails_within_timeout(make_d):
 def test_job_without_blocks_only_releases(make_p, make_d, plan):
     p = make_p()
     d = make_d(max_workers=1)  # jobs run in order: the second one's result means the first is done
-    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
-    p.leases.add("r2", ((1, 3),), lease_s=60)
+    offer(p, "r1", (2, 5, 7, 9))
+    offer(p, "r2", (1, 3))
     d.fetcher.submit(LoadJob("d-r1", make_handle(p.server.address), plan))
-    d.fetcher.submit(make_job(p.server.address, (3,), (8,), request_id="r2", lease_blocks=(1, 3)))
+    d.fetcher.submit(make_job(p.server.address, (1,), (8,), transfer_id="r2", num_blocks=2))
 
     r = wait_results(d.fetcher, {"d-r2"})
     assert r.finished == {"d-r2"} and r.failed == set()  # nothing reported for d-r1
-    assert p.leases.take_finished() == {"r1", "r2"}
+    assert p.sources.take_finished() == {"r1", "r2"}
     assert_zero_except(d.caches, 0, D_BLOCKS, written=(8,))
 
 
@@ -343,48 +357,147 @@ def test_job_without_blocks_only_releases(make_p, make_d, plan):
 def test_layout_mismatch_fails(make_p, make_d, stub_to, caplog, d_shape, d_dtype):
     p = make_p()
     d = make_d(caches=zero_caches(d_shape, d_dtype))
-    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    offer(p, "r1", (2, 5, 7, 9))
     handle = make_handle(p.server.address)
 
     with pytest.raises(TransferError, match="different KV layout"):
         d.fetcher._check_peer(stub_to(p.server.address), handle)
 
     with caplog.at_level(logging.ERROR, logger="pdcluster.transfer.grpc_client"):
-        d.fetcher.submit(LoadJob("d-r1", handle, make_plan((2, 5), (0, 1))))
+        d.fetcher.submit(LoadJob("d-r1", handle, make_plan((0, 1), (0, 1))))
         r = wait_results(d.fetcher, {"d-r1"})
     assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
     assert any("d-r1" in m and "different KV layout" in m for m in caplog.messages)
     assert_zero_except(d.caches, 0, D_BLOCKS)
-    assert p.leases.take_finished() == {"r1"}  # released even though nothing was read
+    assert p.sources.take_finished() == {"r1"}  # released even though nothing was read
+
+
+# ---------------------------------------------------------------- push: D asks while P computes
+
+
+def test_push_streams_layers_as_the_forward_pass_writes_them(make_p, make_d):
+    """D asks before P has run the request; P computes it in two steps, layer by
+    layer; D ends with exactly P's blocks, and got layer 0 of step 1 before P's
+    step 2 existed."""
+    p, d = make_p(), make_d(timeout_s=5.0)
+    table, local = (2, 5, 7, 9), (0, 15, 4, 3)
+    writes = []
+    real_write = d.kv.write
+    d.kv.write = lambda layer, ids, data: (writes.append((layer, list(ids))), real_write(layer, ids, data))
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), local))
+    time.sleep(0.1)  # D is waiting on P now
+
+    # Step 1 computes tokens [0, 2.5 blocks): blocks 0 and 1 complete.
+    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7),), int(2.5 * BLOCK_SIZE))
+    p.sources.layer_done(LAYERS[0])
+    wait_until_true(lambda: (LAYERS[0], [0, 15]) in writes)
+    assert not any(layer == LAYERS[1] for layer, _ in writes), "layer 1 sent before its forward pass"
+    p.sources.layer_done(LAYERS[1])
+    p.sources.step_done()
+    # Step 2 finishes the prompt (block 3 joins the table).
+    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, (table,), 4 * BLOCK_SIZE)
+    p.sources.step_done()
+    p.sources.finish("r1", lease_s=60)
+
+    r = wait_results(d.fetcher, {"d-r1"}, timeout=5.0)
+    assert r.finished == {"d-r1"} and r.failed == set()
+    for name in LAYERS:
+        for pb_id, lb in zip(table, local):
+            assert torch.equal(d.caches[name][lb], p.caches[name][pb_id])
+    assert writes[0] == (LAYERS[0], [0, 15])
+    for name in LAYERS:  # every block once (runs may merge when the server wakes late)
+        assert sorted(b for layer, ids in writes if layer == name for b in ids) == sorted(local)
+    assert p.sources.take_finished() == {"r1"}
+
+
+def test_push_aborted_prefill_fails_the_load(make_p, make_d):
+    p, d = make_p(), make_d(timeout_s=5.0)
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3)))
+    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5),), 2 * BLOCK_SIZE)
+    p.sources.step_done()
+    t0 = time.monotonic()
+    p.sources.finish("r1", lease_s=60, aborted=True)
+
+    r = wait_results(d.fetcher, {"d-r1"}, timeout=3.0)
+    assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
+    assert time.monotonic() - t0 < 2.0
+    assert p.sources.take_finished() == {"r1"}
+
+
+def test_cancelled_load_stops_waiting_for_p(make_p, make_d):
+    p, d = make_p(), make_d(timeout_s=30.0)
+    d.fetcher.submit(make_job(p.server.address, (0, 1), (0, 1), num_blocks=2))
+    time.sleep(0.2)  # waiting for a P that never runs the request
+    t0 = time.monotonic()
+    d.fetcher.cancel("d-r1")
+
+    r = wait_results(d.fetcher, {"d-r1"}, timeout=3.0)
+    assert r.finished == {"d-r1"} and r.failed == {"d-r1"}
+    assert time.monotonic() - t0 < 2.0
+    d.fetcher.cancel("d-r1")  # after the end: nothing happens
+
+
+def test_preemption_waits_for_a_copy_then_resets_progress(make_p):
+    p = make_p()
+    offer(p, "r1", (2, 5, 7, 9), ready_tokens=4 * BLOCK_SIZE)
+    src = p.sources.acquire("r1", 0)
+    assert src.ready_blocks(LAYERS[0], 0) == 4
+    with src.copy_lock:
+        done = []
+        import threading
+
+        t = threading.Thread(target=lambda: (p.sources.preempted("r1"), done.append(1)))
+        t.start()
+        time.sleep(0.05)
+        assert not done, "preemption did not wait for the copy in progress"
+    t.join(1)
+    assert done and src.ready_blocks(LAYERS[0], 0) == 0 and src.block_ids == ()
+    p.sources.unpin(src)
+
+
+def wait_until_true(cond, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------- the service, through the stub
 
 
-@pytest.mark.parametrize("groups", [
-    [pb.GroupBlocks(group=0, block_ids=[2, 3])],  # block 3 is not leased
-    [pb.GroupBlocks(group=1, block_ids=[2])],  # no group 1 in the lease
+@pytest.mark.parametrize("groups, code", [
+    ([pb.GroupBlocks(group=0, block_indices=[2, 4])], grpc.StatusCode.OUT_OF_RANGE),  # 4 blocks in the prompt
+    ([pb.GroupBlocks(group=0, block_indices=[3, 1])], grpc.StatusCode.OUT_OF_RANGE),  # not ascending
+    ([pb.GroupBlocks(group=1, block_indices=[2])], grpc.StatusCode.INVALID_ARGUMENT),  # no group 1
 ])
-def test_read_outside_lease_is_refused(make_p, stub_to, groups):
+def test_read_outside_the_prompt_is_refused(make_p, stub_to, groups, code):
     p = make_p()
-    p.leases.add("r1", ((2, 5, 7, 9),), lease_s=60)
+    offer(p, "r1", (2, 5, 7, 9))
     with pytest.raises(grpc.RpcError) as err:
-        list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(request_id="r1", groups=groups),
+        list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(transfer_id="r1", groups=groups),
                                                   timeout=TIMEOUT_S))
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "outside its lease" in err.value.details()
-    # The refused read unpinned the lease: once released, it is reported.
-    p.leases.release("r1")
-    assert p.leases.take_finished() == {"r1"}
+    assert err.value.code() == code
+    # The refused read unpinned the source: once released, it is reported.
+    p.sources.release("r1")
+    assert p.sources.take_finished() == {"r1"}
 
 
-def test_read_unknown_request_is_not_found(make_p, stub_to):
+def test_read_of_a_freed_window_block_is_refused(make_p, stub_to):
+    p = make_p()
+    offer(p, "r1", (0, 0, 7, 9))  # blocks 0, 1 left the window: vLLM's null block
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
+            transfer_id="r1", groups=[pb.GroupBlocks(group=0, block_indices=[1, 2])]), timeout=TIMEOUT_S))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_read_unknown_transfer_is_not_found(make_p, stub_to):
     p = make_p()
     with pytest.raises(grpc.RpcError) as err:
         list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
-            request_id="nobody", groups=[pb.GroupBlocks(group=0, block_ids=[0])]), timeout=TIMEOUT_S))
+            transfer_id="nobody", groups=[pb.GroupBlocks(group=0, block_indices=[0])]), timeout=TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "no lease for nobody" in err.value.details()
+    assert "no transfer nobody" in err.value.details()
 
 
 def test_get_layout_and_release(make_p, stub_to):
@@ -395,7 +508,7 @@ def test_get_layout_and_release(make_p, stub_to):
     assert [(l.name, l.group, list(l.block_shape), l.dtype) for l in layout.layers] == [
         (name, 0, [2, 16, 32], "float32") for name in LAYERS]
 
-    p.leases.add("r1", ((2,),), lease_s=60)
-    assert stub.Release(pb.ReleaseRequest(request_id="r1"), timeout=TIMEOUT_S).known is True
-    assert stub.Release(pb.ReleaseRequest(request_id="r1"), timeout=TIMEOUT_S).known is False
-    assert p.leases.take_finished() == {"r1"}
+    offer(p, "r1", (2,))
+    assert stub.Release(pb.ReleaseRequest(transfer_id="r1"), timeout=TIMEOUT_S).known is True
+    assert stub.Release(pb.ReleaseRequest(transfer_id="r1"), timeout=TIMEOUT_S).known is False
+    assert p.sources.take_finished() == {"r1"}

@@ -24,6 +24,7 @@ from pdcluster.cluster.messages import (
 from pdcluster.router import pd_dispatch
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+from pdcluster.transfer.handle import TransferHandle
 
 CARD = ModelCard(name="tiny", max_model_len=64, vocab_size=100)
 SAMPLING = SamplingSpec(max_tokens=4)
@@ -143,9 +144,10 @@ def cancelled(monkeypatch) -> list:
     return seen
 
 
-def make(ps: list[FakeActor], ds: list[FakeActor], timeout: float = 5.0) -> PDDispatcher:
-    return PDDispatcher([Instance(f"prefill-{i}", a) for i, a in enumerate(ps)],
-                        [Instance(f"decode-{i}", a) for i, a in enumerate(ds)], CARD, request_timeout_s=timeout)
+def make(ps: list[FakeActor], ds: list[FakeActor], timeout: float = 5.0, mode: str = "pull") -> PDDispatcher:
+    return PDDispatcher([Instance(f"prefill-{i}", a, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, a in enumerate(ps)],
+                        [Instance(f"decode-{i}", a, f"e-d{i}") for i, a in enumerate(ds)], CARD,
+                        request_timeout_s=timeout, transfer_mode=mode)
 
 
 async def collect(disp: PDDispatcher, rid: str = "r0") -> list[GenerationChunk]:
@@ -197,7 +199,7 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
     assert all((c.d_cached_tokens, c.transferred_tokens) == (0, 0) for c in chunks[:-1])
 
     (preq,) = p.prefill_calls
-    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING)
+    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x")
     (dreq,) = d.decode_calls
     assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, {"from": id(p), "rid": "req-x"})
     assert cancelled == []  # a normally finished stream is not cancelled
@@ -327,3 +329,39 @@ def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
     run(main())
     assert cancelled == [p.prefill_refs[0]]
     assert d.decode_calls == []
+
+
+# ---------------------------------------------------------------- push mode
+
+
+def test_push_sends_d_the_router_built_handle_before_p_answers(cancelled):
+    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    disp = make([p], [d], timeout=0.3, mode="push")
+    err, got = run(expect_error(disp, "req-p"))
+    # D got its request (and P's address) while P was still computing.
+    (dreq,) = d.decode_calls
+    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p", len(PROMPT)).to_params()
+    assert p.prefill_calls[0].transfer_id == "req-p"
+    # P never answered: 504, and D's request is cancelled (D aborts it and stops its load).
+    assert err.status == 504 and got == []
+    assert d.streams[0] in cancelled
+
+
+def test_push_dead_prefill_cancels_the_decode(cancelled):
+    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor()
+    err, got = run(expect_error(make([p], [d], mode="push")))
+    assert err.status == 503 and "prefill-0" in str(err)
+    assert len(d.decode_calls) == 1 and d.streams[0] in cancelled
+
+
+def test_push_tokens_flow_after_p_answers(cancelled):
+    p, d = FakeActor(p_cached=4), FakeActor()
+    chunks = run(collect(make([p], [d], mode="push"), "req-q"))
+    assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
+    assert all(c.p_cached_tokens == 4 for c in chunks) and cancelled == []
+
+
+def test_push_needs_every_p_address():
+    with pytest.raises(AssertionError, match="KV address"):
+        PDDispatcher([Instance("prefill-0", FakeActor())], [Instance("decode-0", FakeActor())], CARD, 1.0,
+                     transfer_mode="push")

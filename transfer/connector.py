@@ -1,21 +1,30 @@
-"""pdcluster's vLLM KV connector: P serves finished prefills, D pulls what it lacks.
+"""pdcluster's vLLM KV connector: P streams each prefill's KV to D as it is computed.
 
 Loaded by vLLM through `kv_connector_module_path="pdcluster.transfer.connector"`,
 `kv_connector="PdcConnector"`; P runs it as `kv_producer`, D as `kv_consumer`.
 vLLM makes two instances per engine: the scheduler side (in EngineCore) decides
 what moves, the worker side (beside the KV tensors) moves it over gRPC.
 
-Flow of one request (vLLM's NIXL connector does the same with RDMA reads):
-1. P gets kv_transfer_params {PRODUCE_KEY: True}, prefills with max_tokens=1 (its
-   prefix cache skipping what it holds). `request_finished` keeps the blocks
-   (delay free), hands a lease to P's worker, and returns a TransferHandle.
-2. D gets the same prompt with the handle. `get_num_new_matched_tokens` offers
-   the tokens past D's own prefix hit as external, loaded asynchronously;
-   `update_state_after_alloc` plans P-block -> D-block per KV-cache group.
-3. D's worker pulls the planned blocks, then releases P's lease; P's worker
-   reports the lease ended, and vLLM frees P's blocks. A failed pull is reported
-   as failed_recving: vLLM errors the request, or recomputes it
+Flow of one request. The router names the transfer (transfer_id) and sends:
+1. P the prompt with kv_transfer_params {PRODUCE_KEY: transfer_id}, max_tokens=1.
+   Every step that runs it, P's scheduler side passes its worker the request's
+   block table and how far the step computes it; the worker's source table
+   (transfer/sources.py) marks each layer ready as the forward pass writes it
+   (`save_kv_layer`). When the prefill ends, `request_finished` keeps the blocks
+   (delay free) under a lease and returns a TransferHandle.
+2. D the same prompt with a TransferHandle (P's address, transfer_id, prompt
+   length). `get_num_new_matched_tokens` offers the tokens past D's own prefix
+   hit as external, loaded asynchronously; `update_state_after_alloc` plans, per
+   KV-cache group, which block indices of P's table go into which of D's blocks.
+3. D's worker asks P's KV server for those blocks; P streams each layer's blocks
+   as soon as they are ready, then D releases P's source. P's worker reports
+   the source ended, and vLLM frees P's blocks. A failed load is reported as
+   failed_recving: vLLM errors the request, or recomputes it
    (kv_load_failure_policy).
+
+Push or pull is only the order in which the router sends: D's request with P's
+(router-built) handle at the same time as P's (push: the transfer runs under
+P's forward pass, layer by layer), or after P returned its handle (pull).
 """
 
 from __future__ import annotations
@@ -36,11 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
-from pdcluster.transfer.grpc_server import KvServer
-from pdcluster.transfer.handle import PRODUCE_KEY, HandleError, TransferHandle
-from pdcluster.transfer.leases import LeaseTable
+from pdcluster.transfer.grpc_server import NULL_BLOCK_ID, KvServer
+from pdcluster.transfer.handle import HandleError, TransferHandle, transfer_id_of
 from pdcluster.transfer.paged_kv import PagedKv
-from pdcluster.transfer.plan import TransferPlan, blocks_for, plan_transfer
+from pdcluster.transfer.plan import TransferPlan, plan_transfer
+from pdcluster.transfer.sources import SourceTable
 
 if TYPE_CHECKING:
     import torch
@@ -76,17 +85,33 @@ class ConnectorSettings:
 
 
 @dataclass(frozen=True)
-class LeaseStart:
+class SourceStep:
+    """P: this step computes `transfer_id`'s prompt up to `step_tokens`, in these blocks."""
+
+    transfer_id: str
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, P's whole block table
+    step_tokens: int
+
+
+@dataclass(frozen=True)
+class SourceEnd:
+    """P: the request ended; its blocks stay until D releases them or the lease expires."""
+
+    transfer_id: str
+    aborted: bool  # P did not finish the prefill: D must not wait for it
 
 
 @dataclass
 class PdcMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
 
-    leases: list[LeaseStart] = field(default_factory=list)  # P: blocks D may now read
-    loads: list[LoadJob] = field(default_factory=list)  # D: what to pull (or only release)
+    steps: list[SourceStep] = field(default_factory=list)  # P
+    ends: list[SourceEnd] = field(default_factory=list)  # P
+    preempted: list[str] = field(default_factory=list)  # P: request ids whose blocks P took back
+    loads: list[LoadJob] = field(default_factory=list)  # D: what to receive (or only release)
+    cancels: list[str] = field(default_factory=list)  # D: request ids whose load must stop
 
 
 @dataclass
@@ -107,12 +132,18 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id: str = cfg.engine_id
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config or {})
         self.groups = describe_groups(kv_cache_config)
-        self.null_block_id: int | None = None  # set by bind_gpu_block_pool (scheduler side)
         self.is_producer = cfg.is_kv_producer
         # Scheduler side ----------------------------------------------------
         self._pending = PdcMetadata()
+        # P: request_id -> (transfer_id, request) for requests producing for D, from
+        # their first schedule (update_state_after_alloc) until request_finished.
+        self._producing: dict[str, tuple[str, Request]] = {}
+        # P: the subset that some step has run (its worker knows the source).
+        self._ran: set[str] = set()
         # D: requests whose handle was consumed (a plan or a release was issued).
         self._handled: set[str] = set()
+        # D: requests with a load in flight (planned, not yet reported back).
+        self._loading: set[str] = set()
         # D: request_id -> its transfer report, until request_finished returns it.
         self._d_stats: dict[str, dict] = {}
         # Worker side (set in register_kv_caches) ---------------------------
@@ -129,18 +160,23 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if self.is_producer:
+            if (transfer_id := transfer_id_of(request.kv_transfer_params)) is not None:
+                self._producing[request.request_id] = (transfer_id, request)
+            return
         handle = self._handle_of(request)
         if handle is None or request.request_id in self._handled:
             return  # also the second call, after the load finished
         self._handled.add(request.request_id)
         if num_external_tokens == 0:
             # D's own cache covers everything P has: pull nothing, but free P's lease.
-            plan = TransferPlan(tuple(), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
+            plan = TransferPlan((), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
         else:
             hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
             plan = plan_transfer(
-                tuple(g.kind for g in self.groups), handle.block_ids, tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()),
-                hit_blocks, d_cached_tokens=handle.num_tokens - num_external_tokens, num_tokens=handle.num_tokens)
+                self.groups, tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()), hit_blocks,
+                d_cached_tokens=handle.num_tokens - num_external_tokens, num_tokens=handle.num_tokens)
+            self._loading.add(request.request_id)
         self._pending.loads.append(LoadJob(request.request_id, handle, plan))
         self._d_stats[request.request_id] = self._report(plan)
 
@@ -161,6 +197,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                     report.update(transfer_start_ns=t.start_ns, transfer_end_ns=t.end_ns,
                                   bytes_per_group=list(t.bytes_per_group))
         for request_id in connector_output.finished_recving or ():
+            self._loading.discard(request_id)
             if (report := self._d_stats.get(request_id)) is not None:
                 report["kv_ready_ns"] = now_ns  # the scheduler sees the KV from this step on
         # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
@@ -172,11 +209,33 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                               blocks_per_group=[0] * len(self.groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._producing:
+            self._add_source_steps(scheduler_output)
         meta, self._pending = self._pending, PdcMetadata()
         return meta
 
+    def _add_source_steps(self, out: SchedulerOutput) -> None:
+        """P: tell the worker how far this step computes each producing request, and in which blocks.
+        Called before vLLM advances num_computed_tokens for the step."""
+        state = out.kv_connector_block_state
+        assert state is not None, "vLLM gave the connector no block state: P cannot stream its KV"
+        for request_id in out.preempted_req_ids or ():
+            if request_id in self._ran:
+                self._pending.preempted.append(request_id)
+        for request_id, num_scheduled in out.num_scheduled_tokens.items():
+            entry = self._producing.get(request_id)
+            if entry is None:
+                continue
+            transfer_id, request = entry
+            self._ran.add(request_id)
+            self._pending.steps.append(SourceStep(
+                transfer_id, request_id, request.num_prompt_tokens,
+                tuple(tuple(g) for g in state.get_block_ids(request_id)),
+                min(request.num_computed_tokens + num_scheduled, request.num_prompt_tokens)))
+
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        self.null_block_id = gpu_block_pool.null_block.block_id
+        assert gpu_block_pool.null_block.block_id == NULL_BLOCK_ID, (
+            f"vLLM's null block is {gpu_block_pool.null_block.block_id}, not {NULL_BLOCK_ID}: update grpc_server")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM calls this one when the hybrid KV cache manager is off (one group).
@@ -184,36 +243,39 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
-        if self.is_producer and params.get(PRODUCE_KEY):
-            return self._finish_prefill(request, tuple(tuple(g) for g in block_ids))
+        if self.is_producer:
+            return self._finish_prefill(request)
         handle = self._handle_of(request)
         if handle is None:
             return False, None
         if request.request_id not in self._handled:
-            # Aborted before D allocated blocks: nothing to pull, but P must not wait for its lease.
+            # Aborted before D allocated blocks: nothing to receive, but P must not wait for its lease.
             self._handled.add(request.request_id)
             self._pending.loads.append(LoadJob(request.request_id, handle, TransferPlan((), 0, 0)))
+        elif request.request_id in self._loading:
+            # Aborted while its KV is arriving: stop the load (vLLM keeps the blocks until it reports).
+            self._pending.cancels.append(request.request_id)
         self._handled.discard(request.request_id)
         return False, {D_STATS_KEY: self._d_stats.pop(request.request_id, None)}
 
-    def _finish_prefill(self, request: Request, block_ids: tuple[tuple[int, ...], ...]):
+    def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted or errored: nothing for D
-        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        held = []
-        for group, ids in zip(self.groups, block_ids):
-            ids = ids[:blocks_for(num_tokens, group.block_size)]
-            if group.window_blocks:
-                # P freed the out-of-window blocks (now null): only the window's tail is held.
-                ids = tuple(b for b in ids[-group.window_blocks:] if b != self.null_block_id)
-            held.append(tuple(ids))
-        held = tuple(held)
-        self._pending.leases.append(LeaseStart(request.request_id, held))
+        entry = self._producing.pop(request.request_id, None)
+        if entry is None:
+            return False, None
+        transfer_id = entry[0]
+        if request.request_id not in self._ran:
+            return False, None  # never ran: no worker state, nothing for D
+        self._ran.discard(request.request_id)
+        done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        # Keep the blocks either way: a D may be reading them right now. An aborted
+        # source ends as soon as its readers stop.
+        self._pending.ends.append(SourceEnd(transfer_id, aborted=not done))
+        if not done:
+            return True, None
         handle = TransferHandle(engine_id=self.engine_id, address=self._advertised_address(),
-                                request_id=request.request_id, block_ids=held, num_tokens=num_tokens)
+                                transfer_id=transfer_id, num_tokens=request.num_prompt_tokens)
         return True, handle.to_params()
 
     def _advertised_address(self) -> str:
@@ -234,9 +296,16 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker = _Worker(self, kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass: the sources must know this step's blocks before
+        # save_kv_layer marks layers ready (start_load_kv runs after the forward).
+        if self._worker is not None:
+            assert isinstance(connector_metadata, PdcMetadata)
+            self._worker.start(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None, "start_load_kv before register_kv_caches"
-        self._worker.start(self._get_connector_metadata())
+        return  # loads start in bind_connector_metadata
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -250,10 +319,13 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads complete before the request is scheduled (async pull)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # P serves straight from its paged cache; nothing to save
+        # P serves straight from its paged cache: only say this layer's KV is written.
+        if self._worker is not None and self._worker.sources is not None:
+            self._worker.sources.layer_done(layer_name)
 
     def wait_for_save(self):
-        return
+        if self._worker is not None and self._worker.sources is not None:
+            self._worker.sources.step_done()
 
     def shutdown(self):
         if self._worker is not None:
@@ -261,31 +333,42 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 class _Worker:
-    """Worker-side state: the KV server on P, the fetcher on D."""
+    """Worker-side state: the source table and KV server on P, the fetcher on D."""
 
     def __init__(self, conn: PdcConnector, kv_caches: dict[str, torch.Tensor]):
         cfg = conn._kv_cache_config
         groups = {name: i for i, g in enumerate(cfg.kv_cache_groups) for name in g.layer_names}
         self.kv = PagedKv(kv_caches, groups, cfg.num_blocks)
         self.settings = conn.settings
-        self.leases = LeaseTable()
-        self._timings: dict[str, PullTiming] = {}  # pulls finished since the last step's metadata
+        self._timings: dict[str, PullTiming] = {}  # loads finished since the last step's metadata
+        self.sources: SourceTable | None = None
         self.server = self.fetcher = None
+        s = conn.settings
         if conn.is_producer:
-            s = conn.settings
-            self.server = KvServer(conn.engine_id, self.kv, self.leases, s.host, s.port, s.chunk_bytes)
+            self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
+            self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
+                                   wait_s=s.timeout_s)
         else:
-            self.fetcher = KvFetcher(conn.engine_id, self.kv, conn.settings.timeout_s)
+            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s)
 
     def start(self, meta: PdcMetadata) -> None:
-        for lease in meta.leases:
-            self.leases.add(lease.request_id, lease.block_ids, self.settings.lease_s)
-        for job in meta.loads:
+        if self.sources is not None:
+            for request_id in meta.preempted:
+                self.sources.preempted(request_id)
+            for step in meta.steps:
+                self.sources.step(step.transfer_id, step.request_id, step.num_tokens, step.block_ids,
+                                  step.step_tokens)
+            for end in meta.ends:
+                self.sources.finish(end.transfer_id, self.settings.lease_s, aborted=end.aborted)
+        if meta.loads or meta.cancels:
             assert self.fetcher is not None, "a load job reached a producer: kv_role misconfigured"
-            self.fetcher.submit(job)
+            for job in meta.loads:
+                self.fetcher.submit(job)
+            for request_id in meta.cancels:
+                self.fetcher.cancel(request_id)
 
     def results(self) -> KVConnectorTransferResults:
-        out = KVConnectorTransferResults(finished_sending=self.leases.take_finished())
+        out = KVConnectorTransferResults(finished_sending=self.sources.take_finished() if self.sources else set())
         if self.fetcher is not None:
             r = self.fetcher.take_results()
             out.finished_recving, out.failed_recving = r.finished, r.failed
@@ -302,4 +385,3 @@ class _Worker:
         for part in (self.server, self.fetcher):
             if part is not None:
                 part.stop()
-

@@ -1,9 +1,11 @@
-"""D side of the gRPC transport: pulls planned blocks from P into D's cache.
+"""D side of the gRPC transport: receives planned blocks from P into D's cache.
 
 Runs in D's worker process. Each load is one job on a small thread pool, so the
-model runner keeps decoding other requests while KV arrives. A job ends in
-exactly one of `finished` or `failed` (reported once via `take_results`), and
-always tries to release P's lease, whatever happened.
+model runner keeps decoding other requests while KV arrives; P streams the
+blocks as its forward pass produces them (or at once, if the prefill finished).
+A job ends in exactly one of `finished` or `failed` (reported once via
+`take_results`), and always tries to release P's source, whatever happened.
+`cancel` ends a job early (D's request was aborted).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from pdcluster.transfer.plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
+# D's channels retry a lost P every 0.5 s at most (gRPC's default backoff grows to
+# 2 min, so a P restarted by Ray would stay unreachable long after it is back),
+# and a job waits up to CONNECT_S for its P to accept a connection.
+CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+CONNECT_S = 5.0
+
 
 class TransferError(RuntimeError):
     pass
@@ -34,7 +42,7 @@ class TransferError(RuntimeError):
 class LoadJob:
     request_id: str  # D's request id
     handle: TransferHandle
-    plan: TransferPlan  # empty when D already holds everything: only release P's lease
+    plan: TransferPlan  # empty when D already holds everything: only release P's source
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,24 @@ class KvFetcher:
         # address -> (channel, stub); filled from pool threads, hence the lock.
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
         self._checked_peers: set[str] = set()
+        # request_id -> its ReadBlocks call (None until it starts), for every job not yet ended.
+        self._calls: dict[str, grpc.Future | None] = {}
+        self._cancelled: set[str] = set()  # jobs told to stop; a subset of _calls' keys
 
     def submit(self, job: LoadJob) -> None:
+        with self._lock:
+            self._calls[job.request_id] = None
         self._pool.submit(self._run, job)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a load whose request D no longer wants; it still reports (as failed)."""
+        with self._lock:
+            if request_id not in self._calls:
+                return  # already ended
+            self._cancelled.add(request_id)
+            call = self._calls[request_id]
+        if call is not None:
+            call.cancel()
 
     def take_results(self) -> LoadResults:
         with self._lock:
@@ -76,14 +99,21 @@ class KvFetcher:
     def _stub(self, address: str) -> pb_grpc.KvTransferStub:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
                 self._stubs[address] = (channel, pb_grpc.KvTransferStub(channel))
             return self._stubs[address][1]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
+        """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
         if handle.address in self._checked_peers:
             return
-        theirs = stub.GetLayout(pb.LayoutRequest(), timeout=self._timeout_s)
+        wait_s = min(CONNECT_S, self._timeout_s)
+        try:
+            theirs = stub.GetLayout(pb.LayoutRequest(), timeout=wait_s, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise TransferError(f"P at {handle.address} accepts no connection (waited {wait_s:.0f} s)") from None
         mine = layout_of(self._engine_id, self._kv)
         strip = lambda layout: [(l.name, l.group, list(l.block_shape), l.dtype) for l in layout.layers]  # noqa: E731
         if strip(theirs) != strip(mine):
@@ -102,8 +132,12 @@ class KvFetcher:
                 self._pull(stub, job, bytes_per_group)
             ok = True
         except Exception as err:  # any failure fails this request, never the engine
+            self._checked_peers.discard(job.handle.address)  # P may have restarted: wait for it next time
             log.error("KV load of %s from %s failed: %s", job.request_id, job.handle.address, err)
         finally:
+            with self._lock:
+                self._calls.pop(job.request_id, None)
+                self._cancelled.discard(job.request_id)
             self._release(job)
             # Only requests vLLM parked for this load wait for a result (a
             # release-only job is for a request that is not waiting).
@@ -117,15 +151,20 @@ class KvFetcher:
 
     def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob, bytes_per_group: list[int]) -> None:
         t0 = time.perf_counter()
-        request = pb.ReadBlocksRequest(request_id=job.handle.request_id, groups=[
-            pb.GroupBlocks(group=g.group, block_ids=list(g.remote_block_ids)) for g in job.plan.groups if g.num_blocks
+        request = pb.ReadBlocksRequest(transfer_id=job.handle.transfer_id, groups=[
+            pb.GroupBlocks(group=g.group, block_indices=list(g.remote_indices)) for g in job.plan.groups if g.num_blocks
         ])
         # Every (layer, block) of the plan must arrive exactly once.
         expected = {layer.name: job.plan.groups[layer.group].num_blocks
                     for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
         received: dict[str, set[int]] = {name: set() for name in expected}
         nbytes = 0
-        for chunk in stub.ReadBlocks(request, timeout=self._timeout_s):
+        call = stub.ReadBlocks(request, timeout=self._timeout_s)
+        with self._lock:
+            self._calls[job.request_id] = call
+            if job.request_id in self._cancelled:  # cancelled before the call started
+                call.cancel()
+        for chunk in call:
             if chunk.layer not in expected:
                 raise TransferError(f"P sent layer {chunk.layer!r} that D does not expect")
             local = job.plan.groups[chunk.group].local_block_ids[chunk.first:chunk.first + chunk.count]
@@ -147,10 +186,10 @@ class KvFetcher:
 
     def _release(self, job: LoadJob) -> None:
         try:
-            self._stub(job.handle.address).Release(pb.ReleaseRequest(request_id=job.handle.request_id), timeout=5.0)
+            self._stub(job.handle.address).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id), timeout=5.0)
         except grpc.RpcError as err:
             # P's lease expires on its own; nothing is lost but time.
-            log.warning("could not release %s on %s: %s", job.handle.request_id, job.handle.address, err.code())
+            log.warning("could not release %s on %s: %s", job.handle.transfer_id, job.handle.address, err.code())
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

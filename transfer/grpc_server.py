@@ -1,21 +1,29 @@
-"""P side of the gRPC transport: serves leased KV blocks to D.
+"""P side of the gRPC transport: streams a transfer's KV blocks to D as they become ready.
 
 Runs in P's worker process (where the KV tensors live), on a small thread pool
-beside the model runner. Reads copy the blocks out (PagedKv.read) while the
-lease is pinned, so the scheduler cannot free them mid-read.
+beside the model runner. One ReadBlocks call serves one transfer: it pins the
+source (transfer/sources.py), then loops over the requested layers, sending each
+run of blocks the forward pass has finished, and sleeping on the source table
+until the next layer is done. A finished prefill is simply a source whose
+every block is ready, so pull and push are the same code.
+
+Flow control and memory: gRPC pulls from this generator only as fast as HTTP/2
+flow control lets the stream drain to D, so at most one chunk (`chunk_bytes`)
+plus the transport's window is buffered per stream, whatever the transfer size.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from concurrent import futures
 
 import grpc
 
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.leases import LeaseError, LeaseTable
-from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
+from pdcluster.transfer.sources import Source, SourceError, SourceTable
 
 log = logging.getLogger(__name__)
 
@@ -38,49 +46,99 @@ def chunk_runs(num_blocks: int, block_bytes: int, chunk_bytes: int) -> list[tupl
     return [(first, min(per, num_blocks - first)) for first in range(0, num_blocks, per)]
 
 
+# vLLM's BlockPool hands out block 0 as the null block (out-of-window positions
+# of sliding-window groups point at it); it never holds a request's KV.
+NULL_BLOCK_ID = 0
+# Longest sleep between checks that D is still listening.
+_POLL_S = 1.0
+_ANSWER_MARGIN_S = 0.2
+
+
 class KvTransferService(pb_grpc.KvTransferServicer):
-    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, chunk_bytes: int, lease_wait_s: float):
+    def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float):
         self._engine_id = engine_id
         self._kv = kv
-        self._leases = leases
+        self._sources = sources
         self._chunk_bytes = chunk_bytes
-        self._lease_wait_s = lease_wait_s
+        self._wait_s = wait_s  # for a transfer not yet on this P, when D set no deadline
 
     def GetLayout(self, request, context):
         return layout_of(self._engine_id, self._kv)
 
     def ReadBlocks(self, request: pb.ReadBlocksRequest, context):
+        # Answer before D's deadline, so D learns why rather than just "deadline exceeded".
+        remaining = context.time_remaining()
+        wait_s = self._wait_s if remaining is None else max(0.0, remaining - _ANSWER_MARGIN_S)
         try:
-            lease = self._leases.acquire(request.request_id, self._lease_wait_s)
-        except LeaseError as err:
+            src = self._sources.acquire(request.transfer_id, wait_s)
+        except SourceError as err:
             context.abort(grpc.StatusCode.NOT_FOUND, str(err))
         try:
-            for gb in request.groups:
-                if gb.group >= len(lease.blocks_set) or not set(gb.block_ids) <= lease.blocks_set[gb.group]:
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                  f"request {request.request_id}: group {gb.group} asks for blocks outside its lease")
-                ids = list(gb.block_ids)
-                for layer in (i for i in self._kv.layers.values() if i.group == gb.group):
-                    for first, count in chunk_runs(len(ids), layer.block_bytes, self._chunk_bytes):
-                        if not context.is_active():
-                            return
-                        data = self._kv.read(layer.name, ids[first:first + count])
-                        yield pb.KvChunk(layer=layer.name, group=gb.group, first=first, count=count, data=data)
+            wanted = {gb.group: list(gb.block_indices) for gb in request.groups if gb.block_indices}
+            self._check(src, wanted, context)
+            yield from self._stream(src, wanted, context)
         finally:
-            self._leases.unpin(lease)
+            self._sources.unpin(src)
+
+    def _check(self, src: Source, wanted: dict[int, list[int]], context) -> None:
+        for group, indices in wanted.items():
+            if group >= len(src.block_sizes):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"transfer {src.transfer_id}: no group {group}")
+            num_blocks = -(-src.num_tokens // src.block_sizes[group])
+            if indices != sorted(set(indices)) or indices[-1] >= num_blocks:
+                context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                              f"transfer {src.transfer_id}: group {group} asks for block indices {indices[:8]}..., "
+                              f"not ascending or past the prompt's {num_blocks} blocks")
+
+    def _stream(self, src: Source, wanted: dict[int, list[int]], context):
+        layers = [info for info in self._kv.layers.values() if info.group in wanted]
+        sent = {info.name: 0 for info in layers}  # how many of the group's wanted blocks went out, per layer
+        while True:
+            seen = dict(src.ready_tokens)
+            for info in layers:
+                indices = wanted[info.group]
+                ready = bisect_left(indices, src.ready_blocks(info.name, info.group))
+                for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, self._chunk_bytes):
+                    first += sent[info.name]
+                    data = self._read(src, info, indices[first:first + count], context)
+                    yield pb.KvChunk(layer=info.name, group=info.group, first=first, count=count, data=data)
+                sent[info.name] = max(sent[info.name], ready)
+            if all(sent[i.name] == len(wanted[i.group]) for i in layers):
+                return
+            if src.aborted:
+                context.abort(grpc.StatusCode.ABORTED, f"P aborted the prefill of transfer {src.transfer_id}")
+            if not context.is_active():
+                return
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"transfer {src.transfer_id}: P not done in time")
+            self._sources.wait_for_progress(src, seen, min(_POLL_S, remaining) if remaining else _POLL_S)
+
+    def _read(self, src: Source, info: LayerInfo, indices: list[int], context) -> bytes:
+        with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
+            table = src.block_ids[info.group] if info.group < len(src.block_ids) else ()
+            if not indices or indices[-1] >= len(table):
+                context.abort(grpc.StatusCode.ABORTED,
+                              f"transfer {src.transfer_id}: P's block table lost blocks (preempted?)")
+            ids = [table[i] for i in indices]
+            if NULL_BLOCK_ID in ids:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"transfer {src.transfer_id}: group {info.group} blocks {indices} include one P "
+                              f"already freed (outside the window?)")
+            return self._kv.read(info.name, ids)
 
     def Release(self, request: pb.ReleaseRequest, context):
-        return pb.ReleaseReply(known=self._leases.release(request.request_id))
+        return pb.ReleaseReply(known=self._sources.release(request.transfer_id))
 
 
 class KvServer:
-    """A gRPC server bound to host:port, serving one engine's leased blocks."""
+    """A gRPC server bound to host:port, serving one engine's transfer sources."""
 
-    def __init__(self, engine_id: str, kv: PagedKv, leases: LeaseTable, host: str, port: int, chunk_bytes: int,
-                 lease_wait_s: float = 5.0):
+    def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
+                 wait_s: float = 30.0):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
-        service = KvTransferService(engine_id, kv, leases, chunk_bytes, lease_wait_s)
+        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s)
         pb_grpc.add_KvTransferServicer_to_server(service, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12pdcluster.transfer\"\x0f\n\rLayoutRequest\"N\n\x0bLayerLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"L\n\x06Layout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12/\n\x06layers\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.LayerLayout\"/\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"X\n\x11ReadBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.GroupBlocks\"S\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x66irst\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xfd\x01\n\nKvTransfer\x12J\n\tGetLayout\x12!.pdcluster.transfer.LayoutRequest\x1a\x1a.pdcluster.transfer.Layout\x12R\n\nReadBlocks\x12%.pdcluster.transfer.ReadBlocksRequest\x1a\x1b.pdcluster.transfer.KvChunk0\x01\x12O\n\x07Release\x12\".pdcluster.transfer.ReleaseRequest\x1a .pdcluster.transfer.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12pdcluster.transfer\"\x0f\n\rLayoutRequest\"N\n\x0bLayerLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"L\n\x06Layout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12/\n\x06layers\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.LayerLayout\"3\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\r\x12\x15\n\rblock_indices\x18\x02 \x03(\r\"Y\n\x11ReadBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.GroupBlocks\"S\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x66irst\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xfd\x01\n\nKvTransfer\x12J\n\tGetLayout\x12!.pdcluster.transfer.LayoutRequest\x1a\x1a.pdcluster.transfer.Layout\x12R\n\nReadBlocks\x12%.pdcluster.transfer.ReadBlocksRequest\x1a\x1b.pdcluster.transfer.KvChunk0\x01\x12O\n\x07Release\x12\".pdcluster.transfer.ReleaseRequest\x1a .pdcluster.transfer.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,15 +38,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUT']._serialized_start=138
   _globals['_LAYOUT']._serialized_end=214
   _globals['_GROUPBLOCKS']._serialized_start=216
-  _globals['_GROUPBLOCKS']._serialized_end=263
-  _globals['_READBLOCKSREQUEST']._serialized_start=265
-  _globals['_READBLOCKSREQUEST']._serialized_end=353
-  _globals['_KVCHUNK']._serialized_start=355
-  _globals['_KVCHUNK']._serialized_end=438
-  _globals['_RELEASEREQUEST']._serialized_start=440
-  _globals['_RELEASEREQUEST']._serialized_end=476
-  _globals['_RELEASEREPLY']._serialized_start=478
-  _globals['_RELEASEREPLY']._serialized_end=507
-  _globals['_KVTRANSFER']._serialized_start=510
-  _globals['_KVTRANSFER']._serialized_end=763
+  _globals['_GROUPBLOCKS']._serialized_end=267
+  _globals['_READBLOCKSREQUEST']._serialized_start=269
+  _globals['_READBLOCKSREQUEST']._serialized_end=358
+  _globals['_KVCHUNK']._serialized_start=360
+  _globals['_KVCHUNK']._serialized_end=443
+  _globals['_RELEASEREQUEST']._serialized_start=445
+  _globals['_RELEASEREQUEST']._serialized_end=482
+  _globals['_RELEASEREPLY']._serialized_start=484
+  _globals['_RELEASEREPLY']._serialized_end=513
+  _globals['_KVTRANSFER']._serialized_start=516
+  _globals['_KVTRANSFER']._serialized_end=769
 # @@protoc_insertion_point(module_scope)

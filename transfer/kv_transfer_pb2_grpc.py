@@ -62,14 +62,14 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadBlocks(self, request, context):
-        """Stream the requested blocks of one request, layer by layer.
+        """Stream the requested blocks of one transfer, each as soon as it is ready.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """D is done with the request's blocks (read or not): P may free them.
+        """D is done with the transfer's blocks (read or not): P may free them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

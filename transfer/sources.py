@@ -1,0 +1,175 @@
+"""P side: the KV each prefill offers to D, and how much of it is ready.
+
+A source is one transfer's KV on P's worker. It appears when P's scheduler first
+runs the request (every step, the connector passes the worker the request's
+block table and the prompt tokens the step computes), grows layer by layer as
+the forward pass writes KV (`layer_done` after each attention layer,
+`step_done` after the step), and ends when D releases it, when its lease
+expires after the prefill finished, or when P aborted the request.
+
+    running --finish()--> finished --release / expiry / abort--> ended
+    (the running request   (vLLM keeps the blocks        (reported once by
+     owns the blocks)       for us, delay-free)           take_finished: free them)
+
+Invariants: a source leaves the table only through take_finished(), and never
+while a reader has it pinned (freeing blocks mid-copy would send D another
+request's KV). Copies of a source's blocks happen under its `copy_lock`, which
+a preemption takes before the blocks are reused.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class SourceError(KeyError):
+    """No readable source for that transfer (never registered, released, expired or aborted)."""
+
+
+@dataclass
+class Source:
+    transfer_id: str
+    request_id: str  # P's vLLM request id: what finished_sending must name
+    num_tokens: int  # prompt tokens P computes
+    block_sizes: tuple[int, ...]  # tokens per block, per KV-cache group
+    block_ids: tuple[tuple[int, ...], ...] = ()  # P's block table per group, as of the latest step
+    ready_tokens: dict[str, int] = field(default_factory=dict)  # layer -> prompt tokens whose KV it holds
+    step_tokens: int = 0  # where the running step brings every layer
+    finished: bool = False
+    aborted: bool = False
+    released: bool = False
+    expires_at: float = math.inf  # set when P finishes: the lease
+    readers: int = 0
+    copy_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ready_blocks(self, layer: str, group: int) -> int:
+        """How many leading blocks of `group` are complete in `layer`."""
+        tokens, size = self.ready_tokens.get(layer, 0), self.block_sizes[group]
+        return -(-self.num_tokens // size) if tokens >= self.num_tokens else tokens // size
+
+
+class SourceTable:
+    def __init__(self, layer_groups: dict[str, int], block_sizes: tuple[int, ...], clock=time.monotonic):
+        self._layers = layer_groups
+        self._block_sizes = block_sizes
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._sources: dict[str, Source] = {}  # transfer_id -> source
+        self._stepping: list[Source] = []  # sources the running step computes
+
+    # ------------------------------------------------------------ the forward pass (P's worker thread)
+
+    def step(self, transfer_id: str, request_id: str, num_tokens: int, block_ids: tuple[tuple[int, ...], ...],
+             step_tokens: int) -> None:
+        """Before a forward pass: it will compute `transfer_id` up to `step_tokens` in these blocks."""
+        with self._cond:
+            src = self._sources.get(transfer_id)
+            if src is None:
+                src = self._sources[transfer_id] = Source(transfer_id, request_id, num_tokens, self._block_sizes)
+            assert src.request_id == request_id, (
+                f"transfer {transfer_id} produced by {src.request_id} and {request_id}: the router reused an id")
+            src.block_ids = block_ids
+            src.step_tokens = min(step_tokens, num_tokens)
+            self._stepping.append(src)
+            self._cond.notify_all()
+
+    def preempted(self, request_id: str) -> None:
+        """P's scheduler took the request's blocks back: nothing of it is ready any more."""
+        with self._cond:
+            for src in self._sources.values():
+                if src.request_id == request_id:
+                    with src.copy_lock:  # wait out a copy in progress: the blocks are about to be reused
+                        src.ready_tokens.clear()
+                        src.block_ids = ()
+
+    def layer_done(self, layer: str) -> None:
+        if not self._stepping:
+            return
+        with self._cond:
+            for src in self._stepping:
+                src.ready_tokens[layer] = max(src.ready_tokens.get(layer, 0), src.step_tokens)
+            self._cond.notify_all()
+
+    def step_done(self) -> None:
+        """After the forward pass: every layer holds the step's tokens (layers the
+        model runs without a save hook included)."""
+        with self._cond:
+            for src in self._stepping:
+                for layer in self._layers:
+                    src.ready_tokens[layer] = max(src.ready_tokens.get(layer, 0), src.step_tokens)
+            self._stepping.clear()
+            self._cond.notify_all()
+
+    def finish(self, transfer_id: str, lease_s: float, aborted: bool = False) -> None:
+        """P's request ended (its blocks now wait for take_finished); abort ends the source now."""
+        with self._cond:
+            src = self._sources.get(transfer_id)
+            assert src is not None, f"finish of {transfer_id}, which never ran on this worker"
+            src.finished = True
+            src.aborted = aborted
+            src.expires_at = self._clock() + lease_s
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ readers (the KV server's threads)
+
+    def acquire(self, transfer_id: str, wait_s: float) -> Source:
+        """Pin a source for reading. Waits up to `wait_s` for it to appear: D may ask
+        before P's scheduler has run the request (push), or before P's worker heard of it."""
+        deadline = self._clock() + wait_s
+        with self._cond:
+            while True:
+                src = self._sources.get(transfer_id)
+                now = self._clock()
+                if src is not None:
+                    if self._ended(src, now):
+                        raise SourceError(f"transfer {transfer_id} already {self._why_ended(src)}")
+                    src.readers += 1
+                    return src
+                if now >= deadline:
+                    raise SourceError(f"no transfer {transfer_id} on this P (not scheduled within {wait_s:.1f} s)")
+                self._cond.wait(deadline - now)
+
+    def wait_for_progress(self, src: Source, seen: dict[str, int], timeout_s: float) -> None:
+        """Block until some layer of `src` is readier than `seen`, or it aborted, or the timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: src.aborted or src.ready_tokens != seen, timeout=timeout_s)
+
+    def unpin(self, src: Source) -> None:
+        with self._cond:
+            assert src.readers > 0, f"unpin of {src.transfer_id} without acquire"
+            src.readers -= 1
+
+    def release(self, transfer_id: str) -> bool:
+        """D is done with it. False if there was no live source."""
+        with self._cond:
+            src = self._sources.get(transfer_id)
+            if src is None or src.released:
+                return False
+            src.released = True
+            self._cond.notify_all()
+            return True
+
+    # ------------------------------------------------------------ the scheduler's view
+
+    def take_finished(self) -> set[str]:
+        """P request ids whose source ended with no reader: vLLM may free their blocks now."""
+        now = self._clock()
+        with self._cond:
+            done = [s for s in self._sources.values() if s.finished and self._ended(s, now) and not s.readers]
+            for s in done:
+                del self._sources[s.transfer_id]
+            return {s.request_id for s in done}
+
+    def _ended(self, src: Source, now: float) -> bool:
+        return src.released or src.aborted or now >= src.expires_at
+
+    @staticmethod
+    def _why_ended(src: Source) -> str:
+        return "released" if src.released else "aborted on P" if src.aborted else "expired"
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._sources)
