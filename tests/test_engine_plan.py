@@ -54,7 +54,9 @@ def test_nixl_connector_instead_of_ours():
     for inst in (p, d):
         kv = inst.engine_args["kv_transfer_config"]
         assert (kv["kv_connector"], kv["kv_role"], kv["kv_buffer_device"]) == ("NixlConnector", "kv_both", "cpu")
-        assert inst.env["PYTHONPATH"].split(":")[0].endswith("transfer/nixl_cpu")
+        # The CPU fixes (cluster/vllm_patches.py), loaded by cluster/vllm_site/sitecustomize.py.
+        assert inst.env["PYTHONPATH"].split(":")[0].endswith("cluster/vllm_site")
+        assert inst.env["PDC_PATCH_NIXL_CPU"] == "1" and "PDC_PATCH_DSV4_CPU" not in inst.env
     # A side channel per engine: P i on base + i, D j after the P instances.
     assert (p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("19001", "19002")
     assert (p.kv_address, d.kv_address) == ("127.0.0.1:19001", "127.0.0.1:19002")
