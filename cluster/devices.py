@@ -17,7 +17,7 @@ DeviceName = Literal["cpu", "cuda", "npu"]
 class Device:
     name: DeviceName
     torch_device: str
-    # torch.distributed backend for the collective transfer transport.
+    # torch.distributed backend of the P/D data channel (transfer/dist_channel.py).
     collective_backend: str
     # Ray resource an instance asks for (None: CPU only, nothing to reserve).
     ray_resource: str | None

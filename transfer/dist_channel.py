@@ -1,0 +1,453 @@
+"""A torch.distributed point-to-point data channel between one P and one D worker.
+
+Data plane only: the control plane stays gRPC (D asks P for a request's blocks
+and tells it which tags to send them under); this module moves tensors. It
+never touches torch.distributed's global default group (vLLM owns that in its
+workers): each pair gets its own two-rank process group built from the
+low-level pieces, P = rank 0, D = rank 1:
+
+    TCPStore (P hosts it, D connects) -> PrefixStore("pdc-channel/<name>") -> ProcessGroupGloo/NCCL/HCCL
+
+The backend comes from the device (`cluster.devices.DEVICES[...].collective_backend`):
+gloo on CPU (the one tested here), nccl on CUDA, hccl on Ascend NPU (torch_npu's
+ProcessGroupHCCL). The nccl/hccl branches are short and only import-checked on
+this machine (no GPU, no NPU).
+
+Every blocking call is bounded by the channel's timeout and raises ChannelError
+naming the channel, the peer and the tag; nothing hangs. Beside the process group
+each pair keeps one idle TCP connection whose only job is to close when a process
+dies: a peer that dies fails pending and later operations within ~20 ms (gloo
+alone would not notice a peer that dies mid-payload before its timeout); a silent
+peer makes them time out. After any ChannelError the channel is broken (later
+posts raise at once): close it and open a new one under a new name, since what is
+in flight on that pair can no longer be trusted.
+
+Tags. Many transfers may be in flight over one pair at once, each chunk under its
+own tag; a tag is a non-negative C int (gloo's limit). Each rank allocates tags only
+from its own half of that space (rank r: [r * 2**30, (r + 1) * 2**30)), with a
+counter that wraps, so the two sides never need to agree on an allocation: by
+convention the receiver (D) allocates a request's tags (`allocate_tags(n)`) and
+sends the first one to P in its gRPC request; P sends chunk k under first + k.
+Two requests get disjoint ranges unless 2**30 tags are in flight at once.
+Only gloo matches by tag. NCCL and HCCL ignore tags and match sends to receives
+in posting order, so on those backends a pair must run one transfer at a time,
+both sides posting chunks in the same order (send_blocks/recv_blocks do).
+
+Staging. Gloo moves host memory: a non-CPU tensor on a gloo channel goes through
+a pinned host buffer. NCCL and HCCL send device tensors directly, no staging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import torch
+import torch.distributed as dist
+
+ROLES = {"p": 0, "d": 1}  # P serves KV (rank 0, hosts the store), D receives it (rank 1)
+TAG_SPACE_BITS = 30  # each rank's share of the C-int tag space
+BACKENDS = ("gloo", "nccl", "hccl")
+TAGGED_BACKENDS = ("gloo",)  # backends that match send to recv by tag (the others: by posting order)
+
+
+class ChannelError(RuntimeError):
+    """A channel operation failed or timed out; the message names the channel, peer and tag."""
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The store P hosts for its channels (port 0: pick a free one, see `.port`).
+
+    One store can serve many pairs (one per D), each under its own channel name;
+    pass it to `open_channel(..., store=...)` after telling D the port.
+    """
+    try:
+        return dist.TCPStore(host, port, None, True, _td(timeout_s), wait_for_workers=False)
+    except Exception as err:  # c10d raises several types
+        raise ChannelError(f"cannot host a channel store on {host}:{port}: {err}") from err
+
+
+def _wait_listening(host: str, port: int, deadline: float) -> None:
+    # TCPStore's client retries with backoff past its own timeout (2 s asked, 7 s taken):
+    # probe the port ourselves so an absent peer fails within the deadline.
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)):
+                return
+        except OSError as err:
+            last = err
+            time.sleep(0.05)
+    raise ChannelError(f"no channel store at {host}:{port} (is P up?): {last}")
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """The address of this host's interface that routes to host (gloo binds its device to it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.timedelta, local_host: str):
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+        opts._threads = 2
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    if backend == "nccl":  # not exercised here (no GPU): import-checked only
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    if backend == "hccl":  # not exercised here (no NPU): as vllm-ascend builds its stateless groups
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, 2, opts)
+    raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
+
+
+def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, deadline: float,
+                   listener: socket.socket | None) -> socket.socket:
+    """A plain TCP connection beside the process group whose only job is to close when the peer dies."""
+    if rank == 0:
+        assert listener is not None
+        listener.settimeout(max(deadline - time.monotonic(), 0.01))
+        conn, _ = listener.accept()
+        listener.close()
+    else:
+        host, port = store.get(key).decode().rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.01))
+    conn.settimeout(None)
+    return conn
+
+
+def open_channel(role: str, store_host: str, store_port: int, backend: str = "gloo", timeout_s: float = 30.0,
+                 name: str = "kv", *, store: dist.Store | None = None) -> TensorChannel:
+    """Open P's or D's end of the pair channel `name`; returns once both ends are connected.
+
+    role "p" hosts the store on store_host:store_port (or uses `store`, from `host_store`),
+    role "d" connects to it. The whole open, store and rendezvous, is bounded by timeout_s;
+    an absent peer raises ChannelError. Use a fresh name for every open of a pair (e.g.
+    "<p id>-<d id>-<generation>"): the rendezvous keys of an older open stay in the store.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
+    rank = ROLES[role]
+    deadline = time.monotonic() + timeout_s
+    where = f"channel {name!r} ({backend}) as {role.upper()} via store {store_host}:{store_port}"
+    alive_key = f"pdc-channel-alive/{name}"
+    own_store = listener = None
+    try:
+        if rank == 0:
+            if store is None:
+                store = own_store = host_store(store_host, store_port, timeout_s)
+            local_host = store_host
+            listener = socket.create_server((local_host, 0))
+            store.set(alive_key, f"{local_host}:{listener.getsockname()[1]}")
+        else:
+            _wait_listening(store_host, store_port, deadline)
+            store = dist.TCPStore(store_host, store_port, None, False, _td(deadline - time.monotonic()))
+            local_host = _local_address_towards(store_host, store_port)
+        store.set_timeout(_td(deadline - time.monotonic()))
+        pg = _make_backend(backend, dist.PrefixStore(f"pdc-channel/{name}", store), rank,
+                           _td(deadline - time.monotonic()), local_host)
+        alive = _liveness_pair(rank, store, alive_key, local_host, deadline, listener)
+    except ChannelError as err:
+        raise ChannelError(f"{where}: {err}") from err
+    except Exception as err:  # c10d: DistStoreError, DistNetworkError, RuntimeError; socket: OSError
+        peer = "D never joined" if rank == 0 else "P did not complete the rendezvous"
+        raise ChannelError(f"{where}: {peer} within {timeout_s:.1f} s: {err}") from err
+    finally:
+        if listener is not None:
+            listener.close()
+    return TensorChannel(pg, rank, backend, timeout_s, name, f"{store_host}:{store_port}", store, own_store, alive)
+
+
+class Pending:
+    """One posted send or receive; `wait()` returns once it is complete, or raises ChannelError.
+
+    An operation must complete within the channel's timeout of being posted; a peer that
+    dies fails it at once (within ~20 ms), whatever the backend is doing.
+    """
+
+    # The backend's wait() runs on a pool thread, so a caller can give up as soon as the liveness
+    # connection reports the peer gone: a gloo wait cannot be interrupted (abort() and shutdown()
+    # do not wake it) and gloo does not fail a receive whose peer dies mid-payload before its
+    # timeout. Pool threads are not daemons: a Work must not be freed by a thread that the
+    # interpreter's exit kills (std::terminate), so exit waits for a stuck wait (<= the timeout).
+
+    def __init__(self, channel: TensorChannel, work, what: str, finish: list[Callable[[], object]], keep: tuple):
+        self._channel = channel
+        self._work = work
+        self._what = what
+        self._finish = finish  # run in order once the bytes have arrived
+        self._keep = keep  # buffers the backend reads or writes until the work completes
+        self._posted = time.monotonic()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._done = False
+        channel._waiters.submit(self._block)
+
+    def _block(self) -> None:
+        try:
+            self._work.wait(_td(self._channel.timeout_s))
+        except BaseException as err:  # handed to the caller of wait()
+            self._error = err
+        self._event.set()
+
+    def then(self, fn: Callable[[], object], keep: object = None) -> Pending:
+        """Run fn after a successful wait (e.g. scatter a received chunk), keeping `keep` alive till then."""
+        self._finish.append(fn)
+        self._keep = (*self._keep, keep)
+        return self
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        ch = self._channel
+        deadline = self._posted + ch.timeout_s + 0.25  # the backend's own timeout error, if it comes first
+        while not self._event.wait(0.02):
+            if ch._gone is not None:
+                raise ch._failed(f"{self._what} failed: {ch._gone}")
+            if time.monotonic() > deadline:
+                raise ch._failed(f"{self._what} timed out after {ch.timeout_s:.1f} s")
+        if self._error is not None:
+            elapsed = time.monotonic() - self._posted
+            raise ch._failed(f"{self._what} failed after {elapsed:.2f} s: {self._error}") from self._error
+        for fn in self._finish:
+            fn()
+        self._done = True
+        self._keep = ()
+
+
+class _PeerState:
+    def __init__(self):
+        self.gone: str | None = None
+        self.closed = False
+
+
+def _watch(alive: socket.socket, state: _PeerState, peer: str) -> None:
+    # The peer never writes to this connection: any return is its end closing.
+    try:
+        why = "closed the channel or died" if not alive.recv(1) else "broke the channel protocol"
+    except OSError as err:
+        why = f"is unreachable ({err})"
+    if not state.closed:
+        state.gone = f"{peer} {why}"
+
+
+class TensorChannel:
+    """One end of a P/D pair: tagged, bounded sends and receives of whole tensors."""
+
+    def __init__(self, pg, rank: int, backend: str, timeout_s: float, name: str, store_address: str,
+                 store: dist.Store | None, own_store: dist.Store | None, alive: socket.socket | None = None):
+        self._pg = pg
+        self.rank = rank
+        self.peer = 1 - rank
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.name = name
+        self.store_address = store_address
+        self.tags_matched = backend in TAGGED_BACKENDS
+        self._store = store  # D's client, or P's store: kept alive as long as the channel
+        self._own_store = own_store
+        self._lock = threading.Lock()
+        self._tags = itertools.count()
+        self._broken: str | None = None
+        self._peer = _PeerState()  # set by the liveness watcher
+        self._closed = False
+        self._waiters = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"pdc-channel-{name}")
+        self._alive = alive
+        if alive is not None:
+            # A daemon thread must hold no reference to the channel: freeing the process group
+            # from a thread that the interpreter's exit is killing aborts the process.
+            threading.Thread(target=_watch, args=(alive, self._peer, self._peer_name),
+                             name=f"pdc-channel-alive-{name}", daemon=True).start()
+
+    @property
+    def _gone(self) -> str | None:
+        return self._peer.gone
+
+    def __repr__(self) -> str:
+        return f"TensorChannel({self.name!r}, {self.backend}, rank {self.rank}, store {self.store_address})"
+
+    @property
+    def _peer_name(self) -> str:
+        return "D (rank 1)" if self.peer == 1 else "P (rank 0)"
+
+    def allocate_tags(self, n: int) -> int:
+        """First of n consecutive tags from this rank's own space, unused by any other in-flight range."""
+        if not 0 < n <= 1 << TAG_SPACE_BITS:
+            raise ValueError(f"cannot allocate {n} tags")
+        span = 1 << TAG_SPACE_BITS
+        with self._lock:
+            first = next(self._tags) % span
+            if first + n > span:  # wrap: restart at the bottom of the space
+                first = 0
+            self._tags = itertools.count(first + n)
+        return (self.rank << TAG_SPACE_BITS) + first
+
+    def _failed(self, message: str) -> ChannelError:
+        full = f"channel {self.name!r} ({self.backend}, rank {self.rank}), peer {self._peer_name}: {message}"
+        with self._lock:
+            if self._broken is None:
+                self._broken = full
+        return ChannelError(full)
+
+    def _check(self, what: str, tag: int) -> None:
+        if self._closed:
+            raise ChannelError(f"channel {self.name!r}: {what} after close")
+        if self._broken is not None:
+            raise ChannelError(f"channel {self.name!r}: {what} on a broken channel (first failure: {self._broken})")
+        if self._gone is not None:
+            raise self._failed(f"{what}: {self._gone}")
+        if not 0 <= tag < 1 << (TAG_SPACE_BITS + 1):
+            raise ValueError(f"tag {tag} outside [0, 2**{TAG_SPACE_BITS + 1})")
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The host buffer to move instead of `tensor` (None: move it as is)."""
+        if self.backend == "gloo" and tensor.device.type != "cpu":
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if not tensor.is_contiguous():
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return None
+
+    def send_async(self, tensor: torch.Tensor, tag: int) -> Pending:
+        what = f"send of tag {tag} ({tensor.nbytes} B) to {self._peer_name}"
+        self._check(what, tag)
+        buf = self._staged(tensor)
+        if buf is not None:
+            buf.copy_(tensor)
+        src = tensor if buf is None else buf
+        try:
+            work = self._pg.send([src], self.peer, tag)
+        except Exception as err:
+            raise self._failed(f"{what} could not be posted: {err}") from err
+        return Pending(self, work, what, [], (src,))
+
+    def recv_async(self, tensor: torch.Tensor, tag: int) -> Pending:
+        """Post a receive into `tensor` (its bytes are valid once `wait()` returns)."""
+        what = f"recv of tag {tag} ({tensor.nbytes} B) from {self._peer_name}"
+        self._check(what, tag)
+        buf = self._staged(tensor)
+        dst = tensor if buf is None else buf
+        try:
+            work = self._pg.recv([dst], self.peer, tag)
+        except Exception as err:
+            raise self._failed(f"{what} could not be posted: {err}") from err
+        return Pending(self, work, what, [] if buf is None else [lambda: tensor.copy_(buf)], (dst,))
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self.send_async(tensor, tag).wait()
+
+    def recv_into(self, tensor: torch.Tensor, tag: int) -> None:
+        self.recv_async(tensor, tag).wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = self._peer.closed = True
+        if self._alive is not None:
+            try:
+                self._alive.shutdown(socket.SHUT_RDWR)  # wakes our watcher; the peer's sees us leave
+            except OSError:
+                pass
+            self._alive.close()
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._pg.shutdown()
+        except Exception:  # best effort: the peer may be gone already
+            pass
+        self._pg = None
+        self._store = self._own_store = None
+
+
+# ---------------------------------------------------------------- paged blocks over a channel
+
+
+def chunk_runs(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """(first, count) runs of at most chunk_blocks blocks: both sides cut a plan identically."""
+    return [(f, min(chunk_blocks, num_blocks - f)) for f in range(0, num_blocks, chunk_blocks)]
+
+
+def chunk_blocks_for(view: torch.Tensor, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // (view[0].numel() * view.element_size()))
+
+
+def count_chunks(layers: Sequence[tuple[torch.Tensor, Sequence[int]]], chunk_bytes: int) -> int:
+    """How many tags a transfer of these (block-first view, block ids) layers uses."""
+    return sum(len(chunk_runs(len(ids), chunk_blocks_for(v, chunk_bytes))) for v, ids in layers)
+
+
+def _run_slice(ids: Sequence[int]) -> slice | None:
+    first = ids[0]
+    return slice(first, first + len(ids)) if all(b == first + i for i, b in enumerate(ids)) else None
+
+
+def _chunks(layers, chunk_bytes):
+    for view, ids in layers:
+        ids = list(ids)
+        for first, count in chunk_runs(len(ids), chunk_blocks_for(view, chunk_bytes)):
+            yield view, ids[first:first + count]
+
+
+def _pipelined(posts, window: int) -> None:
+    inflight: deque[Pending] = deque()
+    for post in posts:
+        if len(inflight) >= window:
+            inflight.popleft().wait()
+        inflight.append(post())
+    while inflight:
+        inflight.popleft().wait()
+
+
+def send_blocks(ch: TensorChannel, layers: Sequence[tuple[torch.Tensor, Sequence[int]]], first_tag: int,
+                chunk_bytes: int, window: int = 8) -> None:
+    """Send blocks of block-first views (vLLM's per-layer KV tensors, block dim first), chunk k under
+    first_tag + k, at most `window` chunks in flight. A run of consecutive block ids in a
+    contiguous view goes without a copy; other runs are gathered first."""
+    _pipelined((_send_post(ch, v, ids, first_tag + k) for k, (v, ids) in enumerate(_chunks(layers, chunk_bytes))),
+               window)
+
+
+def _send_post(ch, view, ids, tag):
+    def post():
+        run = _run_slice(ids)
+        if run is not None and view[run].is_contiguous():
+            src = view[run]
+        else:
+            src = view.index_select(0, torch.tensor(ids, device=view.device))
+        return ch.send_async(src, tag)
+    return post
+
+
+def _recv_post(ch, view, ids, tag):
+    def post():
+        run = _run_slice(ids)
+        if run is not None and view[run].is_contiguous():
+            return ch.recv_async(view[run], tag)  # straight into the cache
+        tmp = torch.empty((len(ids), *view.shape[1:]), dtype=view.dtype, device=view.device)
+        idx = torch.tensor(ids, device=view.device)
+        return ch.recv_async(tmp, tag).then(lambda: view.index_copy_(0, idx, tmp), keep=tmp)
+    return post
+
+
+def recv_blocks(ch: TensorChannel, layers: Sequence[tuple[torch.Tensor, Sequence[int]]], first_tag: int,
+                chunk_bytes: int, window: int = 8) -> None:
+    """Receive what send_blocks sent into these blocks (same chunking, same tags)."""
+    _pipelined((_recv_post(ch, v, ids, first_tag + k) for k, (v, ids) in enumerate(_chunks(layers, chunk_bytes))),
+               window)
