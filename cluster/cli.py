@@ -1,6 +1,6 @@
 """`pdc`: the command line.
 
-  pdc model tiny OUT_DIR [--arch qwen3] [--seed N]   write a tiny random-weight model
+  pdc model tiny OUT_DIR [--arch qwen3] [--seed N]   write a tiny random-weight model (qwen3, llama, gemma3, gptoss, dsv4)
   pdc up SPEC.yaml                                   start a cluster, return when healthy
   pdc status [--name NAME]                           list instances: role, address, health
   pdc down [--name NAME]                             stop what `pdc up` started
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="what", required=True)
     tiny = model.add_parser("tiny", help="write a tiny random-weight checkpoint with a locally trained tokenizer")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "gptoss"])
+    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "gptoss", "dsv4"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(fn=cmd_model_tiny)
     up = sub.add_parser("up", help="start a cluster from a spec; returns when every instance is healthy")

