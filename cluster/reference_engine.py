@@ -1,5 +1,8 @@
 """A single plain vLLM engine: no connector, prefix caching off.
 
+It gets the same run-time vLLM patches as a cluster engine of the same model
+(DeepSeek-V4: cluster/vllm_patches.py), so only the P/D split differs.
+
 What a P/D cluster's output must equal token for token, and the TTFT it is
 compared with. Host it in a Ray actor: `ray.remote(ReferenceEngine)`.
 """
@@ -13,9 +16,14 @@ import time
 class ReferenceEngine:
     def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
                  block_size: int = 128, kv_cache_space_gib: int = 1):
+        from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
+
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
         if cpu_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        # The run-time vLLM fixes the model needs, as the cluster's engines get them
+        # (cluster/vllm_patches.py): env for this process and the engine processes it starts.
+        os.environ.update(engine_env(patch_sets_for_model(model, "cpu")))
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
