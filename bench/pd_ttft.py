@@ -1,11 +1,14 @@
-"""P/D TTFT vs a single engine, per prompt length, on real engines (P1D1 + a reference).
+"""P/D TTFT vs a single engine, cold and warm, per shared-prefix length (the first seed's table in PD mode).
 
-Same measurements as ../shared/probes/nixl (vLLM's NixlConnector on this
-machine), so the two transports compare side by side:
-  P prefill   P's prefill call (max_tokens=1), seen by the caller
-  D TTFT      D's decode call until its first token: KV pull + last-token recompute
-  PD TTFT     P prefill + handoff + D TTFT, as the P/D request path runs it
-  single      a plain engine (no connector, prefix caching off) to its first token
+The protocol of ../shared/seeds/000 (section 8), on a real P1D1 cluster through
+its router and on one plain engine with prefix caching on:
+  A = [common prefix of n tokens][suffix A], B = [same prefix][suffix B] (14 tokens each);
+  cold: reset every prefix cache, run A, reset again, time B;
+  warm: reset, run A, time B (P and D, or the single engine, hold the prefix).
+For the cluster it reports, per request, the client's TTFT and the time from
+P's prefill ending to D's first token ("after P": transfer not hidden + D's
+wait + D's last-token step), from the request's timeline. pdc runs push and
+pull on the same cluster; `--connector nixl` runs vLLM's NixlConnector (pull).
 
 usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--dtype bfloat16]
                                          [--connector pdc|nixl] [--out FILE.json]
@@ -18,36 +21,116 @@ import json
 import random
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-COLUMNS = ("p_prefill_ms", "d_ttft_ms", "pd_ttft_ms", "single_ttft_ms")
+SUFFIX = 14
 
 
-def measure(cluster, reference, prompt: list[int], rid: str) -> dict:
+@dataclass(frozen=True)
+class Row:
+    tokens: int  # shared prefix
+    setup: str  # "pdc push" | "pdc pull" | "nixl pull" | "single"
+    cache: str  # "cold" | "warm"
+    ttft_ms: float  # client (cluster) or engine (single) TTFT
+    after_p_ms: float | None  # first D token - P's prefill end (cluster only)
+    p_cached: int
+    d_cached: int
+
+
+def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict]:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, rid, usage = None, None, {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            rid = event["id"]
+            if ttft is None and event["choices"] and event["choices"][0].get("token_ids"):
+                ttft = (time.perf_counter() - t0) * 1e3
+            usage = event.get("usage") or usage
+    return rid, ttft, usage
+
+
+def prompts(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
+    prefix = [rng.randrange(3, 1000) for _ in range(n)]
+    return prefix + [rng.randrange(3, 1000) for _ in range(SUFFIX)], prefix + [rng.randrange(3, 1000) for _ in
+                                                                               range(SUFFIX)]
+
+
+def cluster_rows(cluster, setup: str, sizes: list[int], trials: int, rng: random.Random) -> list[Row]:
     import ray
 
-    from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+    from pdcluster.router.timeline import load_run
 
-    p, d = cluster.prefill[0].actor, cluster.decode[0].actor
-    s = SamplingSpec(max_tokens=2, temperature=0, ignore_eos=True)
-    t0 = time.perf_counter()
-    pre = ray.get(p.prefill.remote(PrefillRequest(rid, prompt, s)))
-    t1 = time.perf_counter()
-    stream = d.decode.options(num_returns="streaming").remote(DecodeRequest(rid, prompt, s, pre.handle))
-    first = None
-    for ref in stream:
-        delta = ray.get(ref)
-        if first is None and delta.new_token_ids:
-            first = time.perf_counter()
-    # Ours reports what it moved; NIXL does not (then D must have counted the whole prompt as cached).
-    if delta.transfer is not None:
-        assert delta.transfer.transferred_tokens == len(prompt), delta.transfer
-    else:
-        assert delta.num_cached_tokens == len(prompt), delta.num_cached_tokens
-    single = ray.get(reference.ttft.remote(prompt))
-    kv_bytes = sum(delta.transfer.bytes_per_group) if delta.transfer else 0
-    return {"p_prefill_ms": (t1 - t0) * 1e3, "d_ttft_ms": (first - t1) * 1e3, "pd_ttft_ms": (first - t0) * 1e3,
-            "single_ttft_ms": single * 1e3, "kv_bytes": kv_bytes}
+    def reset():
+        for inst in cluster.instances:
+            deadline = time.monotonic() + 120  # a lease may still pin blocks for a moment
+            while not ray.get(inst.actor.reset_prefix_cache.remote()):
+                assert time.monotonic() < deadline, f"{inst.name} would not reset its prefix cache"
+                time.sleep(0.2)
+
+    timed: dict[str, tuple[int, str, dict]] = {}
+    for n in sizes:
+        for _ in range(trials):
+            for cache in ("cold", "warm"):
+                a, b = prompts(rng, n)
+                reset()
+                stream_ttft(cluster.url, a)
+                if cache == "cold":
+                    reset()
+                rid, ttft, usage = stream_ttft(cluster.url, b)
+                timed[rid] = (n, cache, {"ttft": ttft, **usage})
+    time.sleep(0.5)  # the router appends each record as its request ends
+    rows = []
+    for rec in load_run(cluster.run_dir).records:
+        if rec.request_id not in timed:
+            continue
+        n, cache, got = timed[rec.request_id]
+        ev = rec.events
+        rows.append(Row(n, setup, cache, got["ttft"], (ev["d_first_token"] - ev["p_done"]) / 1e6,
+                        rec.p_cached_tokens, rec.d_cached_tokens))
+    return rows
+
+
+def single_rows(reference, sizes: list[int], trials: int, rng: random.Random) -> list[Row]:
+    import ray
+
+    rows = []
+    for n in sizes:
+        for _ in range(trials):
+            for cache in ("cold", "warm"):
+                a, b = prompts(rng, n)
+                ray.get(reference.reset_prefix_cache.remote())
+                ray.get(reference.ttft.remote(a))
+                if cache == "cold":
+                    ray.get(reference.reset_prefix_cache.remote())
+                rows.append(Row(n, "single", cache, ray.get(reference.ttft.remote(b)) * 1e3, None, 0, 0))
+    return rows
+
+
+def table(rows: list[Row], sizes: list[int]) -> str:
+    def med(setup, n, cache, field):
+        vals = [getattr(r, field) for r in rows if (r.setup, r.tokens, r.cache) == (setup, n, cache)]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
+    out = ["| prefix tokens | setup | cold TTFT ms | warm TTFT ms | speed-up | cold after-P ms | warm after-P ms |",
+           "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        for setup in sorted({r.setup for r in rows}, key=lambda s: (s == "single", s)):
+            cold, warm = med(setup, n, "cold", "ttft_ms"), med(setup, n, "warm", "ttft_ms")
+            speed = f"{cold / warm:.2f}x" if cold and warm else "-"
+            out.append(f"| {n:,} | {setup} | {fmt(cold)} | {fmt(warm)} | {speed} | "
+                       f"{fmt(med(setup, n, 'cold', 'after_p_ms'))} | {fmt(med(setup, n, 'warm', 'after_p_ms'))} |")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -55,12 +138,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,4096,8192,16384")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny seed-0 Qwen3)")
-    ap.add_argument("--dtype", default="float32", help="engine dtype (the NIXL probe ran bfloat16)")
+    ap.add_argument("--dtype", default="bfloat16", help="engine dtype")
     ap.add_argument("--connector", default="pdc", choices=["pdc", "nixl"], help="transfer.connector")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-single", action="store_true", help="skip the single-engine rows")
+    ap.add_argument("--out", default=None, help="write every row as JSON")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
-    max_len = max(sizes) + 128
+    max_len = max(sizes) + 2 * SUFFIX + 128
 
     import ray
 
@@ -77,30 +161,26 @@ def main() -> None:
     }, base_dir=Path.cwd())
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     cluster = build_cluster(spec)
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(spec.model.path, "0", max_len, a.dtype)
+    rng = random.Random(12345)
+    rows: list[Row] = []
     try:
-        rng = random.Random(12345)
-        warm = [rng.randrange(3, 1000) for _ in range(1000)]
-        measure(cluster, reference, warm, "warmup")  # first gRPC connection, first forward passes
-        results = {}
-        print(f"{'tokens':>7} " + " ".join(f"{c:>15}" for c in COLUMNS) + f" {'KV MB':>8} {'GB/s (D TTFT)':>14}")
-        for n in sizes:
-            rows = []
-            for trial in range(a.trials):
-                prompt = [rng.randrange(3, 1000) for _ in range(n)]  # fresh: no prefix hit anywhere
-                rows.append(measure(cluster, reference, prompt, f"b{n}-{trial}"))
-            med = {c: statistics.median(r[c] for r in rows) for c in COLUMNS}
-            med["kv_bytes"] = rows[0]["kv_bytes"]
-            results[n] = med
-            gbs = med["kv_bytes"] / (med["d_ttft_ms"] / 1e3) / 1e9  # 0 with NIXL: it reports no bytes
-            print(f"{n:>7} " + " ".join(f"{med[c]:>15.1f}" for c in COLUMNS)
-                  + f" {med['kv_bytes'] / 1e6:>8.1f} {gbs:>14.2f}", flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"args": vars(a), "medians": results}, f, indent=1)
+        stream_ttft(cluster.url, [rng.randrange(3, 1000) for _ in range(1000)])  # first connections, first passes
+        modes = ("push", "pull") if a.connector == "pdc" else ("pull",)
+        for mode in modes:
+            ray.get(cluster.router.set_transfer_mode.remote(mode))
+            rows += cluster_rows(cluster, f"{a.connector} {mode}", sizes, a.trials, rng)
+            print(table(rows, sizes), "\n", flush=True)
     finally:
         teardown(cluster)
-        ray.shutdown()
+    if not a.no_single:
+        reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(spec.model.path, "0", max_len, a.dtype,
+                                                                    enable_prefix_caching=True)
+        ray.get(reference.ttft.remote([5, 6, 7] * 100))
+        rows += single_rows(reference, sizes, a.trials, rng)
+    ray.shutdown()
+    print(table(rows, sizes))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": [asdict(r) for r in rows]}, indent=1))
 
 
 if __name__ == "__main__":

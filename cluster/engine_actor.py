@@ -65,6 +65,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
         "lease_s": spec.transfer.lease_s,
         "timeout_s": spec.transfer.timeout_s,
         "chunk_bytes": spec.transfer.chunk_bytes,
+        "break_prefix": spec.transfer.break_transfers_with_prefix,
     }
     args: dict[str, Any] = dict(
         model=spec.model.path,

@@ -1,4 +1,4 @@
-"""A single plain vLLM engine: no connector, prefix caching off.
+"""A single plain vLLM engine: no connector, prefix caching off (on, for warm-cache benchmarks).
 
 It gets the same run-time vLLM patches as a cluster engine of the same model
 (DeepSeek-V4: cluster/vllm_patches.py), so only the P/D split differs.
@@ -15,7 +15,7 @@ import time
 
 class ReferenceEngine:
     def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
-                 block_size: int = 128, kv_cache_space_gib: int = 1):
+                 block_size: int = 128, kv_cache_space_gib: int = 1, enable_prefix_caching: bool = False):
         from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
@@ -28,7 +28,7 @@ class ReferenceEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model, skip_tokenizer_init=True, enable_prefix_caching=False, block_size=block_size,
+            model=model, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
             max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype, enforce_eager=True))
 
     async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -51,3 +51,7 @@ class ReferenceEngine:
     async def ttft(self, prompt: list[int]) -> float:
         """Seconds from submission to the first token."""
         return (await self._run(prompt, 1))[1]
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (with enable_prefix_caching): for cold-vs-warm benchmarks."""
+        return await self.llm.reset_prefix_cache()

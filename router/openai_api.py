@@ -247,8 +247,10 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
     app = FastAPI(title="pdcluster OpenAI-compatible API")
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
-                 max_tokens_param: str, arrival_ns: int) -> _Job:
+                 max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> _Job:
         card: ModelCard = backend.model_card()
+        if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
+            raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
         what = "messages" if chat else "prompt"
         if req.n not in (None, 1):
             raise ApiError(f"n must be 1 (got {req.n}): only one choice per request is supported", param="n")
@@ -280,7 +282,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()))
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return _Job(request_id=prefix + uuid.uuid4().hex, chat=chat, model=card.name, prompt_ids=prompt_ids,
+        # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
+        return _Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=tuple(s for s in stops if s), stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
                     return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
@@ -342,7 +345,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
                                "send one prompt per request", param="prompt")
             prompt = prompt[0]
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns))
+        return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
+                                    request.headers.get("x-request-id")))
 
     async def chat_completions(request: Request) -> Response:
         arrival_ns = time.monotonic_ns()
@@ -359,7 +363,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        return await serve(make_job(req, True, list(ids), max_tokens, param, arrival_ns))
+        return await serve(make_job(req, True, list(ids), max_tokens, param, arrival_ns,
+                                    request.headers.get("x-request-id")))
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:

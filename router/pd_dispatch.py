@@ -49,6 +49,7 @@ class PDDispatcher(TokenBackend):
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
         self.transfer_mode = transfer_mode
+        self._transfer_seq = itertools.count()
         self.prefill, self.decode = prefill, decode
         self._card = card
         self._timeout_s = request_timeout_s
@@ -105,12 +106,14 @@ class PDDispatcher(TokenBackend):
         p, d = next(self._next_p), next(self._next_d)
         rec.prefill_instance, rec.decode_instance = p.name, d.name
         rec.mark("dispatch")
-        prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=rec.request_id)
+        # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
+        transfer_id = f"{rec.request_id}-{next(self._transfer_seq)}"
+        prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=transfer_id)
         stream = None
         if self.transfer_mode == "push":
             # D first, with the handle the router can name in advance: D allocates its
             # blocks and asks P for them while P computes them.
-            handle = TransferHandle(p.engine_id, p.kv_address, rec.request_id, len(prompt_token_ids)).to_params()
+            handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids)).to_params()
             stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
         finished = False
         try:

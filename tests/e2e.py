@@ -40,7 +40,8 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
                    "kv_cache_space_gib": 1, "dtype": "float32"},
         "prefill": {"instances": prefill, "resources": {"cpu_bind": ["0"] * prefill}},
         "decode": {"instances": decode, "resources": {"cpu_bind": ["1"] * decode}},
-        "transfer": {"base_port": free_port(), "timeout_s": 20, "lease_s": 60},
+        "transfer": {"base_port": free_port(), "timeout_s": 20, "lease_s": 60,
+                     "break_transfers_with_prefix": FAULT_PREFIX},
         "router": {"port": free_port(), "request_timeout_s": 60},
     }
     for key, value in overrides.items():
@@ -66,10 +67,26 @@ def running_cluster(spec: ClusterSpec):
         ray.shutdown()
 
 
-def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120, **extra) -> httpx.Response:
+def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120,
+             request_id: str | None = None, **extra) -> httpx.Response:
     body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **extra}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=headers)
+
+
+# The e2e clusters' fault injection (transfer.break_transfers_with_prefix): a request
+# sent with X-Request-Id "fault-..." loses its KV transfer halfway.
+FAULT_PREFIX = "cmpl-fault-"
+
+
+def assert_no_kv_in_use(cluster, timeout: float = 15):
+    """Every instance's KV cache back to 0 blocks in use (leases ended, nothing leaked)."""
+    import ray
+
+    for inst in cluster.instances:
+        wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, timeout,
+                   what=f"{inst.name} KV usage back to 0")
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import ray
-from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir, wait_until
+from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster, tiny_model_dir, wait_until
 
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
@@ -154,6 +154,20 @@ def test_no_kv_block_leaks_after_requests(cluster):
 
 # ---- faults (last: they restart P)
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_transfer_broken_halfway_errors_and_leaks_nothing(cluster, mode):
+    ray.get(cluster.router.set_transfer_mode.remote(mode))
+    try:
+        r = complete(cluster.url, [random.Random(8).randrange(3, 1000) for _ in range(2500)],
+                     request_id=f"fault-{mode}")
+    finally:
+        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error", r.text
+    assert_no_kv_in_use(cluster)
+    tokens, _ = run(cluster, list(range(3, 503)))  # and the next request is served
+    assert len(tokens) == 16
+
+
 def test_broken_transfer_errors_and_d_frees_blocks(cluster):
     p, d = cluster.prefill[0].actor, cluster.decode[0].actor
     prompt = list(range(3, 1003))
@@ -186,7 +200,8 @@ def test_killed_prefill_errors_then_recovers(cluster):
     assert r.status_code == 503 and "prefill-0" in r.json()["error"]["message"], r.text
     assert time.monotonic() - t0 < cluster.spec.router.request_timeout_s
     # Its timeline keeps what happened: dispatched to P, then the error.
-    failed = [rec for rec in load_run(cluster.run_dir).records if rec.error and "prefill-0" in rec.error]
+    failed = [rec for rec in load_run(cluster.run_dir).records
+              if rec.error and "prefill instance prefill-0 is unavailable" in rec.error]
     assert len(failed) == 1 and attribute(failed[0]).stopped_after == "dispatch", failed
     # Ray restarts P (a fresh engine); the router reports healthy again, then serves.
     wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,

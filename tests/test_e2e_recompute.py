@@ -10,7 +10,7 @@ import random
 
 import pytest
 import ray
-from e2e import cluster_spec_for, free_port, running_cluster, wait_until
+from e2e import assert_no_kv_in_use, cluster_spec_for, complete, free_port, running_cluster, wait_until
 
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.transfer.handle import TransferHandle
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def cluster():
-    # A short lease: the broken pull never releases P's blocks, so expiry must.
-    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute", "lease_s": 3})
+    # A short lease: the broken pull never releases P's blocks, so expiry must. It outlives
+    # D's wait for a P that accepts no connection (grpc_client.CONNECT_S, 5 s).
+    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute", "lease_s": 9})
     with running_cluster(spec) as c:
         yield c
 
@@ -50,9 +51,27 @@ def test_failed_pull_recomputes_same_tokens(cluster):
     assert broken_tokens == normal_tokens
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_transfer_broken_halfway_recomputes_same_tokens(cluster, mode):
+    prompt = [random.Random(6).randrange(3, 1000) for _ in range(2500)]
+    ray.get(cluster.router.set_transfer_mode.remote(mode))
+    try:
+        broken = complete(cluster.url, prompt, 8, request_id=f"fault-{mode}")
+        for inst in cluster.decode:
+            ray.get(inst.actor.reset_prefix_cache.remote())
+        normal = complete(cluster.url, prompt, 8)
+    finally:
+        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode))
+    assert broken.status_code == 200 == normal.status_code, (broken.text, normal.text)
+    assert broken.json()["usage"]["pd"]["transfer_error"] == "KV pull from P failed"
+    assert normal.json()["usage"]["pd"]["transfer_error"] is None
+    assert broken.json()["choices"][0]["token_ids"] == normal.json()["choices"][0]["token_ids"]
+    assert_no_kv_in_use(cluster)
+
+
 def test_unreleased_lease_expires_and_p_frees_blocks(cluster):
     p = cluster.prefill[0].actor
     pd_tokens(cluster, "never-released", list(range(3, 603)), break_handle=True)
     # D could not release P's lease (wrong address): P holds the blocks until lease_s passes.
     assert ray.get(p.load.remote()).kv_cache_usage > 0
-    wait_until(lambda: ray.get(p.load.remote()).kv_cache_usage == 0.0, 15, what="P frees blocks at lease expiry")
+    wait_until(lambda: ray.get(p.load.remote()).kv_cache_usage == 0.0, 20, what="P frees blocks at lease expiry")

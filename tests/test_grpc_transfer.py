@@ -512,3 +512,58 @@ def test_get_layout_and_release(make_p, stub_to):
     assert stub.Release(pb.ReleaseRequest(transfer_id="r1"), timeout=TIMEOUT_S).known is True
     assert stub.Release(pb.ReleaseRequest(transfer_id="r1"), timeout=TIMEOUT_S).known is False
     assert p.sources.take_finished() == {"r1"}
+
+
+def test_injected_fault_breaks_the_transfer_halfway(make_d):
+    """P's fault injection: a transfer whose id has the prefix dies after half its blocks;
+    D has written some blocks, reports failure (vLLM then errors or recomputes the request)."""
+    caches = source_caches(cpu_shape(P_BLOCKS))
+    sources = SourceTable(GROUPS, (BLOCK_SIZE,))
+    server = KvServer("p0", PagedKv(caches, GROUPS, P_BLOCKS), sources, "127.0.0.1", 0, 1 << 20,
+                      break_prefix="break-")
+    try:
+        d = make_d()
+        writes = []
+        real_write = d.kv.write
+        d.kv.write = lambda layer, ids, data: (writes.append(layer), real_write(layer, ids, data))
+        for tid in ("break-1", "ok-1"):
+            sources.step(tid, tid, 4 * BLOCK_SIZE, ((2, 5, 7, 9),), 4 * BLOCK_SIZE)
+            sources.step_done()
+            sources.finish(tid, 60)
+        d.fetcher.submit(make_job(server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="break-1"))
+        r = wait_results(d.fetcher, {"d-break-1"})
+        assert r.failed == {"d-break-1"} and writes == [LAYERS[0]]  # layer 0 arrived, layer 1 never did
+        d.fetcher.submit(make_job(server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="ok-1"))
+        r = wait_results(d.fetcher, {"d-ok-1"})
+        assert r.finished == {"d-ok-1"} and r.failed == set()
+        assert sources.take_finished() == {"break-1", "ok-1"}  # both released: nothing leaks on P
+    finally:
+        server.stop()
+
+
+def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
+    """Flow control: P copies blocks out only as fast as D drains the stream. With D
+    stalled after one chunk, P has read a few chunks (HTTP/2 window), not the 64 MiB."""
+    n, shape = 65, (2, 128, 1024)  # 1 MiB blocks (float32); block 0 is the null block
+    caches = {LAYERS[0]: torch.zeros(n, *shape)}
+    kv = PagedKv(caches, {LAYERS[0]: 0}, n)
+    reads = []
+    real_read = kv.read
+    kv.read = lambda layer, ids: (reads.append(len(ids)), real_read(layer, ids))[1]
+    sources = SourceTable({LAYERS[0]: 0}, (BLOCK_SIZE,))
+    sources.step("big", "big", 64 * BLOCK_SIZE, (tuple(range(1, n)),), 64 * BLOCK_SIZE)
+    sources.step_done()
+    sources.finish("big", 60)
+    server = KvServer("p0", kv, sources, "127.0.0.1", 0, 1 << 20)
+    try:
+        stream = stub_to(server.address).ReadBlocks(pb.ReadBlocksRequest(
+            transfer_id="big", groups=[pb.GroupBlocks(group=0, block_indices=list(range(64)))]), timeout=30)
+        first = next(stream)
+        assert first.count == 1
+        time.sleep(1.0)  # D stalls: P may only fill the transport's window
+        ahead = sum(reads)
+        assert ahead <= 16, f"P read {ahead} MiB ahead of a stalled reader"
+        assert sum(c.count for c in stream) == 63  # and the rest still arrives, in full
+        assert sum(reads) == 64
+    finally:
+        server.stop()

@@ -199,7 +199,7 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
     assert all((c.d_cached_tokens, c.transferred_tokens) == (0, 0) for c in chunks[:-1])
 
     (preq,) = p.prefill_calls
-    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x")
+    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x-0")
     (dreq,) = d.decode_calls
     assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, {"from": id(p), "rid": "req-x"})
     assert cancelled == []  # a normally finished stream is not cancelled
@@ -340,8 +340,8 @@ def test_push_sends_d_the_router_built_handle_before_p_answers(cancelled):
     err, got = run(expect_error(disp, "req-p"))
     # D got its request (and P's address) while P was still computing.
     (dreq,) = d.decode_calls
-    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p", len(PROMPT)).to_params()
-    assert p.prefill_calls[0].transfer_id == "req-p"
+    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p-0", len(PROMPT)).to_params()
+    assert p.prefill_calls[0].transfer_id == "req-p-0"
     # P never answered: 504, and D's request is cancelled (D aborts it and stops its load).
     assert err.status == 504 and got == []
     assert d.streams[0] in cancelled
@@ -365,3 +365,16 @@ def test_push_needs_every_p_address():
     with pytest.raises(AssertionError, match="KV address"):
         PDDispatcher([Instance("prefill-0", FakeActor())], [Instance("decode-0", FakeActor())], CARD, 1.0,
                      transfer_mode="push")
+
+
+def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
+    p, d = FakeActor(), FakeActor()
+    disp = make([p], [d], mode="push")
+
+    async def main():
+        await collect(disp, "same")
+        await collect(disp, "same")
+
+    run(main())
+    assert [r.transfer_id for r in p.prefill_calls] == ["same-0", "same-1"]
+    assert [TransferHandle.from_params(r.handle).transfer_id for r in d.decode_calls] == ["same-0", "same-1"]

@@ -379,3 +379,22 @@ def test_client_disconnect_closes_backend(tok, tok_dir):
         while not backend.closed_early and time.monotonic() < deadline:
             time.sleep(0.02)
         assert backend.closed_early == [backend.calls[0][0]]
+
+
+@pytest.mark.parametrize("path, body, prefix", [("/v1/completions", {"prompt": [5, 6]}, "cmpl-"),
+                                                ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                         "content": "hi"}]},
+                                                 "chatcmpl-")])
+def test_client_request_id_header(make, path, body, prefix):
+    client, backend = make()
+    r = client.post(path, json=body, headers={"X-Request-Id": "job-42"})
+    assert r.status_code == 200, r.text
+    assert backend.calls[0][0] == r.json()["id"] == prefix + "job-42"
+
+
+@pytest.mark.parametrize("value", ["x" * 129, "tab\there"])
+def test_bad_request_id_header_is_400(make, value):
+    client, backend = make()
+    r = client.post("/v1/completions", json={"prompt": [5]}, headers={"X-Request-Id": value})
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    assert backend.calls == []

@@ -77,6 +77,7 @@ class ConnectorSettings:
     lease_s: float = 60.0
     timeout_s: float = 30.0
     chunk_bytes: int = 1 << 20
+    break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -347,7 +348,7 @@ class _Worker:
         if conn.is_producer:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
             self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
-                                   wait_s=s.timeout_s)
+                                   wait_s=s.timeout_s, break_prefix=s.break_prefix)
         else:
             self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s)
 

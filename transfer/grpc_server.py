@@ -55,8 +55,10 @@ _ANSWER_MARGIN_S = 0.2
 
 
 class KvTransferService(pb_grpc.KvTransferServicer):
-    def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float):
+    def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float,
+                 break_prefix: str | None = None):
         self._engine_id = engine_id
+        self._break_prefix = break_prefix  # fault injection: see _stream
         self._kv = kv
         self._sources = sources
         self._chunk_bytes = chunk_bytes
@@ -93,6 +95,10 @@ class KvTransferService(pb_grpc.KvTransferServicer):
     def _stream(self, src: Source, wanted: dict[int, list[int]], context):
         layers = [info for info in self._kv.layers.values() if info.group in wanted]
         sent = {info.name: 0 for info in layers}  # how many of the group's wanted blocks went out, per layer
+        # Fault injection (tests): this transfer dies after half its blocks, as if P's host went away.
+        break_after, blocks_sent = None, 0
+        if self._break_prefix and src.transfer_id.startswith(self._break_prefix):
+            break_after = max(1, sum(len(wanted[i.group]) for i in layers) // 2)
         while True:
             seen = dict(src.ready_tokens)
             for info in layers:
@@ -101,7 +107,10 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, self._chunk_bytes):
                     first += sent[info.name]
                     data = self._read(src, info, indices[first:first + count], context)
+                    if break_after is not None and blocks_sent >= break_after:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: injected fault")
                     yield pb.KvChunk(layer=info.name, group=info.group, first=first, count=count, data=data)
+                    blocks_sent += count
                 sent[info.name] = max(sent[info.name], ready)
             if all(sent[i.name] == len(wanted[i.group]) for i in layers):
                 return
@@ -135,10 +144,10 @@ class KvServer:
     """A gRPC server bound to host:port, serving one engine's transfer sources."""
 
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
-                 wait_s: float = 30.0):
+                 wait_s: float = 30.0, break_prefix: str | None = None):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
-        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s)
+        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix)
         pb_grpc.add_KvTransferServicer_to_server(service, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
