@@ -66,6 +66,9 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
         "timeout_s": spec.transfer.timeout_s,
         "chunk_bytes": spec.transfer.chunk_bytes,
         "break_prefix": spec.transfer.break_transfers_with_prefix,
+        # P serves torch_dist transfers over this backend when a handle asks for them.
+        "channel_backend": DEVICES[spec.device].collective_backend,
+        "transport": spec.transfer.backend,
     }
     args: dict[str, Any] = dict(
         model=spec.model.path,

@@ -95,7 +95,10 @@ class TransferSpec(_Strict):
     # while its forward pass runs; pull: D asks for the KV after P finished (the
     # fallback, and the only mode of the nixl connector). Default: push for pdc.
     mode: Literal["push", "pull"] = "push"
-    backend: Literal["grpc"] = "grpc"
+    # grpc: the KV bytes inside the gRPC stream; torch_dist: gRPC only announces each
+    # chunk, the bytes go over a torch.distributed pair channel (gloo on cpu, nccl on
+    # cuda, hccl on npu: cluster/devices.py).
+    backend: Literal["grpc", "torch_dist"] = "grpc"
     host: str = "127.0.0.1"
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
     lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
@@ -121,6 +124,9 @@ class TransferSpec(_Strict):
     def _check_mode(self) -> TransferSpec:
         if self.mode == "push" and self.connector != "pdc":
             raise ValueError(f"mode: push needs connector pdc; vLLM's {self.connector} connector only pulls")
+        if self.backend != "grpc" and self.connector != "pdc":
+            raise ValueError(f"backend: {self.backend} needs connector pdc; vLLM's {self.connector} connector "
+                             f"brings its own transport")
         return self
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -44,11 +45,12 @@ class Instance:
 
 class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
-                 sinks: list[RecordSink] | None = None, transfer_mode: str = "pull"):
+                 sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc"):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
         self.transfer_mode = transfer_mode
+        self.transport = transport  # grpc | torch_dist, per transfer (the handle names it)
         self._transfer_seq = itertools.count()
         self.prefill, self.decode = prefill, decode
         self._card = card
@@ -113,7 +115,8 @@ class PDDispatcher(TokenBackend):
         if self.transfer_mode == "push":
             # D first, with the handle the router can name in advance: D allocates its
             # blocks and asks P for them while P computes them.
-            handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids)).to_params()
+            handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
+                                    self.transport).to_params()
             stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
         finished = False
         try:
@@ -121,7 +124,8 @@ class PDDispatcher(TokenBackend):
                 pre = await self._prefill(p, prefill, deadline)
             record_prefill(rec, pre, self._clock(p))
             if stream is None:
-                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, pre.handle))
+                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling,
+                                                       self._with_transport(pre.handle)))
             with self._busy(d):
                 while not finished:
                     delta = await self._next_delta(d, stream, deadline)
@@ -135,6 +139,13 @@ class PDDispatcher(TokenBackend):
         finally:
             if not finished and stream is not None:
                 ray.cancel(stream)  # aborts the request inside D's engine
+
+    def _with_transport(self, params: dict | None) -> dict | None:
+        """P's handle (pull mode), asking for this router's transport; other connectors' params as they are."""
+        handle = TransferHandle.from_params(params)
+        if handle is None or handle.transport == self.transport:
+            return params
+        return {**params, **dataclasses.replace(handle, transport=self.transport).to_params()}
 
     @staticmethod
     def _decode(d: Instance, req: DecodeRequest):

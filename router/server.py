@@ -46,7 +46,7 @@ class RouterActor:
 
         self.spec = spec
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
-                                       transfer_mode=spec.transfer.mode)
+                                       transfer_mode=spec.transfer.mode, transport=spec.transfer.backend)
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
@@ -95,11 +95,16 @@ class RouterActor:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
         self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])) if on else []
 
-    def set_transfer_mode(self, mode: str) -> None:
-        """push or pull from the next request on (the connector serves both): to compare them."""
+    def set_transfer_mode(self, mode: str, transport: str | None = None) -> None:
+        """push or pull, over grpc or torch_dist, from the next request on (the pdc connector
+        serves all four): to compare them on one cluster."""
         assert mode in ("push", "pull"), f"unknown transfer mode {mode!r}"
-        assert mode == "pull" or self.spec.transfer.connector == "pdc", "only the pdc connector pushes"
+        assert transport in (None, "grpc", "torch_dist"), f"unknown transport {transport!r}"
+        assert (mode == "pull" and transport in (None, "grpc")) or self.spec.transfer.connector == "pdc", (
+            "only the pdc connector pushes or uses torch_dist")
         self.dispatcher.transfer_mode = mode
+        if transport is not None:
+            self.dispatcher.transport = transport
 
     def run_dir(self) -> str | None:
         return str(self.store.path) if self.store else None

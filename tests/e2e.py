@@ -97,3 +97,26 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "co
             return value
         time.sleep(interval)
     raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+TRANSPORTS = ("grpc", "torch_dist")
+
+
+def reset_caches(cluster, timeout: float = 30):
+    """Empty every instance's prefix cache (retrying while a lease still pins blocks)."""
+    import ray
+
+    for inst in cluster.instances:
+        wait_until(lambda: ray.get(inst.actor.reset_prefix_cache.remote()), timeout, what=f"{inst.name} cache reset")
+
+
+@contextmanager
+def transport(cluster, name: str):
+    """The router asks for this transport (grpc | torch_dist) until the block ends."""
+    import ray
+
+    ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, name))
+    try:
+        yield
+    finally:
+        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, cluster.spec.transfer.backend))

@@ -16,7 +16,16 @@ import random
 
 import pytest
 import ray
-from e2e import MODEL_CACHE, cluster_spec_for, complete, running_cluster, wait_until
+from e2e import (
+    MODEL_CACHE,
+    TRANSPORTS,
+    cluster_spec_for,
+    complete,
+    reset_caches,
+    running_cluster,
+    transport,
+    wait_until,
+)
 
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import make_tiny_model
@@ -65,12 +74,16 @@ def served(cluster, model_dir):
     base = [rng.randrange(3, 1000) for _ in range(1100)]
     lengths = (100, 128, 129, 191, 255, 256, 257, 300, 600, 600, 1100)  # the later ones extend the earlier
     prompts = [base[:n] for n in lengths] + [[rng.randrange(3, 1000) for _ in range(520)]]
-    out = []
-    for p in prompts:
-        r = complete(cluster.url, p, 8, timeout=300)
-        assert r.status_code == 200, r.text
-        out.append((p, r.json(), ray.get(reference.greedy.remote(p, 8))))
+    wants = [ray.get(reference.greedy.remote(p, 8)) for p in prompts]
     ray.kill(reference)
+    out = []
+    for name in TRANSPORTS:  # the same prompts from empty caches, over each transport
+        reset_caches(cluster)
+        with transport(cluster, name):
+            for p, want in zip(prompts, wants):
+                r = complete(cluster.url, p, 8, timeout=300)
+                assert r.status_code == 200, (name, r.text)
+                out.append((p, r.json(), want))
     return out
 
 
@@ -91,7 +104,7 @@ def test_prefix_hits_on_p_and_d(served):
     (window 472..599, C4 states 592..599) did not reach 512."""
     hits = [(body["usage"]["prompt_tokens_details"]["cached_tokens"], body["usage"]["pd"]["d_cached_tokens"])
             for _, body, _ in served]
-    assert hits == [(0, 0)] * 7 + [(256, 256), (256, 256), (512, 256), (512, 256), (0, 0)], hits
+    assert hits == ([(0, 0)] * 7 + [(256, 256), (256, 256), (512, 256), (512, 256), (0, 0)]) * len(TRANSPORTS), hits
 
 
 def test_each_group_moves_exact_blocks(cluster, served):

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from e2e import MODEL_CACHE, cluster_spec_for, complete, running_cluster, wait_until
+from e2e import (
+    MODEL_CACHE,
+    TRANSPORTS,
+    cluster_spec_for,
+    complete,
+    reset_caches,
+    running_cluster,
+    transport,
+    wait_until,
+)
 
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
@@ -65,16 +74,21 @@ def served(cluster, model_dir):
     base = [rng.randrange(3, 1000) for _ in range(3000)]
     prompts = [base[:n] for n in (100, 255, 256, 257, 300, 600, 1000, 1000, 1500, 3000)]
     prompts.append([rng.randrange(3, 1000) for _ in range(700)])
+    wants = [ray.get(reference.greedy.remote(p, 8)) for p in prompts]
+    ray.kill(reference)
     out = []
-    for p in prompts:
-        r = complete(cluster.url, p, 8)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        out.append((p, body, ray.get(reference.greedy.remote(p, 8))))
+    for name in TRANSPORTS:  # the same prompts from empty caches, over each transport
+        reset_caches(cluster)
+        with transport(cluster, name):
+            for p, want in zip(prompts, wants):
+                r = complete(cluster.url, p, 8)
+                assert r.status_code == 200, (name, r.text)
+                out.append((p, r.json(), want))
     return out
 
 
 def test_tokens_equal_a_single_engine(served):
+    """Over gRPC and over torch.distributed (gloo)."""
     mismatches = [(len(p), body["choices"][0]["token_ids"], want) for p, body, want in served
                   if body["choices"][0]["token_ids"] != want]
     assert not mismatches, mismatches

@@ -14,7 +14,16 @@ import httpx
 import openai
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster, tiny_model_dir, wait_until
+from e2e import (
+    TRANSPORTS,
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    complete,
+    running_cluster,
+    tiny_model_dir,
+    transport,
+    wait_until,
+)
 
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
@@ -112,6 +121,18 @@ def test_random_prompts_match_single_engine(cluster, reference):
     assert not mismatches, mismatches
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_torch_dist_transport_matches_single_engine(cluster, reference, mode):
+    rng = random.Random(21 if mode == "push" else 22)  # fresh prompts: D caches what it saw
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 700, 3000)]
+    with transport(cluster, "torch_dist"):
+        ray.get(cluster.router.set_transfer_mode.remote(mode, "torch_dist"))
+        got = [run(cluster, p) for p in prompts]
+    for p, (tokens, usage) in zip(prompts, got):
+        assert tokens == ref_tokens(reference, p), len(p)
+        assert usage["pd"]["transfer_error"] is None and usage["pd"]["transferred_tokens"] == len(p)
+
+
 def test_repeat_fetches_no_prefix_blocks(cluster):
     prompt = [random.Random(3).randrange(3, 1000) for _ in range(1000)]
     first_tokens, first = run(cluster, prompt)
@@ -154,14 +175,15 @@ def test_no_kv_block_leaks_after_requests(cluster):
 
 # ---- faults (last: they restart P)
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_transfer_broken_halfway_errors_and_leaks_nothing(cluster, mode):
-    ray.get(cluster.router.set_transfer_mode.remote(mode))
+def test_transfer_broken_halfway_errors_and_leaks_nothing(cluster, mode, transport):
+    ray.get(cluster.router.set_transfer_mode.remote(mode, transport))
     try:
         r = complete(cluster.url, [random.Random(8).randrange(3, 1000) for _ in range(2500)],
-                     request_id=f"fault-{mode}")
+                     request_id=f"fault-{mode}-{transport}")
     finally:
-        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode))
+        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, cluster.spec.transfer.backend))
     assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error", r.text
     assert_no_kv_in_use(cluster)
     tokens, _ = run(cluster, list(range(3, 503)))  # and the next request is served

@@ -23,7 +23,8 @@ def test_prefill_instance_is_a_producer_on_its_own_port():
     assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
     assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "port": 19001, "lease_s": 7.0,
                                                "timeout_s": 3.0, "chunk_bytes": 1 << 20,
-                                               "break_prefix": None}
+                                               "break_prefix": None, "channel_backend": "gloo",
+                                               "transport": "grpc"}
     assert kv["kv_load_failure_policy"] == "recompute"
     assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
@@ -71,3 +72,12 @@ def test_nixl_ports_cover_decode_instances_too():
     with pytest.raises(SpecError, match=r"router.port \(19002\) falls in the KV ports 19000..19002"):
         spec(transfer={"connector": "nixl", "base_port": 19000}, router={"port": 19002})
     spec(transfer={"connector": "pdc", "base_port": 19000}, router={"port": 19002})  # ours: P ports only
+
+
+def test_torch_dist_backend_is_chosen_by_device():
+    base = {"base_port": 19000, "backend": "torch_dist"}
+    for device, backend, res in (("cpu", "gloo", {}), ("cuda", "nccl", {"gpus": 1}), ("npu", "hccl", {"npus": 1})):
+        roles = {r: {"instances": 1, "resources": res} for r in ("prefill", "decode")}
+        extra = plan_instance(spec(device=device, transfer=base, **roles), "prefill", 0).engine_args[
+            "kv_transfer_config"]["kv_connector_extra_config"]
+        assert (extra["channel_backend"], extra["transport"]) == (backend, "torch_dist"), device

@@ -84,9 +84,10 @@ def make_handle(address, transfer_id="r1", num_blocks=4) -> TransferHandle:
                           num_tokens=num_blocks * BLOCK_SIZE)
 
 
-def make_job(address, remote, local, transfer_id="r1", d_request_id=None, num_blocks=4) -> LoadJob:
-    return LoadJob(d_request_id or f"d-{transfer_id}", make_handle(address, transfer_id, num_blocks),
-                   make_plan(remote, local))
+def make_job(address, remote, local, transfer_id="r1", d_request_id=None, num_blocks=4,
+             transport="grpc") -> LoadJob:
+    handle = TransferHandle("p0", address, transfer_id, num_blocks * BLOCK_SIZE, transport)
+    return LoadJob(d_request_id or f"d-{transfer_id}", handle, make_plan(remote, local))
 
 
 def offer(p, transfer_id, block_ids, lease_s=60.0, ready_tokens=None):
@@ -548,8 +549,8 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
     caches = {LAYERS[0]: torch.zeros(n, *shape)}
     kv = PagedKv(caches, {LAYERS[0]: 0}, n)
     reads = []
-    real_read = kv.read
-    kv.read = lambda layer, ids: (reads.append(len(ids)), real_read(layer, ids))[1]
+    real_gather = kv.gather
+    kv.gather = lambda layer, ids: (reads.append(len(ids)), real_gather(layer, ids))[1]
     sources = SourceTable({LAYERS[0]: 0}, (BLOCK_SIZE,))
     sources.step("big", "big", 64 * BLOCK_SIZE, (tuple(range(1, n)),), 64 * BLOCK_SIZE)
     sources.step_done()
@@ -562,8 +563,94 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
         assert first.count == 1
         time.sleep(1.0)  # D stalls: P may only fill the transport's window
         ahead = sum(reads)
-        assert ahead <= 16, f"P read {ahead} MiB ahead of a stalled reader"
+        assert ahead <= 24, f"P read {ahead} MiB ahead of a stalled reader"
         assert sum(c.count for c in stream) == 63  # and the rest still arrives, in full
         assert sum(reads) == 64
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- the torch.distributed data plane
+
+
+@pytest.fixture
+def gloo_pair(make_d):
+    """P's server with gloo data channels, D's fetcher using them (both in this process)."""
+    made = []
+
+    def make(layout="cpu", chunk_bytes=1 << 20, break_prefix=None):
+        shape_fn, block_dim = LAYOUTS[layout]
+        caches = source_caches(shape_fn(P_BLOCKS))
+        kv = PagedKv(caches, GROUPS, P_BLOCKS)
+        sources = SourceTable(GROUPS, (BLOCK_SIZE,))
+        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, wait_s=5.0, break_prefix=break_prefix,
+                          channel_backend="gloo")
+        dst = zero_caches(shape_fn(D_BLOCKS))
+        d_kv = PagedKv(dst, GROUPS, D_BLOCKS)
+        fetcher = KvFetcher("d0", d_kv, timeout_s=10.0)
+        made.append((server, fetcher))
+        return P(caches, kv, sources, server, block_dim), D(dst, d_kv, fetcher, block_dim)
+
+    yield make
+    for server, fetcher in made:
+        fetcher.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_gloo_channel_moves_the_planned_blocks_exactly(gloo_pair, layout):
+    block_bytes = 2 * 16 * 32 * 4 if layout == "cpu" else 2 * 8 * 4 * 4
+    p, d = gloo_pair(layout, chunk_bytes=2 * block_bytes)  # several chunks per layer
+    table = (2, 5, 7, 9, 10)
+    for tid in ("r1", "r2"):
+        offer(p, tid, table)
+    # r1 into scattered D blocks (staged), r2 into consecutive ones (straight into the cache).
+    for tid, local in (("r1", (0, 15, 4, 3, 8)), ("r2", (10, 11, 12, 13, 14))):
+        d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3, 4), local, transfer_id=tid, num_blocks=5,
+                                  transport="torch_dist"))
+        r = wait_results(d.fetcher, {f"d-{tid}"}, timeout=15)
+        assert r.finished == {f"d-{tid}"} and r.failed == set(), r
+        for name in LAYERS:
+            for pb_id, lb in zip(table, local):
+                assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, pb_id))
+    assert p.sources.take_finished() == {"r1", "r2"}
+
+
+def test_gloo_channel_transfer_broken_halfway_fails_then_the_next_one_works(gloo_pair):
+    p, d = gloo_pair(break_prefix="break-")
+    offer(p, "break-1", (2, 5, 7, 9))
+    offer(p, "ok-1", (2, 5, 7, 9))
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="break-1",
+                              transport="torch_dist"))
+    r = wait_results(d.fetcher, {"d-break-1"}, timeout=15)
+    assert r.failed == {"d-break-1"}
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="ok-1",
+                              transport="torch_dist"))
+    r = wait_results(d.fetcher, {"d-ok-1"}, timeout=15)
+    assert r.finished == {"d-ok-1"} and r.failed == set()
+    assert torch.equal(d.caches[LAYERS[1]][7], p.caches[LAYERS[1]][9])
+    assert p.sources.take_finished() == {"break-1", "ok-1"}
+
+
+def test_gloo_channel_push_streams_as_layers_become_ready(gloo_pair):
+    p, d = gloo_pair()
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (3, 2, 1, 0), transport="torch_dist"))
+    time.sleep(0.2)
+    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7),), 3 * BLOCK_SIZE)
+    p.sources.layer_done(LAYERS[0])
+    p.sources.step_done()
+    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7, 9),), 4 * BLOCK_SIZE)
+    p.sources.step_done()
+    p.sources.finish("r1", 60)
+    r = wait_results(d.fetcher, {"d-r1"}, timeout=15)
+    assert r.finished == {"d-r1"} and r.failed == set()
+    for name in LAYERS:
+        for pb_id, lb in zip((2, 5, 7, 9), (3, 2, 1, 0)):
+            assert torch.equal(d.caches[name][lb], p.caches[name][pb_id])
+
+
+def test_p_without_channels_refuses_a_channel_open(make_p, stub_to):
+    p = make_p()
+    with pytest.raises(grpc.RpcError) as err:
+        stub_to(p.server.address).OpenChannel(pb.OpenChannelRequest(name="x"), timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "transfer.backend" in err.value.details()

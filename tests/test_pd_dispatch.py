@@ -378,3 +378,21 @@ def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
     run(main())
     assert [r.transfer_id for r in p.prefill_calls] == ["same-0", "same-1"]
     assert [TransferHandle.from_params(r.handle).transfer_id for r in d.decode_calls] == ["same-0", "same-1"]
+
+
+def test_pull_asks_p_handle_for_the_routers_transport(cancelled):
+    handle = TransferHandle("e-p0", "10.0.0.1:5000", "t-0", 5).to_params()
+    p = FakeActor(prefill_outcome=PrefillResult("r0", handle, 5, 0))
+    d = FakeActor()
+    disp = make([p], [d])
+    disp.transport = "torch_dist"
+    run(collect(disp))
+    assert TransferHandle.from_params(d.decode_calls[0].handle).transport == "torch_dist"
+
+
+def test_push_handle_names_the_transport(cancelled):
+    p, d = FakeActor(), FakeActor()
+    disp = make([p], [d], mode="push")
+    disp.transport = "torch_dist"
+    run(collect(disp))
+    assert TransferHandle.from_params(d.decode_calls[0].handle).transport == "torch_dist"

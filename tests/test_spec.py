@@ -301,3 +301,17 @@ def test_load_missing_file(tmp_path):
 def test_load_directory(tmp_path):
     with pytest.raises(SpecError, match="cannot read"):
         load_spec(tmp_path)
+
+
+@pytest.mark.parametrize("transfer, words", [
+    ({"connector": "nixl", "mode": "push"}, "mode: push needs connector pdc"),
+    ({"connector": "nixl", "backend": "torch_dist"}, "backend: torch_dist needs connector pdc"),
+    ({"mode": "sideways"}, "transfer.mode"),
+])
+def test_transfer_mode_and_backend_checked(transfer, words):
+    assert words in spec_error(minimal(transfer=transfer))
+
+
+def test_transfer_mode_defaults_per_connector():
+    assert parse_spec(minimal()).transfer.mode == "push"
+    assert parse_spec(minimal(transfer={"connector": "nixl"})).transfer.mode == "pull"

@@ -41,7 +41,8 @@ def make_handle(**overrides) -> TransferHandle:
 
 
 def handle_dict(**overrides) -> dict:
-    d = {"engine_id": "p0", "address": "10.0.0.1:5555", "transfer_id": "req-1", "num_tokens": 40}
+    d = {"engine_id": "p0", "address": "10.0.0.1:5555", "transfer_id": "req-1", "num_tokens": 40,
+         "transport": "grpc"}
     d.update(overrides)
     return d
 
@@ -212,6 +213,7 @@ def test_handle_absent_is_none(params):
     handle_dict(num_tokens="many"),  # not an int
     handle_dict(num_tokens=-1),  # negative count
     handle_dict(transfer_id=""),  # no name
+    handle_dict(transport="pigeon"),  # no such transport
     "not a dict",
     None,
 ])

@@ -78,6 +78,8 @@ class ConnectorSettings:
     timeout_s: float = 30.0
     chunk_bytes: int = 1 << 20
     break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
+    channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
+    transport: str = "grpc"  # what the handles P returns ask for (pull mode; the router may change it)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -276,7 +278,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         if not done:
             return True, None
         handle = TransferHandle(engine_id=self.engine_id, address=self._advertised_address(),
-                                transfer_id=transfer_id, num_tokens=request.num_prompt_tokens)
+                                transfer_id=transfer_id, num_tokens=request.num_prompt_tokens,
+                                transport=self.settings.transport)
         return True, handle.to_params()
 
     def _advertised_address(self) -> str:
@@ -348,7 +351,8 @@ class _Worker:
         if conn.is_producer:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
             self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
-                                   wait_s=s.timeout_s, break_prefix=s.break_prefix)
+                                   wait_s=s.timeout_s, break_prefix=s.break_prefix,
+                                   channel_backend=s.channel_backend)
         else:
             self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s)
 

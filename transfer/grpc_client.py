@@ -13,14 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.grpc_server import GRPC_OPTIONS, layout_of
+from pdcluster.transfer.channels import ChannelPool
+from pdcluster.transfer.dist_channel import Pending, TensorChannel
+from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import TransferPlan
@@ -62,8 +66,13 @@ class LoadResults:
 
 
 class KvFetcher:
+    """A job whose handle asks for transport torch_dist receives its bytes over a
+    torch.distributed pair channel to its P (opened on first use), which the gRPC
+    stream then only announces; otherwise the bytes come inside the stream."""
+
     def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4):
         self._engine_id = engine_id
+        self._channels = ChannelPool(engine_id, timeout_s)
         self._kv = kv
         self._timeout_s = timeout_s
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
@@ -157,8 +166,27 @@ class KvFetcher:
         # Every (layer, block) of the plan must arrive exactly once.
         expected = {layer.name: job.plan.groups[layer.group].num_blocks
                     for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
+        channel = None
+        if job.handle.transport == "torch_dist":
+            channel = self._channels.get(job.handle.address, stub)
+            request.channel = channel.name
+            # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
+            request.first_tag = channel.allocate_tags(sum(expected.values()))
+        try:
+            self._receive(stub, job, request, expected, channel, bytes_per_group)
+        except Exception:
+            # A transfer that failed midway may leave sends or receives posted: P drops its end
+            # too (grpc_server.ReadBlocks), and the next transfer opens a new pair.
+            if channel is not None:
+                self._channels.drop(job.handle.address, channel)
+            raise
+        log.info("received %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks,
+                 sum(bytes_per_group) / 1e6, job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
+
+    def _receive(self, stub: pb_grpc.KvTransferStub, job: LoadJob, request: pb.ReadBlocksRequest,
+                 expected: dict[str, int], channel: TensorChannel | None, bytes_per_group: list[int]) -> None:
         received: dict[str, set[int]] = {name: set() for name in expected}
-        nbytes = 0
+        in_flight: deque[Pending] = deque()
         call = stub.ReadBlocks(request, timeout=self._timeout_s)
         with self._lock:
             self._calls[job.request_id] = call
@@ -174,15 +202,28 @@ class KvFetcher:
             indices = set(range(chunk.first, chunk.first + chunk.count))
             if indices & received[chunk.layer]:
                 raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of {chunk.layer} twice")
-            self._kv.write(chunk.layer, local, chunk.data)
+            if channel is None:
+                self._kv.write(chunk.layer, local, chunk.data)
+            else:
+                if len(in_flight) >= SEND_WINDOW:
+                    in_flight.popleft().wait()
+                in_flight.append(self._post_recv(channel, chunk.layer, local, chunk.tag))
             received[chunk.layer] |= indices
-            nbytes += len(chunk.data)
-            bytes_per_group[chunk.group] += len(chunk.data)
+            bytes_per_group[chunk.group] += chunk.count * self._kv.layers[chunk.layer].block_bytes
+        while in_flight:
+            in_flight.popleft().wait()
         if any(len(received[k]) != v for k, v in expected.items()):
             short = {k: (len(received[k]), v) for k, v in expected.items() if len(received[k]) != v}
             raise TransferError(f"incomplete transfer, (received, expected) blocks per layer: {short}")
-        log.info("pulled %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks, nbytes / 1e6,
-                 job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
+
+    def _post_recv(self, channel: TensorChannel, layer: str, local: tuple[int, ...], tag: int) -> Pending:
+        """Receive a chunk straight into D's blocks when they are consecutive, else via a buffer."""
+        view = self._kv.view(layer)
+        if all(b == local[0] + i for i, b in enumerate(local)) and view[local[0]:local[-1] + 1].is_contiguous():
+            return channel.recv_async(view[local[0]:local[-1] + 1], tag)
+        buf = torch.empty((len(local), *view.shape[1:]), dtype=view.dtype, device=view.device)
+        idx = torch.tensor(local, dtype=torch.long, device=view.device)
+        return channel.recv_async(buf, tag).then(lambda: view.index_copy_(0, idx, buf), keep=buf)
 
     def _release(self, job: LoadJob) -> None:
         try:
@@ -193,6 +234,7 @@ class KvFetcher:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._channels.close()
         with self._lock:
             for channel, _ in self._stubs.values():
                 channel.close()

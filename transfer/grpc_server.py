@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
+from collections import deque
 from concurrent import futures
 
 import grpc
+import torch
 
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.channels import ChannelHost
+from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
 
@@ -52,12 +56,15 @@ NULL_BLOCK_ID = 0
 # Longest sleep between checks that D is still listening.
 _POLL_S = 1.0
 _ANSWER_MARGIN_S = 0.2
+# Chunks in flight on a data channel, per stream: bounds P's copies held for sending.
+SEND_WINDOW = 8
 
 
 class KvTransferService(pb_grpc.KvTransferServicer):
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float,
-                 break_prefix: str | None = None):
+                 break_prefix: str | None = None, channels: ChannelHost | None = None):
         self._engine_id = engine_id
+        self._channels = channels  # data channels D's opened (transfer.backend: torch_dist)
         self._break_prefix = break_prefix  # fault injection: see _stream
         self._kv = kv
         self._sources = sources
@@ -66,6 +73,15 @@ class KvTransferService(pb_grpc.KvTransferServicer):
 
     def GetLayout(self, request, context):
         return layout_of(self._engine_id, self._kv)
+
+    def OpenChannel(self, request: pb.OpenChannelRequest, context):
+        if self._channels is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"P {self._engine_id} serves KV over gRPC only: set the same transfer.backend on P and D")
+        try:
+            return self._channels.open(request.name)
+        except ChannelError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
 
     def ReadBlocks(self, request: pb.ReadBlocksRequest, context):
         # Answer before D's deadline, so D learns why rather than just "deadline exceeded".
@@ -78,9 +94,29 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         try:
             wanted = {gb.group: list(gb.block_indices) for gb in request.groups if gb.block_indices}
             self._check(src, wanted, context)
-            yield from self._stream(src, wanted, context)
+            channel = self._channel(request, context)
+            try:
+                yield from self._stream(src, wanted, context, channel, request.first_tag)
+            except ChannelError as err:
+                self._channels.drop(request.channel)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: {err}")
+            except Exception:
+                # Aborted with sends in flight: the pair is out of step now, D opens a new one.
+                if channel is not None:
+                    self._channels.drop(request.channel)
+                raise
         finally:
             self._sources.unpin(src)
+
+    def _channel(self, request: pb.ReadBlocksRequest, context) -> TensorChannel | None:
+        if not request.channel:
+            return None
+        if self._channels is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"P {self._engine_id} has no data channels")
+        try:
+            return self._channels.get(request.channel)
+        except ChannelError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     def _check(self, src: Source, wanted: dict[int, list[int]], context) -> None:
         for group, indices in wanted.items():
@@ -92,11 +128,15 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                               f"transfer {src.transfer_id}: group {group} asks for block indices {indices[:8]}..., "
                               f"not ascending or past the prompt's {num_blocks} blocks")
 
-    def _stream(self, src: Source, wanted: dict[int, list[int]], context):
+    def _stream(self, src: Source, wanted: dict[int, list[int]], context, channel: TensorChannel | None = None,
+                first_tag: int = 0):
+        """Chunks as they become ready: with the bytes inside, or announcing the tag they
+        go under on `channel` (chunk k: first_tag + k; at most SEND_WINDOW in flight)."""
+        in_flight: deque[Pending] = deque()
         layers = [info for info in self._kv.layers.values() if info.group in wanted]
         sent = {info.name: 0 for info in layers}  # how many of the group's wanted blocks went out, per layer
         # Fault injection (tests): this transfer dies after half its blocks, as if P's host went away.
-        break_after, blocks_sent = None, 0
+        break_after, blocks_sent, chunks_posted = None, 0, 0
         if self._break_prefix and src.transfer_id.startswith(self._break_prefix):
             break_after = max(1, sum(len(wanted[i.group]) for i in layers) // 2)
         while True:
@@ -106,13 +146,24 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 ready = bisect_left(indices, src.ready_blocks(info.name, info.group))
                 for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, self._chunk_bytes):
                     first += sent[info.name]
-                    data = self._read(src, info, indices[first:first + count], context)
+                    blocks = self._gather(src, info, indices[first:first + count], context)
                     if break_after is not None and blocks_sent >= break_after:
                         context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: injected fault")
-                    yield pb.KvChunk(layer=info.name, group=info.group, first=first, count=count, data=data)
+                    chunk = pb.KvChunk(layer=info.name, group=info.group, first=first, count=count)
+                    if channel is None:
+                        chunk.data = blocks.view(torch.uint8).numpy().tobytes()
+                    else:
+                        chunk.tag = first_tag + chunks_posted
+                        chunks_posted += 1
+                        if len(in_flight) >= SEND_WINDOW:
+                            in_flight.popleft().wait()
+                        in_flight.append(channel.send_async(blocks, chunk.tag))
+                    yield chunk
                     blocks_sent += count
                 sent[info.name] = max(sent[info.name], ready)
             if all(sent[i.name] == len(wanted[i.group]) for i in layers):
+                while in_flight:  # the stream ends once D has every byte
+                    in_flight.popleft().wait()
                 return
             if src.aborted:
                 context.abort(grpc.StatusCode.ABORTED, f"P aborted the prefill of transfer {src.transfer_id}")
@@ -123,7 +174,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"transfer {src.transfer_id}: P not done in time")
             self._sources.wait_for_progress(src, seen, min(_POLL_S, remaining) if remaining else _POLL_S)
 
-    def _read(self, src: Source, info: LayerInfo, indices: list[int], context) -> bytes:
+    def _gather(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
         with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
             table = src.block_ids[info.group] if info.group < len(src.block_ids) else ()
             if not indices or indices[-1] >= len(table):
@@ -134,7 +185,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"transfer {src.transfer_id}: group {info.group} blocks {indices} include one P "
                               f"already freed (outside the window?)")
-            return self._kv.read(info.name, ids)
+            return self._kv.gather(info.name, ids)
 
     def Release(self, request: pb.ReleaseRequest, context):
         return pb.ReleaseReply(known=self._sources.release(request.transfer_id))
@@ -144,10 +195,12 @@ class KvServer:
     """A gRPC server bound to host:port, serving one engine's transfer sources."""
 
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
-                 wait_s: float = 30.0, break_prefix: str | None = None):
+                 wait_s: float = 30.0, break_prefix: str | None = None, channel_backend: str | None = None):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
-        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix)
+        # transfer.backend torch_dist: the bytes go over pair channels (transfer/channels.py).
+        self._channels = ChannelHost(host, channel_backend, wait_s) if channel_backend else None
+        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels)
         pb_grpc.add_KvTransferServicer_to_server(service, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -158,3 +211,5 @@ class KvServer:
 
     def stop(self) -> None:
         self._server.stop(grace=0)
+        if self._channels is not None:
+            self._channels.close()

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 # HANDLE on D's.
 PRODUCE_KEY = "pdc_produce"
 HANDLE_KEY = "pdc_handle"
+TRANSPORTS = ("grpc", "torch_dist")
 
 
 class HandleError(ValueError):
@@ -28,6 +29,9 @@ class TransferHandle:
     address: str  # "host:port" of P's KV server
     transfer_id: str  # the router's name for this transfer; P keys its source by it
     num_tokens: int  # prompt tokens whose KV P computes, from token 0
+    # How the bytes travel: inside the gRPC stream, or over a torch.distributed pair
+    # channel that the gRPC stream only announces (transfer/channels.py).
+    transport: str = "grpc"
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -36,6 +40,8 @@ class TransferHandle:
             raise HandleError(f"address {self.address!r} is not host:port")
         if not self.transfer_id:
             raise HandleError("empty transfer_id")
+        if self.transport not in TRANSPORTS:
+            raise HandleError(f"unknown transport {self.transport!r}; one of {TRANSPORTS}")
 
     def to_params(self) -> dict:
         return {HANDLE_KEY: asdict(self)}
@@ -50,7 +56,8 @@ class TransferHandle:
             raise HandleError(f"malformed transfer handle {d!r}: not a dict")
         try:
             return cls(engine_id=str(d["engine_id"]), address=str(d["address"]),
-                       transfer_id=str(d["transfer_id"]), num_tokens=int(d["num_tokens"]))
+                       transfer_id=str(d["transfer_id"]), num_tokens=int(d["num_tokens"]),
+                       transport=str(d.get("transport", "grpc")))
         except (KeyError, TypeError, ValueError) as err:
             raise HandleError(f"malformed transfer handle {d!r}: {err}") from None
 

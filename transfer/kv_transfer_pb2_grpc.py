@@ -44,6 +44,11 @@ class KvTransferStub:
                 request_serializer=kv__transfer__pb2.ReadBlocksRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.KvChunk.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/pdcluster.transfer.KvTransfer/OpenChannel',
+                request_serializer=kv__transfer__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.OpenChannelReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdcluster.transfer.KvTransfer/Release',
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -68,6 +73,15 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """Open a torch.distributed data channel between this P and the asking D
+        (transfer.backend: torch_dist): P answers with its store's port at once and
+        joins the rendezvous in the background; D then joins too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """D is done with the transfer's blocks (read or not): P may free them.
         """
@@ -87,6 +101,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.ReadBlocks,
                     request_deserializer=kv__transfer__pb2.ReadBlocksRequest.FromString,
                     response_serializer=kv__transfer__pb2.KvChunk.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=kv__transfer__pb2.OpenChannelRequest.FromString,
+                    response_serializer=kv__transfer__pb2.OpenChannelReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -148,6 +167,33 @@ class KvTransfer:
             '/pdcluster.transfer.KvTransfer/ReadBlocks',
             kv__transfer__pb2.ReadBlocksRequest.SerializeToString,
             kv__transfer__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.transfer.KvTransfer/OpenChannel',
+            kv__transfer__pb2.OpenChannelRequest.SerializeToString,
+            kv__transfer__pb2.OpenChannelReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,10 +50,16 @@ class PagedKv:
             name: LayerInfo(name, layer_groups[name], tuple(v.shape[1:]), v.dtype) for name, v in self._views.items()
         }
 
+    def view(self, layer: str) -> torch.Tensor:
+        """The layer's cache, block dimension first (shares its storage)."""
+        return self._views[layer]
+
+    def gather(self, layer: str, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of these blocks, [len(block_ids), *block_shape]: valid after the blocks are reused."""
+        return self._views[layer].index_select(0, torch.tensor(block_ids, dtype=torch.long)).contiguous()
+
     def read(self, layer: str, block_ids: Sequence[int]) -> bytes:
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        # index_select copies, so the bytes stay valid after the blocks are reused.
-        return self._views[layer].index_select(0, idx).contiguous().view(torch.uint8).numpy().tobytes()
+        return self.gather(layer, block_ids).view(torch.uint8).numpy().tobytes()
 
     def write(self, layer: str, block_ids: Sequence[int], data: bytes) -> None:
         info = self.layers[layer]
