@@ -7,11 +7,12 @@ its router and on one plain engine with prefix caching on:
   warm: reset, run A, time B (P and D, or the single engine, hold the prefix).
 For the cluster it reports, per request, the client's TTFT and the time from
 P's prefill ending to D's first token ("after P": transfer not hidden + D's
-wait + D's last-token step), from the request's timeline. pdc runs push and
-pull on the same cluster; `--connector nixl` runs vLLM's NixlConnector (pull).
+wait + D's last-token step; negative when D answers before P's own reply, as a
+push allows), from the request's timeline. pdc runs push and pull over each
+transport on the same cluster; `--connector nixl` runs vLLM's NixlConnector.
 
 usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--dtype bfloat16]
-                                         [--connector pdc|nixl] [--out FILE.json]
+                                         [--connector pdc|nixl] [--transports grpc,torch_dist] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the tiny seed-0 Qwen3)")
     ap.add_argument("--dtype", default="bfloat16", help="engine dtype")
     ap.add_argument("--connector", default="pdc", choices=["pdc", "nixl"], help="transfer.connector")
+    ap.add_argument("--transports", default="grpc,torch_dist", help="pdc: the transports to run, each push and pull")
     ap.add_argument("--no-single", action="store_true", help="skip the single-engine rows")
     ap.add_argument("--out", default=None, help="write every row as JSON")
     a = ap.parse_args()
@@ -165,10 +167,12 @@ def main() -> None:
     rows: list[Row] = []
     try:
         stream_ttft(cluster.url, [rng.randrange(3, 1000) for _ in range(1000)])  # first connections, first passes
-        modes = ("push", "pull") if a.connector == "pdc" else ("pull",)
-        for mode in modes:
-            ray.get(cluster.router.set_transfer_mode.remote(mode))
-            rows += cluster_rows(cluster, f"{a.connector} {mode}", sizes, a.trials, rng)
+        setups = ([(m, t) for t in a.transports.split(",") for m in ("push", "pull")] if a.connector == "pdc"
+                  else [("pull", "grpc")])
+        for mode, transport in setups:
+            ray.get(cluster.router.set_transfer_mode.remote(mode, transport if a.connector == "pdc" else None))
+            name = f"{a.connector} {mode}" + (f" {transport}" if a.connector == "pdc" else "")
+            rows += cluster_rows(cluster, name, sizes, a.trials, rng)
             print(table(rows, sizes), "\n", flush=True)
     finally:
         teardown(cluster)

@@ -111,34 +111,61 @@ class PDDispatcher(TokenBackend):
         # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
         transfer_id = f"{rec.request_id}-{next(self._transfer_seq)}"
         prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=transfer_id)
-        stream = None
-        if self.transfer_mode == "push":
-            # D first, with the handle the router can name in advance: D allocates its
-            # blocks and asks P for them while P computes them.
-            handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
-                                    self.transport).to_params()
-            stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
+        stream, p_task, pre = None, None, None
         finished = False
         try:
-            with self._busy(p):
-                pre = await self._prefill(p, prefill, deadline)
-            record_prefill(rec, pre, self._clock(p))
-            if stream is None:
+            if self.transfer_mode == "push":
+                # D first, with the handle the router can name in advance: D allocates its
+                # blocks and asks P for them while P computes them. D's tokens need not wait
+                # for P's answer: once D has every layer's KV, P's last layer's MLP, sampling
+                # and reply are no business of D's.
+                handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
+                                        self.transport).to_params()
+                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
+                p_task = asyncio.ensure_future(self._prefill_busy(p, prefill, deadline))
+            else:
+                pre = await self._prefill_busy(p, prefill, deadline)
+                record_prefill(rec, pre, self._clock(p))
                 stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling,
                                                        self._with_transport(pre.handle)))
             with self._busy(d):
                 while not finished:
-                    delta = await self._next_delta(d, stream, deadline)
+                    delta = await self._next_delta_unless_p_fails(d, stream, deadline, p_task)
                     if delta is None:
                         raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
                     self._record_tokens(rec, delta)
                     finished = delta.finish_reason is not None
                     if finished:
                         record_decode_end(rec, delta, self._clock(d))
-                    yield self._chunk(pre, delta, p, d)
+                        if pre is None:  # push: P's answer, for its hit and its timeline
+                            pre = await p_task
+                            record_prefill(rec, pre, self._clock(p))
+                    yield self._chunk(pre.p_cached_tokens if pre else 0, delta, p, d)
         finally:
+            if p_task is not None and not p_task.done():
+                p_task.cancel()
             if not finished and stream is not None:
                 ray.cancel(stream)  # aborts the request inside D's engine
+
+    async def _prefill_busy(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
+        with self._busy(p):
+            return await self._prefill(p, req, deadline)
+
+    async def _next_delta_unless_p_fails(self, d: Instance, stream, deadline: float,
+                                         p_task: asyncio.Future | None) -> DecodeDelta | None:
+        """D's next delta; in push mode, P's failure (dead, timed out) ends the wait at once."""
+        if p_task is None or p_task.done() and p_task.exception() is None:
+            return await self._next_delta(d, stream, deadline)
+        next_delta = asyncio.ensure_future(self._next_delta(d, stream, deadline))
+        try:
+            while not next_delta.done():
+                await asyncio.wait({next_delta, p_task} if not p_task.done() else {next_delta},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if p_task.done() and p_task.exception() is not None:
+                    raise p_task.exception()
+            return next_delta.result()
+        finally:
+            next_delta.cancel()
 
     def _with_transport(self, params: dict | None) -> dict | None:
         """P's handle (pull mode), asking for this router's transport; other connectors' params as they are."""
@@ -200,14 +227,14 @@ class PDDispatcher(TokenBackend):
                                "service_unavailable") from None
 
     @staticmethod
-    def _chunk(pre: PrefillResult, delta: DecodeDelta, p: Instance, d: Instance) -> GenerationChunk:
+    def _chunk(p_cached_tokens: int, delta: DecodeDelta, p: Instance, d: Instance) -> GenerationChunk:
         if delta.finish_reason in ("error", "abort"):
             raise BackendError(f"decode on {d.name} ended with {delta.finish_reason!r}: the KV transfer from "
                                f"{p.name} failed or D aborted the request", 502, "kv_transfer_error")
         t = delta.transfer
         return GenerationChunk(
             new_token_ids=delta.new_token_ids, finish_reason=delta.finish_reason,
-            p_cached_tokens=pre.p_cached_tokens,
+            p_cached_tokens=p_cached_tokens,
             d_cached_tokens=t.d_cached_tokens if t else 0,
             transferred_tokens=t.transferred_tokens if t else 0,
             transfer_error=t.error if t else None,

@@ -39,9 +39,10 @@ EVENT_ORDER: tuple[str, ...] = (
 )
 
 # What must happen before what, in either transfer mode: P's path and D's path,
-# joined at dispatch and at the first token.
+# joined at dispatch and at the finish. (With a push, D's first token may come
+# before P's p_done: D needs every layer's KV, not P's last MLP or its sampling.)
 CAUSAL_CHAINS: tuple[tuple[str, ...], ...] = (
-    ("arrival", "dispatch", "p_queued", "p_scheduled", "p_done", "first_token", "last_token", "finish"),
+    ("arrival", "dispatch", "p_queued", "p_scheduled", "p_done", "finish"),
     ("arrival", "dispatch", "d_queued", "transfer_start", "transfer_end", "d_kv_ready", "d_scheduled",
      "d_first_token", "first_token", "last_token", "finish"),
 )

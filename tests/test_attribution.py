@@ -134,3 +134,13 @@ def test_push_d_scheduled_before_p_stamped_done_keeps_parts_non_negative():
 
 def test_out_of_order_still_flags_a_d_chain_reversal():
     assert rec(**dict(PUSH, transfer_end=500)).out_of_order() == [("transfer_start", "transfer_end")]
+
+
+def test_push_first_token_before_p_done_is_in_order():
+    # D had the KV after P's last attention layer and answered before P's own reply.
+    ev = dict(PUSH, transfer_end=10_000, d_kv_ready=10_100, d_scheduled=10_200, d_first_token=10_500,
+              first_token=10_800)
+    r = rec(**ev)
+    assert r.out_of_order() == []
+    a = attribute(r)
+    assert a.parts_ns["prefill"] == 9_200 and a.ttft_ns == 10_800 == sum(a.parts_ns.values())

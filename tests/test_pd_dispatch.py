@@ -342,9 +342,10 @@ def test_push_sends_d_the_router_built_handle_before_p_answers(cancelled):
     (dreq,) = d.decode_calls
     assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p-0", len(PROMPT)).to_params()
     assert p.prefill_calls[0].transfer_id == "req-p-0"
-    # P never answered: 504, and D's request is cancelled (D aborts it and stops its load).
-    assert err.status == 504 and got == []
-    assert d.streams[0] in cancelled
+    # D's tokens flow before P answers; P never did: 504 before the last one (it carries P's
+    # hit), and P's call is cancelled (D had finished).
+    assert err.status == 504 and [c.new_token_ids for c in got] == [[10], [11, 12]]
+    assert p.prefill_refs[0] in cancelled
 
 
 def test_push_dead_prefill_cancels_the_decode(cancelled):
@@ -354,11 +355,19 @@ def test_push_dead_prefill_cancels_the_decode(cancelled):
     assert len(d.decode_calls) == 1 and d.streams[0] in cancelled
 
 
-def test_push_tokens_flow_after_p_answers(cancelled):
+def test_push_tokens_flow_and_the_last_carries_ps_hit(cancelled):
     p, d = FakeActor(p_cached=4), FakeActor()
     chunks = run(collect(make([p], [d], mode="push"), "req-q"))
     assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
-    assert all(c.p_cached_tokens == 4 for c in chunks) and cancelled == []
+    assert chunks[-1].p_cached_tokens == 4 and cancelled == []
+
+
+def test_push_dead_prefill_ends_a_waiting_decode_at_once(cancelled):
+    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor(decode_script=[HANG])
+    t0 = time.monotonic()
+    err, got = run(expect_error(make([p], [d], timeout=5.0, mode="push")))
+    assert err.status == 503 and got == [] and time.monotonic() - t0 < 1.0
+    assert d.streams[0] in cancelled
 
 
 def test_push_needs_every_p_address():
