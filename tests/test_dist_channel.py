@@ -212,6 +212,19 @@ def test_silent_peer_times_out_naming_the_tag(peer):
     p.proc.kill()
 
 
+def test_close_abandons_a_pending_wait(peer):
+    p, ch, first = peer("silent", timeout_s=10.0)
+    pending = ch.recv_async(torch.empty(16), first + 1)
+    threading.Timer(0.2, ch.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match="abandoned: the channel was closed"):
+        pending.wait()
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(ChannelError, match="after close"):
+        ch.recv_into(torch.empty(16), first + 2)
+    p.proc.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -221,6 +221,8 @@ class Pending:
         ch = self._channel
         deadline = self._posted + ch.timeout_s + 0.25  # the backend's own timeout error, if it comes first
         while not self._event.wait(0.02):
+            if ch._closed:
+                raise ChannelError(f"channel {ch.name!r}: {self._what} abandoned: the channel was closed")
             if ch._gone is not None:
                 raise ch._failed(f"{self._what} failed: {ch._gone}")
             if time.monotonic() > deadline:
