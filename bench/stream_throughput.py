@@ -111,7 +111,7 @@ def grpc_source_table(kv_layers: dict[str, int], ids: list[int], count: int):
     return table
 
 
-def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int]):
+def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int], transport: str = "grpc"):
     """D's load of source r{t}: every block of P's table, into d_ids."""
     from pdcluster.transfer.grpc_client import LoadJob
     from pdcluster.transfer.handle import TransferHandle
@@ -119,7 +119,7 @@ def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int]):
 
     tokens = num_blocks * BLOCK_SIZE
     plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(num_blocks)), tuple(d_ids)),), 0, tokens)
-    return LoadJob(f"d{t}", TransferHandle("bench-P", address, f"r{t}", tokens), plan)
+    return LoadJob(f"d{t}", TransferHandle("bench-P", address, f"r{t}", tokens, transport), plan)
 
 
 # ---------------------------------------------------------------- P
@@ -135,7 +135,9 @@ def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, r
     groups = dict.fromkeys(src, 0)
     kv = PagedKv(src, groups, shape.num_blocks + 1)
     ids = block_ids(shape, False, 0)
-    servers = {c: KvServer("bench-P", kv, grpc_source_table(groups, ids, jobs), HOST, 0, c) for c in grpc_chunks}
+    servers = {c: KvServer("bench-P", kv, grpc_source_table(groups, ids, jobs), HOST, 0, c, channel_backend="gloo",
+                           channel_chunk_bytes=c)
+               for c in grpc_chunks}
     data = socket.create_server((HOST, 0))
     ctrl = socket.create_server((HOST, 0))
     store = host_store(HOST, 0, 60)
@@ -179,7 +181,7 @@ class Bench:
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         self.proc = ctx.Process(target=_p_main, daemon=True,
-                                args=(shape, grpc_chunks, 2 * (trials + 1), 0 if pin_cores else None, ready))
+                                args=(shape, grpc_chunks, 4 * (trials + 1), 0 if pin_cores else None, ready))
         self.proc.start()
         ports = ready.get(timeout=120)
         pin(1 if pin_cores else None)
@@ -209,11 +211,11 @@ class Bench:
                 view, left = view[got:], left - got
         return time.perf_counter() - t0
 
-    def grpc_pull(self, chunk: int) -> float:
+    def grpc_pull(self, chunk: int, transport: str = "grpc") -> float:
         t = self.grpc_trial[chunk]
         self.grpc_trial[chunk] += 1
         ids = block_ids(self.shape, False, 0)
-        job = grpc_job(self.grpc[chunk], t, len(ids), ids)
+        job = grpc_job(self.grpc[chunk], t, len(ids), ids, transport)
         t0 = time.perf_counter()
         self.fetcher.submit(job)
         while not (res := self.fetcher.take_results()).finished:
@@ -276,6 +278,8 @@ def main() -> None:
     methods = [("raw TCP, gloo's send buffer (the reference)", b.raw_tcp, (True,)),
                ("raw TCP, kernel-default buffers", b.raw_tcp, (False,))]
     methods += [(f"gRPC KvServer/KvFetcher, {c // MIB} MiB chunks", b.grpc_pull, (c,)) for c in grpc_chunks]
+    methods += [(f"KvServer/KvFetcher, torch_dist (gloo), {c // MIB} MiB chunks", b.grpc_pull, (c, "torch_dist"))
+                for c in grpc_chunks]
     methods += [(f"gloo channel, {c // MIB} MiB chunks", b.gloo, (c,)) for c in gloo_chunks]
     shuffled_chunk = min(gloo_chunks, key=lambda c: abs(c - 4 * MIB))
     methods += [(f"gloo channel, {shuffled_chunk // MIB} MiB chunks, shuffled ids",

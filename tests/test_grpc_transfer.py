@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults, TransferError
@@ -182,7 +183,9 @@ def stub_to():
     def make(address) -> pb_grpc.KvTransferStub:
         ch = grpc.insecure_channel(address)
         channels.append(ch)
-        return pb_grpc.KvTransferStub(ch)
+        stub = pb_grpc.KvTransferStub(ch)
+        stub.ReadBlocks = frames.read_blocks_method(ch)  # as D calls it: responses are Frames
+        return stub
 
     yield make
     for ch in channels:
@@ -302,9 +305,9 @@ def test_read_blocks_stream_chunks(make_p, stub_to):
     offer(p, "r1", (6, 1, 2, 3, 4))
     chunks = list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
         transfer_id="r1", groups=[pb.GroupBlocks(group=0, block_indices=[0, 3, 4])]), timeout=TIMEOUT_S))
-    assert [(c.layer, c.group, c.first, c.count) for c in chunks] == [
+    assert [(c.chunk.layer, c.chunk.group, c.chunk.first, c.chunk.count) for c in chunks] == [
         (LAYERS[0], 0, 0, 2), (LAYERS[0], 0, 2, 1), (LAYERS[1], 0, 0, 2), (LAYERS[1], 0, 2, 1)]
-    assert chunks[2].data == torch.stack([p.caches[LAYERS[1]][6], p.caches[LAYERS[1]][3]]).numpy().tobytes()
+    assert bytes(chunks[2].data) == torch.stack([p.caches[LAYERS[1]][6], p.caches[LAYERS[1]][3]]).numpy().tobytes()
     # A read pins and unpins: the source stays live until released.
     assert p.sources.take_finished() == set()
 
@@ -560,11 +563,11 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
         stream = stub_to(server.address).ReadBlocks(pb.ReadBlocksRequest(
             transfer_id="big", groups=[pb.GroupBlocks(group=0, block_indices=list(range(64)))]), timeout=30)
         first = next(stream)
-        assert first.count == 1
+        assert first.chunk.count == 1
         time.sleep(1.0)  # D stalls: P may only fill the transport's window
         ahead = sum(reads)
         assert ahead <= 24, f"P read {ahead} MiB ahead of a stalled reader"
-        assert sum(c.count for c in stream) == 63  # and the rest still arrives, in full
+        assert sum(c.chunk.count for c in stream) == 63  # and the rest still arrives, in full
         assert sum(reads) == 64
     finally:
         server.stop()
@@ -654,3 +657,11 @@ def test_p_without_channels_refuses_a_channel_open(make_p, stub_to):
     with pytest.raises(grpc.RpcError) as err:
         stub_to(p.server.address).OpenChannel(pb.OpenChannelRequest(name="x"), timeout=TIMEOUT_S)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "transfer.backend" in err.value.details()
+
+
+def test_frame_round_trip_keeps_header_and_bytes():
+    blocks = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    f = frames.decode(frames.encode(pb.KvChunk(layer="l", group=1, first=2, count=2, tag=9), blocks))
+    assert (f.chunk.layer, f.chunk.group, f.chunk.first, f.chunk.count, f.chunk.tag) == ("l", 1, 2, 2, 9)
+    assert bytes(f.data) == blocks.numpy().tobytes()
+    assert len(frames.decode(frames.encode(pb.KvChunk(layer="l"))).data) == 0

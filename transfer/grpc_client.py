@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channels import ChannelPool
@@ -78,8 +79,8 @@ class KvFetcher:
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
         self._lock = threading.Lock()
         self._results = LoadResults()
-        # address -> (channel, stub); filled from pool threads, hence the lock.
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
+        # address -> (channel, stub, framed ReadBlocks); filled from pool threads, hence the lock.
+        self._stubs: dict[str, tuple] = {}
         self._checked_peers: set[str] = set()
         # request_id -> its ReadBlocks call (None until it starts), for every job not yet ended.
         self._calls: dict[str, grpc.Future | None] = {}
@@ -109,8 +110,14 @@ class KvFetcher:
         with self._lock:
             if address not in self._stubs:
                 channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-                self._stubs[address] = (channel, pb_grpc.KvTransferStub(channel))
+                self._stubs[address] = (channel, pb_grpc.KvTransferStub(channel), frames.read_blocks_method(channel))
             return self._stubs[address][1]
+
+    def _read_blocks(self, address: str):
+        """ReadBlocks on P's channel, yielding frames (transfer/frames.py)."""
+        self._stub(address)
+        with self._lock:
+            return self._stubs[address][2]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
         """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
@@ -187,12 +194,13 @@ class KvFetcher:
                  expected: dict[str, int], channel: TensorChannel | None, bytes_per_group: list[int]) -> None:
         received: dict[str, set[int]] = {name: set() for name in expected}
         in_flight: deque[Pending] = deque()
-        call = stub.ReadBlocks(request, timeout=self._timeout_s)
+        call = self._read_blocks(job.handle.address)(request, timeout=self._timeout_s)
         with self._lock:
             self._calls[job.request_id] = call
             if job.request_id in self._cancelled:  # cancelled before the call started
                 call.cancel()
-        for chunk in call:
+        for frame in call:
+            chunk = frame.chunk
             if chunk.layer not in expected:
                 raise TransferError(f"P sent layer {chunk.layer!r} that D does not expect")
             local = job.plan.groups[chunk.group].local_block_ids[chunk.first:chunk.first + chunk.count]
@@ -203,7 +211,7 @@ class KvFetcher:
             if indices & received[chunk.layer]:
                 raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of {chunk.layer} twice")
             if channel is None:
-                self._kv.write(chunk.layer, local, chunk.data)
+                self._kv.write(chunk.layer, local, frame.data)
             else:
                 if len(in_flight) >= SEND_WINDOW:
                     in_flight.popleft().wait()
@@ -236,6 +244,6 @@ class KvFetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
         with self._lock:
-            for channel, _ in self._stubs.values():
+            for channel, *_ in self._stubs.values():
                 channel.close()
             self._stubs.clear()

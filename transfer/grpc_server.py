@@ -22,6 +22,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channels import ChannelHost
@@ -58,12 +59,17 @@ _POLL_S = 1.0
 _ANSWER_MARGIN_S = 0.2
 # Chunks in flight on a data channel, per stream: bounds P's copies held for sending.
 SEND_WINDOW = 8
+# A data channel's chunk: larger than gRPC's (bench/stream_throughput.py: gloo peaks
+# at 16 MiB on loopback, where 1 MiB reached half of that).
+CHANNEL_CHUNK_BYTES = 16 << 20
 
 
 class KvTransferService(pb_grpc.KvTransferServicer):
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float,
-                 break_prefix: str | None = None, channels: ChannelHost | None = None):
+                 break_prefix: str | None = None, channels: ChannelHost | None = None,
+                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES):
         self._engine_id = engine_id
+        self._channel_chunk_bytes = channel_chunk_bytes
         self._channels = channels  # data channels D's opened (transfer.backend: torch_dist)
         self._break_prefix = break_prefix  # fault injection: see _stream
         self._kv = kv
@@ -144,21 +150,22 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             for info in layers:
                 indices = wanted[info.group]
                 ready = bisect_left(indices, src.ready_blocks(info.name, info.group))
-                for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, self._chunk_bytes):
+                chunk_bytes = self._chunk_bytes if channel is None else self._channel_chunk_bytes
+                for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, chunk_bytes):
                     first += sent[info.name]
                     blocks = self._gather(src, info, indices[first:first + count], context)
                     if break_after is not None and blocks_sent >= break_after:
                         context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: injected fault")
                     chunk = pb.KvChunk(layer=info.name, group=info.group, first=first, count=count)
                     if channel is None:
-                        chunk.data = blocks.view(torch.uint8).numpy().tobytes()
+                        yield frames.encode(chunk, blocks)
                     else:
                         chunk.tag = first_tag + chunks_posted
                         chunks_posted += 1
                         if len(in_flight) >= SEND_WINDOW:
                             in_flight.popleft().wait()
                         in_flight.append(channel.send_async(blocks, chunk.tag))
-                    yield chunk
+                        yield frames.encode(chunk)
                     blocks_sent += count
                 sent[info.name] = max(sent[info.name], ready)
             if all(sent[i.name] == len(wanted[i.group]) for i in layers):
@@ -191,17 +198,31 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         return pb.ReleaseReply(known=self._sources.release(request.transfer_id))
 
 
+def _handlers(service: KvTransferService) -> grpc.GenericRpcHandler:
+    """The generated registration, except ReadBlocks: it sends hand-made frames (transfer/frames.py)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    return grpc.method_handlers_generic_handler("pdcluster.transfer.KvTransfer", {
+        "GetLayout": unary(service.GetLayout, pb.LayoutRequest.FromString, pb.Layout.SerializeToString),
+        "ReadBlocks": frames.read_blocks_handler(service.ReadBlocks),
+        "OpenChannel": unary(service.OpenChannel, pb.OpenChannelRequest.FromString,
+                             pb.OpenChannelReply.SerializeToString),
+        "Release": unary(service.Release, pb.ReleaseRequest.FromString, pb.ReleaseReply.SerializeToString),
+    })
+
+
 class KvServer:
     """A gRPC server bound to host:port, serving one engine's transfer sources."""
 
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
-                 wait_s: float = 30.0, break_prefix: str | None = None, channel_backend: str | None = None):
+                 wait_s: float = 30.0, break_prefix: str | None = None, channel_backend: str | None = None,
+                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
         # transfer.backend torch_dist: the bytes go over pair channels (transfer/channels.py).
         self._channels = ChannelHost(host, channel_backend, wait_s) if channel_backend else None
-        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels)
-        pb_grpc.add_KvTransferServicer_to_server(service, self._server)
+        service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels,
+                                    channel_chunk_bytes)
+        self._server.add_generic_rpc_handlers((_handlers(service),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"KV server of {engine_id} cannot bind {host}:{port} (port in use?)")

@@ -61,7 +61,7 @@ class PagedKv:
     def read(self, layer: str, block_ids: Sequence[int]) -> bytes:
         return self.gather(layer, block_ids).view(torch.uint8).numpy().tobytes()
 
-    def write(self, layer: str, block_ids: Sequence[int], data: bytes) -> None:
+    def write(self, layer: str, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         info = self.layers[layer]
         expected = len(block_ids) * info.block_bytes
         if len(data) != expected:

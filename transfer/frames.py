@@ -1,0 +1,60 @@
+"""ReadBlocks' responses on the wire: a KvChunk header, then the blocks' raw bytes.
+
+As a protobuf `bytes` field, every chunk of KV would be copied twice more on P
+(into the message, then out to the wire) and once more on D (out of the parsed
+message). So ReadBlocks is registered with these two functions instead of
+KvChunk's own (de)serializer; the other RPCs stay plain protobuf:
+
+    frame = u32 little-endian header length | KvChunk (data empty) | the blocks' bytes
+
+On P the blocks are gathered straight into the frame (one copy, then gRPC's own);
+on D they are read in place from the received bytes into the paged cache.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from pdcluster.transfer import kv_transfer_pb2 as pb
+
+READ_BLOCKS = "/pdcluster.transfer.KvTransfer/ReadBlocks"
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Frame:
+    chunk: pb.KvChunk  # layer, group, first, count, tag (its data field unused)
+    data: memoryview  # the blocks' bytes, a view into the received message (empty over a data channel)
+
+
+def encode(chunk: pb.KvChunk, blocks: torch.Tensor | None = None) -> bytes:
+    header = chunk.SerializeToString()
+    head = _LEN.pack(len(header)) + header
+    if blocks is None:
+        return head
+    frame = bytearray(len(head) + blocks.nbytes)
+    frame[:len(head)] = head
+    torch.frombuffer(frame, dtype=torch.uint8, offset=len(head)).copy_(blocks.reshape(-1).view(torch.uint8))
+    return bytes(frame)
+
+
+def decode(frame: bytes) -> Frame:
+    (n,) = _LEN.unpack_from(frame)
+    view = memoryview(frame)
+    return Frame(pb.KvChunk.FromString(view[_LEN.size:_LEN.size + n]), view[_LEN.size + n:])
+
+
+def read_blocks_handler(behaviour) -> grpc.RpcMethodHandler:
+    """P: ReadBlocks whose generator yields frames (bytes), sent as they are."""
+    return grpc.unary_stream_rpc_method_handler(behaviour, request_deserializer=pb.ReadBlocksRequest.FromString,
+                                                response_serializer=None)
+
+
+def read_blocks_method(channel: grpc.Channel):
+    """D: call ReadBlocks; iterating the call yields Frames."""
+    return channel.unary_stream(READ_BLOCKS, request_serializer=pb.ReadBlocksRequest.SerializeToString,
+                                response_deserializer=decode)
