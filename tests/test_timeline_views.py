@@ -177,3 +177,15 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_summary_splits_transfer_hidden_under_prefills_from_exposed(tmp_path):
+    pull = sample_records()[0]  # transfer [27, 31] after p_done 24: 4 ms exposed
+    push = make_record("p1", {"arrival": 0, "dispatch": 1, "d_queued": 2, "transfer_start": 3, "p_queued": 2,
+                              "p_scheduled": 4, "transfer_end": 25, "p_done": 24, "d_kv_ready": 26,
+                              "d_scheduled": 27, "d_first_token": 30, "first_token": 31, "last_token": 31,
+                              "finish": 32}, [31], prompt_tokens=100, transferred_tokens=100)
+    s = summarize(load_run(write_run(tmp_path / "r", [pull, push])))
+    # push: [3, 25] under the prefill [4, 24] for 20 ms, 1 ms after it; pull: 4 ms after it
+    assert (s.transfer_hidden_ns, s.transfer_exposed_ns) == (20 * MS, 5 * MS)
+    assert "KV transfer time: 20.0 ms hidden under prefills (80.0%), 5.0 ms on the critical path" in format_summary(s)
