@@ -1,0 +1,59 @@
+"""How the router picks P and D for a request (issue 6: `round_robin`, `least_load`, `prefix_aware`).
+
+Pure functions over what the router knows of each instance, so the choices are
+unit-tested without engines; nothing in the request path calls them yet.
+
+- round_robin: the next instance in turn, whatever it holds or does;
+- least_load: P with the fewest prefill tokens queued (ties: fewer requests);
+- prefix_aware: P minimising the prefill work it would start behind: the tokens
+  it would compute (prompt minus its cached prefix) plus what it has queued.
+  A P that holds most of a prompt wins unless its queue costs more than the
+  prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
+  same way, with a threshold instead of one cost.
+D is picked by load in every policy but round_robin: KV usage, then running requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["round_robin", "least_load", "prefix_aware"]
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    name: str
+    matched_tokens: int  # the prompt's cached prefix on this P (its prefix index)
+    queued_tokens: int  # prefill tokens waiting or running on it
+    queued_requests: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    name: str
+    kv_usage: float  # 0..1
+    running: int
+
+
+def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_tokens: int, turn: int) -> PrefillView:
+    """`turn`: the request's sequence number (round_robin's position)."""
+    assert candidates, "no prefill instance to pick from"
+    if policy == "round_robin":
+        return candidates[turn % len(candidates)]
+    if policy == "least_load":
+        return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, c.name))
+    if policy == "prefix_aware":
+        return min(candidates, key=lambda c: (prompt_tokens - min(c.matched_tokens, prompt_tokens) + c.queued_tokens,
+                                              -c.matched_tokens, c.name))
+    raise ValueError(f"unknown routing policy {policy!r}; one of round_robin, least_load, prefix_aware")
+
+
+def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> DecodeView:
+    assert candidates, "no decode instance to pick from"
+    if policy == "round_robin":
+        return candidates[turn % len(candidates)]
+    if policy in ("least_load", "prefix_aware"):
+        return min(candidates, key=lambda c: (c.kv_usage, c.running, c.name))
+    raise ValueError(f"unknown routing policy {policy!r}; one of round_robin, least_load, prefix_aware")

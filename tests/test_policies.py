@@ -1,0 +1,42 @@
+"""Routing choices (router/policies.py) on hand-made instance views."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.router.policies import DecodeView, PrefillView, pick_decode, pick_prefill
+
+P = [PrefillView("p0", matched_tokens=0, queued_tokens=0), PrefillView("p1", matched_tokens=900, queued_tokens=500),
+     PrefillView("p2", matched_tokens=0, queued_tokens=2_000)]
+
+
+def test_round_robin_ignores_cache_and_load():
+    assert [pick_prefill("round_robin", P, 1_000, t).name for t in range(4)] == ["p0", "p1", "p2", "p0"]
+
+
+def test_least_load_picks_the_shortest_queue():
+    assert pick_prefill("least_load", P, 1_000, 0).name == "p0"
+
+
+def test_prefix_aware_trades_cached_prefix_against_queue():
+    # p1: 100 to compute + 500 queued = 600 < p0's 1,000: the cache wins.
+    assert pick_prefill("prefix_aware", P, 1_000, 0).name == "p1"
+    # A longer queue on p1 than the prefix saves: the idle P wins.
+    busy = [P[0], PrefillView("p1", matched_tokens=900, queued_tokens=950)]
+    assert pick_prefill("prefix_aware", busy, 1_000, 0).name == "p0"
+
+
+def test_prefix_aware_tie_goes_to_the_bigger_hit():
+    tie = [PrefillView("a", 0, 100), PrefillView("b", 100, 200)]
+    assert pick_prefill("prefix_aware", tie, 1_000, 0).name == "b"
+
+
+def test_decode_by_kv_usage_then_running():
+    ds = [DecodeView("d0", 0.5, 1), DecodeView("d1", 0.2, 9), DecodeView("d2", 0.2, 3)]
+    assert pick_decode("least_load", ds, 0).name == "d2"
+    assert pick_decode("round_robin", ds, 1).name == "d1"
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="one of round_robin, least_load, prefix_aware"):
+        pick_prefill("random", P, 10, 0)
