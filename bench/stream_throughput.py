@@ -29,6 +29,7 @@ import os
 import queue
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -87,6 +88,15 @@ def block_ids(shape: Shape, shuffled: bool, seed: int) -> list[int]:
         perm = torch.randperm(shape.num_blocks, generator=torch.Generator().manual_seed(seed))
         ids = [ids[i] for i in perm.tolist()]
     return ids
+
+
+def _exit_now() -> None:
+    """End a child that served gRPC without the interpreter's teardown: gRPC's daemon serving thread
+    holds the last reference to the handlers (and through them the KV tensors); freeing a tensor from
+    a daemon thread while the interpreter finalizes aborts the process (std::terminate)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def pin(core: int | None) -> None:
@@ -166,6 +176,7 @@ def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, r
     ch.close()
     for s in servers.values():
         s.stop()
+    _exit_now()
 
 
 # ---------------------------------------------------------------- D (this process) and the trials
@@ -361,10 +372,20 @@ def _in_child(target, args: tuple, env: dict[str, str]):
     return result
 
 
+def _join_frame(chunk, view: torch.Tensor) -> bytes:
+    """A frame as transfer/frames.py lays it out, built with one copy of the blocks: bytes.join copies
+    each part once, straight from the cache (gRPC takes bytes only: bytearray/memoryview responses fail)."""
+    from pdcluster.transfer import frames
+
+    header = chunk.SerializeToString()
+    return b"".join((frames._LEN.pack(len(header)), header, memoryview(view.reshape(-1).view(torch.uint8).numpy())))
+
+
 def _stages_child(shape: Shape, chunks: list[int], trials: int, core: int | None, out) -> None:
     import resource
     import warnings
 
+    from pdcluster.transfer import frames
     from pdcluster.transfer import kv_transfer_pb2 as pb
     from pdcluster.transfer.paged_kv import PagedKv
 
@@ -375,41 +396,46 @@ def _stages_child(shape: Shape, chunks: list[int], trials: int, core: int | None
     ids = block_ids(shape, False, 0)
     names = list(src)
     rows: dict[str, list[float]] = {}
-    faults: list[int] = []
+    faults: dict[str, list[int]] = {}
     for chunk in chunks:
         runs = _runs(shape, chunk)
-        data = {(n, f): kv_p.read(n, ids[f:f + c]) for n in names for f, c in runs}
-        msgs = [pb.KvChunk(layer=k[0], group=0, first=k[1], count=1, data=v).SerializeToString()
-                for k, v in data.items()]
-        idx = {f: torch.tensor(ids[f:f + c]) for f, c in runs}
+        head = {f: pb.KvChunk(layer=names[0], group=0, first=f, count=c) for f, c in runs}
+        gathered = {(n, f): kv_p.gather(n, ids[f:f + c]) for n in names for f, c in runs}
+        sent = {(n, f): frames.encode(head[f], gathered[(n, f)]) for n in names for f, c in runs}
+        before_frames = {(n, f): pb.KvChunk(layer=n, data=kv_p.read(n, ids[f:f + c])).SerializeToString()
+                         for n in names for f, c in runs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: only read
             steps = {
                 "one memcpy of the payload (tensor.copy_), for scale": lambda: [dst[n].copy_(src[n]) for n in names],
-                "P  PagedKv.read (index_select + .numpy().tobytes())":
-                    lambda: [kv_p.read(n, ids[f:f + c]) for n in names for f, c in runs],
-                "P    its index_select alone":
-                    lambda: [src[n].index_select(0, idx[f]) for n in names for f, c in runs],
-                "P  a block run's slice .tobytes() (one copy)":
-                    lambda: [src[n][ids[f]:ids[f] + c].view(torch.uint8).numpy().tobytes()
+                "P  PagedKv.gather (index_select)":
+                    lambda: [kv_p.gather(n, ids[f:f + c]) for n in names for f, c in runs],
+                "P  frames.encode of the gathered blocks (bytearray, bytes())":
+                    lambda: [frames.encode(head[f], gathered[(n, f)]) for n in names for f, c in runs],
+                "P  a frame by bytes.join from the cache (one copy, no gather)":
+                    lambda: [_join_frame(head[f], src[n][ids[f]:ids[f] + c]) for n in names for f, c in runs],
+                "P  before frames: KvChunk(data=read()).SerializeToString()":
+                    lambda: [pb.KvChunk(layer=n, data=kv_p.read(n, ids[f:f + c])).SerializeToString()
                              for n in names for f, c in runs],
-                "P  KvChunk(data=...).SerializeToString()":
-                    lambda: [pb.KvChunk(layer=k[0], group=0, first=k[1], count=1, data=v).SerializeToString()
-                             for k, v in data.items()],
-                "D  KvChunk.FromString (gRPC's generated deserializer)": lambda: [pb.KvChunk.FromString(m) for m in msgs],
-                "D  PagedKv.write (frombuffer + index_put)":
-                    lambda: [kv_d.write(n, ids[f:f + c], data[(n, f)]) for n in names for f, c in runs],
-                "D  a block run's slice .copy_(frombuffer) (one copy)":
+                "D  frames.decode + PagedKv.write (frombuffer + index_put)":
+                    lambda: [kv_d.write(n, ids[f:f + c], frames.decode(sent[(n, f)]).data)
+                             for n in names for f, c in runs],
+                "D  frames.decode + a block run's slice .copy_ (one copy)":
                     lambda: [dst[n][ids[f]:ids[f] + c].view(-1).view(torch.uint8).copy_(
-                        torch.frombuffer(data[(n, f)], dtype=torch.uint8)) for n in names for f, c in runs],
+                        torch.frombuffer(frames.decode(sent[(n, f)]).data, dtype=torch.uint8))
+                        for n in names for f, c in runs],
+                "D  before frames: KvChunk.FromString + PagedKv.write":
+                    lambda: [kv_d.write(n, ids[f:f + c], pb.KvChunk.FromString(before_frames[(n, f)]).data)
+                             for n in names for f, c in runs],
             }
             for label, fn in steps.items():
                 rows.setdefault(label, []).append(_med_ms(fn, trials))
-                if label.startswith("P  PagedKv.read"):
-                    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                    fn()
-                    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    rows["P  PagedKv.read: minor page faults per 128 MiB (count)"] = faults
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                fn()
+                faults.setdefault(label, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    for label, counts in faults.items():  # only the steps where the allocator made the kernel fault pages in
+        if any(counts):
+            rows[f"   page faults (count) in: {label.split('(')[0].strip()}"] = counts
     out.put(rows)
 
 
@@ -419,11 +445,12 @@ def stages(shape: Shape, chunks: list[int], trials: int, core: int | None) -> No
     print(f"\n-- the gRPC path stage by stage, each alone (fresh process, ms per {shape.total_bytes / MIB:.0f} MiB, "
           f"median of {trials}); MALLOC_TUNED = {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}")
     heads = [f"{c // MIB} MiB" for c in chunks]
-    print(f"{'':<58}" + "".join(f" {name:>{10 * len(chunks) - 1}}" for name in envs))
-    print(f"{'stage':<58}" + "".join(f"{h:>10}" for h in heads) * len(envs))
-    for label in results["default malloc"]:
-        cells = [v for name in envs for v in results[name][label]]
-        print(f"{label:<58}" + "".join(f"{v:>10.0f}" if v >= 1000 else f"{v:>10.1f}" for v in cells))
+    print(f"{'':<64}" + "".join(f" {name:>{10 * len(chunks) - 1}}" for name in envs))
+    print(f"{'stage':<64}" + "".join(f"{h:>10}" for h in heads) * len(envs))
+    labels = list(results["default malloc"]) + [k for k in results["MALLOC_TUNED"] if k not in results["default malloc"]]
+    for label in labels:
+        cells = [v for name in envs for v in results[name].get(label, [0] * len(chunks))]
+        print(f"{label:<64}" + "".join(f"{v:>10.0f}" if v >= 1000 or v == 0 else f"{v:>10.1f}" for v in cells))
 
 
 def _raw_server(shape: Shape, core: int | None, ready, stop) -> None:
@@ -431,6 +458,7 @@ def _raw_server(shape: Shape, core: int | None, ready, stop) -> None:
 
     import grpc
 
+    from pdcluster.transfer import frames
     from pdcluster.transfer import kv_transfer_pb2 as pb
     from pdcluster.transfer.paged_kv import PagedKv
 
@@ -451,13 +479,13 @@ def _raw_server(shape: Shape, core: int | None, ready, stop) -> None:
             return
         for i in which:
             for f, c in runs:
-                if mode == "pb-read":  # what KvServer does: PagedKv.read, then gRPC's SerializeToString
+                head = pb.KvChunk(layer=names[i], group=0, first=f, count=c)
+                if mode == "frames":  # what KvServer does: PagedKv.gather, then frames.encode
+                    yield frames.encode(head, kv.gather(names[i], list(range(1 + f, 1 + f + c))))
+                elif mode == "join":  # one copy: the frame joined straight from the cache's block run
+                    yield _join_frame(head, tensors[i][1 + f:1 + f + c])
+                else:  # "protobuf": what KvServer did before frames
                     data = kv.read(names[i], list(range(1 + f, 1 + f + c)))
-                else:  # one copy of the run of consecutive blocks
-                    data = tensors[i][1 + f:1 + f + c].view(torch.uint8).numpy().tobytes()
-                if mode == "raw-slice":
-                    yield data
-                else:
                     yield pb.KvChunk(layer=names[i], group=0, first=f, count=c, data=data).SerializeToString()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
@@ -468,15 +496,16 @@ def _raw_server(shape: Shape, core: int | None, ready, stop) -> None:
     server.start()
     ready.put(port)
     stop.wait()
-    server.stop(0)
+    server.stop(0).wait()
+    _exit_now()
 
 
 VARIANTS = {  # label: (P's mode, D's mode, streams)
     "gRPC alone: P yields one prebuilt bytes, D drops it": ("prebuilt", "drop", 1),
-    "as KvServer/KvFetcher (read+protobuf / protobuf+write)": ("pb-read", "pb-write", 1),
-    "one-copy read and write of block runs, protobuf kept": ("pb-slice", "pb-slice", 1),
-    "one-copy read and write, raw bytes (no protobuf)": ("raw-slice", "raw-slice", 1),
-    "  same, one stream per layer (2 streams)": ("raw-slice", "raw-slice", 2),
+    "before frames: read+protobuf / protobuf+PagedKv.write": ("protobuf", "protobuf", 1),
+    "as KvServer/KvFetcher: gather+encode / decode+write": ("frames", "frames", 1),
+    "one copy a side: bytes.join frame / slice copy_": ("join", "slice", 1),
+    "  same, one stream per layer (2 streams)": ("join", "slice", 2),
 }
 
 
@@ -486,6 +515,7 @@ def _variants_child(shape: Shape, chunks: list[int], trials: int, pin_cores: boo
 
     import grpc
 
+    from pdcluster.transfer import frames
     from pdcluster.transfer import kv_transfer_pb2 as pb
     from pdcluster.transfer.paged_kv import PagedKv
 
@@ -507,13 +537,14 @@ def _variants_child(shape: Shape, chunks: list[int], trials: int, pin_cores: boo
         which = range(len(names)) if layer < 0 else [layer]
         targets = [(i, f, c) for i in which for f, c in runs]
         for (i, f, c), msg in zip(targets, call(f"{p_mode} {chunk} {layer}".encode(), timeout=120), strict=True):
-            if d_mode == "drop":
-                continue
-            data = msg if d_mode == "raw-slice" else pb.KvChunk.FromString(msg).data
-            if d_mode == "pb-write":  # what KvFetcher does
-                kv.write(names[i], list(range(1 + f, 1 + f + c)), data)
-            else:
-                tensors[i][1 + f:1 + f + c].view(-1).view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
+            ids = list(range(1 + f, 1 + f + c))
+            if d_mode == "protobuf":  # what KvFetcher did before frames
+                kv.write(names[i], ids, pb.KvChunk.FromString(msg).data)
+            elif d_mode == "frames":  # what KvFetcher does
+                kv.write(names[i], ids, frames.decode(msg).data)
+            elif d_mode == "slice":  # one copy, from the frame into the block run
+                dst_run = tensors[i][1 + f:1 + f + c].view(-1).view(torch.uint8)
+                dst_run.copy_(torch.frombuffer(frames.decode(msg).data, dtype=torch.uint8))
 
     def run(p_mode: str, d_mode: str, streams: int, chunk: int) -> None:
         if streams == 1:
@@ -541,11 +572,11 @@ def variants(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, raw_
     print(f"\n-- gRPC variants end to end (fresh P and D processes; GB/s and share of the raw TCP reference "
           f"above, {raw_ms:.1f} ms; median of {trials})")
     heads = [f"{c // MIB} MiB" for c in chunks]
-    print(f"{'':<58}" + "".join(f" {name:>{12 * len(chunks) - 1}}" for name in envs))
-    print(f"{'variant':<58}" + "".join(f"{h:>12}" for h in heads) * len(envs))
+    print(f"{'':<64}" + "".join(f" {name:>{12 * len(chunks) - 1}}" for name in envs))
+    print(f"{'variant':<64}" + "".join(f"{h:>12}" for h in heads) * len(envs))
     for label in VARIANTS:
         cells = [ms for name in envs for ms in results[name][label]]
-        print(f"{label:<58}" + "".join(f"{shape.total_bytes / ms / 1e6:>6.2f} {raw_ms / ms:>4.0%}" for ms in cells))
+        print(f"{label:<64}" + "".join(f"{shape.total_bytes / ms / 1e6:>6.2f} {raw_ms / ms:>4.0%}" for ms in cells))
 
 
 def profile(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, raw_ms: float) -> None:
