@@ -410,7 +410,7 @@ def _stages_child(shape: Shape, chunks: list[int], trials: int, core: int | None
                 "one memcpy of the payload (tensor.copy_), for scale": lambda: [dst[n].copy_(src[n]) for n in names],
                 "P  PagedKv.gather (index_select)":
                     lambda: [kv_p.gather(n, ids[f:f + c]) for n in names for f, c in runs],
-                "P  frames.encode of the gathered blocks (bytearray, bytes())":
+                "P  frames.encode of the gathered blocks (one bytes.join)":
                     lambda: [frames.encode(head[f], gathered[(n, f)]) for n in names for f, c in runs],
                 "P  a frame by bytes.join from the cache (one copy, no gather)":
                     lambda: [_join_frame(head[f], src[n][ids[f]:ids[f] + c]) for n in names for f, c in runs],

@@ -183,9 +183,7 @@ def stub_to():
     def make(address) -> pb_grpc.KvTransferStub:
         ch = grpc.insecure_channel(address)
         channels.append(ch)
-        stub = pb_grpc.KvTransferStub(ch)
-        stub.ReadBlocks = frames.read_blocks_method(ch)  # as D calls it: responses are Frames
-        return stub
+        return frames.framed_stub(ch)  # as D calls P: ReadBlocks yields Frames
 
     yield make
     for ch in channels:

@@ -7,7 +7,7 @@ KvChunk's own (de)serializer; the other RPCs stay plain protobuf:
 
     frame = u32 little-endian header length | KvChunk (data empty) | the blocks' bytes
 
-On P the blocks are gathered straight into the frame (one copy, then gRPC's own);
+On P the gathered blocks are copied once into the frame (then gRPC's own copy);
 on D they are read in place from the received bytes into the paged cache.
 """
 
@@ -36,10 +36,8 @@ def encode(chunk: pb.KvChunk, blocks: torch.Tensor | None = None) -> bytes:
     head = _LEN.pack(len(header)) + header
     if blocks is None:
         return head
-    frame = bytearray(len(head) + blocks.nbytes)
-    frame[:len(head)] = head
-    torch.frombuffer(frame, dtype=torch.uint8, offset=len(head)).copy_(blocks.reshape(-1).view(torch.uint8))
-    return bytes(frame)
+    # join copies each part once, straight into the frame (gRPC takes bytes, not bytearray or memoryview).
+    return b"".join((head, memoryview(blocks.contiguous().reshape(-1).view(torch.uint8).numpy())))
 
 
 def decode(frame: bytes) -> Frame:
@@ -54,7 +52,11 @@ def read_blocks_handler(behaviour) -> grpc.RpcMethodHandler:
                                                 response_serializer=None)
 
 
-def read_blocks_method(channel: grpc.Channel):
-    """D: call ReadBlocks; iterating the call yields Frames."""
-    return channel.unary_stream(READ_BLOCKS, request_serializer=pb.ReadBlocksRequest.SerializeToString,
-                                response_deserializer=decode)
+def framed_stub(channel: grpc.Channel):
+    """D: P's stub, whose ReadBlocks call yields Frames."""
+    from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.KvTransferStub(channel)
+    stub.ReadBlocks = channel.unary_stream(READ_BLOCKS, request_serializer=pb.ReadBlocksRequest.SerializeToString,
+                                           response_deserializer=decode)
+    return stub

@@ -79,8 +79,8 @@ class KvFetcher:
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
         self._lock = threading.Lock()
         self._results = LoadResults()
-        # address -> (channel, stub, framed ReadBlocks); filled from pool threads, hence the lock.
-        self._stubs: dict[str, tuple] = {}
+        # address -> (channel, stub); filled from pool threads, hence the lock.
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
         self._checked_peers: set[str] = set()
         # request_id -> its ReadBlocks call (None until it starts), for every job not yet ended.
         self._calls: dict[str, grpc.Future | None] = {}
@@ -110,14 +110,8 @@ class KvFetcher:
         with self._lock:
             if address not in self._stubs:
                 channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-                self._stubs[address] = (channel, pb_grpc.KvTransferStub(channel), frames.read_blocks_method(channel))
+                self._stubs[address] = (channel, frames.framed_stub(channel))
             return self._stubs[address][1]
-
-    def _read_blocks(self, address: str):
-        """ReadBlocks on P's channel, yielding frames (transfer/frames.py)."""
-        self._stub(address)
-        with self._lock:
-            return self._stubs[address][2]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
         """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
@@ -194,7 +188,7 @@ class KvFetcher:
                  expected: dict[str, int], channel: TensorChannel | None, bytes_per_group: list[int]) -> None:
         received: dict[str, set[int]] = {name: set() for name in expected}
         in_flight: deque[Pending] = deque()
-        call = self._read_blocks(job.handle.address)(request, timeout=self._timeout_s)
+        call = stub.ReadBlocks(request, timeout=self._timeout_s)
         with self._lock:
             self._calls[job.request_id] = call
             if job.request_id in self._cancelled:  # cancelled before the call started
@@ -244,6 +238,6 @@ class KvFetcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
         with self._lock:
-            for channel, *_ in self._stubs.values():
+            for channel, _ in self._stubs.values():
                 channel.close()
             self._stubs.clear()

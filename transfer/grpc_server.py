@@ -139,6 +139,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         """Chunks as they become ready: with the bytes inside, or announcing the tag they
         go under on `channel` (chunk k: first_tag + k; at most SEND_WINDOW in flight)."""
         in_flight: deque[Pending] = deque()
+        chunk_bytes = self._chunk_bytes if channel is None else self._channel_chunk_bytes
         layers = [info for info in self._kv.layers.values() if info.group in wanted]
         sent = {info.name: 0 for info in layers}  # how many of the group's wanted blocks went out, per layer
         # Fault injection (tests): this transfer dies after half its blocks, as if P's host went away.
@@ -150,7 +151,6 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             for info in layers:
                 indices = wanted[info.group]
                 ready = bisect_left(indices, src.ready_blocks(info.name, info.group))
-                chunk_bytes = self._chunk_bytes if channel is None else self._channel_chunk_bytes
                 for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, chunk_bytes):
                     first += sent[info.name]
                     blocks = self._gather(src, info, indices[first:first + count], context)
