@@ -111,12 +111,28 @@ def reset_caches(cluster, timeout: float = 30):
 
 
 @contextmanager
-def transport(cluster, name: str):
-    """The router asks for this transport (grpc | torch_dist) until the block ends."""
+def transfer_as(cluster, mode: str | None = None, transport: str | None = None):
+    """The router transfers in this mode (push | pull) over this transport (grpc | torch_dist)
+    until the block ends, then goes back to the spec's; None keeps the spec's."""
     import ray
 
-    ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, name))
+    spec = cluster.spec.transfer
+    ray.get(cluster.router.set_transfer_mode.remote(mode or spec.mode, transport or spec.backend))
     try:
         yield
     finally:
-        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, cluster.spec.transfer.backend))
+        ray.get(cluster.router.set_transfer_mode.remote(spec.mode, spec.backend))
+
+
+def serve_over_each_transport(cluster, prompts: list[list[int]], wants: list[list[int]], max_tokens: int = 8,
+                              timeout: float = 120) -> list[tuple[list[int], dict, list[int]]]:
+    """(prompt, response body, reference tokens) for every prompt over each transport, from empty caches."""
+    out = []
+    for name in TRANSPORTS:
+        reset_caches(cluster)
+        with transfer_as(cluster, transport=name):
+            for p, want in zip(prompts, wants):
+                r = complete(cluster.url, p, max_tokens, timeout=timeout)
+                assert r.status_code == 200, (name, r.text)
+                out.append((p, r.json(), want))
+    return out

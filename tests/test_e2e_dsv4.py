@@ -19,12 +19,10 @@ import ray
 from e2e import (
     MODEL_CACHE,
     TRANSPORTS,
+    assert_no_kv_in_use,
     cluster_spec_for,
-    complete,
-    reset_caches,
     running_cluster,
-    transport,
-    wait_until,
+    serve_over_each_transport,
 )
 
 from pdcluster.cluster.reference_engine import ReferenceEngine
@@ -76,15 +74,7 @@ def served(cluster, model_dir):
     prompts = [base[:n] for n in lengths] + [[rng.randrange(3, 1000) for _ in range(520)]]
     wants = [ray.get(reference.greedy.remote(p, 8)) for p in prompts]
     ray.kill(reference)
-    out = []
-    for name in TRANSPORTS:  # the same prompts from empty caches, over each transport
-        reset_caches(cluster)
-        with transport(cluster, name):
-            for p, want in zip(prompts, wants):
-                r = complete(cluster.url, p, 8, timeout=300)
-                assert r.status_code == 200, (name, r.text)
-                out.append((p, r.json(), want))
-    return out
+    return serve_over_each_transport(cluster, prompts, wants, timeout=300)
 
 
 def test_tokens_equal_a_single_engine(served):
@@ -121,6 +111,4 @@ def test_each_group_moves_exact_blocks(cluster, served):
 
 
 def test_no_blocks_leak(cluster, served):
-    for inst in cluster.instances:
-        wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, 10,
-                   what=f"{inst.name} KV usage back to 0")
+    assert_no_kv_in_use(cluster, 10)

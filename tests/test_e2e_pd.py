@@ -19,9 +19,10 @@ from e2e import (
     assert_no_kv_in_use,
     cluster_spec_for,
     complete,
+    reset_caches,
     running_cluster,
     tiny_model_dir,
-    transport,
+    transfer_as,
     wait_until,
 )
 
@@ -51,12 +52,6 @@ def ref_tokens(reference, prompt, max_tokens=16):
     return ray.get(reference.greedy.remote(prompt, max_tokens))
 
 
-def reset_caches(cluster):
-    """Empty P's and D's prefix caches (retrying while a lease still pins blocks)."""
-    for inst in cluster.instances:
-        wait_until(lambda: ray.get(inst.actor.reset_prefix_cache.remote()), 10, what=f"{inst.name} cache reset")
-
-
 def run(cluster, prompt, max_tokens=16):
     r = complete(cluster.url, prompt, max_tokens)
     assert r.status_code == 200, r.text
@@ -83,13 +78,13 @@ def seed_prompts():
 
 def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     a, b, b_changed = seed_prompts
-    reset_caches(cluster)
+    reset_caches(cluster, 10)
     cold_tokens, cold = run(cluster, b, 3)
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0
     assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038,
                           "transfer_error": None}
 
-    reset_caches(cluster)
+    reset_caches(cluster, 10)
     run(cluster, a, 3)
     warm_tokens, warm = run(cluster, b, 3)
     assert warm["prompt_tokens_details"]["cached_tokens"] == 1024
@@ -97,7 +92,7 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14,
                           "transfer_error": None}
 
-    reset_caches(cluster)
+    reset_caches(cluster, 10)
     run(cluster, a, 3)
     changed_tokens, changed = run(cluster, b_changed, 3)
     assert changed["prompt_tokens_details"]["cached_tokens"] == 0
@@ -125,8 +120,7 @@ def test_random_prompts_match_single_engine(cluster, reference):
 def test_torch_dist_transport_matches_single_engine(cluster, reference, mode):
     rng = random.Random(21 if mode == "push" else 22)  # fresh prompts: D caches what it saw
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 700, 3000)]
-    with transport(cluster, "torch_dist"):
-        ray.get(cluster.router.set_transfer_mode.remote(mode, "torch_dist"))
+    with transfer_as(cluster, mode, "torch_dist"):
         got = [run(cluster, p) for p in prompts]
     for p, (tokens, usage) in zip(prompts, got):
         assert tokens == ref_tokens(reference, p), len(p)
@@ -168,9 +162,7 @@ def test_bad_requests_are_4xx(cluster):
 
 def test_no_kv_block_leaks_after_requests(cluster):
     # P frees a request's blocks when D releases its lease; D frees at finish.
-    for inst in cluster.instances:
-        wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, 10,
-                   what=f"{inst.name} KV usage back to 0")
+    assert_no_kv_in_use(cluster, 10)
 
 
 # ---- faults (last: they restart P)
@@ -178,12 +170,9 @@ def test_no_kv_block_leaks_after_requests(cluster):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_transfer_broken_halfway_errors_and_leaks_nothing(cluster, mode, transport):
-    ray.get(cluster.router.set_transfer_mode.remote(mode, transport))
-    try:
+    with transfer_as(cluster, mode, transport):
         r = complete(cluster.url, [random.Random(8).randrange(3, 1000) for _ in range(2500)],
                      request_id=f"fault-{mode}-{transport}")
-    finally:
-        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, cluster.spec.transfer.backend))
     assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error", r.text
     assert_no_kv_in_use(cluster)
     tokens, _ = run(cluster, list(range(3, 503)))  # and the next request is served

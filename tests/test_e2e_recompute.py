@@ -10,7 +10,16 @@ import random
 
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, complete, free_port, running_cluster, wait_until
+from e2e import (
+    TRANSPORTS,
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    complete,
+    free_port,
+    running_cluster,
+    transfer_as,
+    wait_until,
+)
 
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.transfer.handle import TransferHandle
@@ -51,18 +60,15 @@ def test_failed_pull_recomputes_same_tokens(cluster):
     assert broken_tokens == normal_tokens
 
 
-@pytest.mark.parametrize("transport", ["grpc", "torch_dist"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_transfer_broken_halfway_recomputes_same_tokens(cluster, mode, transport):
     prompt = [random.Random(6).randrange(3, 1000) for _ in range(2500)]
-    ray.get(cluster.router.set_transfer_mode.remote(mode, transport))
-    try:
+    with transfer_as(cluster, mode, transport):
         broken = complete(cluster.url, prompt, 8, request_id=f"fault-{mode}-{transport}")
         for inst in cluster.decode:
             ray.get(inst.actor.reset_prefix_cache.remote())
         normal = complete(cluster.url, prompt, 8)
-    finally:
-        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode, cluster.spec.transfer.backend))
     assert broken.status_code == 200 == normal.status_code, (broken.text, normal.text)
     assert broken.json()["usage"]["pd"]["transfer_error"] == "KV pull from P failed"
     assert normal.json()["usage"]["pd"]["transfer_error"] is None

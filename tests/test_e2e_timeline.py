@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from e2e import cluster_spec_for, running_cluster
+from e2e import cluster_spec_for, running_cluster, transfer_as
 
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
@@ -145,20 +145,15 @@ def test_exports_of_the_real_run(cluster, batch, tmp_path):
 def test_push_hides_the_transfer_under_the_prefill(cluster, batch):
     """Cold 6K prompts, pull then push on the same cluster: with push, D asks for the
     KV before P is done and the exposed transfer (after P's prefill) shrinks."""
-    import ray
-
     rng = random.Random(11)
     exposed_ms: dict[str, list[float]] = {}
     records = {}
-    try:
-        with httpx.Client() as http:
-            for mode in ("pull", "push"):
-                ray.get(cluster.router.set_transfer_mode.remote(mode))
+    with httpx.Client() as http:
+        for mode in ("pull", "push"):
+            with transfer_as(cluster, mode):
                 for _ in range(3):
                     rid, _ = stream_ttft(http, cluster.url, [rng.randrange(3, 1000) for _ in range(6144)])
                     records[rid] = mode
-    finally:
-        ray.get(cluster.router.set_transfer_mode.remote(cluster.spec.transfer.mode))
     time.sleep(0.5)
     for rec in load_run(cluster.run_dir).records:
         mode = records.get(rec.request_id)
