@@ -93,6 +93,10 @@ class DecodeDelta:
     transfer: TransferStats | None = None  # set on the last delta
     num_cached_tokens: int = 0  # D's count: local hit + transferred
     engine: EngineTimes | None = None  # set on the last delta
+    # When each new token was made (engine's time.monotonic_ns), if the engine sends
+    # several steps' tokens in one delta (the simulated engine does, to keep Ray's
+    # per-message cost off 90 streams); empty: the router stamps arrival times.
+    token_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

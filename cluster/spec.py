@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdcluster.cluster.devices import DEVICES
+from pdcluster.router.policies import Policy
 
 
 class SpecError(ValueError):
@@ -43,9 +44,19 @@ class ModelSpec(_Strict):
         return self.name or Path(self.path).name
 
 
-class EngineSpec(_Strict):
-    """vLLM engine args. In a role's `engine:`, unset fields inherit the shared ones."""
+EngineKind = Literal["vllm", "sim"]
 
+
+class EngineSpec(_Strict):
+    """vLLM engine args. In a role's `engine:`, unset fields inherit the shared ones.
+
+    `kind: sim` (or just `engine: sim`) runs the simulated engine (cluster/sim/):
+    the same actors, router and transfer, with model execution replaced by the
+    cost model named in the spec's `sim:` section. block_size, max_model_len,
+    max_num_batched_tokens and max_num_seqs mean the same to it as to vLLM.
+    """
+
+    kind: EngineKind | None = None
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
@@ -68,7 +79,7 @@ class EngineSpec(_Strict):
 
 
 DEFAULT_ENGINE = EngineSpec(
-    block_size=128, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=64,
+    kind="vllm", block_size=128, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=64,
     kv_cache_space_gib=1, enable_prefix_caching=True, dtype="auto", enforce_eager=True,
 )
 
@@ -130,9 +141,26 @@ class TransferSpec(_Strict):
         return self
 
 
+class SimSpec(_Strict):
+    """The simulated engine's settings (used when `engine: sim`)."""
+
+    # A shipped parameter file by name (cluster/sim/params/<name>.yaml), or a path.
+    params: str = Field(description="cost-model parameter file: a shipped name or a path to a YAML file")
+    # Bytes that really move P -> D = modelled bytes / payload_scale, so 128K-token
+    # requests fit in this machine's memory; the modelled transfer time uses the full size.
+    payload_scale: int = Field(1024, ge=1, description="modelled state bytes per byte moved")
+    kv_blocks: int | None = Field(None, gt=0, description="KV blocks per instance; default: the params file's")
+
+
 class RouterSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # How the router picks P and D (router/policies.py). prefix_aware reads every
+    # instance's KV cache events (vLLM's kv_events_config over ZMQ).
+    policy: Policy = "round_robin"
+    kv_events_port: int = Field(18700, ge=1024, le=65000,
+                                description="instance i (P first, then D) publishes KV events on kv_events_port + "
+                                            "2i and answers replay requests on kv_events_port + 2i + 1")
     request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
@@ -144,15 +172,27 @@ class ClusterSpec(_Strict):
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     engine: EngineSpec = DEFAULT_ENGINE
+    sim: SimSpec | None = None
     prefill: RoleSpec = RoleSpec()
     decode: RoleSpec = RoleSpec()
     transfer: TransferSpec = TransferSpec()
     router: RouterSpec = RouterSpec()
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_kind_shorthand(cls, engine: Any) -> Any:
+        # `engine: sim` (or `engine: vllm`): the kind alone, every engine arg at its default.
+        return {"kind": engine} if isinstance(engine, str) else engine
+
     @field_validator("engine")
     @classmethod
     def _fill_engine_defaults(cls, engine: EngineSpec) -> EngineSpec:
         return engine.merged_over(DEFAULT_ENGINE)
+
+    def kv_event_ports(self, role: Literal["prefill", "decode"], index: int) -> tuple[int, int]:
+        """(publish, replay) ports of one instance's KV cache events: P first, then D."""
+        ordinal = index if role == "prefill" else self.prefill.instances + index
+        return self.router.kv_events_port + 2 * ordinal, self.router.kv_events_port + 2 * ordinal + 1
 
     def role_engine(self, role: Literal["prefill", "decode"]) -> EngineSpec:
         """The engine args one role runs with: its overrides over the shared `engine:`."""
@@ -170,6 +210,15 @@ class ClusterSpec(_Strict):
         if d.max_model_len < p.max_model_len:
             raise ValueError(f"decode.engine.max_model_len ({d.max_model_len}) < prefill.engine.max_model_len "
                              f"({p.max_model_len}): D could not hold what P prefills")
+        if p.kind != d.kind:
+            raise ValueError(f"prefill.engine.kind ({p.kind}) != decode.engine.kind ({d.kind}): "
+                             f"a real P cannot hand KV to a simulated D or back")
+        if p.kind == "sim" and self.sim is None:
+            raise ValueError("engine: sim needs a `sim:` section naming its cost-model params "
+                             "(e.g. sim: {params: qwen3-0.6b-1dev})")
+        if p.kind == "sim" and self.transfer.connector != "pdc":
+            raise ValueError(f"transfer.connector: {self.transfer.connector} needs real vLLM engines; "
+                             f"the simulated engine moves its state through the pdc transfer")
         for role in ("prefill", "decode"):
             eng = self.role_engine(role)
             if not eng.enable_prefix_caching:
@@ -198,6 +247,14 @@ class ClusterSpec(_Strict):
             raise ValueError(f"router.port ({self.router.port}) falls in the KV ports "
                              f"{self.transfer.base_port}..{last_kv_port} (transfer.base_port + one per "
                              f"{'instance' if self.transfer.connector == 'nixl' else 'prefill instance'})")
+        events = range(self.router.kv_events_port,
+                       self.router.kv_events_port + 2 * (self.prefill.instances + self.decode.instances))
+        if self.router.port in events:
+            raise ValueError(f"router.port ({self.router.port}) falls in the KV event ports "
+                             f"{events.start}..{events.stop - 1} (router.kv_events_port + two per instance)")
+        if set(events) & set(range(self.transfer.base_port, last_kv_port + 1)):
+            raise ValueError(f"router.kv_events_port: its ports {events.start}..{events.stop - 1} (two per "
+                             f"instance) overlap the KV ports {self.transfer.base_port}..{last_kv_port}")
         return self
 
 
@@ -227,10 +284,28 @@ def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) 
         path = Path(p).expanduser()
         return str((base_dir / path).resolve() if not path.is_absolute() and base_dir is not None else path)
 
+    update = {}
+    if spec.sim is not None:
+        update["sim"] = spec.sim.model_copy(update={"params": resolve_sim_params(spec.sim.params, resolve)})
     return spec.model_copy(update={
+        **update,
         "model": spec.model.model_copy(update={"path": resolve(spec.model.path)}),
         "router": spec.router.model_copy(update={"runs_dir": resolve(spec.router.runs_dir)}),
     })
+
+
+SHIPPED_SIM_PARAMS = Path(__file__).resolve().parent / "sim" / "params"
+
+
+def resolve_sim_params(params: str, resolve) -> str:
+    """A shipped parameter file's name (no suffix, no slash) or a path; SpecError if missing."""
+    if "/" not in params and not params.endswith((".yaml", ".yml")):
+        path = SHIPPED_SIM_PARAMS / f"{params}.yaml"
+        if not path.exists():
+            shipped = sorted(p.stem for p in SHIPPED_SIM_PARAMS.glob("*.yaml"))
+            raise SpecError(f"sim.params: no shipped parameter file {params!r}; shipped: {', '.join(shipped)}")
+        return str(path)
+    return resolve(params)
 
 
 def load_spec(path: str | Path) -> ClusterSpec:

@@ -315,3 +315,41 @@ def test_transfer_mode_and_backend_checked(transfer, words):
 def test_transfer_mode_defaults_per_connector():
     assert parse_spec(minimal()).transfer.mode == "push"
     assert parse_spec(minimal(transfer={"connector": "nixl"})).transfer.mode == "pull"
+
+
+# --- engine kind, sim section, routing ----------------------------------------------
+
+def test_engine_sim_shorthand_needs_a_sim_section():
+    assert "engine: sim needs a `sim:` section" in spec_error(minimal(engine="sim"))
+
+
+def test_engine_sim_with_a_shipped_params_name_that_does_not_exist():
+    assert "sim.params: no shipped parameter file 'nope'" in spec_error(minimal(engine="sim", sim={"params": "nope"}))
+
+
+def test_engine_sim_with_a_params_path(tmp_path):
+    params = tmp_path / "p.yaml"
+    spec = parse_spec(minimal(engine="sim", sim={"params": str(params), "payload_scale": 64}))
+    assert spec.role_engine("prefill").kind == "sim" and spec.role_engine("prefill").block_size == 128
+    assert spec.sim.params == str(params) and spec.sim.payload_scale == 64
+
+
+def test_p_and_d_engine_kinds_must_agree():
+    data = minimal(sim={"params": "/x.yaml"}, decode={"instances": 1, "engine": {"kind": "sim"}})
+    assert "prefill.engine.kind (vllm) != decode.engine.kind (sim)" in spec_error(data)
+
+
+def test_unknown_policy_is_named():
+    assert "router.policy" in spec_error(minimal(router={"port": 8000, "policy": "random"}))
+
+
+def test_kv_event_ports_two_per_instance_p_first():
+    spec = parse_spec(minimal(prefill={"instances": 2}, decode={"instances": 2},
+                              router={"port": 8000, "kv_events_port": 19000}))
+    assert spec.kv_event_ports("prefill", 1) == (19002, 19003)
+    assert spec.kv_event_ports("decode", 0) == (19004, 19005)
+
+
+def test_kv_event_ports_must_not_overlap_kv_ports():
+    data = minimal(router={"port": 8000, "kv_events_port": 18600})
+    assert "router.kv_events_port" in spec_error(data) and "overlap the KV ports" in spec_error(data)
