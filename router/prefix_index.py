@@ -1,58 +1,106 @@
 """Which prompt blocks each instance's prefix cache holds, from vLLM's KV cache events.
 
-First piece of issue 6 (prefix-aware routing); nothing routes by it yet.
-
 The router hashes prompts itself (`chain_hashes`: each full block's hash covers
 its tokens and its parent's hash, as vLLM's do), so it never depends on the
 engine's hash function or seed. vLLM's `BlockStored` events carry the parent's
 engine hash and the block's tokens, which is enough to translate each engine
-hash into the router's: `InstanceIndex.apply` keeps that map per instance.
+hash into the router's: `InstanceIndex` keeps that map per instance.
 
-Events come in numbered batches. A batch that skips a number, or an instance
-that restarted (its numbering starts again), makes the index `stale`: it is
-cleared and says so until the instance's cache is replayed or reset, rather
-than routing on guesses.
+What the index holds is a subset of what the engine holds, never more:
+- blocks whose parent the index never saw cannot be placed in a chain and are
+  left out (they reappear when the engine stores them again);
+- a lost batch (`lost_history`, or `apply` with a seq that skips) clears the
+  index and marks it `stale`; later events are still applied, since what they
+  say is true, and `stale` ends when the engine's cache is cleared
+  (`AllBlocksCleared`) or the instance restarts (`restarted`).
+Which events come in which order (gaps, replay, restarts) is the feed's
+business (router/kv_events.py); this module only applies them.
+
+Blocks are keyed per KV cache group (`group_idx`): a hybrid model stores the
+same engine hash once per group, and removing it from one group must not drop
+the others. Only the engine's own pool counts (medium GPU or unset; vLLM calls
+its main pool GPU on every device); offload tiers are not prefix-cache hits.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 RouterHash = bytes
+EngineHash = int | bytes  # vLLM's ExternalBlockHash: bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 ROOT: RouterHash = b"\0" * 32  # the parent of a prompt's first block
+PRIMARY_MEDIA = ("GPU", None)  # vLLM's MEDIUM_GPU: the engine's own KV pool, whatever the device
+
+assert array.array("I").itemsize == 4, "token bytes assume a 4-byte unsigned C int"
 
 
-def block_hash(parent: RouterHash, tokens: Sequence[int]) -> RouterHash:
-    """Pure: a block's identity is its parent's and its own tokens."""
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian uint32, 4 bytes each (what every block hash covers).
+    Raises OverflowError for a token outside 0..2**32-1."""
+    a = array.array("I", tokens)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _hash(parent: RouterHash, data: bytes | memoryview, extra_keys: tuple[Any, ...] | None) -> RouterHash:
     h = hashlib.sha256(parent)
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    h.update(data)
+    if extra_keys is not None:  # LoRA, multimodal, cache_salt: a different block from the same tokens
+        h.update(repr(tuple(extra_keys)).encode())
     return h.digest()
 
 
+def block_hash(parent: RouterHash, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None = None) -> RouterHash:
+    """Pure: a block's identity is its parent's, its own tokens, and vLLM's extra keys if any."""
+    return _hash(parent, token_bytes(tokens), extra_keys)
+
+
 def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
-    """The hashes of a prompt's full blocks, in order (a partial last block has none, as in vLLM)."""
+    """The hashes of a prompt's full blocks, in order (a partial last block has none, as in vLLM).
+
+    One conversion of the whole prompt, then one sha256 per block: 1,024 blocks of
+    128 tokens take ~2 ms."""
+    assert block_size > 0, f"block_size {block_size}: must be positive"
+    data = memoryview(token_bytes(token_ids))
+    step = 4 * block_size
     out, parent = [], ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
+    for start in range(0, len(data) - step + 1, step):
+        parent = _hash(parent, data[start:start + step], None)
         out.append(parent)
     return out
+
+
+def hittable_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
+    """The blocks of a prompt an engine can serve from its cache: vLLM always computes
+    the last prompt token (its hit is at most len - 1 tokens), so a prompt that ends
+    on a block boundary cannot hit its last block."""
+    return chain_hashes(token_ids[:max(len(token_ids) - 1, 0)], block_size)
 
 
 @dataclass(frozen=True)
 class BlockStored:
     """vLLM's BlockStored, as the router needs it: engine hashes of consecutive blocks."""
 
-    block_hashes: tuple[int | bytes, ...]
-    parent_block_hash: int | bytes | None
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
     token_ids: tuple[int, ...]  # all the blocks' tokens, block after block
     block_size: int
+    group_idx: int = 0
+    medium: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # one per block, or None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    block_hashes: tuple[int | bytes, ...]
+    block_hashes: tuple[EngineHash, ...]
+    group_idx: int = 0
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,66 +114,89 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 @dataclass
 class InstanceIndex:
     block_size: int
-    # engine hash -> router hash, for every block the instance holds (its cache's own keys).
-    _held: dict[int | bytes, RouterHash] = field(default_factory=dict)
-    # router hash -> how many of the instance's blocks have it (0 never stored)
-    _count: dict[RouterHash, int] = field(default_factory=dict)
+    # (group, engine hash) -> router hash, for every block the instance holds (its cache's own keys).
+    _held: dict[tuple[int, EngineHash], RouterHash] = field(default_factory=dict)
+    # (group, router hash) -> how many of the instance's blocks have it (absent: none)
+    _count: dict[tuple[int, RouterHash], int] = field(default_factory=dict)
     next_seq: int | None = None  # the batch number expected next; None: take the first as it comes
-    stale: bool = False  # a batch was missed: the index is empty and untrusted until resynced
+    stale: bool = False  # history was lost: the index may miss blocks the instance holds
+    skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
-        """Apply batch `seq`. False (and the index cleared, stale) if batches were missed."""
-        if self.next_seq is not None and seq != self.next_seq:
-            self.clear()
-            self.stale, self.next_seq = True, seq + 1
-            return False
+        """Apply batch `seq`. False if batches were missed before it: the index is then
+        cleared and stale first (the batch itself is still applied)."""
+        contiguous = self.next_seq is None or seq == self.next_seq
+        if not contiguous:
+            self.lost_history()
         self.next_seq = seq + 1
         for ev in events:
             if isinstance(ev, BlockStored):
                 self._stored(ev)
             elif isinstance(ev, BlockRemoved):
+                if ev.medium not in PRIMARY_MEDIA:
+                    self.skipped_events += 1
+                    continue
                 for h in ev.block_hashes:
-                    self._drop(h)
+                    self._drop((ev.group_idx, h))
             else:
                 self.clear()
-        return True
+                self.stale = False  # the engine's cache is empty: known exactly from here
+        return contiguous
 
     def _stored(self, ev: BlockStored) -> None:
-        assert ev.block_size == self.block_size, (
-            f"engine blocks of {ev.block_size} tokens, index of {self.block_size}: mismatched config")
+        # vLLM stores blocks of another size for hybrid models (hash-block sized
+        # pieces); the router's chain cannot place them.
+        if ev.medium not in PRIMARY_MEDIA or ev.block_size != self.block_size:
+            self.skipped_events += 1
+            return
+        g, bs = ev.group_idx, self.block_size
+        assert len(ev.token_ids) == bs * len(ev.block_hashes), (
+            f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens "
+            f"(block size {bs}): a decoder that mis-reads the event")
         if ev.parent_block_hash is None:
             parent = ROOT
-        elif ev.parent_block_hash in self._held:
-            parent = self._held[ev.parent_block_hash]
+        elif (g, ev.parent_block_hash) in self._held:
+            parent = self._held[(g, ev.parent_block_hash)]
         else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
             return
+        data = memoryview(token_bytes(ev.token_ids))
         for i, h in enumerate(ev.block_hashes):
-            parent = block_hash(parent, ev.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if h not in self._held:
-                self._held[h] = parent
-                self._count[parent] = self._count.get(parent, 0) + 1
+            extra = ev.extra_keys[i] if ev.extra_keys else None
+            parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
+            key = (g, h)
+            if key not in self._held:  # vLLM may announce a block again (a prefix hit in "full" mode)
+                self._held[key] = parent
+                self._count[(g, parent)] = self._count.get((g, parent), 0) + 1
 
-    def _drop(self, engine_hash: int | bytes) -> None:
-        router_hash = self._held.pop(engine_hash, None)
+    def _drop(self, key: tuple[int, EngineHash]) -> None:
+        router_hash = self._held.pop(key, None)
         if router_hash is None:
             return
-        self._count[router_hash] -= 1
-        if not self._count[router_hash]:
-            del self._count[router_hash]
+        ck = (key[0], router_hash)
+        self._count[ck] -= 1
+        if not self._count[ck]:
+            del self._count[ck]
 
     def clear(self) -> None:
         self._held.clear()
         self._count.clear()
 
-    def resynced(self) -> None:
-        """The instance's cache was reset (or replayed in full): trust the index again."""
-        self.stale = False
+    def lost_history(self) -> None:
+        """Batches were lost for good: forget everything, say so until the cache is known again."""
+        self.clear()
+        self.stale = True
 
-    def matched_blocks(self, hashes: Sequence[RouterHash]) -> int:
-        """How many leading blocks of a prompt (its chain_hashes) this instance holds."""
+    def restarted(self) -> None:
+        """A new engine behind the instance (empty cache, numbering from 0): start over, trusted."""
+        self.clear()
+        self.stale, self.next_seq = False, None
+
+    def matched_blocks(self, hashes: Sequence[RouterHash], group: int = 0) -> int:
+        """How many leading blocks of a prompt (its chain_hashes) this instance holds in `group`
+        (a model with one KV cache group: 0)."""
         n = 0
         for h in hashes:
-            if h not in self._count:
+            if (group, h) not in self._count:
                 break
             n += 1
         return n

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdcluster.router.prefix_index import (
@@ -12,10 +14,12 @@ from pdcluster.router.prefix_index import (
     InstanceIndex,
     block_hash,
     chain_hashes,
+    hittable_hashes,
 )
 
 BS = 4
 PROMPT = list(range(100, 114))  # 3 full blocks + 2 tokens
+PINNED_FIRST = "d8faa8ec8c050056"  # block_hash(ROOT, [1, 2, 3, 4]) as first committed (sha256 over uint32 LE)
 
 
 def stored(engine_hashes, parent, tokens):
@@ -61,14 +65,25 @@ def test_clear_event_empties_the_index():
     assert len(idx) == 0 and idx.matched_blocks(chain_hashes(PROMPT, BS)) == 0
 
 
-def test_missed_batch_clears_and_marks_stale_until_resync():
+def test_missed_batch_clears_and_marks_stale_then_learns_again():
     idx = InstanceIndex(BS)
     idx.apply(0, [stored([11], None, PROMPT[:4])])
-    assert not idx.apply(2, [stored([12], 11, PROMPT[4:8])])  # batch 1 never came
-    assert idx.stale and len(idx) == 0
-    assert idx.apply(3, [])  # numbering continues from the batch that revealed the gap
-    idx.resynced()
+    assert not idx.apply(2, [stored([21], None, PROMPT[:4])])  # batch 1 never came
+    # Cleared at the gap, then the revealing batch applied: what it says is true.
+    assert idx.stale and len(idx) == 1 and idx.next_seq == 3
+    assert idx.apply(3, [stored([22], 21, PROMPT[4:8])])
+    assert idx.stale and idx.matched_blocks(chain_hashes(PROMPT, BS)) == 2
+
+
+def test_cache_cleared_or_restart_ends_staleness():
+    idx = InstanceIndex(BS)
+    idx.lost_history()
+    idx.apply(5, [AllBlocksCleared()])
     assert not idx.stale
+    idx.lost_history()
+    idx.apply(6, [stored([11], None, PROMPT[:4])])
+    idx.restarted()
+    assert (idx.stale, len(idx), idx.next_seq) == (False, 0, None)
 
 
 def test_same_prefix_stored_twice_counts_both_blocks():
@@ -79,6 +94,58 @@ def test_same_prefix_stored_twice_counts_both_blocks():
     assert idx.matched_blocks(chain_hashes(PROMPT, BS)) == 1
 
 
-def test_block_size_mismatch_asserts():
-    with pytest.raises(AssertionError, match="mismatched config"):
-        InstanceIndex(BS).apply(0, [BlockStored((1,), None, tuple(range(8)), 8)])
+def test_blocks_of_another_size_or_medium_are_skipped_and_counted():
+    idx = InstanceIndex(BS)
+    idx.apply(0, [BlockStored((1,), None, tuple(range(8)), 8),  # a hybrid model's other block size
+                  BlockStored((2,), None, tuple(PROMPT[:4]), BS, medium="CPU"),  # an offload tier
+                  BlockRemoved((2,), medium="CPU")])
+    assert len(idx) == 0 and idx.skipped_events == 3
+
+
+def test_groups_are_kept_apart():
+    # A hybrid model stores one engine hash per group; a removal in group 1 keeps group 0's.
+    idx = InstanceIndex(BS)
+    idx.apply(0, [BlockStored((11,), None, tuple(PROMPT[:4]), BS, group_idx=0),
+                  BlockStored((11,), None, tuple(PROMPT[:4]), BS, group_idx=1),
+                  BlockRemoved((11,), group_idx=1)])
+    hashes = chain_hashes(PROMPT, BS)
+    assert (idx.matched_blocks(hashes, group=0), idx.matched_blocks(hashes, group=1)) == (1, 0)
+
+
+def test_extra_keys_make_a_different_block():
+    # A salted (or LoRA) block holds other KV than the plain prompt's: it must not match it.
+    idx = InstanceIndex(BS)
+    idx.apply(0, [BlockStored((11,), None, tuple(PROMPT[:4]), BS, extra_keys=(("salt",),))])
+    assert len(idx) == 1 and idx.matched_blocks(chain_hashes(PROMPT, BS)) == 0
+
+
+def test_tokens_not_matching_hashes_assert():
+    with pytest.raises(AssertionError, match="mis-reads the event"):
+        InstanceIndex(BS).apply(0, [BlockStored((1, 2), None, tuple(range(4)), BS)])
+
+
+def test_hash_values_are_pinned():
+    # The router's hashes must not change between versions (a sim or a saved trace relies on them).
+    assert block_hash(ROOT, [1, 2, 3, 4]).hex()[:16] == PINNED_FIRST
+    assert chain_hashes(list(range(8)), BS)[1] == block_hash(block_hash(ROOT, range(4)), range(4, 8))
+
+
+def test_hittable_hashes_leave_the_last_token_to_compute():
+    assert hittable_hashes(PROMPT[:12], BS) == chain_hashes(PROMPT, BS)[:2]  # 12 tokens: 2 blocks hittable
+    assert hittable_hashes(PROMPT[:13], BS) == chain_hashes(PROMPT, BS)[:3]
+    assert hittable_hashes([], BS) == []
+
+
+def test_token_out_of_range_is_an_error():
+    with pytest.raises(OverflowError):
+        chain_hashes([-1, 0, 0, 0], BS)
+
+
+def test_long_prompt_hashes_in_a_few_ms():
+    tokens = list(range(131_072))
+    chain_hashes(tokens, 128)  # warm
+    t0 = time.perf_counter()
+    hashes = chain_hashes(tokens, 128)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    assert len(hashes) == 1024
+    assert elapsed_ms < 20, f"{elapsed_ms:.1f} ms for 1,024 blocks: chain_hashes lost its one-conversion path"
