@@ -1,0 +1,223 @@
+"""The simulated engine's KV block pool and prefix cache, with vLLM's rules.
+
+A fixed number of blocks of `block_size` tokens. Block 0 is the null block, as in
+vLLM (transfer/grpc_server.NULL_BLOCK_ID: it never holds a request's state), so
+`num_blocks - 1` are usable. A block is *held* while some request references it
+(ref_cnt > 0) and *free* otherwise; a free block may still be *cached* (it has a
+hash, a later request with the same prefix can take it back) until it is
+reused for something else, which evicts it.
+
+The rules are vLLM 0.32's `BlockPool` (vllm/v1/core/block_pool.py):
+- full blocks are hashed with vLLM's own `hash_block_tokens` chained over the
+  prompt (sha256 of the pickled (parent, tokens, None), the default
+  `prefix_caching_hash_algo`), so a hit needs the same tokens in every earlier block;
+- a hit is the longest run of cached leading blocks, at most `max_hit_tokens`
+  (callers pass num_tokens - 1: the last token is always computed);
+- freed blocks return to the free queue, unhashed ones at the front (reused
+  first), hashed ones at the back in the order given (callers free a request's
+  blocks tail first, so its tail is evicted first): eviction is LRU;
+- several blocks may carry the same hash (two requests computed the same prefix
+  at once); each is stored and removed on its own;
+- events: `BlockStored` when full blocks get their hash (one event per call,
+  with the parent's hash and the blocks' tokens), `BlockRemoved` per evicted
+  block, `AllBlocksCleared` on reset, in vLLM's wire classes
+  (vllm.distributed.kv_events), hashes converted as vLLM converts them.
+
+One pool per instance: a block stands for `block_size` tokens of every state
+component of the model (cluster/sim/cost.py); how many bytes that is per
+component, and which blocks of a window or state component move, is the cost
+model's business, not the pool's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
+
+NULL_BLOCK_ID = 0
+BlockHash = bytes
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot give that many blocks (the caller preempts or waits)."""
+
+
+def _ensure_none_hash() -> None:
+    # vLLM sets the chain's root hash when an engine starts; the sim has no engine.
+    if not hasattr(kv_cache_utils, "NONE_HASH"):
+        init_none_hash(sha256)
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = ()) -> list[BlockHash]:
+    """vLLM's chained hashes of every full block of `token_ids`, extending `known`
+    (the hashes of its first len(known) blocks, computed before)."""
+    _ensure_none_hash()
+    out = list(known)
+    parent = out[-1] if out else None
+    for start in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(sha256, parent, token_ids[start:start + block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, events: bool = True):
+        assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
+        _ensure_none_hash()
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        # Free blocks in eviction order (first: next to reuse).
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # hash -> {block_id: block}: every block (free or held) a prefix can hit.
+        self._cached: dict[BlockHash, dict[int, Block]] = {}
+        self._events_on = events
+        self._events: list[KVCacheEvent] = []
+
+    # ------------------------------------------------------------------ counts
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Held blocks / usable blocks (cached-but-free blocks count as free, as in vLLM)."""
+        return self.num_held / (self.num_blocks - 1)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(len(v) for v in self._cached.values())
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def find_hit(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> list[Block]:
+        """The cached blocks of the longest cached prefix, at most `max_hit_tokens`
+        long (not yet referenced: `touch` them to keep them)."""
+        hit: list[Block] = []
+        for h in block_hashes[:max(0, max_hit_tokens) // self.block_size]:
+            same = self._cached.get(h)
+            if not same:
+                break
+            hit.append(next(iter(same.values())))
+        return hit
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """A request takes these (hit) blocks: a free one leaves the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """`n` fresh blocks from the front of the free queue, evicting their cached hashes."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks - 1}")
+        out = []
+        for _ in range(n):
+            _, b = self._free.popitem(last=False)
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def cache_full_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[BlockHash], first: int, end: int,
+                          token_ids: Sequence[int]) -> None:
+        """Blocks `first..end-1` of a request (its block table `blocks`, whose chained hashes
+        are `block_hashes`, over `token_ids`) are full now: make them hittable."""
+        if end <= first:
+            return
+        assert len(block_hashes) >= end and len(blocks) >= end, (
+            f"caching blocks {first}..{end} of a request with {len(blocks)} blocks and "
+            f"{len(block_hashes)} hashes: hash the tokens before caching their blocks")
+        for i in range(first, end):
+            b, h = blocks[i], block_hashes[i]
+            assert b.block_hash is None, f"block {b.block_id} cached twice: the caller's cached count is off"
+            b.block_hash = h
+            self._cached.setdefault(h, {})[b.block_id] = b
+        if self._events_on:
+            parent = maybe_convert_block_hash(block_hashes[first - 1]) if first > 0 else None
+            bs = self.block_size
+            self._events.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in block_hashes[first:end]],
+                parent_block_hash=parent, token_ids=list(token_ids[first * bs:end * bs]), block_size=bs,
+                lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0))
+
+    def free(self, ordered: Iterable[Block]) -> None:
+        """Drop one reference to each block; at zero a block becomes free. Pass a request's
+        blocks tail first: among blocks freed together the first is evicted first."""
+        evict_first, evict_last = [], []
+        for b in ordered:
+            assert b.ref_cnt > 0, f"block {b.block_id} freed more often than taken"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                (evict_first if b.block_hash is None else evict_last).append(b)
+        for b in reversed(evict_first):  # unhashed: reused before any cached block
+            self._free[b.block_id] = b
+            self._free.move_to_end(b.block_id, last=False)
+        for b in evict_last:
+            self._free[b.block_id] = b
+
+    def reset(self) -> bool:
+        """Forget every cached hash; False (nothing changed) while any block is held, as vLLM."""
+        if self.num_held:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self._cached.clear()
+        if self._events_on:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def _evict(self, b: Block) -> None:
+        same = self._cached[b.block_hash]
+        del same[b.block_id]
+        if not same:
+            del self._cached[b.block_hash]
+        if self._events_on:
+            self._events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(b.block_hash)],
+                                             medium=MEDIUM_GPU, group_idx=0))
+        b.block_hash = None
+
+    # ------------------------------------------------------------------ checks
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        assert self.null_block.ref_cnt == 0 and NULL_BLOCK_ID not in self._free, "the null block was handed out"
+        free_ids = set(self._free)
+        assert len(free_ids) == len(self._free)
+        held = {b.block_id for b in self.blocks[1:] if b.ref_cnt > 0}
+        assert not free_ids & held, f"blocks both free and held: {sorted(free_ids & held)[:8]}"
+        assert len(free_ids) + len(held) == self.num_blocks - 1, (
+            f"free {len(free_ids)} + held {len(held)} != {self.num_blocks - 1} usable blocks: a block leaked")
+        assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
+        for h, same in self._cached.items():
+            assert same, f"empty entry for hash {h.hex()[:12]}"
+            for block_id, b in same.items():
+                assert b is self.blocks[block_id] and b.block_hash == h, (
+                    f"hash map says block {block_id} holds {h.hex()[:12]}, the block says otherwise")
+        hashed = sum(b.block_hash is not None for b in self.blocks)
+        assert hashed == self.num_cached, f"{hashed} blocks have a hash, the map has {self.num_cached}"
