@@ -18,6 +18,11 @@ from pdcluster.router.timeline import RequestRecord
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
+def prediction_outcome(predicted: int, delivered: int) -> str:
+    """exact, over (the index expected blocks the cache no longer held) or under."""
+    return "exact" if predicted == delivered else "over" if predicted > delivered else "under"
+
+
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -31,6 +36,11 @@ class RouterMetrics:
                              buckets=BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdc_prompt_tokens", "prompt tokens", registry=r)
         self.cached = Counter("pdc_cached_tokens", "prompt tokens a prefix cache held", ["side"], registry=r)
+        self.predicted = Counter("pdc_predicted_cached_tokens",
+                                 "prompt tokens the router's prefix index expected a prefix cache to hold",
+                                 ["side"], registry=r)
+        self.predictions = Counter("pdc_hit_predictions", "predicted vs delivered prefix hits, per request",
+                                   ["side", "outcome"], registry=r)
         self.transferred_tokens = Counter("pdc_transferred_tokens", "prompt tokens whose KV moved P -> D",
                                           registry=r)
         self.transfer_bytes = Counter("pdc_transfer_bytes", "KV bytes moved P -> D", ["group"], registry=r)
@@ -51,6 +61,11 @@ class RouterMetrics:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self.cached.labels(side="prefill").inc(rec.p_cached_tokens)
         self.cached.labels(side="decode").inc(rec.d_cached_tokens)
+        for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
+                                           ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
+            if predicted is not None and not rec.error:
+                self.predicted.labels(side=side).inc(predicted)
+                self.predictions.labels(side=side, outcome=prediction_outcome(predicted, delivered)).inc()
         self.transferred_tokens.inc(rec.transferred_tokens)
         for g in rec.transfer_groups:
             self.transfer_bytes.labels(group=str(g.group)).inc(g.bytes)

@@ -1,7 +1,7 @@
 """The P/D request path: prefill on a P actor, then decode on a D actor.
 
 `PDDispatcher` implements `TokenBackend` over Ray actor handles. It picks P and D
-round-robin, bounds every wait by the request deadline, and turns each failure
+by the configured policy (router/routing.py), bounds every wait by the request deadline, and turns each failure
 into a `BackendError` with a status and a message naming the instance: a dead
 actor is 503, a timeout 504, a failed KV transfer 502. Nothing waits forever:
 on any exit path the decode stream is cancelled, which aborts it in vLLM.
@@ -13,7 +13,6 @@ sinks when it ends, however it ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -26,7 +25,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
-from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill
+from pdcluster.router.policies import Policy
+from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
+from pdcluster.router.routing import InstancePicker, PrefixLookup, Route
 from pdcluster.router.timeline import ClockOffset, RequestRecord
 from pdcluster.transfer.handle import TransferHandle
 
@@ -45,7 +46,8 @@ class Instance:
 
 class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
-                 sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc"):
+                 sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
+                 policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -55,12 +57,15 @@ class PDDispatcher(TokenBackend):
         self.prefill, self.decode = prefill, decode
         self._card = card
         self._timeout_s = request_timeout_s
-        self._next_p = itertools.cycle(prefill)
-        self._next_d = itertools.cycle(decode)
+        self.picker = InstancePicker(policy, prefill, decode, block_size, lookup)
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
-        self.in_flight: dict[str, int] = {i.name: 0 for i in prefill + decode}
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Requests on each instance now (P: prefilling; D: receiving its KV or decoding)."""
+        return self.picker.in_flight()
 
     async def measure_clocks(self, same_host: set[str] = frozenset()) -> dict[str, ClockOffset]:
         """Offset and uncertainty per instance: exactly 0 for instances on this host
@@ -105,8 +110,9 @@ class PDDispatcher(TokenBackend):
     async def _generate(self, rec: RequestRecord, prompt_token_ids: list[int],
                         sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]:
         deadline = time.monotonic() + self._timeout_s
-        p, d = next(self._next_p), next(self._next_d)
-        rec.prefill_instance, rec.decode_instance = p.name, d.name
+        route = self.picker.pick(prompt_token_ids, sampling.max_tokens)
+        p, d = route.prefill, route.decode
+        record_route(rec, route, self.picker.policy)
         rec.mark("dispatch")
         # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
         transfer_id = f"{rec.request_id}-{next(self._transfer_seq)}"
@@ -122,18 +128,18 @@ class PDDispatcher(TokenBackend):
                 handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
                                         self.transport).to_params()
                 stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
-                p_task = asyncio.ensure_future(self._prefill_busy(p, prefill, deadline))
+                p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline))
             else:
-                pre = await self._prefill_busy(p, prefill, deadline)
+                pre = await self._prefill_busy(route, prefill, deadline)
                 record_prefill(rec, pre, self._clock(p))
                 stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling,
                                                        self._with_transport(pre.handle)))
-            with self._busy(d):
+            with self.picker.decoding(route, len(prompt_token_ids), sampling.max_tokens):
                 while not finished:
                     delta = await self._next_delta_unless_p_fails(d, stream, deadline, p_task)
                     if delta is None:
                         raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
-                    self._record_tokens(rec, delta)
+                    self._record_tokens(rec, delta, self._clock(d))
                     finished = delta.finish_reason is not None
                     if finished:
                         record_decode_end(rec, delta, self._clock(d))
@@ -147,9 +153,9 @@ class PDDispatcher(TokenBackend):
             if not finished and stream is not None:
                 ray.cancel(stream)  # aborts the request inside D's engine
 
-    async def _prefill_busy(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
-        with self._busy(p):
-            return await self._prefill(p, req, deadline)
+    async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
+        with self.picker.prefilling(route, len(req.prompt_token_ids)):
+            return await self._prefill(route.prefill, req, deadline)
 
     async def _next_delta_unless_p_fails(self, d: Instance, stream, deadline: float,
                                          p_task: asyncio.Future | None) -> DecodeDelta | None:
@@ -178,24 +184,22 @@ class PDDispatcher(TokenBackend):
     def _decode(d: Instance, req: DecodeRequest):
         return d.actor.decode.options(num_returns="streaming").remote(req)
 
-    @contextlib.contextmanager
-    def _busy(self, inst: Instance):
-        self.in_flight[inst.name] += 1
-        try:
-            yield
-        finally:
-            self.in_flight[inst.name] -= 1
-
     @staticmethod
-    def _record_tokens(rec: RequestRecord, delta: DecodeDelta) -> None:
+    def _record_tokens(rec: RequestRecord, delta: DecodeDelta, clock: ClockOffset) -> None:
         if not delta.new_token_ids:
             return
         now = time.monotonic_ns()
+        if delta.token_ns:  # the engine batched steps: each token at its own time, on the router clock
+            assert len(delta.token_ns) == len(delta.new_token_ids), "token_ns must stamp every new token"
+            # Never later than now: a clock offset's error must not put a token after its arrival.
+            times = [min(now, clock.to_router(t)) for t in delta.token_ns]
+        else:
+            times = [now] * len(delta.new_token_ids)
         if not rec.token_ns:
-            rec.mark("first_token", now)
-        rec.token_ns.extend([now] * len(delta.new_token_ids))
+            rec.mark("first_token", times[0])
+        rec.token_ns.extend(times)
         rec.output_tokens = len(rec.token_ns)
-        rec.mark("last_token", now)
+        rec.mark("last_token", times[-1])
 
     async def _prefill(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
         ref = p.actor.prefill.remote(req)

@@ -1,7 +1,7 @@
 """How the router picks P and D for a request (issue 6: `round_robin`, `least_load`, `prefix_aware`).
 
 Pure functions over what the router knows of each instance, so the choices are
-unit-tested without engines; nothing in the request path calls them yet.
+unit-tested without engines; router/routing.py feeds them.
 
 - round_robin: the next instance in turn, whatever it holds or does;
 - least_load: P with the fewest prefill tokens queued (ties: fewer requests);
@@ -10,7 +10,8 @@ unit-tested without engines; nothing in the request path calls them yet.
   A P that holds most of a prompt wins unless its queue costs more than the
   prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
   same way, with a threshold instead of one cost.
-D is picked by load in every policy but round_robin: KV usage, then running requests.
+D is picked by load in every policy but round_robin: the KV tokens its requests
+hold (prompt + max_tokens each), then running requests.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PrefillView:
 @dataclass(frozen=True)
 class DecodeView:
     name: str
-    kv_usage: float  # 0..1
+    kv_tokens: int  # KV its requests hold or will: prompt + max_tokens each
     running: int
 
 
@@ -55,5 +56,5 @@ def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> 
     if policy == "round_robin":
         return candidates[turn % len(candidates)]
     if policy in ("least_load", "prefix_aware"):
-        return min(candidates, key=lambda c: (c.kv_usage, c.running, c.name))
+        return min(candidates, key=lambda c: (c.kv_tokens, c.running, c.name))
     raise ValueError(f"unknown routing policy {policy!r}; one of round_robin, least_load, prefix_aware")

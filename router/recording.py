@@ -20,6 +20,13 @@ def _mark(rec: RequestRecord, event: str, instance_ns: int, clock: ClockOffset) 
         rec.mark(event, clock.to_router(instance_ns))
 
 
+def record_route(rec: RequestRecord, route, policy: str) -> None:
+    """Where the router sent the request, and the hits it expected there (router/routing.py Route)."""
+    rec.prefill_instance, rec.decode_instance = route.prefill.name, route.decode.name
+    rec.policy = policy
+    rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
+
+
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
     rec.p_cached_tokens = pre.p_cached_tokens
     _mark(rec, "p_queued", pre.engine.queued_ns, clock)

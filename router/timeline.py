@@ -78,6 +78,11 @@ class RequestRecord:
     output_tokens: int = 0
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    policy: str | None = None  # the routing policy that picked the instances
+    # What the router's prefix index expected each side's cache to hold (None: no index);
+    # p_cached_tokens / d_cached_tokens are what the engines then reported.
+    predicted_p_hit_tokens: int | None = None
+    predicted_d_hit_tokens: int | None = None
     p_cached_tokens: int = 0
     d_cached_tokens: int = 0
     transferred_tokens: int = 0

@@ -78,6 +78,9 @@ class Summary:
     transfer_exposed_ns: int = 0
     failures: list[Failure] = field(default_factory=list)
     failure_kinds: list[FailureKind] = field(default_factory=list)
+    policies: tuple[str, ...] = ()  # routing policies the requests were picked by
+    predictions: dict[str, HitPrediction] = field(default_factory=dict)  # "P" / "D"
+    requests_per_instance: dict[str, int] = field(default_factory=dict)
 
     @property
     def p_hit_ratio(self) -> float | None:
@@ -86,6 +89,38 @@ class Summary:
     @property
     def d_hit_ratio(self) -> float | None:
         return self.d_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+@dataclass(frozen=True)
+class HitPrediction:
+    """The router's predicted prefix hits against what one side's engines reported, over the
+    successful requests that had a prediction."""
+
+    requests: int
+    predicted_tokens: int
+    delivered_tokens: int
+    prompt_tokens: int
+    exact: int  # requests whose prediction equalled the engine's count
+    over: int  # predicted more (blocks evicted, or events not yet seen by a removal)
+    under: int  # predicted less (blocks stored after the pick, or events missed)
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, int, int]]) -> HitPrediction:
+        """pairs: (predicted, delivered, prompt tokens) per request."""
+        return cls(len(pairs), sum(p for p, _, _ in pairs), sum(d for _, d, _ in pairs), sum(n for *_, n in pairs),
+                   sum(p == d for p, d, _ in pairs), sum(p > d for p, d, _ in pairs), sum(p < d for p, d, _ in pairs))
+
+
+def _predictions(records: list[RequestRecord]) -> dict[str, HitPrediction]:
+    ok = [r for r in records if not is_failed(r)]
+    out = {}
+    for side, predicted, delivered in (("P", "predicted_p_hit_tokens", "p_cached_tokens"),
+                                       ("D", "predicted_d_hit_tokens", "d_cached_tokens")):
+        pairs = [(getattr(r, predicted), getattr(r, delivered), r.prompt_tokens) for r in ok
+                 if getattr(r, predicted) is not None]
+        if pairs:
+            out[side] = HitPrediction.of(pairs)
+    return out
 
 
 def run_origin_ns(run: Run) -> int:
@@ -151,6 +186,10 @@ def summarize(run: Run) -> Summary:
         transfer_exposed_ns=sum(a.parts_ns["transfer"] for _, a in atts if _has_transfer_split(a)),
         failures=[Failure(r.request_id, last_event(r), r.error) for r in failed],
         failure_kinds=[FailureKind(s, k, c) for (s, k), c in sorted(kinds.items(), key=lambda kv: -kv[1])],
+        policies=tuple(sorted({r.policy for r in run.records if r.policy})),
+        predictions=_predictions(run.records),
+        requests_per_instance=dict(sorted(Counter(i for r in run.records
+                                                  for i in (r.prefill_instance, r.decode_instance) if i).items())),
     )
 
 
@@ -189,6 +228,7 @@ def format_summary(s: Summary) -> str:
                      f"({_pct(s.transfer_hidden_ns / moved)}), {s.transfer_exposed_ns / 1e6:.1f} ms on the critical path")
     if s.recomputed:
         lines.append(f"KV pull failed, D recomputed: {s.recomputed} requests")
+    lines += _routing_lines(s)
     if s.failures:
         lines += ["", f"failed requests: {s.failed}", f"  {'count':>5}  {'stopped after':<16}error"]
         lines += [f"  {k.count:>5}  {k.stopped_after or '(nothing)':<16}{k.kind}" for k in s.failure_kinds]
@@ -205,6 +245,19 @@ def _bar(start: int, end: int, t0: int, span: int, width: int) -> str:
     if b <= a:
         return " " * a + "▏"  # zero (or negative: out of order) duration
     return " " * a + "█" * (b - a)
+
+
+def _routing_lines(s: Summary) -> list[str]:
+    if not s.policies:
+        return []
+    lines = ["", f"routing: {', '.join(s.policies)}"]
+    for side, h in s.predictions.items():
+        share = h.prompt_tokens or 1
+        lines.append(f"  {side} hit predicted {_pct(h.predicted_tokens / share)}, delivered "
+                     f"{_pct(h.delivered_tokens / share)}; "
+                     f"per request: {h.exact} exact, {h.over} over, {h.under} under (of {h.requests})")
+    lines.append("  requests: " + ", ".join(f"{name} {n}" for name, n in s.requests_per_instance.items()))
+    return lines
 
 
 def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:

@@ -405,3 +405,41 @@ def test_push_handle_names_the_transport(cancelled):
     disp.transport = "torch_dist"
     run(collect(disp))
     assert TransferHandle.from_params(d.decode_calls[0].handle).transport == "torch_dist"
+
+
+def records_of(disp: PDDispatcher) -> list:
+    seen: list = []
+    disp.sinks.append(seen.append)
+    return seen
+
+
+def test_batched_deltas_stamp_each_token_at_its_engine_time(cancelled):
+    now = time.monotonic_ns()
+    script = [DecodeDelta([10, 11], token_ns=(now - 3_000_000, now - 2_000_000)),
+              DecodeDelta([12], finish_reason="length", token_ns=(now - 1_000_000,))]
+    disp = make([FakeActor()], [FakeActor(decode_script=script)])
+    records = records_of(disp)
+    run(collect(disp))
+    (rec,) = records
+    # Router clock = D's clock here (no offset measured): the stamps are taken as they are.
+    assert rec.token_ns == [now - 3_000_000, now - 2_000_000, now - 1_000_000]
+    assert rec.events["first_token"] == now - 3_000_000 and rec.events["last_token"] == now - 1_000_000
+    assert rec.output_tokens == 3
+
+
+def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
+    class HoldsFirstBlock:
+        def matched_blocks(self, instance, hashes):
+            return 1 if instance == "prefill-1" else 0
+
+    ps, ds = [FakeActor(), FakeActor(p_cached=4)], [FakeActor()]
+    disp = PDDispatcher([Instance(f"prefill-{i}", a, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, a in enumerate(ps)],
+                        [Instance("decode-0", ds[0], "e-d0")], CARD, request_timeout_s=5.0,
+                        policy="prefix_aware", block_size=4, lookup=HoldsFirstBlock())
+    records = records_of(disp)
+    run(collect(disp))
+    assert ps[1].prefill_calls and not ps[0].prefill_calls
+    (rec,) = records
+    assert (rec.policy, rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens) == ("prefix_aware", 4, 0)
+    assert (rec.p_cached_tokens, rec.prefill_instance) == (4, "prefill-1")
+    assert set(disp.in_flight.values()) == {0}

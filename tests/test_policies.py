@@ -31,8 +31,8 @@ def test_prefix_aware_tie_goes_to_the_bigger_hit():
     assert pick_prefill("prefix_aware", tie, 1_000, 0).name == "b"
 
 
-def test_decode_by_kv_usage_then_running():
-    ds = [DecodeView("d0", 0.5, 1), DecodeView("d1", 0.2, 9), DecodeView("d2", 0.2, 3)]
+def test_decode_by_kv_tokens_then_running():
+    ds = [DecodeView("d0", 5_000, 1), DecodeView("d1", 2_000, 9), DecodeView("d2", 2_000, 3)]
     assert pick_decode("least_load", ds, 0).name == "d2"
     assert pick_decode("round_robin", ds, 1).name == "d1"
 

@@ -189,3 +189,24 @@ def test_summary_splits_transfer_hidden_under_prefills_from_exposed(tmp_path):
     # push: [3, 25] under the prefill [4, 24] for 20 ms, 1 ms after it; pull: 4 ms after it
     assert (s.transfer_hidden_ns, s.transfer_exposed_ns) == (20 * MS, 5 * MS)
     assert "KV transfer time: 20.0 ms hidden under prefills (80.0%), 5.0 ms on the critical path" in format_summary(s)
+
+
+def test_summary_sets_predicted_hits_beside_delivered_ones(tmp_path):
+    records = sample_records()
+    for r in records:
+        r.policy = "prefix_aware"
+    records[0].predicted_p_hit_tokens, records[0].predicted_d_hit_tokens = 20, 0  # exact, exact
+    records[1].predicted_p_hit_tokens, records[1].predicted_d_hit_tokens = 128, 0  # over, under
+    records[3].predicted_p_hit_tokens = 50  # failed: not counted
+    s = summarize(load_run(write_run(tmp_path / "run", records)))
+    p, d = s.predictions["P"], s.predictions["D"]
+    assert (p.requests, p.predicted_tokens, p.delivered_tokens, p.exact, p.over, p.under) == (2, 148, 120, 1, 1, 0)
+    assert (d.requests, d.predicted_tokens, d.delivered_tokens, d.exact, d.over, d.under) == (2, 0, 30, 1, 0, 1)
+    assert s.requests_per_instance == {"D0": 5, "P0": 3, "P1": 2}
+    text = format_summary(s)
+    assert "routing: prefix_aware" in text
+    assert "P hit predicted 37.0%, delivered 30.0%; per request: 1 exact, 1 over, 0 under (of 2)" in text
+
+
+def test_summary_without_routing_records_has_no_routing_lines(tmp_path):
+    assert "routing:" not in format_summary(summarize(load_run(write_run(tmp_path / "run"))))

@@ -1,0 +1,124 @@
+"""The router's choice of P and D for each request, and its prediction of their prefix hits.
+
+`InstancePicker.pick` hashes the prompt once (router/prefix_index.py), asks the
+prefix lookup (the KV-event feed, router/kv_events.py) how many leading blocks
+each instance holds, and applies the configured policy (router/policies.py) to
+what the router itself counts of each instance's load:
+
+- P: prefill tokens it has been given and not finished (prompt minus the hit
+  predicted when it was picked), and how many such requests;
+- D: KV tokens of the requests it holds (prompt + max_tokens each, what D's
+  blocks must cover), and how many.
+
+Both counts are the router's own, updated as requests start and end, so they
+are never stale the way a polled engine gauge is between two polls; they
+count requests from this router only.
+
+The predicted hits (P's and D's) go into the request's timeline beside what the
+engines then report, so a misprediction (an evicted block, a missed event) is
+visible per request and in the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
+from pdcluster.router.prefix_index import RouterHash, chain_hashes
+
+
+class PrefixLookup(Protocol):
+    def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
+        """How many leading blocks of a prompt (its chain hashes) `instance` holds; 0 if unknown."""
+
+
+class _Named(Protocol):
+    name: str
+
+
+I = TypeVar("I", bound=_Named)  # noqa: E741  (the instance type: pd_dispatch.Instance, or a test's)
+
+
+@dataclass(frozen=True)
+class Route(Generic[I]):
+    prefill: I
+    decode: I
+    # Tokens of the prompt the router expects each side's prefix cache to hold; None: no lookup.
+    predicted_p_hit_tokens: int | None
+    predicted_d_hit_tokens: int | None
+
+
+@dataclass
+class _Load:
+    tokens: int = 0
+    requests: int = 0
+
+
+def max_hit_blocks(prompt_tokens: int, block_size: int) -> int:
+    """vLLM never serves the whole prompt from cache: the last token is always computed."""
+    return max(0, (prompt_tokens - 1) // block_size)
+
+
+class InstancePicker(Generic[I]):
+    def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
+                 lookup: PrefixLookup | None = None):
+        assert policy != "prefix_aware" or lookup is not None, (
+            "prefix_aware routing needs a prefix lookup (the KV-event feed)")
+        self.policy = policy
+        self.prefill, self.decode = list(prefill), list(decode)
+        self.block_size = block_size
+        self.lookup = lookup
+        self._turn = itertools.count()
+        # Invariant: each instance's load is the sum over the requests between
+        # prefilling()/decoding() entry and exit on it; both return to 0 when idle.
+        self._load: dict[str, _Load] = {i.name: _Load() for i in [*prefill, *decode]}
+
+    def pick(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Route[I]:
+        turn = next(self._turn)
+        n = len(prompt_token_ids)
+        matched_p = matched_d = None
+        if self.lookup is not None:
+            hashes = chain_hashes(prompt_token_ids, self.block_size)[:max_hit_blocks(n, self.block_size)]
+            matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in self.prefill}
+            matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in self.decode}
+        p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
+                               self._load[p.name].requests) for p in self.prefill]
+        d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests) for d in self.decode]
+        p_name = pick_prefill(self.policy, p_views, n, turn).name
+        d_name = pick_decode(self.policy, d_views, turn).name
+        p = next(i for i in self.prefill if i.name == p_name)
+        d = next(i for i in self.decode if i.name == d_name)
+        return Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None)
+
+    @contextlib.contextmanager
+    def prefilling(self, route: Route[I], prompt_tokens: int) -> Iterator[None]:
+        """P's load while it works on the request: the tokens it will compute."""
+        with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0)):
+            yield
+
+    @contextlib.contextmanager
+    def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:
+        """D's load while it holds the request: the KV it must keep."""
+        with self._counted(route.decode.name, prompt_tokens + max_tokens):
+            yield
+
+    @contextlib.contextmanager
+    def _counted(self, name: str, tokens: int) -> Iterator[None]:
+        load = self._load[name]
+        load.tokens += tokens
+        load.requests += 1
+        try:
+            yield
+        finally:
+            load.tokens -= tokens
+            load.requests -= 1
+
+    def in_flight(self) -> dict[str, int]:
+        return {name: load.requests for name, load in self._load.items()}
+
+    def queued_tokens(self) -> dict[str, int]:
+        return {name: load.tokens for name, load in self._load.items()}
