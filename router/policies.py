@@ -9,7 +9,9 @@ unit-tested without engines; router/routing.py feeds them.
   it would compute (prompt minus its cached prefix) plus what it has queued.
   A P that holds most of a prompt wins unless its queue costs more than the
   prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
-  same way, with a threshold instead of one cost.
+  same way, with a threshold instead of one cost. On a tie (a prefix no P
+  holds, idle instances) the P holding the fewest blocks wins, so new prefix
+  families spread over the instances instead of piling onto the first.
 D is picked by load in every policy but round_robin: the KV tokens its requests
 hold (prompt + max_tokens each), then running requests.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Policy = Literal["round_robin", "least_load", "prefix_aware"]
+POLICIES: tuple[str, ...] = Policy.__args__
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class PrefillView:
     matched_tokens: int  # the prompt's cached prefix on this P (its prefix index)
     queued_tokens: int  # prefill tokens waiting or running on it
     queued_requests: int = 0
+    held_blocks: int = 0  # blocks its prefix cache holds (its index's size)
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,8 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_token
         return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, c.name))
     if policy == "prefix_aware":
         return min(candidates, key=lambda c: (prompt_tokens - min(c.matched_tokens, prompt_tokens) + c.queued_tokens,
-                                              -c.matched_tokens, c.name))
-    raise ValueError(f"unknown routing policy {policy!r}; one of round_robin, least_load, prefix_aware")
+                                              -c.matched_tokens, c.queued_requests, c.held_blocks, c.name))
+    raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
 
 
 def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> DecodeView:
@@ -57,4 +61,4 @@ def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> 
         return candidates[turn % len(candidates)]
     if policy in ("least_load", "prefix_aware"):
         return min(candidates, key=lambda c: (c.kv_tokens, c.running, c.name))
-    raise ValueError(f"unknown routing policy {policy!r}; one of round_robin, least_load, prefix_aware")
+    raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")

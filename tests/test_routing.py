@@ -27,6 +27,9 @@ class HeldBlocks:
     def store(self, instance: str, tokens: Sequence[int]) -> None:
         self.held.setdefault(instance, set()).update(chain_hashes(tokens, BS))
 
+    def held_blocks(self, instance: str) -> int:
+        return len(self.held.get(instance, ()))
+
     def matched_blocks(self, instance: str, hashes: Sequence[bytes]) -> int:
         n = 0
         for h in hashes:
@@ -69,6 +72,16 @@ def test_prefix_aware_leaves_a_busy_holder_when_its_queue_costs_more():
     with pk.prefilling(first, 100):  # p0 now has 88 tokens to compute
         second = pk.pick(family(1, n=40), max_tokens=1)
     assert second.prefill.name == "p1" and second.predicted_p_hit_tokens == 0
+
+
+def test_prefix_aware_spreads_families_over_idle_instances():
+    held = HeldBlocks()
+    pk = picker("prefix_aware", held)
+    for f in range(3):
+        route = pk.pick(family(f), 4)
+        assert route.prefill.name == f"p{f}"
+        held.store(route.prefill.name, family(f))  # as the KV events would report
+    assert pk.pick(family(1, suffix=9), 4).prefill.name == "p1"
 
 
 def test_round_robin_ignores_the_cache_but_still_predicts():
