@@ -1,0 +1,398 @@
+"""The simulated engine's cost model: how long a scheduler step takes, how many
+bytes a request's state holds, how long moving them takes.
+
+`SimParams.load(path)` reads one parameter file (params/*.yaml: a model's shape,
+a device, a link, overheads and efficiencies, each number commented with its
+source) and validates it; every problem raises `SimParamsError` naming the file
+and the field. `CostModel(params, block_size)` answers the engine's questions:
+
+- `prefill_step_s(chunks)`: one step computing prompt chunks, each
+  `(new_tokens, history_tokens)`. FLOPs of the new tokens through the weights
+  (2 x body params per token, plus the LM head once per chunk) and of their
+  attention: over themselves (causal) and over the history already cached,
+  each attention term counted as the layer structure says (full, sliding
+  window, compressed, top-k sparse, indexer scores), divided by the device's
+  peak x an efficiency; plus the KV of the whole context read once per layer;
+  plus a fixed per-step overhead that part of the device work hides behind
+  (eager mode: the host launches ops while the device runs the big ones).
+- `decode_step_s(context_lens)`: weights read once per step, every request's
+  KV read over its context (as its attention sees it: a window, the top-k
+  selected entries, the compressed entries), the compute of the batch's tokens
+  when it is larger than that, a per-step overhead. With speculative decoding
+  (params `decode.speculative`) an iteration verifies draft+1 tokens per
+  request and emits `accept_length` on average; the step returned is the
+  iteration / accept_length: the time per emitted token, since the simulated
+  engine emits one token per request per step.
+- `mixed_step_s(chunks, context_lens)`: both in one step (chunked prefill +
+  decode), sharing the weights read and the overhead.
+- `state_bytes`, `blocks_to_send`: per component (one kind of per-request
+  state, as vLLM's KV cache groups: full, window, compressed, state).
+- `transfer_s(nbytes)`: link latency + bytes / bandwidth.
+- `kv_capacity_blocks()`: blocks of `block_size` tokens the device's KV memory
+  holds, one block counting every full and compressed component (window and
+  state components are per request, a few blocks each, and not counted).
+
+Pure Python: no engine, no device. What is modelled and what is not, and the
+calibration against measured figures: docs/sim.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ComponentKind = Literal["full", "window", "compressed", "state"]
+
+
+class SimParamsError(ValueError):
+    """An invalid parameter file; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One kind of per-request state, as vLLM's KV cache groups are."""
+
+    name: str  # "full_kv", "swa_kv", "c4_kv", "c4_indexer", "c128_kv", ... (from the params file)
+    kind: ComponentKind
+    bytes_per_block: int  # one block of `block_size` tokens, summed over its layers (state: the one slot)
+    window_tokens: int = 0  # window: only the last window_tokens are kept and moved
+    compress_ratio: int = 1  # compressed: one entry per compress_ratio tokens (bytes_per_block accounts for it)
+
+
+# ---- the parameter file ------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttentionTerm(_Strict):
+    """One kind of attention over the context, in `layers` layers.
+
+    A query at context length t (itself and every token before it) sees
+    keys(t) entries: min(t, window) with a window; t // compress_ratio
+    compressed entries, at most topk of them when top-k sparse; t otherwise.
+    Each (query, key) pair costs 4 x heads x head_dim FLOPs (QK^T and PV), or
+    2 x heads x head_dim for scores only (an indexer); each key read costs
+    bytes_per_key.
+    """
+
+    name: str
+    layers: int = Field(gt=0)
+    heads: int = Field(gt=0, description="query heads")
+    head_dim: int = Field(gt=0)
+    window: int = Field(0, ge=0, description="keys: the last `window` tokens (0: no window)")
+    compress_ratio: int = Field(1, ge=1, description="keys: one entry per compress_ratio tokens")
+    topk: int = Field(0, ge=0, description="keys: at most topk selected entries (0: all)")
+    scores_only: bool = Field(False, description="QK^T only (an indexer's scores), no PV")
+    bytes_per_key: int = Field(gt=0, description="bytes of one key entry (K and V) in one layer")
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> AttentionTerm:
+        if self.window and (self.compress_ratio > 1 or self.topk):
+            raise ValueError(f"attention term {self.name!r}: a window term has no compress_ratio or topk "
+                             f"(list a window and a compressed term separately)")
+        return self
+
+    @property
+    def flops_per_pair(self) -> int:
+        return (2 if self.scores_only else 4) * self.heads * self.head_dim * self.layers
+
+
+class ComponentSpec(_Strict):
+    """One component of a request's state, as the parameter file gives it (sizes per entry, not per block)."""
+
+    name: str
+    kind: ComponentKind
+    layers: int = Field(gt=0)
+    bytes_per_entry: int = Field(gt=0, description="one token's (compressed: one entry's) bytes in one layer; "
+                                                    "state: the slot's bytes in one layer")
+    window_tokens: int = Field(0, ge=0)
+    compress_ratio: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ComponentSpec:
+        if (self.kind == "window") != (self.window_tokens > 0):
+            raise ValueError(f"component {self.name!r}: window_tokens must be set for kind window, and only then")
+        if (self.kind == "compressed") != (self.compress_ratio > 1):
+            raise ValueError(f"component {self.name!r}: compress_ratio > 1 for kind compressed, and only then")
+        return self
+
+
+class ModelShape(_Strict):
+    layers: int = Field(gt=0)
+    body_params: float = Field(gt=0, description="weights one token goes through, LM head and embeddings excluded")
+    lm_head_params: float = Field(ge=0, description="the LM head, run once per sampled position")
+    weight_bytes_per_step: float = Field(gt=0, description="weight bytes one instance reads per decode step")
+    attention: tuple[AttentionTerm, ...] = Field(min_length=1)
+    components: tuple[ComponentSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelShape:
+        for what, items in (("attention", self.attention), ("components", self.components)):
+            names = [i.name for i in items]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{what}: names repeat ({', '.join(names)})")
+        return self
+
+
+class DeviceSpec(_Strict):
+    name: str
+    gemm_flops: float = Field(gt=0, description="peak FLOP/s of the weights' matmuls (their dtype)")
+    attention_flops: float = Field(gt=0, description="peak FLOP/s of attention (bf16)")
+    hbm_bytes_per_s: float = Field(gt=0)
+    kv_cache_bytes: float = Field(gt=0, description="device memory left for the KV cache")
+
+
+class Efficiency(_Strict):
+    gemm: float = Field(gt=0, le=1, description="fraction of gemm_flops the weights' matmuls reach")
+    attention: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over themselves")
+    attention_history: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over history")
+    prefill_kv_read: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: a prefill's context KV read")
+    decode_bandwidth: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: weights + KV in decode")
+
+
+class Overheads(_Strict):
+    prefill_step_s: float = Field(ge=0, description="fixed time of a step with prefill chunks")
+    decode_step_s: float = Field(ge=0, description="fixed time of a decode-only step (one iteration)")
+    hidden_device_s: float = Field(0, ge=0, description="device work that runs while the host launches ops "
+                                                        "(eager mode), hidden inside the fixed time")
+
+
+class Speculative(_Strict):
+    draft_tokens: int = Field(ge=1, description="tokens proposed per request per iteration")
+    accept_length: float = Field(ge=1, description="tokens emitted per request per iteration, on average")
+    draft_s: float = Field(0, ge=0, description="the draft model's time per iteration")
+
+    @model_validator(mode="after")
+    def _accept_fits(self) -> Speculative:
+        if self.accept_length > self.draft_tokens + 1:
+            raise ValueError(f"accept_length ({self.accept_length}) > draft_tokens + 1 ({self.draft_tokens + 1})")
+        return self
+
+
+class DecodeSpec(_Strict):
+    speculative: Speculative | None = None
+
+
+class LinkSpec(_Strict):
+    bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class SimParams(_Strict):
+    """One parameter file, loaded and validated."""
+
+    name: str
+    model: ModelShape
+    device: DeviceSpec
+    efficiency: Efficiency
+    overheads: Overheads
+    decode: DecodeSpec = DecodeSpec()
+    link: LinkSpec
+
+    @classmethod
+    def load(cls, path: str | Path) -> SimParams:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise SimParamsError(f"{path}: no such parameter file") from None
+        except OSError as err:
+            raise SimParamsError(f"{path}: cannot read: {err.strerror or err}") from None
+        except yaml.YAMLError as err:
+            raise SimParamsError(f"{path}: not valid YAML: {err}") from None
+        return cls.parse(data, str(path))
+
+    @classmethod
+    def parse(cls, data: object, source: str = "<params>") -> SimParams:
+        if not isinstance(data, dict):
+            raise SimParamsError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            lines = [f"{source}: invalid sim parameters"]
+            for e in err.errors():
+                where = ".".join(str(part) for part in e["loc"])
+                msg = e["msg"].removeprefix("Value error, ")
+                lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+            raise SimParamsError("\n".join(lines)) from None
+
+
+# ---- sums of keys over a chunk's queries ---------------------------------------------------------
+
+
+def _sum_min_linear(lo: int, hi: int, slope: float, cap: float) -> float:
+    """sum over t in (lo, hi] of min(slope * t, cap), as reals (t // ratio taken as t / ratio)."""
+    if hi <= lo:
+        return 0.0
+    knee = math.floor(cap / slope) if math.isfinite(cap) else hi  # min() switches to cap past t = knee
+    below_hi = min(hi, max(lo, knee))
+    linear = slope * (below_hi * (below_hi + 1) - lo * (lo + 1)) / 2 if below_hi > lo else 0.0
+    capped = hi - max(lo, below_hi)
+    return linear + cap * capped if capped else linear
+
+
+def _keys_sum(term: AttentionTerm, lo: int, hi: int) -> float:
+    """Keys seen by the queries at context lengths lo+1 .. hi (each query: itself and all before it)."""
+    if term.window:
+        return _sum_min_linear(lo, hi, 1.0, term.window)
+    cap = term.topk if term.topk else math.inf
+    return _sum_min_linear(lo, hi, 1.0 / term.compress_ratio, cap)
+
+
+def _keys_at(term: AttentionTerm, context: int) -> float:
+    """Keys one query at this context length reads (a decode step)."""
+    if term.window:
+        return min(context, term.window)
+    entries = context / term.compress_ratio
+    return min(entries, term.topk) if term.topk else entries
+
+
+def _entries_at(term: AttentionTerm, context: int) -> float:
+    """Key entries a prefill chunk ending at this context reads once per layer: every query's top-k
+    together cover about all the compressed entries, so no top-k cap here."""
+    return min(context, term.window) if term.window else context / term.compress_ratio
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Work:
+    gemm_flops: float = 0.0
+    attention_self_flops: float = 0.0
+    attention_history_flops: float = 0.0
+    context_read_bytes: float = 0.0  # prefill: the context's KV, once per layer
+    decode_read_bytes: float = 0.0  # decode: each request's KV as its attention reads it
+
+
+class CostModel:
+    """Step times, state sizes and transfer times from one parameter file and the engine's block size."""
+
+    def __init__(self, params: SimParams, block_size: int):
+        assert block_size > 0, f"block_size {block_size}: must be positive"
+        self.params = params
+        self.block_size = block_size
+        self.components: tuple[Component, ...] = tuple(self._component(c) for c in params.model.components)
+        self._per_block_bytes = sum(c.bytes_per_block for c in self.components if c.kind in ("full", "compressed"))
+
+    def _component(self, spec: ComponentSpec) -> Component:
+        if spec.kind == "state":
+            return Component(spec.name, "state", spec.layers * spec.bytes_per_entry)
+        if spec.kind == "compressed" and self.block_size % spec.compress_ratio:
+            raise SimParamsError(
+                f"{self.params.name}: model.components {spec.name!r}: block_size {self.block_size} is not a "
+                f"multiple of its compress_ratio {spec.compress_ratio}; a block must hold whole entries")
+        entries = self.block_size // spec.compress_ratio
+        return Component(spec.name, spec.kind, spec.layers * spec.bytes_per_entry * entries,
+                         window_tokens=spec.window_tokens, compress_ratio=spec.compress_ratio)
+
+    # -- step times --
+
+    def prefill_step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One scheduler step computing several prompts' chunks at once: (new_tokens, history_tokens) each,
+        history = tokens before the chunk already in the KV cache (prefix hit or earlier chunks)."""
+        assert chunks, "prefill_step_s: no chunks; a step with nothing to compute is not a step"
+        return self._step_s(chunks, ())
+
+    def decode_step_s(self, context_lens: Sequence[int]) -> float:
+        """One decode step of a batch: one new token per running request, each over its context
+        (with speculative decoding: one iteration / accept_length)."""
+        assert context_lens, "decode_step_s: empty batch"
+        spec = self.params.decode.speculative
+        if spec is None:
+            return self._step_s((), context_lens)
+        tokens = spec.draft_tokens + 1
+        return (self._step_s((), context_lens, tokens_per_request=tokens) + spec.draft_s) / spec.accept_length
+
+    def mixed_step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int]) -> float:
+        """A step with both chunked prefill and decode, as vLLM's scheduler makes them (speculative
+        decoding not applied: one token per decode request)."""
+        assert chunks or context_lens, "mixed_step_s: neither chunks nor decode requests"
+        return self._step_s(chunks, context_lens)
+
+    def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int],
+                tokens_per_request: int = 1) -> float:
+        p = self.params
+        work = self._work(chunks, context_lens, tokens_per_request)
+        compute_s = (work.gemm_flops / (p.device.gemm_flops * p.efficiency.gemm)
+                     + work.attention_self_flops / (p.device.attention_flops * p.efficiency.attention)
+                     + work.attention_history_flops / (p.device.attention_flops * p.efficiency.attention_history))
+        memory_s = 0.0
+        if context_lens:
+            memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
+                        / (p.device.hbm_bytes_per_s * p.efficiency.decode_bandwidth))
+        context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
+        overhead_s = max(p.overheads.prefill_step_s if chunks else 0.0,
+                         p.overheads.decode_step_s if context_lens else 0.0)
+        device_s = max(compute_s, memory_s)
+        return overhead_s + max(0.0, device_s - p.overheads.hidden_device_s) + context_read_s
+
+    def _work(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int],
+              tokens_per_request: int) -> _Work:
+        m = self.params.model
+        new_tokens = 0
+        self_flops = history_flops = context_bytes = 0.0
+        for new, history in chunks:
+            assert new > 0 and history >= 0, f"chunk (new={new}, history={history}): new must be > 0, history >= 0"
+            new_tokens += new
+            for term in m.attention:
+                alone = _keys_sum(term, 0, new)  # the chunk's tokens over themselves, as if no history
+                self_flops += term.flops_per_pair * alone
+                history_flops += term.flops_per_pair * (_keys_sum(term, history, history + new) - alone)
+                context_bytes += term.layers * term.bytes_per_key * _entries_at(term, history + new)
+        decode_tokens = tokens_per_request * len(context_lens)
+        decode_bytes = 0.0
+        for context in context_lens:
+            assert context > 0, f"decode context length {context}: must be > 0"
+            for term in m.attention:
+                keys = _keys_at(term, context + tokens_per_request)
+                history_flops += term.flops_per_pair * keys * tokens_per_request
+                decode_bytes += term.layers * term.bytes_per_key * keys
+        gemm = 2 * m.body_params * (new_tokens + decode_tokens) + 2 * m.lm_head_params * (len(chunks) + decode_tokens)
+        return _Work(gemm, self_flops, history_flops, context_bytes, decode_bytes)
+
+    # -- state and transfer --
+
+    def _blocks(self, c: Component, num_tokens: int, d_cached_tokens: int) -> int:
+        bs = self.block_size
+        if c.kind == "state":
+            return 1
+        last = (num_tokens - 1) // bs  # the block holding the last token
+        first = (num_tokens - c.window_tokens) // bs if c.kind == "window" and num_tokens > c.window_tokens else 0
+        return last - max(first, d_cached_tokens // bs) + 1
+
+    def _check_tokens(self, num_tokens: int, d_cached_tokens: int = 0) -> None:
+        assert num_tokens > 0, f"num_tokens {num_tokens}: a request's state needs at least one token"
+        assert 0 <= d_cached_tokens < num_tokens, (
+            f"d_cached_tokens {d_cached_tokens} not in [0, num_tokens={num_tokens}): D's prefix hit never covers "
+            f"the whole prompt (vLLM recomputes its last token)")
+
+    def state_bytes(self, num_tokens: int) -> dict[str, int]:
+        """Per component, bytes of a request's state at num_tokens, in whole blocks as the cache holds it."""
+        self._check_tokens(num_tokens)
+        return {c.name: self._blocks(c, num_tokens, 0) * c.bytes_per_block for c in self.components}
+
+    def blocks_to_send(self, num_tokens: int, d_cached_tokens: int) -> dict[str, int]:
+        """Per component, the blocks P sends D: window, only the tail; full and compressed, those past
+        D's hit; state, its one slot."""
+        self._check_tokens(num_tokens, d_cached_tokens)
+        return {c.name: self._blocks(c, num_tokens, d_cached_tokens) for c in self.components}
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Link latency + bytes / bandwidth."""
+        assert nbytes >= 0, f"transfer of {nbytes} bytes"
+        return self.params.link.latency_s + nbytes / self.params.link.bytes_per_s
+
+    def kv_capacity_blocks(self) -> int:
+        """Blocks per instance the device's KV memory holds (one block: every full and compressed component)."""
+        assert self._per_block_bytes > 0, f"{self.params.name}: no full or compressed component to size blocks by"
+        return int(self.params.device.kv_cache_bytes // self._per_block_bytes)
