@@ -7,23 +7,29 @@ SEED000_TOLERANCE, and its cold/warm pattern; the tolerance is stated in docs/si
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pdcluster.cluster.sim.calibrate import (
+    H200_CSV,
+    SEED000_SUFFIX,
+    SEED000_TTFT_S,
+    fit_h200,
+    fit_seed000,
+    h200_rows,
+    qwen3_8b_on,
+    report,
+    seed000_ttft_s,
+)
 from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError, _sum_min_linear
 from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, resolve_sim_params
 
 PARAMS = Path(__file__).resolve().parents[1] / "cluster" / "sim" / "params"
 
-# Seed 000 (../shared/seeds/000_0e96071f21115645.txt) section 8.2: shared prefix -> (cold, warm)
-# TTFT medians in ms over 24 requests each; the prompt is prefix + 14 suffix tokens.
-SEED000_TTFT_MS = {1024: (37.28, 37.36), 4096: (49.17, 39.55), 8192: (111.08, 42.07), 16384: (318.51, 47.28)}
-SEED000_SUFFIX = 14
-SEED000_TPOT_MS = 33.2
+SEED000_TPOT_MS = 33.2  # seed 000 section 8.3: TPOT 33.20 / 33.27 ms (cold / warm, 16K)
 SEED000_TOLERANCE = 0.10  # every modelled TTFT and TPOT within 10% of the seed's
 
 
@@ -36,11 +42,11 @@ def model(name: str, block_size: int = 128) -> CostModel:
 
 
 def seed000_ttft_ms(cm: CostModel, prefix: int) -> tuple[float, float]:
-    """(cold, warm) TTFT: one prefill step of the whole prompt, or of the suffix over the cached prefix.
-    The first token comes out of that step (vLLM samples it there); the fixed time of getting it out
-    is part of the step's overhead, fitted with the rest."""
-    prompt = prefix + SEED000_SUFFIX
-    return (cm.prefill_step_s([(prompt, 0)]) * 1e3, cm.prefill_step_s([(SEED000_SUFFIX, prefix)]) * 1e3)
+    """(cold, warm) TTFT in ms: one prefill step of the whole prompt, or of the 14-token suffix over
+    the cached prefix. The first token is sampled in that step; the fixed time of getting it out is
+    part of the fitted per-step overhead."""
+    cold, warm = seed000_ttft_s(cm, prefix)
+    return cold * 1e3, warm * 1e3
 
 
 def write_params(tmp_path: Path, data: dict) -> Path:
@@ -71,19 +77,20 @@ def test_the_spec_resolves_the_names_deploy_files_use():
 # ---- calibration: seed 000 -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefix", sorted(SEED000_TTFT_MS))
+@pytest.mark.parametrize("prefix", sorted(SEED000_TTFT_S))
 def test_seed000_ttft_within_tolerance(prefix):
     cold, warm = seed000_ttft_ms(model("qwen3-0.6b-1dev"), prefix)
-    seed_cold, seed_warm = SEED000_TTFT_MS[prefix]
+    seed_cold, seed_warm = (t * 1e3 for t in SEED000_TTFT_S[prefix])
     assert cold == pytest.approx(seed_cold, rel=SEED000_TOLERANCE), f"cold TTFT at {prefix}"
     assert warm == pytest.approx(seed_warm, rel=SEED000_TOLERANCE), f"warm TTFT at {prefix}"
 
 
 def test_seed000_cold_warm_ratio_pattern():
     cm = model("qwen3-0.6b-1dev")
-    ratios = {p: (lambda cw: cw[0] / cw[1])(seed000_ttft_ms(cm, p)) for p in SEED000_TTFT_MS}
+    ratios = {p: (lambda cw: cw[0] / cw[1])(seed000_ttft_ms(cm, p)) for p in SEED000_TTFT_S}
     assert ratios[1024] == pytest.approx(1.0, abs=0.05)  # 1K: no stable gain
-    assert ratios[16384] == pytest.approx(6.74, rel=SEED000_TOLERANCE)
+    seed_cold, seed_warm = SEED000_TTFT_S[16384]
+    assert ratios[16384] == pytest.approx(seed_cold / seed_warm, rel=SEED000_TOLERANCE)  # 6.74x
     ordered = [ratios[p] for p in sorted(ratios)]
     assert ordered == sorted(ordered), f"the gain must grow with the prefix: {ratios}"
 
@@ -96,18 +103,7 @@ def test_seed000_tpot():
 
 # ---- calibration: H200 prefill (HF SDPA), cold vs 90%-warm -------------------------------------------
 
-H200_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "calibration" / "h200_prefill_hf_sdpa.csv"
 H200_TOLERANCE = 0.10  # rows of 8K tokens and more (below, HF's fixed overheads dominate: the csv's README)
-
-
-def qwen3_8b_on(params: SimParams) -> SimParams:
-    """The same device and efficiencies, Qwen3-8B's shape (HF config: 36 layers, 32 heads, hidden 4096)."""
-    m = params.model
-    shape = m.model_copy(update={
-        "layers": 36, "body_params": 6_946_075_648, "lm_head_params": 622_329_856,
-        "attention": (m.attention[0].model_copy(update={"layers": 36, "heads": 32}),),
-        "components": (m.components[0].model_copy(update={"layers": 36}),)})
-    return params.model_copy(update={"model": shape})
 
 
 def test_h200_long_prompt_shape():
@@ -123,15 +119,38 @@ def test_h200_long_prompt_shape():
 @pytest.mark.skipif(not H200_CSV.exists(), reason="the shared calibration data is not next to this checkout")
 def test_h200_rows_within_tolerance():
     cm = model("qwen3-0.6b-h200")
-    rows = [r for r in csv.DictReader(H200_CSV.open()) if r["model"] == "qwen3-0.6b"]
-    checked = 0
+    rows = [r for r in h200_rows() if r.model == "qwen3-0.6b" and r.new + r.history >= 8192]
+    assert len(rows) == 10
     for r in rows:
-        new, history, seconds = int(r["tokens_new"]), int(r["tokens_history"]), float(r["seconds"])
-        if new + history < 8192:
-            continue
-        assert cm.prefill_step_s([(new, history)]) == pytest.approx(seconds, rel=H200_TOLERANCE), r
-        checked += 1
-    assert checked == 10
+        assert cm.prefill_step_s([(r.new, r.history)]) == pytest.approx(r.seconds, rel=H200_TOLERANCE), r
+
+
+# ---- the shipped files hold what the fits give ---------------------------------------------------------
+
+
+def test_qwen_1dev_holds_the_seed000_fit():
+    params = load("qwen3-0.6b-1dev")
+    fit = fit_seed000(params)
+    assert params.overheads.prefill_step_s == pytest.approx(fit.prefill_step_s, rel=0.01)
+    assert params.overheads.hidden_device_s == pytest.approx(fit.hidden_device_s, rel=0.01)
+    assert params.efficiency.prefill_kv_read == pytest.approx(fit.prefill_kv_read, rel=0.01)
+    assert params.efficiency.gemm == pytest.approx(fit.gemm, rel=0.01)
+    assert params.efficiency.attention == pytest.approx(fit.attention, rel=0.02)
+
+
+@pytest.mark.skipif(not H200_CSV.exists(), reason="the shared calibration data is not next to this checkout")
+def test_qwen_h200_holds_the_csv_fit():
+    params = load("qwen3-0.6b-h200")
+    fit = fit_h200(params, [r for r in h200_rows() if r.model == "qwen3-0.6b"])
+    assert params.overheads.prefill_step_s == pytest.approx(fit.prefill_step_s, rel=0.01)
+    assert params.efficiency.gemm == pytest.approx(fit.gemm, rel=0.01)
+    assert params.efficiency.attention == pytest.approx(fit.attention, rel=0.01)
+    assert params.efficiency.attention_history == pytest.approx(fit.attention_history, rel=0.01)
+
+
+def test_the_report_prints_every_section():
+    text = report()
+    assert "| 16,384 | 318.51 |" in text and "90%-warm prefill (12,292 new over 118,784)" in text
 
 
 # ---- DeepSeek-V4 state: what the layer structure says ----------------------------------------------
