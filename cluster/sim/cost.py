@@ -14,7 +14,8 @@ and the field. `CostModel(params, block_size)` answers the engine's questions:
   window, compressed, top-k sparse, indexer scores), divided by the device's
   peak x an efficiency; plus the KV of the whole context read once per layer;
   plus a fixed per-step overhead that part of the device work hides behind
-  (eager mode: the host launches ops while the device runs the big ones).
+  (eager mode: the host launches ops while the device runs the big ones);
+  the step is never faster than reading the weights once.
 - `decode_step_s(context_lens)`: weights read once per step, every request's
   KV read over its context (as its attention sees it: a window, the top-k
   selected entries, the compressed entries), the compute of the batch's tokens
@@ -156,7 +157,8 @@ class Efficiency(_Strict):
     attention: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over themselves")
     attention_history: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over history")
     prefill_kv_read: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: a prefill's context KV read")
-    decode_bandwidth: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: weights + KV in decode")
+    memory_bandwidth: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: the weights every step "
+                                                             "reads, and the KV of decoding requests")
 
 
 class Overheads(_Strict):
@@ -326,10 +328,10 @@ class CostModel:
         compute_s = (work.gemm_flops / (p.device.gemm_flops * p.efficiency.gemm)
                      + work.attention_self_flops / (p.device.attention_flops * p.efficiency.attention)
                      + work.attention_history_flops / (p.device.attention_flops * p.efficiency.attention_history))
-        memory_s = 0.0
-        if context_lens:
-            memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
-                        / (p.device.hbm_bytes_per_s * p.efficiency.decode_bandwidth))
+        # Every forward reads the weights: a step of a few prefill tokens (D's recompute of the
+        # last prompt token) is bandwidth-bound like a decode step.
+        memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
+                    / (p.device.hbm_bytes_per_s * p.efficiency.memory_bandwidth))
         context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
         overhead_s = max(p.overheads.prefill_step_s if chunks else 0.0,
                          p.overheads.decode_step_s if context_lens else 0.0)
