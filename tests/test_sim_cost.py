@@ -236,6 +236,13 @@ def test_step_times_grow_with_the_work():
     assert both >= cm.prefill_step_s([(4096, 0)])
 
 
+def test_a_step_never_beats_reading_the_weights():
+    params = load("dsv4-flash-910c")
+    weights_s = params.model.weight_bytes_per_step / (params.device.hbm_bytes_per_s * params.efficiency.memory_bandwidth)
+    one_token = CostModel(params, 128).prefill_step_s([(1, 131_075)])  # D recomputing the last prompt token
+    assert one_token >= params.overheads.prefill_step_s + weights_s
+
+
 def test_speculative_decoding_divides_an_iteration_by_the_accept_length():
     params = load("dsv4-flash-910c")
     plain = CostModel(params.model_copy(update={"decode": params.decode.model_copy(update={"speculative": None})}), 128)
