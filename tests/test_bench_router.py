@@ -1,10 +1,20 @@
-"""Unit tests of the router benchmarks' pure helpers (bench/routing_decisions.py, bench/router_overhead.py)."""
+"""Unit tests of the router benchmarks' helpers: bench/routing_decisions.py, bench/router_overhead.py and
+its backends (bench/fake_pd_backend.py, bench/instant_engine.py). No timing is asserted."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
+import httpx
+import pytest
+
+from pdcluster.bench import fake_pd_backend as fake
+from pdcluster.bench import router_overhead as ro
 from pdcluster.bench import routing_decisions as rd
+from pdcluster.bench.instant_engine import instant_deltas
+from pdcluster.cluster.messages import DecodeRequest, SamplingSpec
 from pdcluster.router.prefix_index import InstanceIndex, chain_hashes
 
 BS = 4  # tokens per block in these tests
@@ -83,3 +93,108 @@ def test_summarize_counts_decisions_sent_to_the_owner():
     assert r.owner_hits == 0.5
     assert round(r.decisions_per_s) == 250
     assert "| least_load | 250.0 |" in rd.format_table([r])
+
+
+# ---- bench/router_overhead.py, bench/fake_pd_backend.py, bench/instant_engine.py ---------------
+
+WRK_OUTPUT = """Running 8s test @ http://127.0.0.1:1/v1/completions
+  1 threads and 32 connections
+{"requests": 8000, "duration_us": 4000000, "p50_us": 3500, "p90_us": 5000, "p99_us": 9000, "mean_us": 3900.5, "errors": 1, "non_2xx": 2}
+"""
+
+
+def test_wrk_script_posts_the_body_as_a_lua_string():
+    body = ro.request_body("tiny", stream=True)
+    script = ro.wrk_script(body)
+    literal = next(line for line in script.splitlines() if line.startswith("wrk.body = ")).removeprefix("wrk.body = ")
+    assert json.loads(json.loads(literal)) == body  # a JSON string literal is a valid Lua one
+    assert 'wrk.method = "POST"' in script and "latency:percentile(50)" in script
+
+
+def test_parse_wrk_reads_the_result_line():
+    r = ro.parse_wrk(WRK_OUTPUT, client_cpu_s=1.0)
+    assert (r.requests, r.rps, r.p50_ms, r.p99_ms, r.errors, r.non_2xx) == (8000, 2000.0, 3.5, 9.0, 1, 2)
+    assert r.client_cpu_share == 0.25
+    with pytest.raises(ValueError, match="no result line"):
+        ro.parse_wrk("Running 8s test\n")
+
+
+def measurement(system: str, setting: ro.Setting, requests: int, proxy_cpu_s: float = 0.5) -> ro.Measurement:
+    load = ro.LoadResult(requests, 1.0, 2.0, 3.0, 4.0, 2.5, 0, 0, client_cpu_s=0.1)
+    return ro.Measurement(system, setting, load, proxy_cpu_s, 0.25)
+
+
+def test_median_measurements_keeps_the_median_round_per_system_and_setting():
+    c32 = ro.Setting(False, 32)
+    ms = [measurement("a", c32, n) for n in (300, 100, 200)] + [measurement("b", c32, 50)]
+    assert sorted((m.system, m.load.requests) for m in ro.median_measurements(ms)) == [("a", 200), ("b", 50)]
+
+
+def test_format_table_shows_throughput_at_c32_latency_at_c1_and_cpu_per_request():
+    c32, c1 = ro.Setting(False, 32), ro.Setting(False, 1)
+    table = ro.format_table([measurement("a", c32, 1000), measurement("a", c1, 400)], [c32, c1])
+    assert "| non-stream c32 req/s | non-stream c1 p50 ms |" in table
+    assert "| a | 1,000 | 2.00 | 500 | 250 | 10% | 0 |" in table
+
+
+def test_pdc_variants_toggle_recording_on_the_first_policy_only():
+    names = [v.name for v in ro.pdc_variants(["round_robin", "prefix_aware"])]
+    assert names == ["pdcluster round_robin rec on", "pdcluster round_robin rec off",
+                     "pdcluster prefix_aware rec on"]
+    assert [v.policy for v in ro.pdc_variants([])] == [None, None]
+
+
+def decode_request(max_tokens: int) -> DecodeRequest:
+    return DecodeRequest("r1", [5, 6, 7], SamplingSpec(max_tokens=max_tokens), None)
+
+
+def test_instant_deltas_stream_max_tokens_and_finish_on_the_last():
+    one = instant_deltas(decode_request(4))
+    assert [d.new_token_ids for d in one] == [[5], [6], [7], [5]]
+    assert [d.finish_reason for d in one] == [None, None, None, "length"]
+    assert one[-1].transfer is not None and one[0].transfer is None
+    three = instant_deltas(decode_request(4), tokens_per_delta=3)
+    assert [d.new_token_ids for d in three] == [[5, 6, 7], [5]]
+
+
+def test_fake_backend_answers_the_p_leg_with_kv_transfer_params():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    out = json.loads(fake.completion_answer(body, chat=False, request_no=3, engine_id="fake-p", port=9).body)
+    assert out["kv_transfer_params"]["do_remote_prefill"] is True
+    assert out["kv_transfer_params"]["remote_engine_id"] == "fake-p"
+    assert out["choices"][0]["text"] == fake.TOKEN_TEXT
+    plain = json.loads(fake.completion_answer({"max_tokens": 2}, chat=True, request_no=4, engine_id="d", port=9).body)
+    assert "kv_transfer_params" not in plain
+    assert plain["choices"][0]["message"]["content"] == fake.TOKEN_TEXT * 2
+
+
+def test_fake_backend_streams_one_event_per_token_then_usage_and_done():
+    answer = fake.completion_answer({"max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+                                    chat=False, request_no=0, engine_id="d", port=9)
+    events = [c.decode().removeprefix("data: ").strip() for c in answer.chunks]
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert [p["choices"][0]["finish_reason"] for p in parsed[:3]] == [None, None, "length"]
+    assert parsed[3]["usage"]["completion_tokens"] == 3
+
+
+def test_fake_backend_serves_keep_alive_http():
+    async def scenario():
+        server = await asyncio.get_running_loop().create_server(
+            lambda: fake._Connection(fake.FakeServer("fake-d", 0)), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                assert (await client.get("/health")).status_code == 200
+                plain = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                streamed = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+                missing = await client.post("/nowhere", json={})
+        finally:
+            server.close()
+        return plain, streamed, missing
+
+    plain, streamed, missing = asyncio.run(scenario())
+    assert plain.json()["choices"][0]["text"] == fake.TOKEN_TEXT * 2
+    assert streamed.text.count("data: ") == 3 and streamed.text.endswith("data: [DONE]\n\n")
+    assert missing.status_code == 404

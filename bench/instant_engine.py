@@ -1,0 +1,90 @@
+"""An engine actor that answers at once: the router's counterpart of an instant fake HTTP backend.
+
+pdcluster's router does not speak HTTP to P and D; it calls their Ray actors.
+To measure the router's own overhead (bench/router_overhead.py), it is put in
+front of these instead of real engines: the same method names and messages as
+`cluster.engine_actor.EngineActor` (cluster/messages.py), no model, no KV.
+
+- `prefill` returns a PrefillResult at once, `handle=None` (nothing for D to
+  pull; the router then sends D no handle, as for a prompt P held no KV for);
+- `decode` yields `max_tokens` tokens at once, `tokens_per_delta` per
+  DecodeDelta (1: one message per token, as a vLLM engine streams each step),
+  the last with finish_reason "length" and empty transfer stats;
+- `info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown` as the real one.
+The generated ids are the prompt's own, so any tokenizer detokenizes them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+
+from pdcluster.cluster.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    EngineLoad,
+    EngineTimes,
+    InstanceInfo,
+    PrefillRequest,
+    PrefillResult,
+    Role,
+    TransferStats,
+)
+from pdcluster.cluster.spec import ClusterSpec
+
+
+def instant_deltas(req: DecodeRequest, tokens_per_delta: int = 1) -> list[DecodeDelta]:
+    """What `decode` yields for `req` (pure): its max_tokens ids in deltas, the last one finished."""
+    assert tokens_per_delta >= 1, f"tokens_per_delta {tokens_per_delta}: must be at least 1"
+    assert req.prompt_token_ids, "an empty prompt: the router should have refused it"
+    n, prompt = req.sampling.max_tokens, req.prompt_token_ids
+    ids = [prompt[i % len(prompt)] for i in range(n)]
+    out = []
+    for start in range(0, n, tokens_per_delta):
+        last = start + tokens_per_delta >= n
+        out.append(DecodeDelta(new_token_ids=ids[start:start + tokens_per_delta],
+                               finish_reason="length" if last else None,
+                               transfer=TransferStats() if last else None,
+                               num_cached_tokens=0, engine=EngineTimes() if last else None))
+    return out
+
+
+class InstantEngine:
+    """Ray actor body (wrapped with ray.remote by the benchmark), with EngineActor's interface."""
+
+    def __init__(self, spec: ClusterSpec, role: Role, index: int, tokens_per_delta: int = 1):
+        self.name, self.role, self.index = f"{role}-{index}", role, index
+        self.engine_id = f"{spec.name}-{self.name}"
+        self.tokens_per_delta = tokens_per_delta
+        self.started = time.time()
+
+    def info(self) -> InstanceInfo:
+        import ray
+
+        return InstanceInfo(name=self.name, role=self.role, index=self.index,
+                            node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), kv_address=None,
+                            engine_id=self.engine_id, started_s=0.0)
+
+    def clock(self) -> int:
+        return time.monotonic_ns()
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(kv_cache_usage=0.0, running=0, waiting=0, steps=0)
+
+    async def health(self) -> bool:
+        return True
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        return PrefillResult(request_id=req.request_id, handle=None, prompt_tokens=len(req.prompt_token_ids),
+                             p_cached_tokens=0)
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
+        for delta in instant_deltas(req, self.tokens_per_delta):
+            yield delta
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
