@@ -79,17 +79,26 @@ def _engine_options(spec: ClusterSpec, role: Role, index: int, detached: bool) -
     return opts
 
 
+def engine_class(spec: ClusterSpec, role: Role) -> type:
+    """The actor body of one role's instances: a vLLM engine, or the simulated one (cluster/sim)."""
+    if spec.role_engine(role).kind == "sim":
+        from pdcluster.cluster.sim.engine import SimEngineActor
+
+        return SimEngineActor
+    return EngineActor
+
+
 def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: float = 600.0) -> Cluster:
     """Start every P and D engine and the router; return once all are healthy.
 
     Needs ray.init() done. On any failure, kills what it started and raises
     ClusterStartError naming the instance.
     """
-    ensure_model(spec)
-    engine_cls = ray.remote(EngineActor)
+    ensure_model(spec)  # also for engine: sim (the router tokenizes with the model's tokenizer)
     started: list[tuple[str, ray.actor.ActorHandle]] = []
     try:
         for role in ("prefill", "decode"):
+            engine_cls = ray.remote(engine_class(spec, role))
             for i in range(getattr(spec, role).instances):
                 handle = engine_cls.options(**_engine_options(spec, role, i, detached)).remote(spec, role, i)
                 started.append((f"{role}-{i}", handle))

@@ -224,7 +224,8 @@ class ClusterSpec(_Strict):
             if not eng.enable_prefix_caching:
                 raise ValueError(f"{role}.engine.enable_prefix_caching: must be true; "
                                  f"both sides skip what their prefix cache holds")
-            if eng.max_num_batched_tokens < eng.max_model_len:
+            # The simulated engine chunks long prompts (vLLM's chunked prefill); real engines here do not.
+            if eng.kind != "sim" and eng.max_num_batched_tokens < eng.max_model_len:
                 raise ValueError(f"{role}.engine.max_num_batched_tokens ({eng.max_num_batched_tokens}) < "
                                  f"max_model_len ({eng.max_model_len})")
             res, instances = getattr(self, role).resources, getattr(self, role).instances

@@ -1,0 +1,187 @@
+"""D's KV side in the simulated engine: what vLLM's KV connector does on a consumer.
+
+When the scheduler has allocated a request's blocks past D's own prefix hit,
+D plans which of P's blocks it needs per component (`CostModel.blocks_to_send`:
+full and compressed past the hit, the window's and the state's tail) and pulls
+them with the project's `KvFetcher` (transfer/grpc_client.py) from P's
+KvServer, scaled bytes and all. When every block has arrived, D checks each
+row's key (payload.py), then waits out the *modelled* transfer, the full-size
+bytes over the modelled link (`link.modelled_end_ns`), before telling the
+scheduler the KV is ready: the request sees max(real end, modelled end).
+
+What it reports (`TransferReport`, on the request's last delta) counts blocks
+per component and their modelled full-size bytes, not the scaled bytes that
+moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdcluster.cluster.sim import payload
+from pdcluster.cluster.sim.cost import Component
+from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
+from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SimRequest
+from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
+from pdcluster.transfer.handle import TransferHandle
+from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.plan import GroupPlan, TransferPlan
+
+log = logging.getLogger(__name__)
+
+_PLAN_KIND = {"full": "full_attention", "compressed": "compressed", "window": "sliding_window",
+              "state": "sliding_window"}  # state: its one tail block, as a window's tail
+
+
+@dataclass
+class TransferReport:
+    d_cached_tokens: int = 0
+    transferred_tokens: int = 0
+    blocks_per_group: tuple[int, ...] = ()
+    bytes_per_group: tuple[int, ...] = ()  # modelled, full size
+    error: str | None = None
+    transfer_start_ns: int = 0
+    transfer_end_ns: int = 0  # max(real end, modelled end)
+    scaled_bytes: int = 0  # what really moved
+    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (monotonic ns, modelled bytes) per chunk
+
+
+class RecordingPagedKv(PagedKv):
+    """D's cache: every write (one chunk from P) is also noted with its arrival time."""
+
+    on_write = None  # (layer, block_ids, nbytes) -> None
+
+    def write(self, layer, block_ids, data) -> None:
+        super().write(layer, block_ids, data)
+        if self.on_write is not None:
+            self.on_write(layer, block_ids, len(data))
+
+
+class _NotifyingFetcher(KvFetcher):
+    """KvFetcher that says when a job ended (its results are then in take_results)."""
+
+    def __init__(self, *args, on_done, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_done = on_done
+
+    def _run(self, job: LoadJob) -> None:
+        try:
+            super()._run(job)
+        finally:
+            self._on_done(job.request_id)
+
+
+class ConsumerSide(KvHooks):
+    def __init__(self, engine_id: str, components: tuple[Component, ...], kv: RecordingPagedKv, block_size: int,
+                 cost, timeout_s: float, loop: asyncio.AbstractEventLoop):
+        self.components = components
+        self.kv = kv
+        self.block_size = block_size
+        self.cost = cost
+        self.link = LinkModel.of(cost)
+        self.loop = loop
+        self.scheduler: Scheduler | None = None
+        self.fetcher = _NotifyingFetcher(engine_id, kv, timeout_s, max_workers=8,
+                                         on_done=lambda rid: loop.call_soon_threadsafe(self._collect))
+        self.handles: dict[str, TransferHandle] = {}
+        self.reports: dict[str, TransferReport] = {}
+        self._planned: dict[str, tuple[GroupPlan, ...]] = {}
+        self._owner: dict[int, str] = {}  # D block id -> the request loading into it
+        self._lock = threading.Lock()
+        self._component_of = {c.name: c for c in components}
+        self.received_bytes = 0  # scaled bytes written into this D's blocks, over its lifetime
+        kv.on_write = self._on_write
+
+    def expect(self, request_id: str, handle: TransferHandle) -> None:
+        self.handles[request_id] = handle
+
+    def start_load(self, req: SimRequest) -> None:
+        handle = self.handles[req.request_id]
+        n, hit, bs = req.num_prompt_tokens, req.hit_tokens, self.block_size
+        counts = self.cost.blocks_to_send(n, hit)
+        ids = [b.block_id for b in req.blocks]
+        last = (n - 1) // bs
+        groups = []
+        for gi, c in enumerate(self.components):
+            k = counts[c.name]
+            groups.append(GroupPlan(gi, _PLAN_KIND[c.kind], tuple(range(last - k + 1, last + 1)),
+                                    tuple(ids[last - k + 1:last + 1])))
+        plan = TransferPlan(tuple(groups), d_cached_tokens=hit, transferred_tokens=n - hit)
+        self.reports[req.request_id] = TransferReport(
+            d_cached_tokens=hit, transferred_tokens=n - hit,
+            blocks_per_group=tuple(g.num_blocks for g in groups),
+            bytes_per_group=tuple(g.num_blocks * c.bytes_per_block for g, c in zip(groups, self.components)),
+            transfer_start_ns=time.monotonic_ns())
+        self._planned[req.request_id] = tuple(groups)
+        with self._lock:
+            for g in groups:
+                for b in g.local_block_ids:
+                    self._owner[b] = req.request_id
+        self.fetcher.submit(LoadJob(req.request_id, handle, plan))
+
+    def _on_write(self, layer: str, block_ids, nbytes: int) -> None:  # fetcher threads
+        with self._lock:
+            rid = self._owner.get(block_ids[0])
+            self.received_bytes += nbytes
+        report = self.reports.get(rid) if rid is not None else None
+        if report is not None:
+            report.arrivals.append((time.monotonic_ns(), len(block_ids) * self._component_of[layer].bytes_per_block))
+            report.scaled_bytes += nbytes
+
+    def cancel_load(self, req: SimRequest) -> None:
+        self.fetcher.cancel(req.request_id)
+
+    def _collect(self) -> None:
+        """A fetch ended (on the event loop): check it, then end the load once the modelled transfer has."""
+        results = self.fetcher.take_results()
+        for rid in results.finished:
+            report = self.reports.get(rid)
+            groups = self._planned.pop(rid, ())
+            with self._lock:
+                for g in groups:
+                    for b in g.local_block_ids:
+                        self._owner.pop(b, None)
+            timing = results.timings.get(rid)
+            real_end = timing.end_ns if timing else time.monotonic_ns()
+            error = "KV pull from P failed" if rid in results.failed else None
+            req = self.scheduler.requests.get(rid)
+            if req is None or report is None:  # aborted meanwhile: the scheduler frees its blocks now
+                self.scheduler.load_ended(rid, error or "cancelled")
+                continue
+            if error is None:
+                error = self._verify(req, groups)
+            if error is not None:
+                report.error = error
+                report.transfer_end_ns = real_end
+                report.d_cached_tokens = report.transferred_tokens = 0
+                report.blocks_per_group = tuple(0 for _ in self.components)
+                report.bytes_per_group = tuple(0 for _ in self.components)
+                self.scheduler.load_ended(rid, error)
+                continue
+            report.transfer_end_ns = max(real_end, modelled_end_ns(report.transfer_start_ns, report.arrivals,
+                                                                   self.link))
+            delay_s = (report.transfer_end_ns - time.monotonic_ns()) / 1e9
+            if delay_s > 0:
+                self.loop.call_later(delay_s, self.scheduler.load_ended, rid, None)
+            else:
+                self.scheduler.load_ended(rid, None)
+
+    def _verify(self, req: SimRequest, groups: tuple[GroupPlan, ...]) -> str | None:
+        keys = payload.block_keys(req.block_hashes, req.prompt_token_ids, self.block_size)
+        for g, c in zip(groups, self.components):
+            bad = payload.mismatched(self.kv, g.group, c.name, g.local_block_ids, keys[list(g.remote_indices)])
+            if bad:
+                return (f"KV from P does not match the prompt: component {c.name}, {len(bad)} of "
+                        f"{g.num_blocks} blocks (D blocks {bad[:4]}...)")
+        return None
+
+    def take_report(self, request_id: str) -> TransferReport | None:
+        self.handles.pop(request_id, None)
+        return self.reports.pop(request_id, None)
+
+    def stop(self) -> None:
+        self.fetcher.stop()

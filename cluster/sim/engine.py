@@ -1,0 +1,269 @@
+"""One simulated P or D instance: a Ray actor with exactly EngineActor's methods and messages.
+
+`SimEngineActor` stands where cluster/engine_actor.py's EngineActor stands (the
+launcher picks it for `engine: sim`), so the router, timelines and benches use
+it unchanged. Only model execution is replaced: the scheduler (scheduler.py)
+sleeps each step for the cost model's time (cost.py). Everything around it is
+real: a prefix cache with vLLM's hashing and LRU (block_pool.py), its KV cache
+events published with vLLM's own ZmqEventPublisher on the instance's
+`kv_event_ports`, and the P -> D transfer through the project's KvServer /
+KvFetcher over a PagedKv of the instance's own (scaled) state (payload.py,
+producer.py, consumer.py).
+
+P's `prefill` returns a TransferHandle (P keeps the blocks until D releases
+them or the lease ends). D's `decode` takes the handle, pulls what its own
+cache lacks, waits out the modelled transfer, then streams its tokens in
+batched deltas (`DecodeDelta.token_ns` carries each token's time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdcluster.cluster.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    EngineLoad,
+    EngineTimes,
+    InstanceInfo,
+    PrefillRequest,
+    PrefillResult,
+    Role,
+    TransferStats,
+)
+from pdcluster.cluster.sim.block_pool import BlockPool
+from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
+from pdcluster.cluster.sim.cost import CostModel, SimParams
+from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
+from pdcluster.cluster.sim.producer import ProducerSide
+from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig, SimRequest
+from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.transfer.handle import TransferHandle
+
+log = logging.getLogger(__name__)
+
+
+def model_vocab(model_path: str) -> tuple[int, int | None]:
+    """(vocab_size, eos_token_id) of the checkpoint the router tokenizes for."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"sim engine: cannot read the model's {path}: {err}") from None
+    cfg = config.get("text_config", config)
+    if "vocab_size" not in cfg:
+        raise ValueError(f"sim engine: {path} has no vocab_size")
+    eos = cfg.get("eos_token_id")
+    return int(cfg["vocab_size"]), eos[0] if isinstance(eos, list) and eos else eos
+
+
+@dataclass(frozen=True)
+class SimStats:
+    received_bytes: int  # D: scaled payload bytes its fetches wrote (P: 0)
+    payload_bytes_per_block: dict[str, int]  # per component: one block's bytes on the wire
+    steps: int
+    lag_resets: int  # steps that started more than max_lag_s late: the CPU could not keep up
+
+
+class SimEngineActor:
+    """Ray actor body (wrapped with ray.remote by the launcher)."""
+
+    def __init__(self, spec: ClusterSpec, role: Role, index: int):
+        t0 = time.time()
+        assert spec.sim is not None, "engine: sim without a sim: section (spec validation should have caught it)"
+        self.spec, self.role, self.index = spec, role, index
+        eng = spec.role_engine(role)
+        self.name = f"{role}-{index}"
+        self.engine_id = f"{spec.name}-{self.name}"
+        self.cost = CostModel(SimParams.load(spec.sim.params), eng.block_size)
+        components = self.cost.components
+        num_blocks = (spec.sim.kv_blocks or self.cost.kv_capacity_blocks()) + 1  # + vLLM's null block
+        vocab, eos = model_vocab(spec.model.path)
+        self.config = SchedulerConfig(
+            block_size=eng.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
+            max_num_seqs=eng.max_num_seqs, max_model_len=eng.max_model_len, vocab_size=vocab, eos_token_id=eos,
+            long_prefill_token_threshold=int(eng.extra.get("long_prefill_token_threshold", 0)),
+            recompute_on_load_failure=spec.transfer.on_failure == "recompute")
+        self.pool = BlockPool(num_blocks, eng.block_size)
+        self.payload_bytes_per_block = {c.name: component_rows_bytes(c, spec.sim.payload_scale) for c in components}
+        t = spec.transfer
+        self.kv_address: str | None = None
+        self.producer: ProducerSide | None = None
+        self.consumer: ConsumerSide | None = None
+        if role == "prefill":
+            from pdcluster.cluster.devices import DEVICES
+
+            kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale)
+            self.kv_address = f"{t.host}:{t.base_port + index}"
+            self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, t.host, t.base_port + index,
+                                         t.chunk_bytes, t.lease_s, t.timeout_s, t.break_transfers_with_prefix,
+                                         DEVICES[spec.device].collective_backend)
+        else:
+            self._d_kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale, RecordingPagedKv)
+        self.publisher = self._event_publisher()
+        self.scheduler: Scheduler | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.started_s = time.time() - t0
+
+    def _event_publisher(self):
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        from pdcluster.router.kv_events import engine_kv_events_config
+
+        cfg = engine_kv_events_config(self.spec, self.role, self.index)
+        return ZmqEventPublisher(0, endpoint=cfg["endpoint"], replay_endpoint=cfg["replay_endpoint"],
+                                 topic=cfg["topic"])
+
+    def _publish(self, events) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def _started(self) -> Scheduler:
+        """The scheduler loop, started on the actor's event loop at the first call that needs it."""
+        if self.scheduler is None:
+            loop = asyncio.get_running_loop()
+            hooks = self.producer
+            if self.role == "decode":
+                hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, self._d_kv,
+                                                     self.config.block_size, self.cost, self.spec.transfer.timeout_s,
+                                                     loop)
+            self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish)
+            hooks.scheduler = self.scheduler
+            self._task = loop.create_task(self.scheduler.run())
+        elif self._task.done():
+            raise RuntimeError(f"{self.name}: the scheduler loop ended: {self._task.exception()!r}")
+        return self.scheduler
+
+    def _request_id(self, request_id: str) -> str:
+        # Unique per call: clients may reuse ids (X-Request-Id) while P still holds the last one's blocks.
+        return f"{request_id}#{next(self._ids)}"
+
+    # ------------------------------------------------------------------ EngineActor's interface
+
+    def info(self) -> InstanceInfo:
+        import ray
+
+        extra = {"engine": "sim", "kv_blocks": self.pool.num_blocks - 1, "payload_scale": self.spec.sim.payload_scale,
+                 "payload_bytes_per_block": self.payload_bytes_per_block}
+        return InstanceInfo(name=self.name, role=self.role, index=self.index, node_ip=ray.util.get_node_ip_address(),
+                            pid=os.getpid(), kv_address=self.kv_address, engine_id=self.engine_id,
+                            started_s=self.started_s, extra=extra)
+
+    def clock(self) -> int:
+        return time.monotonic_ns()
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(kv_cache_usage=self.pool.usage, running=len(s.running) if s else 0,
+                          waiting=s.num_waiting if s else 0, steps=s.steps if s else 0)
+
+    async def health(self) -> bool:
+        self._started()
+        return True
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        assert self.role == "prefill", f"{self.name} got a prefill: the router mixed up P and D"
+        sched = self._started()
+        rid = self._request_id(req.request_id)
+        transfer_id = req.transfer_id or req.request_id
+        s = req.sampling
+        sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
+                                    stop_token_ids=frozenset(s.stop_token_ids)))
+        self.producer.produce(rid, transfer_id)
+        try:
+            while (delta := await sreq.out.get()).finish_reason is None:
+                pass
+        except asyncio.CancelledError:
+            sched.abort(rid)
+            raise
+        if delta.finish_reason not in ("length", "stop"):
+            raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
+        handle = TransferHandle(self.engine_id, self.kv_address, transfer_id, sreq.num_prompt_tokens,
+                                self.spec.transfer.backend)
+        return PrefillResult(request_id=req.request_id, handle=handle.to_params(), prompt_tokens=sreq.num_prompt_tokens,
+                             p_cached_tokens=max(0, sreq.num_cached_tokens),
+                             engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
+        assert self.role == "decode", f"{self.name} got a decode: the router mixed up P and D"
+        sched = self._started()
+        rid = self._request_id(req.request_id)
+        handle = TransferHandle.from_params(req.handle)
+        if handle is not None and handle.num_tokens != len(req.prompt_token_ids):
+            raise ValueError(f"decode {req.request_id}: the handle covers {handle.num_tokens} tokens, the prompt "
+                             f"has {len(req.prompt_token_ids)}")
+        s = req.sampling
+        sreq = SimRequest(rid, list(req.prompt_token_ids), max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
+                          stop_token_ids=frozenset(s.stop_token_ids),
+                          external_tokens=handle.num_tokens if handle else 0)
+        if handle is not None:
+            self.consumer.expect(rid, handle)
+        try:
+            sched.add(sreq)
+        except ValueError:
+            self.consumer.take_report(rid)
+            raise
+        finished = False
+        try:
+            while True:
+                delta = await sreq.out.get()
+                if delta.finish_reason is None:
+                    yield DecodeDelta(new_token_ids=delta.token_ids, token_ns=delta.token_ns)
+                    continue
+                finished = True
+                report = self.consumer.take_report(rid)
+                transfer, cached = None, max(0, sreq.num_cached_tokens)
+                if report is not None:
+                    transfer = TransferStats(
+                        d_cached_tokens=report.d_cached_tokens, transferred_tokens=report.transferred_tokens,
+                        blocks_per_group=report.blocks_per_group, bytes_per_group=report.bytes_per_group,
+                        error=report.error, transfer_start_ns=report.transfer_start_ns,
+                        transfer_end_ns=report.transfer_end_ns, kv_ready_ns=sreq.kv_ready_ns)
+                    if report.error is None:
+                        cached = report.d_cached_tokens + report.transferred_tokens
+                yield DecodeDelta(new_token_ids=delta.token_ids, finish_reason=delta.finish_reason,
+                                  transfer=transfer, num_cached_tokens=cached,
+                                  engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns),
+                                  token_ns=delta.token_ns)
+                return
+        finally:
+            if not finished:  # the router cancelled the stream: the client went away
+                sched.abort(rid)
+                self.consumer.take_report(rid)
+
+    async def reset_prefix_cache(self) -> bool:
+        sched = self._started()
+        done = self.pool.reset()
+        sched.wake()  # publishes AllBlocksCleared
+        return done
+
+    def check_blocks(self) -> dict[str, int]:
+        """Tests: the pool's invariants (AssertionError names a broken one) and its counts."""
+        self.pool.check_integrity()
+        return {"total": self.pool.num_blocks - 1, "free": self.pool.num_free, "held": self.pool.num_held,
+                "cached": self.pool.num_cached}
+
+    def sim_stats(self) -> SimStats:
+        """What only the simulated engine knows: tests and tools check the payload really moved."""
+        s = self.scheduler
+        return SimStats(received_bytes=self.consumer.received_bytes if self.consumer else 0,
+                        payload_bytes_per_block=dict(self.payload_bytes_per_block),
+                        steps=s.steps if s else 0, lag_resets=s.lag_resets if s else 0)
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        for side in (self.producer, self.consumer):
+            if side is not None:
+                side.stop()
+        self.publisher.shutdown()

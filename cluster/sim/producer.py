@@ -1,0 +1,90 @@
+"""P's KV side in the simulated engine: what vLLM's KV connector does on a producer.
+
+Every step that computes prompt tokens of a request, its blocks' rows get their
+bytes (payload.py) and the request's transfer source (transfer/sources.py) is
+told how far the prompt is computed, in which blocks; P's KvServer
+(transfer/grpc_server.py) streams ready blocks to whichever D asks, so in push
+mode D pulls each chunk's blocks while P computes the next. A finished prefill
+keeps its blocks until D releases the source or its lease expires
+(`SourceTable.take_finished`), as the real connector's delay-free.
+"""
+
+from __future__ import annotations
+
+from pdcluster.cluster.sim import payload
+from pdcluster.cluster.sim.cost import Component
+from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SimRequest
+from pdcluster.transfer.grpc_server import KvServer
+from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.sources import SourceTable
+
+
+class ProducerSide(KvHooks):
+    def __init__(self, engine_id: str, components: tuple[Component, ...], kv: PagedKv, block_size: int,
+                 host: str, port: int, chunk_bytes: int, lease_s: float, timeout_s: float,
+                 break_prefix: str | None, channel_backend: str | None):
+        self.components = components
+        self.kv = kv
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.sources = SourceTable({c.name: i for i, c in enumerate(components)}, (block_size,) * len(components))
+        self.server = KvServer(engine_id, kv, self.sources, host, port, chunk_bytes, wait_s=timeout_s,
+                               break_prefix=break_prefix, channel_backend=channel_backend)
+        self.scheduler: Scheduler | None = None
+        self.transfer_ids: dict[str, str] = {}  # request id -> the transfer it produces
+        self._ran: set[str] = set()  # requests a step has computed (the source exists)
+        self._keys: dict[str, object] = {}  # request id -> its blocks' keys (numpy), while it computes
+
+    def produce(self, request_id: str, transfer_id: str) -> None:
+        self.transfer_ids[request_id] = transfer_id
+
+    def computed(self, req: SimRequest, start: int, end: int) -> None:
+        transfer_id = self.transfer_ids.get(req.request_id)
+        if transfer_id is None:
+            return
+        keys = self._keys.get(req.request_id)
+        if keys is None:
+            keys = self._keys[req.request_id] = payload.block_keys(req.block_hashes, req.prompt_token_ids,
+                                                                   self.block_size)
+        bs, n = self.block_size, req.num_prompt_tokens
+        ids = [b.block_id for b in req.blocks]
+        first, last = start // bs, -(-end // bs)  # blocks this step wrote (a partial first one included)
+        for gi, c in enumerate(self.components):
+            if c.kind in ("full", "compressed"):
+                lo = first
+            elif end < n:
+                continue  # window and state: only the tail is kept, written when the prompt ends
+            elif c.kind == "window":
+                lo = max(0, (n - c.window_tokens) // bs) if n > c.window_tokens else 0
+            else:
+                lo = last - 1  # state: the slot after the last token
+            payload.fill(self.kv, gi, c.name, ids[lo:last], keys[lo:last])
+        table = tuple(tuple(ids) for _ in self.components)
+        self.sources.step(transfer_id, req.request_id, n, table, end)
+        self._ran.add(req.request_id)
+
+    def step_done(self) -> None:
+        self.sources.step_done()
+
+    def finished(self, req: SimRequest) -> bool:
+        self._keys.pop(req.request_id, None)
+        transfer_id = self.transfer_ids.pop(req.request_id, None)
+        if transfer_id is None or req.request_id not in self._ran:
+            return False  # never computed: no source, nothing for D
+        self._ran.discard(req.request_id)
+        # Aborted or not, a D may be reading the blocks right now: keep them until the source ends.
+        self.sources.finish(transfer_id, self.lease_s, aborted=req.finish_reason not in ("length", "stop"))
+        return True
+
+    def preempted(self, req: SimRequest) -> None:
+        if req.request_id in self._ran:
+            self.sources.preempted(req.request_id)
+
+    def poll(self) -> None:
+        if self.scheduler is not None and self.scheduler.held:
+            done = self.sources.take_finished()
+            if done:
+                self.scheduler.release(done)
+
+    def stop(self) -> None:
+        self.server.stop()
