@@ -31,6 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A base port with n free consecutive ports from it (KV-event ports: two per instance)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(20000, 60000)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) -> ClusterSpec:
     """A tiny CPU cluster on free ports; `overrides` are merged into the top level."""
     data = {
