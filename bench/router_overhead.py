@@ -23,7 +23,7 @@ backends (psutil), the fairest figure on a shared machine.
 
 usage: python -m pdcluster.bench.router_overhead [--duration 8] [--rounds 1]
        [--vllm-router /work/.venvs/vllm-router/bin/vllm-router]
-       [--toy-proxy /path/to/toy_proxy_server.py] [--profile]
+       [--toy-proxy /path/to/toy_proxy_server.py] [--only pdcluster,vllm] [--profile]
 wrk: `apt-get install wrk`; vllm-router: `pip install vllm-router` into a venv of its own.
 """
 
@@ -467,6 +467,8 @@ def main() -> None:
                     help="pdcluster policies to measure (if its router has set_policy)")
     ap.add_argument("--model-dir", default=".pdcluster/models/tiny-qwen3")
     ap.add_argument("--only", default="", help="comma-separated name prefixes of systems to run (default: all)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then profile pdcluster's router and engine actors (py-spy) in one more c32 run")
     a = ap.parse_args()
 
     settings = [Setting(False, a.concurrency), Setting(False, 1)]
@@ -510,8 +512,37 @@ def main() -> None:
                               flush=True)
             print(f"machine after: {machine_note()}")
             print(format_table(median_measurements(results), settings))
+            pdc = [s for s in systems if s.name.startswith("pdcluster")]
+            if a.profile and pdc:
+                from pdcluster.bench.router_profile import format_profiles
+
+                print(f"profile of {pdc[0].name}, non-stream c{a.concurrency}:")
+                print(format_profiles(profile_pdcluster(pdc[0], cluster, model, scripts, a.concurrency, a.duration)))
     finally:
         spawned.stop_all()
+
+
+def profile_pdcluster(system: System, cluster: PdCluster, model: str, scripts: Path, connections: int,
+                      duration_s: int, rate_hz: int = 100) -> list:
+    """py-spy on the router and both engine actors during one non-streaming run: where their time goes."""
+    from pdcluster.bench.router_profile import Profile, fold, record
+
+    py_spy = Path(sys.executable).parent / "py-spy"
+    system.before_run()
+    procs = {"router": cluster.router_pid, "P engine": cluster.engine_pids[0], "D engine": cluster.engine_pids[1]}
+    outs = {name: scripts / f"profile-{name.replace(' ', '-')}.txt" for name in procs}
+    cpu0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
+    spies = [record(pid, outs[name], duration_s + 1, rate_hz, str(py_spy) if py_spy.exists() else "py-spy")
+             for name, pid in procs.items()]
+    time.sleep(0.5)  # py-spy attached
+    load = run_wrk(f"{system.url}/v1/completions", _script(scripts, model, False), connections, duration_s)
+    cpu = {name: cpu_seconds([pid]) - cpu0[name] for name, pid in procs.items()}
+    for spy in spies:
+        _, err = spy.communicate(timeout=duration_s + 30)
+        assert spy.returncode == 0, f"py-spy failed ({spy.returncode}): {err[-500:]}"
+    print(f"profiled run: {load.rps:,.0f} req/s (py-spy slows it), {load.requests} requests", flush=True)
+    return [Profile(name, fold(outs[name].read_text().splitlines()), rate_hz, duration_s, load.requests, cpu[name])
+            for name in procs]
 
 
 def _script(scripts: Path, model: str, stream: bool) -> Path:

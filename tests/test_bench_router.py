@@ -12,6 +12,7 @@ import pytest
 
 from pdcluster.bench import fake_pd_backend as fake
 from pdcluster.bench import router_overhead as ro
+from pdcluster.bench import router_profile as prof
 from pdcluster.bench import routing_decisions as rd
 from pdcluster.bench.instant_engine import instant_deltas
 from pdcluster.cluster.messages import DecodeRequest, SamplingSpec
@@ -198,3 +199,28 @@ def test_fake_backend_serves_keep_alive_http():
     assert plain.json()["choices"][0]["text"] == fake.TOKEN_TEXT * 2
     assert streamed.text.count("data: ") == 3 and streamed.text.endswith("data: [DONE]\n\n")
     assert missing.status_code == 404
+
+
+RAW_STACKS = """\
+Thread.run (threading.py:982);RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:422) 5
+Thread.run (threading.py:982);PDDispatcher._prefill (pdcluster/router/pd_dispatch.py:205);ActorMethod._remote (ray/actor.py:1178) 3
+Thread.run (threading.py:982);ActorMethod._remote (ray/actor.py:1178);SerializationContext.serialize (ray/_private/serialization.py:801) 2
+Thread.run (threading.py:982);build_app.<locals>.completions (pdcluster/router/openai_api.py:347);PreTrainedTokenizerBase.encode (transformers/tokenization_utils_base.py:2279) 4
+ 6
+"""
+
+
+def test_fold_assigns_each_stack_to_its_most_specific_cost():
+    samples = prof.fold(RAW_STACKS.splitlines())
+    assert samples == {"HTTP server + ASGI framework": 5, "Ray: submit prefill/decode calls": 3,
+                       "Ray: (de)serialize messages": 2, "tokenize the prompt": 4, prof.NATIVE: 6}
+    assert prof.categorize(["main (x.py:1)"]) == prof.OTHER
+
+
+def test_profile_spreads_cpu_per_request_by_sample_share():
+    p = prof.Profile("router", {"tokenize the prompt": 1, prof.OTHER: 3}, rate_hz=100, duration_s=1.0,
+                     requests=100, cpu_s=0.4)
+    assert p.us_per_request("tokenize the prompt") == pytest.approx(1000.0)
+    table = prof.format_profiles([p])
+    assert "| tokenize the prompt | 25.0% | 1,000 |" in table
+    assert "| total | 4 samples | 4,000 CPU us/req |" in table
