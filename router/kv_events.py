@@ -1,0 +1,492 @@
+"""The KV-event feed: every instance's vLLM KV cache events, applied to its prefix index.
+
+Each engine publishes with vLLM's `ZmqEventPublisher` (kv_events_config, from
+`engine_kv_events_config`): batches of BlockStored / BlockRemoved /
+AllBlocksCleared as multipart messages (topic, seq as 8-byte big-endian,
+msgpack `KVEventBatch`) on a PUB socket, and serves missed batches from a
+buffer of its last `buffer_steps` on a ROUTER socket (request: empty frame +
+start seq; answer: every buffered batch from there, then an end marker with seq
+-1). The simulated engine (cluster/sim) publishes the same way.
+
+`KvEventFeed` runs one thread that owns every socket (one SUB and one replay
+DEALER per instance, plus a monitor of each SUB's connection). Contract:
+- batches are applied in order, each under the feed's lock, to that instance's
+  `InstanceIndex` (router/prefix_index.py), whose numbering starts at 0;
+- a gap in the numbering is filled from the instance's replay buffer; only if
+  the buffer no longer holds the missing batches is the index cleared and
+  marked stale (it then holds nothing, relearns from later batches, and is
+  trusted again after the engine's cache is cleared or the instance restarts);
+- on every (re)connection to an instance (the feed starting late, or a new
+  engine behind the same port) the index is rebuilt from that instance's replay
+  buffer from batch 0; a numbering that goes back (a restarted engine) likewise
+  starts the index over, not stale;
+- a lost connection empties the index (whatever the engine held is out of reach);
+- `catch_up()` applies everything each instance had published (sent: vLLM's
+  publisher queues a batch, then its own thread sends it) when it was called: a
+  barrier for tests and tools, never needed for routing. An engine queues a
+  step's batch before that step's outputs leave it, so the batch is sent long
+  before the response has crossed the actor, the router and HTTP to a client.
+Readers (`matched_blocks`, `status`) may call from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdcluster.router.prefix_index import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    InstanceIndex,
+    KvEvent,
+    RouterHash,
+)
+
+log = logging.getLogger(__name__)
+
+KV_EVENTS_TOPIC = "kv"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay marker
+REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1 s
+
+
+# -- where engines publish and where the feed connects ------------------------------------
+
+def engine_kv_events_config(spec: Any, role: str, index: int) -> dict[str, Any]:
+    """vLLM's KVEventsConfig fields for one instance (a ClusterSpec's `router.kv_events_port`).
+
+    vLLM's publisher binds its PUB socket only for a wildcard address (any other
+    address it connects to), so PUB listens on every interface; the replay socket
+    binds the address given, the transfer host's. The feed connects to both, so
+    any number of feeds (the router, a test, a tool) can follow one engine."""
+    pub, replay = spec.kv_event_ports(role, index)
+    return dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+                replay_endpoint=f"tcp://{spec.transfer.host}:{replay}", topic=KV_EVENTS_TOPIC)
+
+
+def feed_endpoints(spec: Any) -> dict[str, tuple[str, str]]:
+    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of every instance."""
+    host = spec.transfer.host
+    out = {}
+    for role, n in (("prefill", spec.prefill.instances), ("decode", spec.decode.instances)):
+        for i in range(n):
+            pub, replay = spec.kv_event_ports(role, i)
+            out[f"{role}-{i}"] = (f"tcp://{host}:{pub}", f"tcp://{host}:{replay}")
+    return out
+
+
+# -- vLLM's wire format (vllm/distributed/kv_events.py), read without importing vLLM ----------
+# Events are tagged maps (unknown fields ignored); the batch is an array [ts, events, dp_rank].
+
+class _WireStored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+
+
+class _WireRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _WireCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_WireBatch)
+_event_decoder = msgspec.msgpack.Decoder(_WireStored | _WireRemoved | _WireCleared)
+
+
+def decode_batch(payload: bytes) -> tuple[list[KvEvent], int]:
+    """A published batch as index events, and how many events were of a kind it does not know.
+    Raises msgspec.DecodeError / ValidationError for a payload that is not a KVEventBatch."""
+    batch = _batch_decoder.decode(payload)
+    events: list[KvEvent] = []
+    unknown = 0
+    for raw in batch.events:
+        try:
+            ev = _event_decoder.decode(raw)
+        except msgspec.ValidationError:  # a newer vLLM's event type: not ours to guess
+            unknown += 1
+            continue
+        if isinstance(ev, _WireStored):
+            extra = tuple(tuple(k) if k is not None else None for k in ev.extra_keys) if ev.extra_keys else None
+            events.append(BlockStored(tuple(ev.block_hashes), ev.parent_block_hash, tuple(ev.token_ids),
+                                      ev.block_size, ev.group_idx or 0, ev.medium, extra))
+        elif isinstance(ev, _WireRemoved):
+            events.append(BlockRemoved(tuple(ev.block_hashes), ev.group_idx or 0, ev.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return events, unknown
+
+
+# -- the feed ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FeedStatus:
+    """One instance as the feed sees it (a snapshot)."""
+
+    instance: str
+    connected: bool  # connected, and the history its replay buffer held is applied
+    applied_seq: int | None  # the last batch applied; None: none since the last (re)connection
+    stale: bool
+    blocks: int  # engine blocks the index holds
+    batches: int  # batches applied, from the SUB socket or replay
+    replayed: int  # of those, batches that came by replay
+    lost: int  # times batches were lost for good (the index cleared and stale)
+    connections: int  # connections made (each one rebuilt the index from replay)
+    skipped_events: int  # events the index could not use, or of an unknown kind
+    errors: int  # batches that failed to decode or apply (counted in `lost` too)
+
+
+class _Instance:
+    """Per-instance state; sockets are touched by the feed thread only."""
+
+    def __init__(self, name: str, publish: str, replay: str | None, block_size: int):
+        self.name, self.publish, self.replay_endpoint = name, publish, replay
+        self.index = InstanceIndex(block_size, next_seq=0)  # a new engine numbers from 0
+        self.last_sub_seq: int | None = None
+        self.connected = False
+        self.sub: Any = None
+        self.monitor: Any = None
+        self.dealer: Any = None
+        self.batches = self.replayed = self.lost = self.connections = self.unknown = self.errors = 0
+
+
+class KvEventFeed:
+    """Follows every instance's KV events into its prefix index; see the module docstring."""
+
+    def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
+                 topic: str = KV_EVENTS_TOPIC, replay_timeout_s: float = REPLAY_TIMEOUT_S,
+                 drop: Callable[[str, int], bool] | None = None):
+        """`endpoints`: {instance name: (publish endpoint, replay endpoint or None)}, e.g.
+        `feed_endpoints(spec)`. `drop`: fault injection for tests: SUB messages (instance, seq)
+        it returns True for are ignored, as if the network lost them."""
+        assert endpoints, "a KV-event feed needs at least one instance"
+        assert block_size > 0, f"block_size {block_size}: must be positive"
+        self.block_size = block_size
+        self._topic = topic.encode()
+        self._replay_timeout_ms = int(replay_timeout_s * 1000)
+        self._drop = drop
+        self._inst = {name: _Instance(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
+        self._lock = threading.Lock()  # guards every index and counter
+        self._changed = threading.Condition(self._lock)  # notified after every change of state
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ctx: Any = None
+        self._wake_tx: Any = None
+        self._wake_lock = threading.Lock()  # the caller-side wake socket is shared by caller threads
+        self._commands: list[tuple[str, threading.Event]] = []
+        self._ready = threading.Event()
+        self.failure: BaseException | None = None  # what ended the thread early, if anything
+
+    # -- lifecycle --
+
+    def start(self) -> KvEventFeed:
+        import zmq
+
+        assert self._thread is None, "KvEventFeed.start() called twice"
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "the KV-event feed thread did not start"
+        if self.failure is not None:
+            raise RuntimeError("the KV-event feed failed to start") from self.failure
+        return self
+
+    def stop(self) -> None:
+        """Ends the thread (joined), closes every socket; the indexes stay readable."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the KV-event feed thread did not stop within 10 s"
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+        self._ctx.term()
+        self._thread = None
+
+    def __enter__(self) -> KvEventFeed:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- readers (any thread) --
+
+    @property
+    def instances(self) -> list[str]:
+        return list(self._inst)
+
+    def _get(self, instance: str) -> _Instance:
+        try:
+            return self._inst[instance]
+        except KeyError:
+            raise KeyError(f"no KV-event feed for instance {instance!r}; feeds: {sorted(self._inst)}") from None
+
+    def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
+        """How many leading blocks of a prompt (its chain_hashes) `instance` holds, as far as
+        its events say (0 for what the feed does not know)."""
+        st = self._get(instance)
+        with self._lock:
+            return st.index.matched_blocks(hashes)
+
+    def matched_tokens(self, instance: str, hashes: Sequence[RouterHash]) -> int:
+        return self.matched_blocks(instance, hashes) * self.block_size
+
+    def applied_seq(self, instance: str) -> int | None:
+        st = self._get(instance)
+        with self._lock:
+            return None if st.index.next_seq in (None, 0) else st.index.next_seq - 1
+
+    def status(self, instance: str) -> FeedStatus:
+        self._get(instance)
+        with self._lock:
+            return self._status(instance)
+
+    def _status(self, instance: str) -> FeedStatus:  # under the lock
+        st = self._inst[instance]
+        idx = st.index
+        return FeedStatus(st.name, st.connected, None if idx.next_seq in (None, 0) else idx.next_seq - 1,
+                          idx.stale, len(idx), st.batches, st.replayed, st.lost, st.connections,
+                          idx.skipped_events + st.unknown, st.errors)
+
+    def index(self, instance: str) -> InstanceIndex:
+        """The instance's index itself: read it under `locked()` while the feed runs."""
+        return self._get(instance).index
+
+    def locked(self) -> threading.Lock:
+        return self._lock
+
+    def wait_for(self, instance: str, predicate: Callable[[FeedStatus], bool], timeout: float = 10.0) -> FeedStatus:
+        """Blocks until `predicate(status(instance))` holds (checked after every change); returns
+        that status. Raises TimeoutError with the last status otherwise."""
+        self._get(instance)
+        with self._changed:
+            ok = self._changed.wait_for(lambda: predicate(self._status(instance)), timeout)
+            last = self._status(instance)
+        if not ok:
+            raise TimeoutError(f"{instance}: condition not reached within {timeout} s; last {last}")
+        return last
+
+    def catch_up(self, timeout: float = 10.0) -> None:
+        """Returns once every batch each instance had published at the call is applied."""
+        assert self._thread is not None and self._thread.is_alive(), (
+            f"catch_up on a KV-event feed that is not running (failure: {self.failure!r})")
+        done = threading.Event()
+        with self._wake_lock:
+            self._commands.append(("catch_up", done))
+        self._wake()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the KV-event feed did not catch up within {timeout} s")
+
+    # -- the thread --
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_tx.send(b"")
+
+    def _run(self) -> None:
+        import zmq
+
+        try:
+            wake_rx = self._ctx.socket(zmq.PAIR)
+            wake_rx.bind(f"inproc://kv-event-feed-wake-{id(self)}")
+            with self._wake_lock:
+                self._wake_tx = self._ctx.socket(zmq.PAIR)
+                self._wake_tx.connect(f"inproc://kv-event-feed-wake-{id(self)}")
+            poller = zmq.Poller()
+            poller.register(wake_rx, zmq.POLLIN)
+            owner: dict[Any, tuple[str, _Instance]] = {}
+            for st in self._inst.values():
+                st.sub = self._ctx.socket(zmq.SUB)
+                st.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                st.monitor = st.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                st.sub.connect(st.publish)
+                poller.register(st.monitor, zmq.POLLIN)
+                poller.register(st.sub, zmq.POLLIN)
+                owner[st.monitor], owner[st.sub] = ("monitor", st), ("sub", st)
+        except BaseException as e:  # noqa: BLE001 (reported by start())
+            self.failure = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping:
+                for sock, _ in poller.poll(1000):
+                    if sock is wake_rx:
+                        while wake_rx.poll(0):
+                            wake_rx.recv()
+                        continue
+                    kind, st = owner[sock]
+                    if kind == "monitor":
+                        self._on_monitor(st)
+                    else:
+                        self._on_sub(st)
+                self._run_commands()
+        except BaseException as e:  # noqa: BLE001 (a bug: keep it for whoever asks)
+            log.exception("the KV-event feed thread failed")
+            self.failure = e
+        finally:
+            for st in self._inst.values():
+                st.sub.disable_monitor()
+                for sock in (st.monitor, st.sub, st.dealer):
+                    if sock is not None:
+                        sock.close(linger=0)
+                st.sub = st.monitor = st.dealer = None
+            wake_rx.close(linger=0)
+            self._run_commands(serve=False)  # release any waiter; the sockets are gone
+
+    def _run_commands(self, serve: bool = True) -> None:
+        with self._wake_lock:
+            commands, self._commands = self._commands, []
+        for what, done in commands:
+            if what == "catch_up" and serve and not self._stopping:
+                for st in self._inst.values():
+                    if st.connected:
+                        self._fill(st, st.index.next_seq or 0)
+            done.set()
+
+    def _on_monitor(self, st: _Instance) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while st.monitor.poll(0):
+            event = recv_monitor_message(st.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                # The engine went away (or the network did): what it held is out of reach.
+                with self._lock:
+                    st.connected = False
+                    st.index.restarted()
+                    st.index.next_seq = 0
+                    self._changed.notify_all()
+                st.last_sub_seq = None
+            elif event == zmq.EVENT_CONNECTED:
+                # A first connection, or a new engine behind the port: rebuild from its history.
+                with self._lock:
+                    st.index.restarted()
+                    st.index.next_seq = 0
+                st.last_sub_seq = None
+                self._fill(st, 0)
+                with self._lock:  # connected: the history is in (status readers may rely on it)
+                    st.connected = True
+                    st.connections += 1
+                    self._changed.notify_all()
+
+    def _on_sub(self, st: _Instance) -> None:
+        import zmq
+
+        for _ in range(1000):  # bounded, so other instances and commands get their turn
+            try:
+                frames = st.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning("%s: a KV-event message of %d frames, not (topic, seq, batch): ignored",
+                            st.name, len(frames))
+                continue
+            _, seq_bytes, payload = frames
+            seq = int.from_bytes(seq_bytes, "big")
+            if self._drop is not None and self._drop(st.name, seq):
+                continue
+            if st.last_sub_seq is not None and seq <= st.last_sub_seq:
+                # The numbering went back: a new engine with an empty cache.
+                with self._lock:
+                    st.index.restarted()
+                    st.index.next_seq = 0
+            st.last_sub_seq = seq
+            expected = st.index.next_seq or 0
+            if seq < expected:
+                continue  # already applied from a replay
+            if seq == expected:
+                self._apply(st, seq, payload, replayed=False)
+            else:
+                self._fill(st, expected, held=(seq, payload))
+
+    def _fill(self, st: _Instance, start: int, held: tuple[int, bytes] | None = None) -> None:
+        """Apply batches from `start` on, from the instance's replay buffer (and `held`, a batch
+        already in hand); whatever the buffer lacks is lost, and the index says so."""
+        got = {seq: payload for seq, payload in self._replay(st, start) if seq >= start}
+        replayed = set(got)
+        if held is not None:
+            got.setdefault(held[0], held[1])
+        for seq in sorted(got):
+            if seq >= (st.index.next_seq or 0):
+                self._apply(st, seq, got[seq], replayed=seq in replayed)
+
+    def _replay(self, st: _Instance, start: int) -> list[tuple[int, bytes]]:
+        """Every buffered batch from `start` on ([] if the instance has no replay endpoint,
+        or it did not answer in time)."""
+        import zmq
+
+        if st.replay_endpoint is None:
+            return []
+        if st.dealer is None:
+            st.dealer = self._ctx.socket(zmq.DEALER)
+            st.dealer.connect(st.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            st.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+            while st.dealer.poll(self._replay_timeout_ms):
+                frames = st.dealer.recv_multipart()
+                if len(frames) != 4:
+                    continue
+                _, _, seq_bytes, payload = frames
+                if seq_bytes == END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq_bytes, "big"), payload))
+        except zmq.Again:
+            pass
+        # No end marker in time: a later answer must not be mistaken for the next one's.
+        log.warning("%s: no replay answer from %s within %d ms", st.name, st.replay_endpoint,
+                    self._replay_timeout_ms)
+        st.dealer.close(linger=0)
+        st.dealer = None
+        return out
+
+    def _apply(self, st: _Instance, seq: int, payload: bytes, replayed: bool) -> None:
+        try:
+            events, unknown = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("%s: KV-event batch %d does not decode (%s): counted as lost", st.name, seq, e)
+            with self._lock:
+                st.errors += 1
+                st.lost += 1
+                st.index.lost_history()
+                st.index.next_seq = seq + 1
+                self._changed.notify_all()
+            return
+        with self._lock:
+            try:
+                contiguous = st.index.apply(seq, events)
+            except AssertionError as e:
+                log.error("%s: KV-event batch %d does not apply (%s): counted as lost", st.name, seq, e)
+                st.errors += 1
+                contiguous = False
+                st.index.lost_history()
+                st.index.next_seq = seq + 1
+            st.batches += 1
+            st.replayed += replayed
+            st.unknown += unknown
+            if not contiguous:
+                st.lost += 1
+                log.warning("%s: KV-event batches before %d are lost: its prefix index starts over (stale)",
+                            st.name, seq)
+            self._changed.notify_all()

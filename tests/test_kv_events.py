@@ -1,0 +1,224 @@
+"""The KV-event feed (router/kv_events.py) against vLLM's real ZmqEventPublisher, in-process (no engine)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+from e2e import free_port
+
+from pdcluster.cluster.spec import parse_spec
+from pdcluster.router.kv_events import KvEventFeed, decode_batch, engine_kv_events_config, feed_endpoints
+from pdcluster.router.prefix_index import BlockRemoved, BlockStored, chain_hashes
+
+BS = 4
+NAME = "prefill-0"
+
+
+def family(n: int, blocks: int = 3) -> list[int]:
+    """A prompt of `blocks` full blocks, distinct per n."""
+    return [1000 * n + t for t in range(blocks * BS)]
+
+
+def vllm_stored(engine_hashes, parent, tokens):
+    from vllm.distributed.kv_events import BlockStored as VStored
+
+    return VStored(block_hashes=list(engine_hashes), parent_block_hash=parent, token_ids=list(tokens),
+                   block_size=BS, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+
+
+def vllm_removed(engine_hashes):
+    from vllm.distributed.kv_events import BlockRemoved as VRemoved
+
+    return VRemoved(block_hashes=list(engine_hashes), medium="GPU", group_idx=0)
+
+
+class Engine:
+    """A vLLM ZmqEventPublisher on free ports, publishing as an engine's scheduler does."""
+
+    def __init__(self, pub_port: int, replay_port: int, buffer_steps: int = 10_000):
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
+                                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                                     buffer_steps=buffer_steps, topic="kv")
+
+    def publish(self, *events) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def store_root(self, hash_base: int, tokens: list[int]) -> None:
+        """One batch storing a prompt's blocks from the root (engine hashes hash_base, +1, ...)."""
+        n = len(tokens) // BS
+        self.publish(vllm_stored(range(hash_base, hash_base + n), None, tokens))
+
+    def wait_published(self, n: int, timeout: float = 5.0) -> None:
+        """Until the publisher thread has sent n batches in all (its replay buffer holds them)."""
+        deadline = time.monotonic() + timeout
+        while self.pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not self.pub._event_queue.unfinished_tasks, "the publisher did not send its batches"
+
+    def close(self) -> None:
+        self.pub.shutdown()
+
+
+@pytest.fixture
+def ports():
+    return free_port(), free_port()
+
+
+@pytest.fixture
+def engine(ports):
+    e = Engine(*ports)
+    yield e
+    e.close()
+
+
+def feed_for(ports, **kw) -> KvEventFeed:
+    pub, replay = ports
+    return KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")}, BS, **kw)
+
+
+def matched(feed: KvEventFeed, prompt: list[int]) -> int:
+    return feed.matched_blocks(NAME, chain_hashes(prompt, BS))
+
+
+def test_decode_batch_reads_vllms_encoding():
+    from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
+
+    stored = vllm_stored([b"\x01" * 32, 7], None, range(2 * BS))
+    stored.extra_keys, stored.group_idx = [("salt",), None], 1
+    raw = msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.0, events=[stored, vllm_removed([7]), AllBlocksCleared()]))
+    events, unknown = decode_batch(raw)
+    assert unknown == 0
+    assert events[0] == BlockStored((b"\x01" * 32, 7), None, tuple(range(2 * BS)), BS, 1, "GPU", (("salt",), None))
+    assert events[1] == BlockRemoved((7,), 0, "GPU")
+    assert type(events[2]).__name__ == "AllBlocksCleared"
+
+
+def test_decode_batch_counts_unknown_event_kinds_and_rejects_garbage():
+    raw = msgspec.msgpack.encode([1.0, [{"type": "BlockMoved", "x": 1}, {"type": "AllBlocksCleared"}], 0])
+    events, unknown = decode_batch(raw)
+    assert (len(events), unknown) == (1, 1)
+    with pytest.raises(msgspec.DecodeError):
+        decode_batch(b"\xc1not msgpack")
+
+
+def test_batches_are_applied_in_order(engine, ports):
+    a = family(1)
+    with feed_for(ports) as feed:
+        feed.wait_for(NAME, lambda s: s.connected)
+        engine.store_root(10, a[:2 * BS])
+        engine.publish(vllm_stored([12], 11, a[2 * BS:]))  # its parent is the previous batch's
+        engine.publish(vllm_removed([12]))
+        engine.wait_published(3)
+        feed.catch_up()
+        s = feed.status(NAME)
+        assert (s.applied_seq, s.stale, s.lost, s.blocks) == (2, False, 0, 2)
+        assert matched(feed, a) == 2
+        assert feed.matched_tokens(NAME, chain_hashes(a, BS)) == 2 * BS
+
+
+def test_a_gap_is_filled_from_replay(engine, ports):
+    a = family(1)
+    with feed_for(ports, drop=lambda name, seq: seq == 1) as feed:
+        feed.wait_for(NAME, lambda s: s.connected)
+        engine.store_root(10, a[:BS])
+        engine.publish(vllm_stored([11], 10, a[BS:2 * BS]))  # lost on the way: only replay has it
+        engine.publish(vllm_stored([12], 11, a[2 * BS:]))
+        s = feed.wait_for(NAME, lambda s: s.applied_seq == 2)
+        assert (s.stale, s.lost, s.blocks) == (False, 0, 3) and s.replayed >= 1
+        assert matched(feed, a) == 3
+
+
+def test_a_gap_beyond_the_replay_buffer_makes_the_index_stale(ports):
+    engine = Engine(*ports, buffer_steps=2)
+    try:
+        with feed_for(ports, drop=lambda name, seq: 1 <= seq <= 4) as feed:
+            feed.wait_for(NAME, lambda s: s.connected)
+            for n in range(6):  # batch n stores family(n) from the root
+                engine.store_root(10 * n, family(n))
+            engine.wait_published(6)
+            s = feed.wait_for(NAME, lambda s: s.applied_seq == 5)
+            # Batches 1-3 are gone from the buffer (it keeps 4 and 5): cleared, stale, then 4 and 5 applied.
+            assert (s.stale, s.lost, s.blocks) == (True, 1, 6)
+            assert [matched(feed, family(n)) for n in range(6)] == [0, 0, 0, 0, 3, 3]
+            # A cleared engine cache is known exactly again.
+            from vllm.distributed.kv_events import AllBlocksCleared
+
+            engine.publish(AllBlocksCleared())
+            s = feed.wait_for(NAME, lambda s: s.applied_seq == 6)
+            assert (s.stale, s.blocks) == (False, 0)
+    finally:
+        engine.close()
+
+
+def test_a_feed_started_late_learns_the_history_from_replay(engine, ports):
+    for n in range(3):
+        engine.store_root(10 * n, family(n))
+    engine.wait_published(3)  # before anyone subscribed: only the replay buffer has them
+    with feed_for(ports) as feed:
+        s = feed.wait_for(NAME, lambda s: s.applied_seq == 2)
+        assert (s.stale, s.lost, s.replayed, s.blocks) == (False, 0, 3, 9)
+        assert [matched(feed, family(n)) for n in range(3)] == [3, 3, 3]
+
+
+def test_a_restarted_engine_clears_the_index_and_numbering_starts_over(ports):
+    first = Engine(*ports)
+    with feed_for(ports) as feed:
+        try:
+            feed.wait_for(NAME, lambda s: s.connected)
+            for n in range(3):
+                first.store_root(10 * n, family(n))
+            first.wait_published(3)
+            feed.catch_up()
+            assert feed.status(NAME).applied_seq == 2
+        finally:
+            first.close()
+        s = feed.wait_for(NAME, lambda s: not s.connected)
+        assert s.blocks == 0  # the engine is gone, and its cache with it
+        second = Engine(*ports)
+        try:
+            second.store_root(50, family(5))
+            second.wait_published(1)
+            feed.wait_for(NAME, lambda s: s.connected)
+            feed.catch_up()
+            s = feed.status(NAME)
+            assert (s.applied_seq, s.stale, s.lost, s.connections, s.blocks) == (0, False, 0, 2, 3)
+            assert [matched(feed, family(n)) for n in (0, 1, 2, 5)] == [0, 0, 0, 3]
+        finally:
+            second.close()
+
+
+def test_stop_ends_the_thread_and_closes_the_sockets(engine, ports):
+    feed = feed_for(ports).start()
+    feed.wait_for(NAME, lambda s: s.connected)
+    feed.stop()  # its zmq context terminates only once every socket is closed
+    assert not [t for t in threading.enumerate() if t.name == "kv-event-feed"]
+    with pytest.raises(AssertionError, match="not running"):
+        feed.catch_up()
+    feed.stop()  # twice is harmless
+
+
+def test_unknown_instance_is_named():
+    feed = KvEventFeed({NAME: ("tcp://127.0.0.1:1", None)}, BS)
+    with pytest.raises(KeyError, match="no KV-event feed for instance 'decode-9'"):
+        feed.matched_blocks("decode-9", [])
+
+
+def test_endpoints_from_the_spec_agree_with_the_engines_config():
+    spec = parse_spec({"name": "c", "model": {"path": "/m", "name": "tiny"},
+                       "prefill": {"instances": 2}, "decode": {"instances": 1},
+                       "transfer": {"base_port": 19000, "host": "127.0.0.1"}, "router": {"kv_events_port": 18800}})
+    assert feed_endpoints(spec) == {
+        "prefill-0": ("tcp://127.0.0.1:18800", "tcp://127.0.0.1:18801"),
+        "prefill-1": ("tcp://127.0.0.1:18802", "tcp://127.0.0.1:18803"),
+        "decode-0": ("tcp://127.0.0.1:18804", "tcp://127.0.0.1:18805"),
+    }
+    cfg = engine_kv_events_config(spec, "decode", 0)
+    assert cfg == dict(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:18804",
+                       replay_endpoint="tcp://127.0.0.1:18805", topic="kv")
