@@ -35,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -276,7 +277,7 @@ class PdCluster:
     router: object  # ray actor handle
     router_pid: int
     engine_pids: list[int]
-    actors: list = field(default_factory=list)
+    engines: list = field(default_factory=list)  # P, D actor handles
     has_policies: bool = False
 
 
@@ -330,7 +331,7 @@ def start_pdcluster(model_dir: str, runs_dir: str) -> PdCluster:
         spec, [insts["prefill-0"]], [insts["decode-0"]])
     url = ray.get(router.start.remote(infos), timeout=120)
     return PdCluster(url, router, ray.get(router.pid.remote()), [i.pid for i in infos],
-                     [router, *handles.values()], ray.get(router.has_policies.remote()))
+                     [handles["prefill-0"], handles["decode-0"]], ray.get(router.has_policies.remote()))
 
 
 def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
@@ -342,6 +343,52 @@ def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
             ray.get(cluster.router.set_policy.remote(variant.policy))
 
     return System(variant.name, cluster.url, [cluster.router_pid], cluster.engine_pids, prepare)
+
+
+class RayCallsAlone:
+    """Ray actor body: the dispatcher's Ray calls for one request (P's prefill, then D's decode
+    stream, item by item) with no HTTP, tokenizer or records: the floor of a Ray-based router."""
+
+    def __init__(self, prefill, decode):
+        self.prefill, self.decode = prefill, decode
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def run(self, concurrency: int, duration_s: float, max_tokens: int) -> list[float]:
+        """Closed loop for `duration_s`; each request's latency in seconds."""
+        import asyncio
+
+        from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+
+        sampling = SamplingSpec(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        prompt = list(range(3, 15))
+        latencies: list[float] = []
+        end = time.monotonic() + duration_s
+
+        async def worker(w: int) -> None:
+            n = 0
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                rid = f"floor-{w}-{n}"
+                pre = await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
+                stream = self.decode.decode.options(num_returns="streaming").remote(
+                    DecodeRequest(rid, prompt, sampling, pre.handle))
+                async for ref in stream:
+                    await ref
+                latencies.append(time.monotonic() - t0)
+                n += 1
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return latencies
+
+
+def ray_floor_result(latencies: Sequence[float], duration_s: float, cpu_s: float) -> LoadResult:
+    """RayCallsAlone's latencies as a LoadResult (its CPU as the 'client' CPU: it is the caller)."""
+    lat = sorted(latencies)
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")  # noqa: E731
+    return LoadResult(len(lat), duration_s, pct(0.5), pct(0.9), pct(0.99),
+                      statistics.fmean(lat) * 1e3 if lat else float("nan"), 0, 0, cpu_s)
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -371,6 +418,21 @@ class Measurement:
     @property
     def backend_cpu_us_per_request(self) -> float:
         return self.backend_cpu_s / self.load.requests * 1e6 if self.load.requests else float("nan")
+
+
+RAY_FLOOR = "Ray calls alone (no HTTP)"
+
+
+def measure_ray_floor(caller, caller_pid: int, engine_pids: list[int], setting: Setting,
+                      duration_s: float) -> Measurement:
+    """The RayCallsAlone actor at the setting's concurrency: requests/s, latency, its CPU."""
+    import ray
+
+    cpu0, back0 = cpu_seconds([caller_pid]), cpu_seconds(engine_pids)
+    latencies = ray.get(caller.run.remote(setting.connections, duration_s, MAX_TOKENS))
+    cpu = cpu_seconds([caller_pid]) - cpu0
+    return Measurement(RAY_FLOOR, setting, ray_floor_result(latencies, duration_s, 0.0), cpu,
+                       cpu_seconds(engine_pids) - back0)
 
 
 def measure(system: System, setting: Setting, model: str, duration_s: float, scripts: Path) -> Measurement:
@@ -496,6 +558,13 @@ def main() -> None:
                 print(f"toy proxy not found at {a.toy_proxy}: skipped", flush=True)
             if a.only:
                 systems = [s for s in systems if s.name.startswith(tuple(a.only.split(",")))]
+            caller = None
+            if not a.only or RAY_FLOOR.startswith(tuple(a.only.split(","))):
+                import ray
+
+                caller = ray.remote(RayCallsAlone).options(num_cpus=0).remote(*cluster.engines)
+                caller_pid = ray.get(caller.pid.remote())
+                ray.get(caller.run.remote(4, 1.0, MAX_TOKENS))  # warm-up
             for s in systems:
                 s.before_run()
                 check_answers(s, model)
@@ -503,10 +572,14 @@ def main() -> None:
             results: list[Measurement] = []
             for r in range(a.rounds):
                 for setting in settings:
-                    for s in systems:
-                        m = measure(s, setting, model, a.duration, scripts)
+                    runs = [lambda s=s: measure(s, setting, model, a.duration, scripts) for s in systems]
+                    if caller is not None and not setting.stream:  # D's stream is read either way
+                        runs.insert(0, lambda: measure_ray_floor(caller, caller_pid, cluster.engine_pids, setting,
+                                                                 a.duration))
+                    for run in runs:
+                        m = run()
                         results.append(m)
-                        print(f"round {r} {setting.name:15s} {s.name:36s} {m.load.rps:8,.0f} req/s  "
+                        print(f"round {r} {setting.name:15s} {m.system:36s} {m.load.rps:8,.0f} req/s  "
                               f"p50 {m.load.p50_ms:6.2f} ms  proxy {m.proxy_cpu_us_per_request:6,.0f} us/req  "
                               f"wrk {m.load.client_cpu_share:4.0%}  errors {m.load.errors + m.load.non_2xx}",
                               flush=True)
