@@ -224,3 +224,9 @@ def test_profile_spreads_cpu_per_request_by_sample_share():
     table = prof.format_profiles([p])
     assert "| tokenize the prompt | 25.0% | 1,000 |" in table
     assert "| total | 4 samples | 4,000 CPU us/req |" in table
+
+
+def test_ray_floor_result_reports_percentiles_of_the_latencies():
+    r = ro.ray_floor_result([0.004, 0.001, 0.002, 0.003], duration_s=2.0, cpu_s=0.0)
+    assert (r.requests, r.rps, r.p50_ms, r.p99_ms) == (4, 2.0, 3.0, 4.0)
+    assert r.mean_ms == pytest.approx(2.5)
