@@ -30,6 +30,7 @@ from pdcluster.cluster.messages import (
 )
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
+from pdcluster.router.kv_events import engine_kv_events_config
 
 CONNECTOR_MODULE = "pdcluster.transfer.connector"
 CONNECTOR_CLASS = "PdcConnector"
@@ -89,6 +90,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
             kv_load_failure_policy="recompute" if spec.transfer.on_failure == "recompute" else "fail",
             kv_connector_extra_config=extra,
         ),
+        # Every instance publishes its KV cache events (the router's prefix index, router/kv_events.py).
+        kv_events_config=engine_kv_events_config(spec, role, index),
     )
     if eng.seed is not None:
         args["seed"] = eng.seed
@@ -169,6 +172,9 @@ class EngineActor:
 
         args = dict(self.plan.engine_args)
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
+        from vllm.config.kv_events import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
         from pdcluster.cluster.engine_stats import LatestSchedulerStats
 
         t0 = time.time()

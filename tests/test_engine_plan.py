@@ -81,3 +81,17 @@ def test_torch_dist_backend_is_chosen_by_device():
         extra = plan_instance(spec(device=device, transfer=base, **roles), "prefill", 0).engine_args[
             "kv_transfer_config"]["kv_connector_extra_config"]
         assert (extra["channel_backend"], extra["transport"]) == (backend, "torch_dist"), device
+
+
+def test_every_instance_publishes_kv_events_on_its_own_ports():
+    s = spec(router={"kv_events_port": 18800})
+    # P first, then D; two ports each (publish, replay), as ClusterSpec.kv_event_ports numbers them.
+    want = {("prefill", 0): (18800, 18801), ("prefill", 1): (18802, 18803), ("decode", 0): (18804, 18805)}
+    for (role, index), (pub, replay) in want.items():
+        ev = plan_instance(s, role, index).engine_args["kv_events_config"]
+        assert ev == dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+                          replay_endpoint=f"tcp://127.0.0.1:{replay}", topic="kv")
+    from vllm.config.kv_events import KVEventsConfig
+
+    cfg = KVEventsConfig(**plan_instance(s, "decode", 0).engine_args["kv_events_config"])  # as EngineActor builds it
+    assert (cfg.enable_kv_cache_events, cfg.publisher, cfg.endpoint) == (True, "zmq", "tcp://*:18804")
