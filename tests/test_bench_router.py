@@ -93,7 +93,7 @@ def test_summarize_counts_decisions_sent_to_the_owner():
     r = rd.summarize("least_load", decs, ["prefill-0", "prefill-0"])
     assert r.owner_hits == 0.5
     assert round(r.decisions_per_s) == 250
-    assert "| least_load | 250.0 |" in rd.format_table([r])
+    assert "| least_load | 250.0 | 4.00 | 1.00 |" in rd.format_table([r])
 
 
 # ---- bench/router_overhead.py, bench/fake_pd_backend.py, bench/instant_engine.py ---------------
