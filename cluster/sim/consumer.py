@@ -166,7 +166,7 @@ class ConsumerSide(KvHooks):
                                                                    self.link))
             delay_s = (report.transfer_end_ns - time.monotonic_ns()) / 1e9
             if delay_s > 0:
-                self.loop.call_later(delay_s, self.scheduler.load_ended, rid, None)
+                self.loop.call_later(delay_s, self.scheduler.load_ended, rid, None, report.transfer_end_ns)
             else:
                 self.scheduler.load_ended(rid, None)
 
