@@ -275,10 +275,11 @@ def test_steps_take_the_cost_models_time_and_tokens_go_out_in_batches():
     out = asyncio.run(serve(sched, [request("a", 10, max_tokens=20)]))
     elapsed = time.monotonic() - t0
     assert len(cost.steps) == 20
-    assert 0.4 <= elapsed < 0.4 + 0.25, f"20 steps of 20 ms took {elapsed:.3f} s"
+    # Never faster than the model; slower only by what a loaded machine withholds.
+    assert 0.4 <= elapsed < 0.4 + 0.5, f"20 steps of 20 ms took {elapsed:.3f} s"
     deltas = out["a"]
     assert len(deltas[0].token_ids) == 1  # the first token at once
     assert 3 <= len(deltas) <= 7  # then about one batch per 100 ms, not one per token
     ns = [t for d in deltas for t in d.token_ns]
-    gaps = [(b - a) / 1e6 for a, b in zip(ns, ns[1:])]
-    assert len(ns) == 20 and min(gaps) >= 15, f"token times {gaps} ms apart: not each step's end"
+    assert len(ns) == 20 and ns == sorted(set(ns)), "a token's time is its own step's end, not its batch's"
+    assert (ns[-1] - ns[0]) / 1e6 >= 19 * 20 * 0.99
