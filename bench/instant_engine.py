@@ -10,7 +10,8 @@ front of these instead of real engines: the same method names and messages as
 - `decode` yields `max_tokens` tokens at once, `tokens_per_delta` per
   DecodeDelta (1: one message per token, as a vLLM engine streams each step),
   the last with finish_reason "length" and empty transfer stats;
-- `info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown` as the real one.
+- `info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown` as the real one;
+- `decode_in_one_reply`, its own: decode's deltas in one reply (one Ray message).
 The generated ids are the prompt's own, so any tokenizer detokenizes them.
 """
 
@@ -82,6 +83,11 @@ class InstantEngine:
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
         for delta in instant_deltas(req, self.tokens_per_delta):
             yield delta
+
+    async def decode_in_one_reply(self, req: DecodeRequest) -> list[DecodeDelta]:
+        """Not EngineActor's: `decode`'s deltas as one reply, to measure what one Ray message
+        per streamed item costs (bench/router_overhead.py's 'Ray calls alone' rows)."""
+        return instant_deltas(req, self.tokens_per_delta)
 
     async def reset_prefix_cache(self) -> bool:
         return True

@@ -355,8 +355,9 @@ class RayCallsAlone:
     def pid(self) -> int:
         return os.getpid()
 
-    async def run(self, concurrency: int, duration_s: float, max_tokens: int) -> list[float]:
-        """Closed loop for `duration_s`; each request's latency in seconds."""
+    async def run(self, concurrency: int, duration_s: float, max_tokens: int, one_reply: bool = False) -> list[float]:
+        """Closed loop for `duration_s`; each request's latency in seconds. `one_reply`: D's
+        deltas come in one reply (InstantEngine.decode_in_one_reply) instead of one message each."""
         import asyncio
 
         from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
@@ -372,10 +373,12 @@ class RayCallsAlone:
                 t0 = time.monotonic()
                 rid = f"floor-{w}-{n}"
                 pre = await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
-                stream = self.decode.decode.options(num_returns="streaming").remote(
-                    DecodeRequest(rid, prompt, sampling, pre.handle))
-                async for ref in stream:
-                    await ref
+                req = DecodeRequest(rid, prompt, sampling, pre.handle)
+                if one_reply:
+                    await self.decode.decode_in_one_reply.remote(req)
+                else:
+                    async for ref in self.decode.decode.options(num_returns="streaming").remote(req):
+                        await ref
                 latencies.append(time.monotonic() - t0)
                 n += 1
 
@@ -421,18 +424,19 @@ class Measurement:
 
 
 RAY_FLOOR = "Ray calls alone (no HTTP)"
+RAY_FLOOR_ONE_REPLY = "Ray calls alone, D in one reply"
 
 
 def measure_ray_floor(caller, caller_pid: int, engine_pids: list[int], setting: Setting,
-                      duration_s: float) -> Measurement:
+                      duration_s: float, one_reply: bool = False) -> Measurement:
     """The RayCallsAlone actor at the setting's concurrency: requests/s, latency, its CPU."""
     import ray
 
     cpu0, back0 = cpu_seconds([caller_pid]), cpu_seconds(engine_pids)
-    latencies = ray.get(caller.run.remote(setting.connections, duration_s, MAX_TOKENS))
+    latencies = ray.get(caller.run.remote(setting.connections, duration_s, MAX_TOKENS, one_reply))
     cpu = cpu_seconds([caller_pid]) - cpu0
-    return Measurement(RAY_FLOOR, setting, ray_floor_result(latencies, duration_s, 0.0), cpu,
-                       cpu_seconds(engine_pids) - back0)
+    return Measurement(RAY_FLOOR_ONE_REPLY if one_reply else RAY_FLOOR, setting,
+                       ray_floor_result(latencies, duration_s, 0.0), cpu, cpu_seconds(engine_pids) - back0)
 
 
 def measure(system: System, setting: Setting, model: str, duration_s: float, scripts: Path) -> Measurement:
@@ -574,8 +578,9 @@ def main() -> None:
                 for setting in settings:
                     runs = [lambda s=s: measure(s, setting, model, a.duration, scripts) for s in systems]
                     if caller is not None and not setting.stream:  # D's stream is read either way
-                        runs.insert(0, lambda: measure_ray_floor(caller, caller_pid, cluster.engine_pids, setting,
-                                                                 a.duration))
+                        runs[:0] = [lambda one=one: measure_ray_floor(caller, caller_pid, cluster.engine_pids,
+                                                                      setting, a.duration, one)
+                                    for one in (False, True)]
                     for run in runs:
                         m = run()
                         results.append(m)
