@@ -251,6 +251,12 @@ class KvEventFeed:
     def matched_tokens(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         return self.matched_blocks(instance, hashes) * self.block_size
 
+    def held_blocks(self, instance: str) -> int:
+        """How many blocks `instance`'s prefix cache holds, as far as its events say."""
+        st = self._get(instance)
+        with self._lock:
+            return len(st.index)
+
     def applied_seq(self, instance: str) -> int | None:
         st = self._get(instance)
         with self._lock:

@@ -121,6 +121,7 @@ def test_batches_are_applied_in_order(engine, ports):
         assert (s.applied_seq, s.stale, s.lost, s.blocks) == (2, False, 0, 2)
         assert matched(feed, a) == 2
         assert feed.matched_tokens(NAME, chain_hashes(a, BS)) == 2 * BS
+        assert feed.held_blocks(NAME) == 2
 
 
 def test_a_gap_is_filled_from_replay(engine, ports):
