@@ -11,7 +11,8 @@ front of these instead of real engines: the same method names and messages as
   DecodeDelta (1: one message per token, as a vLLM engine streams each step),
   the last with finish_reason "length" and empty transfer stats;
 - `info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown` as the real one;
-- `decode_in_one_reply`, its own: decode's deltas in one reply (one Ray message).
+- its own, for the benchmark: `decode_in_one_reply` (decode's deltas in one reply,
+  one Ray message) and `set_tokens_per_delta`.
 The generated ids are the prompt's own, so any tokenizer detokenizes them.
 """
 
@@ -83,6 +84,11 @@ class InstantEngine:
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
         for delta in instant_deltas(req, self.tokens_per_delta):
             yield delta
+
+    def set_tokens_per_delta(self, n: int) -> None:
+        """Not EngineActor's: how many tokens each DecodeDelta carries from now on."""
+        assert n >= 1, f"tokens_per_delta {n}: must be at least 1"
+        self.tokens_per_delta = n
 
     async def decode_in_one_reply(self, req: DecodeRequest) -> list[DecodeDelta]:
         """Not EngineActor's: `decode`'s deltas as one reply, to measure what one Ray message

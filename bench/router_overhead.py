@@ -243,18 +243,20 @@ def start_toy_proxy(spawned: Spawned, script: str, p_url: str, d_url: str, backe
 class PdcVariant:
     recording: bool
     policy: str | None  # None: the router as it is (no set_policy on it)
+    tokens_per_delta: int = 1  # D's tokens per DecodeDelta (1: one Ray message per token)
 
     @property
     def name(self) -> str:
-        return f"pdcluster {self.policy or 'default'} rec {'on' if self.recording else 'off'}"
+        batched = f", D {self.tokens_per_delta} tokens/delta" if self.tokens_per_delta > 1 else ""
+        return f"pdcluster {self.policy or 'default'} rec {'on' if self.recording else 'off'}{batched}"
 
 
-def pdc_variants(policies: Sequence[str]) -> list[PdcVariant]:
-    """Recording on and off with the first policy; the other policies with recording on."""
-    if not policies:
-        return [PdcVariant(True, None), PdcVariant(False, None)]
-    return [PdcVariant(True, policies[0]), PdcVariant(False, policies[0]),
-            *(PdcVariant(True, p) for p in policies[1:])]
+def pdc_variants(policies: Sequence[str], batched_tokens: int = MAX_TOKENS) -> list[PdcVariant]:
+    """Recording on and off with the first policy; the other policies with recording on; then
+    the first policy with D sending all its tokens in one delta (as a batching engine would)."""
+    first = policies[0] if policies else None
+    return [PdcVariant(True, first), PdcVariant(False, first), *(PdcVariant(True, p) for p in policies[1:]),
+            PdcVariant(True, first, batched_tokens)]
 
 
 def _bench_router_class():
@@ -339,6 +341,7 @@ def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
 
     def prepare() -> None:
         ray.get(cluster.router.set_recording.remote(variant.recording))
+        ray.get(cluster.engines[1].set_tokens_per_delta.remote(variant.tokens_per_delta))
         if variant.policy is not None:
             ray.get(cluster.router.set_policy.remote(variant.policy))
 

@@ -138,11 +138,11 @@ def test_format_table_shows_throughput_at_c32_latency_at_c1_and_cpu_per_request(
     assert "| a | 1,000 | 2.00 | 500 | 250 | 10% | 0 |" in table
 
 
-def test_pdc_variants_toggle_recording_on_the_first_policy_only():
-    names = [v.name for v in ro.pdc_variants(["round_robin", "prefix_aware"])]
+def test_pdc_variants_toggle_recording_and_batching_on_the_first_policy_only():
+    names = [v.name for v in ro.pdc_variants(["round_robin", "prefix_aware"], batched_tokens=4)]
     assert names == ["pdcluster round_robin rec on", "pdcluster round_robin rec off",
-                     "pdcluster prefix_aware rec on"]
-    assert [v.policy for v in ro.pdc_variants([])] == [None, None]
+                     "pdcluster prefix_aware rec on", "pdcluster round_robin rec on, D 4 tokens/delta"]
+    assert [(v.policy, v.tokens_per_delta) for v in ro.pdc_variants([])] == [(None, 1), (None, 1), (None, 4)]
 
 
 def decode_request(max_tokens: int) -> DecodeRequest:
