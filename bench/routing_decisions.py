@@ -22,11 +22,14 @@ usage: python -m pdcluster.bench.routing_decisions [--decisions 200] [--policies
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import math
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.bench.presets import PRESETS
@@ -75,11 +78,14 @@ class Fleet:
 
 def build_fleet(n_prefill: int = 8, n_decode: int = 8, families: int = C90.num_prefixes,
                 prefix_tokens: int = C90.shared_prefix_tokens, block_size: int = BLOCK_SIZE,
-                blocks_per_event: int = 64, seed: int = 0) -> Fleet:
+                blocks_per_event: int = 64, seed: int = 0,
+                indexes: Mapping[str, InstanceIndex] | None = None) -> Fleet:
+    """`indexes`: fill these (e.g. a KvEventFeed's, by instance name) instead of new ones."""
     assert prefix_tokens % block_size == 0, f"prefix of {prefix_tokens} tokens is not block-aligned ({block_size})"
     rng = random.Random(seed)
-    prefill = {f"prefill-{i}": InstanceIndex(block_size) for i in range(n_prefill)}
-    decode = {f"decode-{i}": InstanceIndex(block_size) for i in range(n_decode)}
+    index = (lambda name: indexes[name]) if indexes is not None else (lambda name: InstanceIndex(block_size))
+    prefill = {f"prefill-{i}": index(f"prefill-{i}") for i in range(n_prefill)}
+    decode = {f"decode-{i}": index(f"decode-{i}") for i in range(n_decode)}
     seq = {name: 0 for name in [*prefill, *decode]}
     prefixes, owner = [], []
     for f in range(families):
@@ -125,8 +131,8 @@ def decide(fleet: Fleet, policy: Policy, prompt: Sequence[int], turn: int) -> De
     matched = {name: idx.matched_blocks(hashes) * fleet.block_size
                for name, idx in (*fleet.prefill.items(), *fleet.decode.items())}
     t2 = time.perf_counter()
-    p = pick_prefill(policy, [PrefillView(name, matched[name], fleet.queued_tokens[name]) for name in fleet.prefill],
-                     len(prompt), turn)
+    p = pick_prefill(policy, [PrefillView(name, matched[name], fleet.queued_tokens[name], 0, len(fleet.prefill[name]))
+                              for name in fleet.prefill], len(prompt), turn)
     # Positional: the D load's meaning (KV usage, KV tokens) is the policies module's to define.
     d = pick_decode(policy, [DecodeView(name, fleet.kv_tokens[name], fleet.running[name]) for name in fleet.decode],
                     turn)
@@ -151,7 +157,7 @@ def _advance_loads(fleet: Fleet, p: str, d: str, prompt_tokens: int, matched_tok
 
 @dataclass(frozen=True)
 class PolicyResult:
-    policy: Policy
+    policy: str  # the policy, and how it was run if not piece by piece
     decisions: int
     decisions_per_s: float  # 1 / mean decision time
     total_ms: float  # median decision time
@@ -191,12 +197,64 @@ def run_policies(policies: Sequence[Policy], n: int, input_len: int, seed: int, 
     return [summarize(policy, decs, owners) for policy, decs in zip(policies, decisions)]
 
 
+@dataclass(frozen=True)
+class _Named:
+    name: str
+
+
+def run_picker(policies: Sequence[Policy], n: int, input_len: int, seed: int, warmup: int = 20,
+               fleet_seed: int = 0, in_flight: int = 12, max_tokens: int = C90.output_len,
+               n_prefill: int = 8, n_decode: int = 8, **fleet_args) -> list[PolicyResult]:
+    """The router's own decision as wired: `InstancePicker.pick` (router/routing.py) over a
+    `KvEventFeed` (router/kv_events.py) whose indexes hold the same events (applied directly:
+    no sockets, the feed's thread not started). Loads are the picker's own counts: the last
+    `in_flight` requests stay open on the P and D they were sent to. Timed as one piece."""
+    from pdcluster.router.kv_events import KvEventFeed
+    from pdcluster.router.routing import InstancePicker
+
+    names = [f"prefill-{i}" for i in range(n_prefill)] + [f"decode-{i}" for i in range(n_decode)]
+    block_size = fleet_args.get("block_size", BLOCK_SIZE)
+    results = []
+    for policy in policies:
+        feed = KvEventFeed({name: ("tcp://127.0.0.1:1", None) for name in names}, block_size)
+        fleet = build_fleet(n_prefill, n_decode, seed=fleet_seed, indexes={name: feed.index(name) for name in names},
+                            **fleet_args)
+        picker = InstancePicker(policy, [_Named(x) for x in fleet.prefill], [_Named(x) for x in fleet.decode],
+                                block_size, lookup=feed)
+        rng = random.Random(seed)
+        order = [rng.randrange(len(fleet.family_prefixes)) for _ in range(warmup + n)]
+        open_requests: deque[contextlib.ExitStack] = deque()
+        decisions, owners = [], []
+        for turn, family in enumerate(order):
+            prompt = fresh_prompt(fleet, family, input_len, rng)
+            t0 = time.perf_counter()
+            route = picker.pick(prompt, max_tokens)
+            elapsed = time.perf_counter() - t0
+            stack = contextlib.ExitStack()
+            stack.enter_context(picker.prefilling(route, len(prompt)))
+            stack.enter_context(picker.decoding(route, len(prompt), max_tokens))
+            open_requests.append(stack)
+            if len(open_requests) > in_flight:
+                open_requests.popleft().close()
+            if turn >= warmup:
+                decisions.append(Decision(route.prefill.name, route.decode.name, route.predicted_p_hit_tokens or 0,
+                                          0.0, 0.0, elapsed))
+                owners.append(fleet.owner[family])
+        while open_requests:
+            open_requests.popleft().close()
+        r = summarize(policy, decisions, owners)
+        results.append(PolicyResult(f"{policy} (InstancePicker + KvEventFeed)", r.decisions, r.decisions_per_s,
+                                    r.total_ms, float("nan"), float("nan"), float("nan"), r.owner_hits))
+    return results
+
+
 def format_table(results: Sequence[PolicyResult]) -> str:
     rows = ["| policy | decisions/s | ms per decision | hash ms | match ms (16 indexes) | pick ms | to the family's P |",
             "|---|---|---|---|---|---|---|"]
+    ms = lambda x, digits: "-" if math.isnan(x) else f"{x:.{digits}f}"  # noqa: E731
     for r in results:
-        rows.append(f"| {r.policy} | {r.decisions_per_s:,.1f} | {r.total_ms:.2f} | {r.hash_ms:.2f} | {r.match_ms:.3f} | "
-                    f"{r.pick_ms:.3f} | {r.owner_hits:.0%} |")
+        rows.append(f"| {r.policy} | {r.decisions_per_s:,.1f} | {r.total_ms:.2f} | {ms(r.hash_ms, 2)} | "
+                    f"{ms(r.match_ms, 3)} | {ms(r.pick_ms, 3)} | {r.owner_hits:.0%} |")
     return "\n".join(rows)
 
 
@@ -206,6 +264,7 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--input-len", type=int, default=C90.input_len)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-picker", action="store_true", help="skip the InstancePicker + KvEventFeed rows")
     a = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -214,6 +273,8 @@ def main() -> None:
     print(f"setup: 8 P + 8 D indexes from BlockStored events in {time.perf_counter() - t0:.1f} s; "
           f"blocks held per instance: {sorted(set(held.values()))}")
     results = run_policies(a.policies.split(","), a.decisions, a.input_len, a.seed + 1, fleet_seed=a.seed)
+    if not a.no_picker:
+        results += run_picker(a.policies.split(","), a.decisions, a.input_len, a.seed + 1, fleet_seed=a.seed)
     print(f"{a.decisions} decisions per policy (the same prompts, policies interleaved), {a.input_len:,}-token "
           f"prompts, block {BLOCK_SIZE}; ms are medians per decision; decisions/s = 1 / mean decision time "
           f"(one core, one thread)")

@@ -87,6 +87,17 @@ def test_run_policies_reports_each_policy_over_the_same_prompts():
     assert results["prefix_aware"].owner_hits == 1.0
 
 
+def test_run_picker_routes_through_the_wired_picker_and_feed():
+    results = {r.policy: r for r in rd.run_picker(["round_robin", "prefix_aware"], n=12, input_len=7 * BS, seed=2,
+                                                  warmup=1, in_flight=0, max_tokens=2, n_prefill=2, n_decode=3,
+                                                  families=4, prefix_tokens=5 * BS, block_size=BS,
+                                                  blocks_per_event=2)}
+    aware = results["prefix_aware (InstancePicker + KvEventFeed)"]
+    assert aware.decisions == 12 and aware.owner_hits == 1.0
+    assert "round_robin (InstancePicker + KvEventFeed)" in results
+    assert "| prefix_aware (InstancePicker + KvEventFeed) |" in rd.format_table([aware])
+
+
 def test_summarize_counts_decisions_sent_to_the_owner():
     decs = [rd.Decision("prefill-0", "decode-0", 0, 0.001, 0.001, 0.002),
             rd.Decision("prefill-1", "decode-0", 0, 0.001, 0.001, 0.002)]
