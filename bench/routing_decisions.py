@@ -16,7 +16,12 @@ all 16 indexes, build the instance views, pick P and D. Loads move between
 decisions (the chosen P queues the uncached tokens, every queue drains a fixed
 amount) so least_load and prefix_aware choose among unequal instances.
 
+Then the same decision as the router makes it (`run_picker`): `InstancePicker.pick`
+(router/routing.py) over a `KvEventFeed` (router/kv_events.py) whose indexes got
+the same events, locks and all, timed as one piece.
+
 usage: python -m pdcluster.bench.routing_decisions [--decisions 200] [--policies round_robin,least_load,prefix_aware]
+       [--no-picker]
 """
 
 from __future__ import annotations
