@@ -41,12 +41,18 @@ class RouterActor:
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance]):
         from fastapi import Response
 
+        from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
         from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
 
         self.spec = spec
+        block_size = spec.role_engine("prefill").block_size
+        # Every instance's KV cache events, whatever the policy: the predicted hits are
+        # recorded for every request (and prefix_aware routes by them).
+        self.kv_events = KvEventFeed(feed_endpoints(spec), block_size).start()
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
-                                       transfer_mode=spec.transfer.mode, transport=spec.transfer.backend)
+                                       transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
+                                       policy=spec.router.policy, block_size=block_size, lookup=self.kv_events)
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
@@ -106,10 +112,23 @@ class RouterActor:
         if transport is not None:
             self.dispatcher.transport = transport
 
+    def set_policy(self, policy: str) -> None:
+        """Route by another policy from the next request on: to compare them on one cluster."""
+        from pdcluster.router.policies import POLICIES
+
+        assert policy in POLICIES, f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}"
+        self.dispatcher.picker.policy = policy
+
+    def catch_up_kv_events(self, timeout_s: float = 10.0) -> None:
+        """Return once every KV event each instance had published is in the router's index
+        (a barrier for tests and tools; routing never waits for it)."""
+        self.kv_events.catch_up(timeout_s)
+
     def run_dir(self) -> str | None:
         return str(self.store.path) if self.store else None
 
     async def stop(self) -> None:
+        self.kv_events.stop()
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, timeout=10)
