@@ -124,6 +124,10 @@ class RouterActor:
         (a barrier for tests and tools; routing never waits for it)."""
         self.kv_events.catch_up(timeout_s)
 
+    def kv_event_status(self) -> dict:
+        """Each instance's KV-event feed as the router sees it (router/kv_events.py FeedStatus)."""
+        return {name: self.kv_events.status(name) for name in self.kv_events.instances}
+
     def run_dir(self) -> str | None:
         return str(self.store.path) if self.store else None
 
