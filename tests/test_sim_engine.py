@@ -57,6 +57,7 @@ async def serve(p, d, tokens: list[int], rid: str, push: bool = True, max_tokens
     if push:
         handle = TransferHandle(p.engine_id, p.kv_address, rid, len(tokens)).to_params()
         deltas = asyncio.ensure_future(decode(handle))
+        await asyncio.sleep(0.3)  # D is asking before P starts, as when the router sends both at once
         pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
         return pre, await deltas
     pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
@@ -91,13 +92,16 @@ def test_cold_then_warm_push_hits_on_both_sides_and_moves_only_the_rest():
     asyncio.run(run())
 
 
-def test_multi_component_state_moves_per_component_as_the_cost_model_plans():
+@pytest.mark.parametrize("push", [False, True])
+def test_multi_component_state_moves_per_component_as_the_cost_model_plans(push):
     async def run():
         async with p_and_d(sim_spec("dsv4-flash-910c", kv_blocks=64)) as (p, d):
-            tokens = prompt(3, 3000)
-            _, deltas = await serve(p, d, tokens, "v4", push=False)
+            # Chunks of 1,024 tokens: the window's first tail block (15) is done with the second
+            # chunk, so in push mode D reads it before the prompt ends.
+            tokens = prompt(3, 2148)
+            _, deltas = await serve(p, d, tokens, "v4", push=push)
             t = deltas[-1].transfer
-            plan = d.cost.blocks_to_send(3000, 0)
+            plan = d.cost.blocks_to_send(2148, 0)
             comps = d.cost.components
             assert t.error is None and t.blocks_per_group == tuple(plan[c.name] for c in comps)
             assert t.bytes_per_group == tuple(plan[c.name] * c.bytes_per_block for c in comps)

@@ -50,18 +50,23 @@ class ProducerSide(KvHooks):
         ids = [b.block_id for b in req.blocks]
         first, last = start // bs, -(-end // bs)  # blocks this step wrote (a partial first one included)
         for gi, c in enumerate(self.components):
-            if c.kind in ("full", "compressed"):
-                lo = first
-            elif end < n:
-                continue  # window and state: only the tail is kept, written when the prompt ends
-            elif c.kind == "window":
-                lo = max(0, (n - c.window_tokens) // bs) if n > c.window_tokens else 0
-            else:
-                lo = last - 1  # state: the slot after the last token
+            # Rows of the blocks this step computed that the component keeps to the end: all of
+            # them (full, compressed), the final window's (window), the last block (state). The
+            # source marks every layer ready to the step's end, so a block D may read is written.
+            lo = max(first, self._tail_start(c, n))
             payload.fill(self.kv, gi, c.name, ids[lo:last], keys[lo:last])
         table = tuple(tuple(ids) for _ in self.components)
         self.sources.step(transfer_id, req.request_id, n, table, end)
         self._ran.add(req.request_id)
+
+    def _tail_start(self, c: Component, num_tokens: int) -> int:
+        """The first block index of a prompt this component keeps (and D may ask for)."""
+        bs = self.block_size
+        if c.kind == "window":
+            return (num_tokens - c.window_tokens) // bs if num_tokens > c.window_tokens else 0
+        if c.kind == "state":
+            return (num_tokens - 1) // bs
+        return 0
 
     def step_done(self) -> None:
         self.sources.step_done()
