@@ -283,3 +283,22 @@ def test_steps_take_the_cost_models_time_and_tokens_go_out_in_batches():
     ns = [t for d in deltas for t in d.token_ns]
     assert len(ns) == 20 and ns == sorted(set(ns)), "a token's time is its own step's end, not its batch's"
     assert (ns[-1] - ns[0]) / 1e6 >= 19 * 20 * 0.99
+
+
+def test_a_failing_loop_ends_every_request_instead_of_leaving_it_waiting():
+    class BrokenCost(RecordingCost):
+        def prefill_step_s(self, chunks):
+            raise RuntimeError("cost model bug")
+
+    async def run():
+        sched, _ = make(cost=BrokenCost())
+        loop_task = asyncio.ensure_future(sched.run())
+        reqs = [sched.add(request("a", 10)), sched.add(request("b", 10, first=500))]
+        deltas = [await asyncio.wait_for(r.out.get(), 5) for r in reqs]
+        with pytest.raises(RuntimeError, match="cost model bug"):
+            await loop_task
+        return reqs, deltas
+
+    reqs, deltas = asyncio.run(run())
+    assert [d.finish_reason for d in deltas] == ["error", "error"]
+    assert all("cost model bug" in r.error for r in reqs)

@@ -162,8 +162,11 @@ class ConsumerSide(KvHooks):
                 report.bytes_per_group = tuple(0 for _ in self.components)
                 self.scheduler.load_ended(rid, error)
                 continue
-            report.transfer_end_ns = max(real_end, modelled_end_ns(report.transfer_start_ns, report.arrivals,
-                                                                   self.link))
+            # The arrivals pace the full-size bytes (transport grpc); over torch_dist D's writes are
+            # not seen, and the whole transfer from its start is the floor.
+            floor_ns = report.transfer_start_ns + int(self.cost.transfer_s(sum(report.bytes_per_group)) * 1e9)
+            report.transfer_end_ns = max(real_end, floor_ns if not report.arrivals else
+                                         modelled_end_ns(report.transfer_start_ns, report.arrivals, self.link))
             delay_s = (report.transfer_end_ns - time.monotonic_ns()) / 1e9
             if delay_s > 0:
                 self.loop.call_later(delay_s, self.scheduler.load_ended, rid, None, report.transfer_end_ns)

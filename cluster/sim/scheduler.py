@@ -296,6 +296,18 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as err:
+            # A bug in the loop must not leave callers waiting forever: end every request.
+            log.exception("the scheduler loop failed")
+            for req in list(self.waiting) + self.running:
+                req.error = f"simulated engine failed: {err!r}"
+                req.status = Status.FINISHED
+                self._flush(req, "error")
+            raise
+
+    async def _loop(self) -> None:
         while not self._stopped:
             self.hooks.poll()
             self._publish_events()  # also those of loads and releases between steps
