@@ -1,0 +1,132 @@
+"""End to end on a real P2D2 CPU cluster: the KV-event feed predicts each engine's prefix hit.
+
+The test process runs its own KvEventFeed on the spec's ports (the engines bind
+them, so the router's feed and this one both subscribe). Prompts from a few
+prefix families go one at a time through the router (round robin); before
+each, the feed predicts every instance's hit; the engines then report theirs
+(usage.pd: P's and D's cached tokens), and the run's timelines say which P and
+D served it. Each instance's KV pool is a few blocks (num_gpu_blocks_override),
+so families evict each other and predictions must follow the evictions too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+from e2e import cluster_spec_for, complete, free_port_run, running_cluster
+
+from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
+from pdcluster.router.prefix_index import hittable_hashes
+from pdcluster.router.timeline import load_run
+
+pytestmark = pytest.mark.e2e
+
+BS = 128
+PREFIX_BLOCKS = 3
+SUFFIX_TOKENS = 40  # a partial block: each prompt can hit its family's PREFIX_BLOCKS blocks, no more
+POOL_BLOCKS = 12  # per instance, vLLM's null block included: 11 usable, ~2 families and a running request
+FAMILIES = 4
+# Round robin sends request n to P n%2 and D n%2: every family meets both sides of both
+# roles, comes back to an instance that still holds it (hit), or that evicted part of it.
+ORDER = [0, 1, 2, 3, 0, 1, 2, 3, 1, 0, 3, 2, 2, 3, 0, 1, 0, 2, 1, 3]
+
+
+def prefix(f: int) -> list[int]:
+    rng = random.Random(f"family-{f}")
+    return [rng.randrange(3, 1000) for _ in range(PREFIX_BLOCKS * BS)]
+
+
+def prompt(f: int, n: int) -> list[int]:
+    rng = random.Random(f"suffix-{f}-{n}")
+    return prefix(f) + [rng.randrange(3, 1000) for _ in range(SUFFIX_TOKENS)]
+
+
+@dataclass(frozen=True)
+class Served:
+    n: int
+    family: int
+    response_id: str
+    predicted: dict[str, int]  # instance -> the feed's predicted hit (tokens), before the request
+    p_cached: int
+    d_cached: int
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = cluster_spec_for("e2e-kv-events", 2, 2,
+                            engine={"max_model_len": 1024, "max_num_batched_tokens": 1024,
+                                    "extra": {"num_gpu_blocks_override": POOL_BLOCKS}},
+                            router={"kv_events_port": free_port_run(8)})
+    with running_cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def feed(cluster):
+    with KvEventFeed(feed_endpoints(cluster.spec), BS) as f:
+        for name in f.instances:
+            f.wait_for(name, lambda s: s.connected, timeout=30)
+        yield f
+
+
+@pytest.fixture(scope="module")
+def served(cluster, feed) -> list[Served]:
+    out = []
+    for n, f in enumerate(ORDER):
+        p = prompt(f, n)
+        hashes = hittable_hashes(p, BS)
+        predicted = {name: feed.matched_tokens(name, hashes) for name in feed.instances}
+        r = complete(cluster.url, p, max_tokens=4, request_id=f"kv-{n}-f{f}")
+        assert r.status_code == 200, r.text
+        feed.catch_up()  # everything the engines published for this request is in
+        body = r.json()
+        out.append(Served(n, f, body["id"], predicted, body["usage"]["pd"]["p_cached_tokens"],
+                          body["usage"]["pd"]["d_cached_tokens"]))
+    return out
+
+
+def routes(cluster, ids: list[str], timeout: float = 10) -> dict[str, tuple[str, str]]:
+    """response id -> (P, D) from the run's timelines (a record is written as its request ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = {r.request_id: (r.prefill_instance, r.decode_instance) for r in load_run(cluster.run_dir).records}
+        if all(i in recs for i in ids) or time.monotonic() > deadline:
+            missing = [i for i in ids if i not in recs]
+            assert not missing, f"no timeline record for {missing}"
+            return recs
+        time.sleep(0.1)
+
+
+def test_predicted_hits_equal_what_p_and_d_report(cluster, served):
+    route = routes(cluster, [s.response_id for s in served])
+    wrong = []
+    for s in served:
+        p, d = route[s.response_id]
+        if (s.predicted[p], s.predicted[d]) != (s.p_cached, s.d_cached):
+            wrong.append(f"request {s.n} (family {s.family}) on {p}/{d}: predicted {s.predicted[p]}/"
+                         f"{s.predicted[d]}, engines report {s.p_cached}/{s.d_cached}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_sequence_covered_hits_and_evictions_on_both_roles(cluster, served):
+    # Not a tautology of the test above: without these cases it would prove little.
+    route = routes(cluster, [s.response_id for s in served])
+    full = PREFIX_BLOCKS * BS
+    seen: set[tuple[str, int]] = set()
+    cases = {"P hit": 0, "D hit": 0, "P evicted": 0, "D evicted": 0}
+    for s in served:
+        for role, inst, cached in (("P", route[s.response_id][0], s.p_cached), ("D", route[s.response_id][1], s.d_cached)):
+            if (inst, s.family) in seen:
+                cases[f"{role} hit" if cached == full else f"{role} evicted"] += 1
+            seen.add((inst, s.family))
+    assert all(cases.values()), f"the request order no longer exercises every case: {cases}"
+
+
+def test_the_feed_lost_nothing(feed, served):
+    for name in feed.instances:
+        s = feed.status(name)
+        assert (s.stale, s.lost, s.errors, s.skipped_events) == (False, 0, 0, 0), s
+        assert s.batches > 0, f"{name} published no KV events: kv_events_config not reaching vLLM?"
