@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
 from pdcluster.cluster.sim.block_pool import BlockPool, OutOfBlocks, hash_blocks
+from pdcluster.cluster.sim.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+init_none_hash(sha256)  # as a vLLM engine does at start: the root of every chain
 
 BS = 4
 

@@ -8,9 +8,10 @@ hash, a later request with the same prefix can take it back) until it is
 reused for something else, which evicts it.
 
 The rules are vLLM 0.32's `BlockPool` (vllm/v1/core/block_pool.py):
-- full blocks are hashed with vLLM's own `hash_block_tokens` chained over the
-  prompt (sha256 of the pickled (parent, tokens, None), the default
-  `prefix_caching_hash_algo`), so a hit needs the same tokens in every earlier block;
+- full blocks are hashed as vLLM hashes them (`hash_block_tokens` chained over
+  the prompt: sha256 of the pickled (parent, tokens, None), the default
+  `prefix_caching_hash_algo`; kv_wire.py, pinned to vLLM by tests), so a hit
+  needs the same tokens in every earlier block;
 - a hit is the longest run of cached leading blocks, at most `max_hit_tokens`
   (callers pass num_tokens - 1: the last token is always computed);
 - freed blocks return to the free queue, unhashed ones at the front (reused
@@ -20,8 +21,8 @@ The rules are vLLM 0.32's `BlockPool` (vllm/v1/core/block_pool.py):
   at once); each is stored and removed on its own;
 - events: `BlockStored` when full blocks get their hash (one event per call,
   with the parent's hash and the blocks' tokens), `BlockRemoved` per evicted
-  block, `AllBlocksCleared` on reset, in vLLM's wire classes
-  (vllm.distributed.kv_events), hashes converted as vLLM converts them.
+  block, `AllBlocksCleared` on reset, in vLLM's wire format (kv_wire.py),
+  hashes converted as vLLM converts them.
 
 One pool per instance: a block stands for `block_size` tokens of every state
 component of the model (cluster/sim/cost.py); how many bytes that is per
@@ -35,33 +36,31 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.utils.hashing import sha256
-from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
+from pdcluster.cluster.sim.kv_wire import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KvCacheEvent,
+    block_hash,
+)
+from pdcluster.cluster.sim.kv_wire import external_hash as maybe_convert_block_hash
 
 NULL_BLOCK_ID = 0
-BlockHash = bytes
 
 
 class OutOfBlocks(RuntimeError):
     """The pool cannot give that many blocks (the caller preempts or waits)."""
 
 
-def _ensure_none_hash() -> None:
-    # vLLM sets the chain's root hash when an engine starts; the sim has no engine.
-    if not hasattr(kv_cache_utils, "NONE_HASH"):
-        init_none_hash(sha256)
-
-
 def hash_blocks(token_ids: Sequence[int], block_size: int, known: Sequence[BlockHash] = ()) -> list[BlockHash]:
     """vLLM's chained hashes of every full block of `token_ids`, extending `known`
     (the hashes of its first len(known) blocks, computed before)."""
-    _ensure_none_hash()
     out = list(known)
     parent = out[-1] if out else None
     for start in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(sha256, parent, token_ids[start:start + block_size])
+        parent = block_hash(parent, token_ids[start:start + block_size])
         out.append(parent)
     return out
 
@@ -76,7 +75,6 @@ class Block:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, events: bool = True):
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
-        _ensure_none_hash()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -86,7 +84,7 @@ class BlockPool:
         # hash -> {block_id: block}: every block (free or held) a prefix can hit.
         self._cached: dict[BlockHash, dict[int, Block]] = {}
         self._events_on = events
-        self._events: list[KVCacheEvent] = []
+        self._events: list[KvCacheEvent] = []
 
     # ------------------------------------------------------------------ counts
 
@@ -188,7 +186,7 @@ class BlockPool:
             self._events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KvCacheEvent]:
         out, self._events = self._events, []
         return out
 
