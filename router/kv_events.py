@@ -207,7 +207,12 @@ class KvEventFeed:
         self._thread.start()
         assert self._ready.wait(10), "the KV-event feed thread did not start"
         if self.failure is not None:
-            raise RuntimeError("the KV-event feed failed to start") from self.failure
+            self._thread.join()
+            if self._wake_tx is not None:
+                self._wake_tx.close(linger=0)
+            self._ctx.term()
+            self._thread = None
+            raise RuntimeError(f"the KV-event feed failed to start: {self.failure}") from self.failure
         return self
 
     def stop(self) -> None:
@@ -312,8 +317,8 @@ class KvEventFeed:
     def _run(self) -> None:
         import zmq
 
+        wake_rx = self._ctx.socket(zmq.PAIR)
         try:
-            wake_rx = self._ctx.socket(zmq.PAIR)
             wake_rx.bind(f"inproc://kv-event-feed-wake-{id(self)}")
             with self._wake_lock:
                 self._wake_tx = self._ctx.socket(zmq.PAIR)
@@ -329,8 +334,9 @@ class KvEventFeed:
                 poller.register(st.monitor, zmq.POLLIN)
                 poller.register(st.sub, zmq.POLLIN)
                 owner[st.monitor], owner[st.sub] = ("monitor", st), ("sub", st)
-        except BaseException as e:  # noqa: BLE001 (reported by start())
+        except BaseException as e:  # noqa: BLE001 (reported by start(), e.g. a malformed endpoint)
             self.failure = e
+            self._close_sockets(wake_rx)
             self._ready.set()
             return
         self._ready.set()
@@ -351,14 +357,19 @@ class KvEventFeed:
             log.exception("the KV-event feed thread failed")
             self.failure = e
         finally:
-            for st in self._inst.values():
-                st.sub.disable_monitor()
-                for sock in (st.monitor, st.sub, st.dealer):
-                    if sock is not None:
-                        sock.close(linger=0)
-                st.sub = st.monitor = st.dealer = None
-            wake_rx.close(linger=0)
+            self._close_sockets(wake_rx)
             self._run_commands(serve=False)  # release any waiter; the sockets are gone
+
+    def _close_sockets(self, wake_rx: Any) -> None:
+        """Every socket but the callers' wake socket (stop() closes that one), so the context can end."""
+        for st in self._inst.values():
+            if st.monitor is not None:
+                st.sub.disable_monitor()
+            for sock in (st.monitor, st.sub, st.dealer):
+                if sock is not None:
+                    sock.close(linger=0)
+            st.sub = st.monitor = st.dealer = None
+        wake_rx.close(linger=0)
 
     def _run_commands(self, serve: bool = True) -> None:
         with self._wake_lock:
@@ -386,6 +397,10 @@ class KvEventFeed:
                 st.last_sub_seq = None
             elif event == zmq.EVENT_CONNECTED:
                 # A first connection, or a new engine behind the port: rebuild from its history.
+                # Whatever the SUB socket holds was sent before the replay below answers, so the
+                # replay covers it; dropping it keeps an old engine's last batches out.
+                while st.sub.poll(0):
+                    st.sub.recv_multipart()
                 with self._lock:
                     st.index.restarted()
                     st.index.next_seq = 0

@@ -205,6 +205,27 @@ def test_stop_ends_the_thread_and_closes_the_sockets(engine, ports):
     feed.stop()  # twice is harmless
 
 
+def test_without_a_replay_endpoint_a_gap_is_lost_at_once(engine, ports):
+    a = family(1)
+    pub, _ = ports
+    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", None)}, BS, drop=lambda name, seq: seq == 1) as feed:
+        feed.wait_for(NAME, lambda s: s.connected)
+        engine.store_root(10, a[:BS])
+        engine.publish(vllm_stored([11], 10, a[BS:2 * BS]))
+        engine.store_root(20, family(2))
+        s = feed.wait_for(NAME, lambda s: s.applied_seq == 2)
+        assert (s.stale, s.lost, s.replayed, s.blocks) == (True, 1, 0, 3)
+        assert (matched(feed, a), matched(feed, family(2))) == (0, 3)
+
+
+def test_a_malformed_endpoint_fails_start_and_leaves_nothing_running():
+    feed = KvEventFeed({NAME: ("not-an-endpoint", None)}, BS)
+    with pytest.raises(RuntimeError, match="failed to start"):
+        feed.start()
+    assert not [t for t in threading.enumerate() if t.name == "kv-event-feed"]
+    feed.stop()  # nothing left to stop
+
+
 def test_unknown_instance_is_named():
     feed = KvEventFeed({NAME: ("tcp://127.0.0.1:1", None)}, BS)
     with pytest.raises(KeyError, match="no KV-event feed for instance 'decode-9'"):
