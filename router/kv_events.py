@@ -147,6 +147,7 @@ class FeedStatus:
     applied_seq: int | None  # the last batch applied; None: none since the last (re)connection
     stale: bool
     blocks: int  # engine blocks the index holds
+    removed_blocks: int  # blocks it held that the engine evicted, in all (this index's life)
     batches: int  # batches applied, from the SUB socket or replay
     replayed: int  # of those, batches that came by replay
     lost: int  # times batches were lost for good (the index cleared and stale)
@@ -276,7 +277,7 @@ class KvEventFeed:
         st = self._inst[instance]
         idx = st.index
         return FeedStatus(st.name, st.connected, None if idx.next_seq in (None, 0) else idx.next_seq - 1,
-                          idx.stale, len(idx), st.batches, st.replayed, st.lost, st.connections,
+                          idx.stale, len(idx), idx.removed_blocks, st.batches, st.replayed, st.lost, st.connections,
                           idx.skipped_events + st.unknown, st.errors)
 
     def index(self, instance: str) -> InstanceIndex:

@@ -121,6 +121,7 @@ class InstanceIndex:
     next_seq: int | None = None  # the batch number expected next; None: take the first as it comes
     stale: bool = False  # history was lost: the index may miss blocks the instance holds
     skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
+    removed_blocks: int = 0  # blocks it held that the engine then evicted (BlockRemoved), in all
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
         """Apply batch `seq`. False if batches were missed before it: the index is then
@@ -172,6 +173,7 @@ class InstanceIndex:
         router_hash = self._held.pop(key, None)
         if router_hash is None:
             return
+        self.removed_blocks += 1
         ck = (key[0], router_hash)
         self._count[ck] -= 1
         if not self._count[ck]:

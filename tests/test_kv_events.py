@@ -118,7 +118,7 @@ def test_batches_are_applied_in_order(engine, ports):
         engine.wait_published(3)
         feed.catch_up()
         s = feed.status(NAME)
-        assert (s.applied_seq, s.stale, s.lost, s.blocks) == (2, False, 0, 2)
+        assert (s.applied_seq, s.stale, s.lost, s.blocks, s.removed_blocks) == (2, False, 0, 2, 1)
         assert matched(feed, a) == 2
         assert feed.matched_tokens(NAME, chain_hashes(a, BS)) == 2 * BS
         assert feed.held_blocks(NAME) == 2

@@ -50,7 +50,9 @@ def test_removed_block_breaks_the_prefix_there():
     idx.apply(0, [stored([11, 12, 13], None, PROMPT[:12])])
     idx.apply(1, [BlockRemoved((12,))])
     assert idx.matched_blocks(chain_hashes(PROMPT, BS)) == 1
-    assert len(idx) == 2
+    assert (len(idx), idx.removed_blocks) == (2, 1)
+    idx.apply(2, [BlockRemoved((12, 99))])  # gone already, and never held: nothing more removed
+    assert (len(idx), idx.removed_blocks) == (2, 1)
 
 
 def test_unknown_parent_is_not_guessed():
