@@ -69,14 +69,16 @@ def engine_kv_events_config(spec: Any, role: str, index: int) -> dict[str, Any]:
                 replay_endpoint=f"tcp://{spec.transfer.host}:{replay}", topic=KV_EVENTS_TOPIC)
 
 
-def feed_endpoints(spec: Any) -> dict[str, tuple[str, str]]:
-    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of every instance."""
-    host = spec.transfer.host
+def feed_endpoints(spec: Any, hosts: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of every instance,
+    at the transfer host, or at `hosts[name]` where given (an instance's node IP)."""
     out = {}
     for role, n in (("prefill", spec.prefill.instances), ("decode", spec.decode.instances)):
         for i in range(n):
+            name = f"{role}-{i}"
+            host = (hosts or {}).get(name, spec.transfer.host)
             pub, replay = spec.kv_event_ports(role, i)
-            out[f"{role}-{i}"] = (f"tcp://{host}:{pub}", f"tcp://{host}:{replay}")
+            out[name] = (f"tcp://{host}:{pub}", f"tcp://{host}:{replay}")
     return out
 
 

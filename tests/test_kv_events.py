@@ -241,6 +241,8 @@ def test_endpoints_from_the_spec_agree_with_the_engines_config():
         "prefill-1": ("tcp://127.0.0.1:18802", "tcp://127.0.0.1:18803"),
         "decode-0": ("tcp://127.0.0.1:18804", "tcp://127.0.0.1:18805"),
     }
+    assert feed_endpoints(spec, hosts={"decode-0": "10.0.0.7"})["decode-0"] == (
+        "tcp://10.0.0.7:18804", "tcp://10.0.0.7:18805")
     cfg = engine_kv_events_config(spec, "decode", 0)
     assert cfg == dict(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:18804",
                        replay_endpoint="tcp://127.0.0.1:18805", topic="kv")
