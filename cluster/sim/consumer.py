@@ -167,11 +167,16 @@ class ConsumerSide(KvHooks):
             floor_ns = report.transfer_start_ns + int(self.cost.transfer_s(sum(report.bytes_per_group)) * 1e9)
             report.transfer_end_ns = max(real_end, floor_ns if not report.arrivals else
                                          modelled_end_ns(report.transfer_start_ns, report.arrivals, self.link))
-            delay_s = (report.transfer_end_ns - time.monotonic_ns()) / 1e9
-            if delay_s > 0:
-                self.loop.call_later(delay_s, self.scheduler.load_ended, rid, None, report.transfer_end_ns)
-            else:
-                self.scheduler.load_ended(rid, None)
+            self._end_load_at(rid, report.transfer_end_ns)
+
+    def _end_load_at(self, rid: str, end_ns: int) -> None:
+        """The load ends at end_ns: timers fire early (uvloop's by up to a millisecond), so re-arm
+        until the clock has passed it; a request never sees its KV before the modelled transfer ends."""
+        delay_s = (end_ns - time.monotonic_ns()) / 1e9
+        if delay_s > 0:
+            self.loop.call_later(delay_s, self._end_load_at, rid, end_ns)
+        else:
+            self.scheduler.load_ended(rid, None)
 
     def _verify(self, req: SimRequest, groups: tuple[GroupPlan, ...]) -> str | None:
         keys = payload.block_keys(req.block_hashes, req.prompt_token_ids, self.block_size)

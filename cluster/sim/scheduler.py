@@ -248,13 +248,12 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, "abort")
 
-    def load_ended(self, request_id: str, error: str | None, not_before_ns: int = 0) -> None:
-        """KvHooks: the load of `request_id` ended (error None: every block arrived), at
-        not_before_ns at the earliest (a timer may fire a few float-rounding ns early)."""
+    def load_ended(self, request_id: str, error: str | None) -> None:
+        """KvHooks: the load of `request_id` ended (error None: every block arrived)."""
         req = self.requests.get(request_id)
         if req is None:
             return
-        req.kv_ready_ns = max(time.monotonic_ns(), not_before_ns)
+        req.kv_ready_ns = time.monotonic_ns()
         if req.status is Status.FINISHED:  # aborted while loading: its blocks were kept until now
             self._free_blocks(req)
             return
