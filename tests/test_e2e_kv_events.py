@@ -130,3 +130,4 @@ def test_the_feed_lost_nothing(feed, served):
         s = feed.status(name)
         assert (s.stale, s.lost, s.errors, s.skipped_events) == (False, 0, 0, 0), s
         assert s.batches > 0, f"{name} published no KV events: kv_events_config not reaching vLLM?"
+        assert s.removed_blocks > 0, f"{name} evicted nothing: is num_gpu_blocks_override applied?"
