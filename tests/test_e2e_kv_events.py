@@ -59,7 +59,7 @@ def cluster():
     spec = cluster_spec_for("e2e-kv-events", 2, 2,
                             engine={"max_model_len": 1024, "max_num_batched_tokens": 1024,
                                     "extra": {"num_gpu_blocks_override": POOL_BLOCKS}},
-                            router={"kv_events_port": free_port_run(8)})
+                            router={"policy": "round_robin", "kv_events_port": free_port_run(8)})
     with running_cluster(spec) as c:
         yield c
 
