@@ -22,13 +22,13 @@ from pdcluster.transfer.handle import TransferHandle
 BLOCK = 128
 
 
-def sim_spec(params: str = "qwen3-0.6b-1dev", kv_blocks: int = 128):
+def sim_spec(params: str = "qwen3-0.6b-1dev", kv_blocks: int = 128, **transfer):
     return parse_spec({
         "name": "sim-unit", "model": {"path": tiny_model_dir()},
         "engine": {"kind": "sim", "block_size": BLOCK, "max_model_len": 16384, "max_num_batched_tokens": 1024,
                    "max_num_seqs": 8},
         "sim": {"params": params, "kv_blocks": kv_blocks},
-        "transfer": {"base_port": free_port(), "timeout_s": 10},
+        "transfer": {"base_port": free_port(), "timeout_s": 10, "chunk_bytes": 4096, **transfer},
         "router": {"port": free_port(), "kv_events_port": free_port_run(4)}})
 
 
@@ -155,5 +155,24 @@ def test_bad_requests_fail_with_a_clear_error():
             handle = TransferHandle(p.engine_id, p.kv_address, "x", 10).to_params()
             with pytest.raises(ValueError, match="the handle covers 10 tokens"):
                 [x async for x in d.decode(DecodeRequest("x", prompt(7, 20), SamplingSpec(), handle))]
+            await all_free(p, d)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("on_failure", ["error", "recompute"])
+def test_a_transfer_broken_halfway_errors_or_is_recomputed_and_frees_its_blocks(on_failure):
+    async def run():
+        spec = sim_spec(on_failure=on_failure, break_transfers_with_prefix="broken-")
+        async with p_and_d(spec) as (p, d):
+            tokens = prompt(8, 1000)
+            _, deltas = await serve(p, d, tokens, "broken-1")
+            t = deltas[-1].transfer
+            assert t.error == "KV pull from P failed" and (t.d_cached_tokens, t.transferred_tokens) == (0, 0)
+            if on_failure == "error":
+                assert deltas[-1].finish_reason == "error"
+            else:  # D computed the prompt itself: the same tokens as a healthy transfer gives
+                _, healthy = await serve(p, d, tokens, "healthy")
+                assert deltas[-1].finish_reason == "length"
+                assert [t for x in deltas for t in x.new_token_ids] == [t for x in healthy for t in x.new_token_ids]
             await all_free(p, d)
     asyncio.run(run())
