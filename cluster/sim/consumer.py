@@ -33,6 +33,11 @@ from pdcluster.transfer.plan import GroupPlan, TransferPlan
 
 log = logging.getLogger(__name__)
 
+# Pulls in flight per D. In push mode a pull holds its thread from D's admission until P has
+# computed the prompt, P's queue included; with fewer threads than such pulls, a pull whose P
+# is done waits behind others still waiting for theirs (C90 on P8+D8: ~10 per D at a time).
+FETCH_THREADS = 64
+
 _PLAN_KIND = {"full": "full_attention", "compressed": "compressed", "window": "sliding_window",
               "state": "sliding_window"}  # state: its one tail block, as a window's tail
 
@@ -85,7 +90,7 @@ class ConsumerSide(KvHooks):
         self.link = LinkModel.of(cost)
         self.loop = loop
         self.scheduler: Scheduler | None = None
-        self.fetcher = _NotifyingFetcher(engine_id, kv, timeout_s, max_workers=8,
+        self.fetcher = _NotifyingFetcher(engine_id, kv, timeout_s, max_workers=FETCH_THREADS,
                                          on_done=lambda rid: loop.call_soon_threadsafe(self._collect))
         self.handles: dict[str, TransferHandle] = {}
         self.reports: dict[str, TransferReport] = {}
