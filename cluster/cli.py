@@ -4,7 +4,7 @@
   pdc up SPEC.yaml                                   start a cluster, return when healthy
   pdc status [--name NAME]                           list instances: role, address, health
   pdc down [--name NAME]                             stop what `pdc up` started
-  pdc demo [SPEC.yaml]                               up, a few requests, down (the README's main job)
+  pdc demo [SPEC.yaml] [--replay c90]                up, a few requests, a replay, down (the README's main job)
   pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
   pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
 """
@@ -169,10 +169,12 @@ def cmd_down(a) -> None:
 def cmd_demo(a) -> None:
     from pdcluster.cluster.demo import run_demo
 
-    run_demo(_load(a.spec), replay=None if a.no_replay else "c90-tiny")
+    run_demo(_load(a.spec), replay=None if a.no_replay else a.replay)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pdcluster.bench.presets import PRESETS
+
     ap = argparse.ArgumentParser(prog="pdc", description="prefill/decode disaggregated vLLM clusters on Ray")
     sub = ap.add_subparsers(dest="cmd", required=True)
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="what", required=True)
@@ -190,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         p.set_defaults(fn=fn)
     demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
     demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
-    demo.add_argument("--no-replay", action="store_true", help="skip the scaled C90 replay at the end")
+    demo.add_argument("--replay", default="c90-tiny", choices=sorted(PRESETS),
+                      help="the load replayed at the end (c90: the full preset, for deploy/p8d8-sim.yaml)")
+    demo.add_argument("--no-replay", action="store_true", help="skip the replay at the end")
     demo.set_defaults(fn=cmd_demo)
     from pdcluster.bench.run import add_bench_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
