@@ -34,7 +34,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("parse + validate the request", ("_parse (", "make_job", "model_validate", "check_model")),
     ("build the response (JSON, SSE)", ("_envelope", "_usage", "JSONResponse", "_sse", "_event (")),
     ("engine actor method bodies", ("instant_engine.py",)),
-    ("pdcluster request path, own code", ("pdcluster/router/",)),
+    ("pdcluster request path, own code", ("pdcluster/router/", "(router/")),  # installed, or editable
     ("HTTP server + ASGI framework", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools")),
     ("asyncio event loop, threads", ("asyncio/", "concurrent/futures", "threading.py")),
     ("Ray worker, other", ("ray/",)),

@@ -226,6 +226,9 @@ def test_fold_assigns_each_stack_to_its_most_specific_cost():
     assert samples == {"HTTP server + ASGI framework": 5, "Ray: submit prefill/decode calls": 3,
                        "Ray: (de)serialize messages": 2, "tokenize the prompt": 4, prof.NATIVE: 6}
     assert prof.categorize(["main (x.py:1)"]) == prof.OTHER
+    own = "pdcluster request path, own code"  # as py-spy names an editable install's files, and an installed one's
+    assert prof.categorize(["PDDispatcher.generate (router/pd_dispatch.py:97)"]) == own
+    assert prof.categorize(["PDDispatcher.generate (pdcluster/router/pd_dispatch.py:97)"]) == own
 
 
 def test_profile_spreads_cpu_per_request_by_sample_share():
