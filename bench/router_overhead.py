@@ -40,9 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.spec import ClusterSpec
 
 PROMPT = "Hello there, this is a short prompt for measuring a router."
 MAX_TOKENS = 4
@@ -194,10 +198,10 @@ class System:
     url: str
     proxy_pids: list[int]
     backend_pids: list[int]
-    prepare: object = None  # callable run before each measurement (pdcluster's switches), or None
+    prepare: Callable[[], None] | None = None  # run before each measurement (pdcluster's switches)
 
     def before_run(self) -> None:
-        if callable(self.prepare):
+        if self.prepare is not None:
             self.prepare()
 
 
@@ -276,14 +280,14 @@ def _bench_router_class():
 @dataclass
 class PdCluster:
     url: str
-    router: object  # ray actor handle
+    router: Any  # the router's Ray actor handle
     router_pid: int
     engine_pids: list[int]
     engines: list = field(default_factory=list)  # P, D actor handles
     has_policies: bool = False
 
 
-def bench_spec(model_dir: str, router_port: int, runs_dir: str):
+def bench_spec(model_dir: str, router_port: int, runs_dir: str) -> ClusterSpec:
     from pdcluster.cluster.spec import parse_spec
 
     return parse_spec({
