@@ -215,8 +215,11 @@ class KvServer:
 
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
                  wait_s: float = 30.0, break_prefix: str | None = None, channel_backend: str | None = None,
-                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES):
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdc-kv-server"),
+                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES, max_workers: int = 8):
+        # A ReadBlocks call holds a thread while its source is not ready (push mode: through P's
+        # queue); calls past max_workers, GetLayout included, wait for one to end.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                              thread_name_prefix="pdc-kv-server"),
                                    options=GRPC_OPTIONS)
         # transfer.backend torch_dist: the bytes go over pair channels (transfer/channels.py).
         self._channels = ChannelHost(host, channel_backend, wait_s) if channel_backend else None
