@@ -10,8 +10,9 @@ unit-tested without engines; router/routing.py feeds them.
   A P that holds most of a prompt wins unless its queue costs more than the
   prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
   same way, with a threshold instead of one cost. On a tie (a prefix no P
-  holds, idle instances) the P holding the fewest blocks wins, so new prefix
-  families spread over the instances instead of piling onto the first.
+  holds, idle instances) the P holding the fewest blocks wins, then the next
+  in turn, so new prefix families spread over the instances instead of piling
+  onto the first.
 D is picked by load in every policy but round_robin: the KV tokens its requests
 hold (prompt + max_tokens each), then running requests.
 """
@@ -48,11 +49,19 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_token
     if policy == "round_robin":
         return candidates[turn % len(candidates)]
     if policy == "least_load":
-        return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, c.name))
+        return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     if policy == "prefix_aware":
         return min(candidates, key=lambda c: (prompt_tokens - min(c.matched_tokens, prompt_tokens) + c.queued_tokens,
-                                              -c.matched_tokens, c.queued_requests, c.held_blocks, c.name))
+                                              -c.matched_tokens, c.queued_requests, c.held_blocks,
+                                              _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
+
+
+def _rotated(candidates: Sequence[PrefillView] | Sequence[DecodeView], c, turn: int) -> int:
+    """The last tie-breaker: positions rotated by the turn, so ties go round robin. (A P's
+    KV events reach the router a little after its reply: a request right behind another
+    can see every cache still empty, and must not go to the same P by name.)"""
+    return (candidates.index(c) - turn) % len(candidates)
 
 
 def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> DecodeView:
@@ -60,5 +69,5 @@ def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> 
     if policy == "round_robin":
         return candidates[turn % len(candidates)]
     if policy in ("least_load", "prefix_aware"):
-        return min(candidates, key=lambda c: (c.kv_tokens, c.running, c.name))
+        return min(candidates, key=lambda c: (c.kv_tokens, c.running, _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")

@@ -46,3 +46,12 @@ def test_decode_by_kv_tokens_then_running():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="one of round_robin, least_load, prefix_aware"):
         pick_prefill("random", P, 10, 0)
+
+
+def test_ties_go_round_robin_by_turn():
+    # Every cache looks empty (a request right behind another, its KV events not in yet).
+    idle = [PrefillView(n, 0, 0) for n in ("a", "b", "c")]
+    assert [pick_prefill("prefix_aware", idle, 1_000, t).name for t in range(4)] == ["a", "b", "c", "a"]
+    assert [pick_prefill("least_load", idle, 1_000, t).name for t in range(3)] == ["a", "b", "c"]
+    ds = [DecodeView(n, 0, 0) for n in ("d0", "d1")]
+    assert [pick_decode("least_load", ds, t).name for t in range(3)] == ["d0", "d1", "d0"]
