@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -35,15 +36,28 @@ def vllm_removed(engine_hashes):
     return VRemoved(block_hashes=list(engine_hashes), medium="GPU", group_idx=0)
 
 
+def publisher(endpoint: str, replay_endpoint: str, buffer_steps: int = 10_000):
+    """vLLM's ZmqEventPublisher; a port its predecessor just closed may take zmq's I/O thread a
+    moment to release, as when an engine restarts."""
+    import zmq
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay_endpoint,
+                                     buffer_steps=buffer_steps, topic="kv")
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Engine:
     """A vLLM ZmqEventPublisher on free ports, publishing as an engine's scheduler does."""
 
     def __init__(self, pub_port: int, replay_port: int, buffer_steps: int = 10_000):
-        from vllm.distributed.kv_events import ZmqEventPublisher
-
-        self.pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
-                                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-                                     buffer_steps=buffer_steps, topic="kv")
+        self.pub = publisher(f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}", buffer_steps)
 
     def publish(self, *events) -> None:
         from vllm.distributed.kv_events import KVEventBatch
@@ -55,8 +69,8 @@ class Engine:
         n = len(tokens) // BS
         self.publish(vllm_stored(range(hash_base, hash_base + n), None, tokens))
 
-    def wait_published(self, n: int, timeout: float = 5.0) -> None:
-        """Until the publisher thread has sent n batches in all (its replay buffer holds them)."""
+    def wait_published(self, timeout: float = 5.0) -> None:
+        """Until the publisher thread has sent every batch given to it (its replay buffer holds them)."""
         deadline = time.monotonic() + timeout
         while self.pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -115,7 +129,7 @@ def test_batches_are_applied_in_order(engine, ports):
         engine.store_root(10, a[:2 * BS])
         engine.publish(vllm_stored([12], 11, a[2 * BS:]))  # its parent is the previous batch's
         engine.publish(vllm_removed([12]))
-        engine.wait_published(3)
+        engine.wait_published()
         feed.catch_up()
         s = feed.status(NAME)
         assert (s.applied_seq, s.stale, s.lost, s.blocks, s.removed_blocks) == (2, False, 0, 2, 1)
@@ -143,7 +157,7 @@ def test_a_gap_beyond_the_replay_buffer_makes_the_index_stale(ports):
             feed.wait_for(NAME, lambda s: s.connected)
             for n in range(6):  # batch n stores family(n) from the root
                 engine.store_root(10 * n, family(n))
-            engine.wait_published(6)
+            engine.wait_published()
             s = feed.wait_for(NAME, lambda s: s.applied_seq == 5)
             # Batches 1-3 are gone from the buffer (it keeps 4 and 5): cleared, stale, then 4 and 5 applied.
             assert (s.stale, s.lost, s.blocks) == (True, 1, 6)
@@ -161,7 +175,7 @@ def test_a_gap_beyond_the_replay_buffer_makes_the_index_stale(ports):
 def test_a_feed_started_late_learns_the_history_from_replay(engine, ports):
     for n in range(3):
         engine.store_root(10 * n, family(n))
-    engine.wait_published(3)  # before anyone subscribed: only the replay buffer has them
+    engine.wait_published()  # before anyone subscribed: only the replay buffer has them
     with feed_for(ports) as feed:
         s = feed.wait_for(NAME, lambda s: s.applied_seq == 2)
         assert (s.stale, s.lost, s.replayed, s.blocks) == (False, 0, 3, 9)
@@ -175,7 +189,7 @@ def test_a_restarted_engine_clears_the_index_and_numbering_starts_over(ports):
             feed.wait_for(NAME, lambda s: s.connected)
             for n in range(3):
                 first.store_root(10 * n, family(n))
-            first.wait_published(3)
+            first.wait_published()
             feed.catch_up()
             assert feed.status(NAME).applied_seq == 2
         finally:
@@ -185,12 +199,63 @@ def test_a_restarted_engine_clears_the_index_and_numbering_starts_over(ports):
         second = Engine(*ports)
         try:
             second.store_root(50, family(5))
-            second.wait_published(1)
+            second.wait_published()
             feed.wait_for(NAME, lambda s: s.connected)
             feed.catch_up()
             s = feed.status(NAME)
             assert (s.applied_seq, s.stale, s.lost, s.connections, s.blocks) == (0, False, 0, 2, 3)
             assert [matched(feed, family(n)) for n in (0, 1, 2, 5)] == [0, 0, 0, 3]
+        finally:
+            second.close()
+
+
+def test_a_numbering_that_goes_back_is_a_restart_even_on_one_connection():
+    """Engines behind a broker (XSUB/XPUB): the feed's connection outlives the engine, so only
+    the numbering says a new engine (empty cache) took over."""
+    import zmq
+    from zmq.devices import ThreadProxy
+
+    upstream, downstream, replay = free_port(), free_port(), free_port()
+    broker = ThreadProxy(zmq.XSUB, zmq.XPUB)
+    broker.bind_in(f"tcp://127.0.0.1:{upstream}")
+    broker.bind_out(f"tcp://127.0.0.1:{downstream}")
+    broker.start()
+
+    def engine_behind_broker():
+        e = Engine.__new__(Engine)  # connects its PUB to the broker (vLLM connects a non-wildcard endpoint)
+        e.pub = publisher(f"tcp://127.0.0.1:{upstream}", f"tcp://127.0.0.1:{replay}")
+        return e
+
+    def publish_until(e, hash_base, tokens, blocks):
+        # A PUB that just connected has not got the subscription yet: publish the same blocks
+        # again (idempotent) until the index holds `blocks`.
+        for _ in range(50):
+            e.store_root(hash_base, tokens)
+            try:
+                return feed.wait_for(NAME, lambda s: s.blocks == blocks, timeout=0.2)
+            except TimeoutError:
+                pass
+        raise AssertionError(f"the index never held {blocks} blocks")
+
+    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{downstream}", f"tcp://127.0.0.1:{replay}")}, BS) as feed:
+        feed.wait_for(NAME, lambda s: s.connected)
+        first = engine_behind_broker()
+        try:
+            publish_until(first, 0, family(0), 3)
+            for n in range(1, 12):  # a history longer than the second engine's will be when seen
+                first.store_root(10 * (n % 4), family(n % 4))
+            first.wait_published()
+            feed.catch_up()
+            s = feed.status(NAME)
+            assert (s.blocks, s.stale, s.lost) == (12, False, 0) and s.applied_seq >= 11
+        finally:
+            first.close()
+        second = engine_behind_broker()
+        try:
+            s = publish_until(second, 50, family(5), 3)
+            assert (s.connected, s.connections, s.stale, s.lost) == (True, 1, False, 0)
+            assert s.applied_seq < 11  # the new engine's numbering
+            assert [matched(feed, family(n)) for n in (0, 1, 2, 3, 5)] == [0, 0, 0, 0, 3]
         finally:
             second.close()
 
@@ -208,14 +273,32 @@ def test_stop_ends_the_thread_and_closes_the_sockets(engine, ports):
 def test_without_a_replay_endpoint_a_gap_is_lost_at_once(engine, ports):
     a = family(1)
     pub, _ = ports
-    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", None)}, BS, drop=lambda name, seq: seq == 1) as feed:
+    dropped: list[int] = []
+    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", None)}, BS, drop=lambda name, seq: seq in dropped) as feed:
         feed.wait_for(NAME, lambda s: s.connected)
+        # Until PUB has the subscription it sends nothing (and nothing can be replayed): probe.
+        probes = 0
+        while feed.status(NAME).applied_seq is None:
+            assert probes < 50, "the feed never got a probe batch"
+            engine.store_root(90, family(9))
+            probes += 1
+            with contextlib.suppress(TimeoutError):
+                feed.wait_for(NAME, lambda s: s.applied_seq is not None, timeout=0.2)
+        # The first probes seen may not be batch 0 (a loss already): an emptied engine cache
+        # makes the index exact again, from batch `probes` on.
+        from vllm.distributed.kv_events import AllBlocksCleared
+
+        engine.publish(AllBlocksCleared())
+        engine.store_root(90, family(9))
+        before = feed.wait_for(NAME, lambda s: s.applied_seq == probes + 1)
+        assert (before.stale, before.blocks) == (False, 3)
+        dropped.append(probes + 3)
         engine.store_root(10, a[:BS])
-        engine.publish(vllm_stored([11], 10, a[BS:2 * BS]))
+        engine.publish(vllm_stored([11], 10, a[BS:2 * BS]))  # lost, and no replay to ask
         engine.store_root(20, family(2))
-        s = feed.wait_for(NAME, lambda s: s.applied_seq == 2)
-        assert (s.stale, s.lost, s.replayed, s.blocks) == (True, 1, 0, 3)
-        assert (matched(feed, a), matched(feed, family(2))) == (0, 3)
+        s = feed.wait_for(NAME, lambda s: s.applied_seq == probes + 4)
+        assert (s.stale, s.lost - before.lost, s.replayed, s.blocks) == (True, 1, 0, 3)
+        assert (matched(feed, family(9)), matched(feed, a), matched(feed, family(2))) == (0, 0, 3)
 
 
 def test_a_malformed_endpoint_fails_start_and_leaves_nothing_running():
