@@ -25,9 +25,13 @@ The rules are vLLM 0.32's `BlockPool` (vllm/v1/core/block_pool.py):
   hashes converted as vLLM converts them.
 
 One pool per instance: a block stands for `block_size` tokens of every state
-component of the model (cluster/sim/cost.py); how many bytes that is per
-component, and which blocks of a window or state component move, is the cost
-model's business, not the pool's.
+component of the model (cluster/sim/cost.py). Its size (`sim.kv_blocks`, else
+the cost model's `kv_capacity_blocks`) counts the full and compressed
+components, which hold every block of a request; window and state components
+hold only a request's last few blocks (the window's, the state's slot), so, as
+in the cost model, they do not count against it. How many bytes a block is per
+component, and which blocks of each component move, is the cost model's
+business (payload.py and consumer.py use it), not the pool's.
 """
 
 from __future__ import annotations

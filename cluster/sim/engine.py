@@ -69,7 +69,7 @@ def model_vocab(model_path: str) -> tuple[int, int | None]:
 
 @dataclass(frozen=True)
 class SimStats:
-    received_bytes: int  # D: scaled payload bytes its fetches wrote (P: 0)
+    received_bytes: int  # D: scaled payload bytes its pulls wrote, over transport grpc (P: 0)
     payload_bytes_per_block: dict[str, int]  # per component: one block's bytes on the wire
     steps: int
     lag_resets: int  # steps that started more than max_lag_s late: the CPU could not keep up
