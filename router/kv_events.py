@@ -21,6 +21,8 @@ DEALER per instance, plus a monitor of each SUB's connection). Contract:
   buffer from batch 0; a numbering that goes back (a restarted engine) likewise
   starts the index over, not stale;
 - a lost connection empties the index (whatever the engine held is out of reach);
+- a batch lost on the way is found by the next one's number, or, if the engine
+  goes quiet, by one replay request `quiet_probe_s` after its last batch;
 - `catch_up()` applies everything each instance had published (sent: vLLM's
   publisher queues a batch, then its own thread sends it) when it was called: a
   barrier for tests and tools, never needed for routing. An engine queues a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 KV_EVENTS_TOPIC = "kv"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay marker
 REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1 s
+QUIET_PROBE_S = 1.0  # this long after an instance's last batch (or connection), ask its replay once
 
 
 # -- where engines publish and where the feed connects ------------------------------------
@@ -169,6 +173,7 @@ class _Instance:
         self.sub: Any = None
         self.monitor: Any = None
         self.dealer: Any = None
+        self.probe_at: float | None = None  # when to ask the replay buffer for what SUB may have lost
         self.batches = self.replayed = self.lost = self.connections = self.unknown = self.errors = 0
 
 
@@ -177,6 +182,7 @@ class KvEventFeed:
 
     def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
                  topic: str = KV_EVENTS_TOPIC, replay_timeout_s: float = REPLAY_TIMEOUT_S,
+                 quiet_probe_s: float = QUIET_PROBE_S,
                  drop: Callable[[str, int], bool] | None = None):
         """`endpoints`: {instance name: (publish endpoint, replay endpoint or None)}, e.g.
         `feed_endpoints(spec)`. `drop`: fault injection for tests: SUB messages (instance, seq)
@@ -186,6 +192,7 @@ class KvEventFeed:
         self.block_size = block_size
         self._topic = topic.encode()
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
+        self._quiet_probe_s = quiet_probe_s
         self._drop = drop
         self._inst = {name: _Instance(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
         self._lock = threading.Lock()  # guards every index and counter
@@ -345,7 +352,7 @@ class KvEventFeed:
         self._ready.set()
         try:
             while not self._stopping:
-                for sock, _ in poller.poll(1000):
+                for sock, _ in poller.poll(self._poll_ms()):
                     if sock is wake_rx:
                         while wake_rx.poll(0):
                             wake_rx.recv()
@@ -356,6 +363,7 @@ class KvEventFeed:
                     else:
                         self._on_sub(st)
                 self._run_commands()
+                self._probe_quiet()
         except BaseException as e:  # noqa: BLE001 (a bug: keep it for whoever asks)
             log.exception("the KV-event feed thread failed")
             self.failure = e
@@ -384,6 +392,20 @@ class KvEventFeed:
                         self._fill(st, st.index.next_seq or 0)
             done.set()
 
+    def _poll_ms(self) -> int:
+        due = [st.probe_at for st in self._inst.values() if st.probe_at is not None]
+        return 1000 if not due else max(0, min(1000, int((min(due) - time.monotonic()) * 1000) + 1))
+
+    def _probe_quiet(self) -> None:
+        """A batch lost on the way shows as a gap when the next one comes; if none comes (the
+        engine went quiet), ask the replay buffer once, a while after the last."""
+        now = time.monotonic()
+        for st in self._inst.values():
+            if st.probe_at is not None and now >= st.probe_at:
+                st.probe_at = None
+                if st.connected:
+                    self._fill(st, st.index.next_seq or 0)
+
     def _on_monitor(self, st: _Instance) -> None:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
@@ -409,6 +431,7 @@ class KvEventFeed:
                     st.index.next_seq = 0
                 st.last_sub_seq = None
                 self._fill(st, 0)
+                st.probe_at = time.monotonic() + self._quiet_probe_s  # PUB may not have had the subscription yet
                 with self._lock:  # connected: the history is in (status readers may rely on it)
                     st.connected = True
                     st.connections += 1
@@ -436,6 +459,7 @@ class KvEventFeed:
                     st.index.restarted()
                     st.index.next_seq = 0
             st.last_sub_seq = seq
+            st.probe_at = time.monotonic() + self._quiet_probe_s
             expected = st.index.next_seq or 0
             if seq < expected:
                 continue  # already applied from a replay

@@ -150,6 +150,17 @@ def test_a_gap_is_filled_from_replay(engine, ports):
         assert matched(feed, a) == 3
 
 
+def test_a_lost_last_batch_is_found_when_the_engine_goes_quiet(engine, ports):
+    a = family(1)
+    with feed_for(ports, drop=lambda name, seq: seq == 1, quiet_probe_s=0.2) as feed:
+        feed.wait_for(NAME, lambda s: s.connected)
+        engine.store_root(10, a[:BS])
+        engine.publish(vllm_stored([11, 12], 10, a[BS:]))  # lost, and nothing comes after it
+        s = feed.wait_for(NAME, lambda s: s.applied_seq == 1, timeout=5)
+        assert (s.stale, s.lost, s.blocks) == (False, 0, 3) and s.replayed >= 1
+        assert matched(feed, a) == 3
+
+
 def test_a_gap_beyond_the_replay_buffer_makes_the_index_stale(ports):
     engine = Engine(*ports, buffer_steps=2)
     try:
