@@ -161,7 +161,9 @@ def test_d_waits_for_its_kv_then_computes_only_the_last_token():
         sched.load_ended("d", None)
 
     out = asyncio.run(serve(sched, [d], during=finish_load_later))
-    assert cost.steps[0] == (((1, 39),), ())  # vLLM recomputes the last prompt token for its logits
+    # vLLM recomputes the last prompt token for its logits: one query over a 40-token context,
+    # shaped (and costed) as a decode step.
+    assert cost.steps[0] == ((), (40,))
     assert len(tokens_of(out["d"])) == 3
     assert d.kv_ready_ns <= d.scheduled_ns <= d.first_token_ns
     # The loaded blocks are cached: the same prompt hits them now.

@@ -336,9 +336,12 @@ class Scheduler:
         chunks, contexts = [], []
         for c in batch:
             r = c.req
-            if r.num_computed_tokens < r.num_prompt_tokens or c.num_new_tokens > 1 or r.num_computed_tokens == 0:
+            if c.num_new_tokens > 1 or r.num_computed_tokens == 0:
                 chunks.append((c.num_new_tokens, r.num_computed_tokens))
             else:
+                # One token over a cached context is decode-shaped, whether it samples the next
+                # output or recomputes a prompt's last token (D after its load, P on a full hit):
+                # one query row reading its context, as a decode request's.
                 contexts.append(r.num_computed_tokens + 1)
         if not contexts:
             return self.cost.prefill_step_s(chunks)
