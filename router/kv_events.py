@@ -29,6 +29,10 @@ DEALER per instance, plus a monitor of each SUB's connection). Contract:
   step's batch before that step's outputs leave it, so the batch is sent long
   before the response has crossed the actor, the router and HTTP to a client.
 Readers (`matched_blocks`, `status`) may call from any thread.
+
+Replay requests are made from the feed's thread and waited for (up to
+`replay_timeout_s`): an instance whose replay socket does not answer holds the
+other instances' batches back that long, once per gap.
 """
 
 from __future__ import annotations
