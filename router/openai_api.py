@@ -404,7 +404,9 @@ def _envelope(job: _Job, choices: list[dict[str, Any]], usage: Usage | None, chu
 
 
 def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    # ASCII only: a raw U+2028 or U+0085 in the text ends a line for clients that split on
+    # every Unicode line break (httpx's iter_lines, so the openai SDK), cutting the JSON in two.
+    return f"data: {json.dumps(body)}\n\n"
 
 
 async def _sse(job: _Job, first: _Delta, rest: AsyncIterator[_Delta]) -> AsyncIterator[str]:

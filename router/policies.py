@@ -10,9 +10,11 @@ unit-tested without engines; router/routing.py feeds them.
   A P that holds most of a prompt wins unless its queue costs more than the
   prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
   same way, with a threshold instead of one cost. On a tie (a prefix no P
-  holds, idle instances) the P holding the fewest blocks wins, then the next
-  in turn, so new prefix families spread over the instances instead of piling
-  onto the first.
+  holds, idle instances) the P with fewer requests wins, then the next in
+  turn, so new prefix families spread over the instances instead of piling
+  onto the first. (Not the P holding the fewest blocks: vLLM publishes a
+  reset's AllBlocksCleared only at the engine's next step, so an idle
+  instance's index can look full long after its cache was emptied.)
 D is picked by load in every policy but round_robin: the KV tokens its requests
 hold (prompt + max_tokens each), then running requests.
 """
@@ -33,7 +35,6 @@ class PrefillView:
     matched_tokens: int  # the prompt's cached prefix on this P (its prefix index)
     queued_tokens: int  # prefill tokens waiting or running on it
     queued_requests: int = 0
-    held_blocks: int = 0  # blocks its prefix cache holds (its index's size)
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,7 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_token
         return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     if policy == "prefix_aware":
         return min(candidates, key=lambda c: (prompt_tokens - min(c.matched_tokens, prompt_tokens) + c.queued_tokens,
-                                              -c.matched_tokens, c.queued_requests, c.held_blocks,
-                                              _rotated(candidates, c, turn)))
+                                              -c.matched_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
 
 

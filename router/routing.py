@@ -35,9 +35,6 @@ class PrefixLookup(Protocol):
     def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         """How many leading blocks of a prompt (its chain hashes) `instance` holds; 0 if unknown."""
 
-    def held_blocks(self, instance: str) -> int:
-        """How many blocks `instance`'s prefix cache holds."""
-
 
 class _Named(Protocol):
     name: str
@@ -89,9 +86,7 @@ class InstancePicker(Generic[I]):
             matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in self.prefill}
             matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in self.decode}
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
-                               self._load[p.name].requests,
-                               self.lookup.held_blocks(p.name) if self.lookup is not None else 0)
-                   for p in self.prefill]
+                               self._load[p.name].requests) for p in self.prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests) for d in self.decode]
         p_name = pick_prefill(self.policy, p_views, n, turn).name
         d_name = pick_decode(self.policy, d_views, turn).name

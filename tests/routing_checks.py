@@ -43,6 +43,19 @@ def shuffled_order(families: int, rounds: int, seed: int = 0) -> list[int]:
     return order
 
 
+def under_policy(cluster, policy: str, fams: Families, order: list[int], tag: str) -> list[RequestRecord]:
+    """From empty caches, the prompts in turn with the router on `policy`."""
+    import ray
+    from e2e import reset_caches
+
+    reset_caches(cluster)
+    ray.get(cluster.router.set_policy.remote(policy))
+    try:
+        return send_in_turn(cluster, fams, order, tag)
+    finally:
+        ray.get(cluster.router.set_policy.remote(cluster.spec.router.policy))
+
+
 def send_in_turn(cluster, fams: Families, order: list[int], tag: str, max_tokens: int = 4) -> list[RequestRecord]:
     """Each prompt after the last finished and the router's index has its events; the records, in order."""
     import ray

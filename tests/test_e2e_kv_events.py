@@ -1,4 +1,5 @@
-"""End to end on a real P2D2 CPU cluster: the KV-event feed predicts each engine's prefix hit.
+"""End to end on a real P2D2 CPU cluster: the KV-event feed predicts each engine's prefix hit,
+and the router's routing by it (issue 6: the routing test on real vLLM engines).
 
 The test process runs its own KvEventFeed on the spec's ports (the engines bind
 them, so the router's feed and this one both subscribe). Prompts from a few
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 from e2e import cluster_spec_for, complete, free_port_run, running_cluster
+from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
 from pdcluster.router.prefix_index import hittable_hashes
@@ -131,3 +133,26 @@ def test_the_feed_lost_nothing(feed, served):
         assert (s.stale, s.lost, s.errors, s.skipped_events) == (False, 0, 0, 0), s
         assert s.batches > 0, f"{name} published no KV events: kv_events_config not reaching vLLM?"
         assert s.removed_blocks > 0, f"{name} evicted nothing: is num_gpu_blocks_override applied?"
+
+
+# -- routing on this cluster: the router's own feed, policies switched at run time -------------
+
+ROUTED = Families(count=4, prefix_tokens=PREFIX_BLOCKS * BS, suffix_tokens=SUFFIX_TOKENS)
+
+
+def test_prefix_aware_keeps_each_family_on_one_p(cluster, served):
+    order = shuffled_order(ROUTED.count, rounds=3, seed=3)
+    records = under_policy(cluster, "prefix_aware", ROUTED, order, "aware")
+    per_family = prefill_instances_per_family(records, order)
+    assert all(len(set(ps)) == 1 for ps in per_family.values()), per_family
+    assert {ps[0] for ps in per_family.values()} == {"prefill-0", "prefill-1"}, per_family
+    assert sum(r.p_cached_tokens for r in records) == structural_max_hit(ROUTED, order, BS)
+    assert [r.predicted_p_hit_tokens for r in records] == [r.p_cached_tokens for r in records]
+    assert [r.predicted_d_hit_tokens for r in records] == [r.d_cached_tokens for r in records]
+
+
+def test_round_robin_scatters_families_and_misses(cluster, served):
+    order = shuffled_order(ROUTED.count, rounds=3, seed=3)
+    records = under_policy(cluster, "round_robin", ROUTED, order, "rr")
+    assert any(len(set(ps)) > 1 for ps in prefill_instances_per_family(records, order).values())
+    assert sum(r.p_cached_tokens for r in records) < structural_max_hit(ROUTED, order, BS)

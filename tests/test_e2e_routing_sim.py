@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, free_port_run, reset_caches, running_cluster
-from routing_checks import Families, prefill_instances_per_family, send_in_turn, shuffled_order, structural_max_hit
+from e2e import assert_no_kv_in_use, cluster_spec_for, free_port_run, running_cluster
+from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128
@@ -27,15 +27,9 @@ def cluster():
         yield c
 
 
-def under(cluster, policy: str, fams: Families, order: list[int], tag: str):
-    reset_caches(cluster)
-    ray.get(cluster.router.set_policy.remote(policy))
-    return send_in_turn(cluster, fams, order, tag)
-
-
 def test_prefix_aware_keeps_each_family_on_one_p(cluster):
     order = shuffled_order(FAMILIES.count, rounds=4, seed=1)
-    records = under(cluster, "prefix_aware", FAMILIES, order, "aware")
+    records = under_policy(cluster, "prefix_aware", FAMILIES, order, "aware")
     per_family = prefill_instances_per_family(records, order)
     assert all(len(set(ps)) == 1 for ps in per_family.values()), per_family
     assert len({ps[0] for ps in per_family.values()}) == FAMILIES.count, f"families share a P: {per_family}"
@@ -47,7 +41,7 @@ def test_prefix_aware_keeps_each_family_on_one_p(cluster):
 
 def test_round_robin_scatters_families_and_misses(cluster):
     order = shuffled_order(FAMILIES.count, rounds=4, seed=1)
-    records = under(cluster, "round_robin", FAMILIES, order, "rr")
+    records = under_policy(cluster, "round_robin", FAMILIES, order, "rr")
     per_family = prefill_instances_per_family(records, order)
     assert any(len(set(ps)) > 1 for ps in per_family.values()), per_family
     assert sum(r.p_cached_tokens for r in records) < structural_max_hit(FAMILIES, order, BLOCK)
@@ -58,7 +52,7 @@ def test_round_robin_scatters_families_and_misses(cluster):
 def test_after_evictions_the_index_matches_the_caches(cluster):
     many = Families(count=10, prefix_tokens=8 * BLOCK, suffix_tokens=100)  # 90 blocks per round: evictions
     order = shuffled_order(many.count, rounds=3, seed=2)
-    records = under(cluster, "round_robin", many, order, "evict")
+    records = under_policy(cluster, "round_robin", many, order, "evict")
     assert [r.predicted_p_hit_tokens for r in records] == [r.p_cached_tokens for r in records]
     assert [r.predicted_d_hit_tokens for r in records] == [r.d_cached_tokens for r in records]
     assert any(r.p_cached_tokens for r in records) and not all(r.p_cached_tokens for r in records[many.count:]), (

@@ -432,9 +432,6 @@ def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
         def matched_blocks(self, instance, hashes):
             return 1 if instance == "prefill-1" else 0
 
-        def held_blocks(self, instance):
-            return 1 if instance == "prefill-1" else 0
-
     ps, ds = [FakeActor(), FakeActor(p_cached=4)], [FakeActor()]
     disp = PDDispatcher([Instance(f"prefill-{i}", a, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, a in enumerate(ps)],
                         [Instance("decode-0", ds[0], "e-d0")], CARD, request_timeout_s=5.0,

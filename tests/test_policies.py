@@ -31,10 +31,10 @@ def test_prefix_aware_tie_goes_to_the_bigger_hit():
     assert pick_prefill("prefix_aware", tie, 1_000, 0).name == "b"
 
 
-def test_prefix_aware_spreads_new_prefixes_to_the_emptiest_cache():
-    idle = [PrefillView("a", 0, 0, held_blocks=40), PrefillView("b", 0, 0, held_blocks=3),
-            PrefillView("c", 0, 0, held_blocks=9)]
-    assert pick_prefill("prefix_aware", idle, 1_000, 0).name == "b"
+def test_prefix_aware_spreads_new_prefixes_to_the_fewest_requests():
+    busy = [PrefillView("a", 0, 0, queued_requests=2), PrefillView("b", 0, 0, queued_requests=1),
+            PrefillView("c", 0, 0, queued_requests=3)]
+    assert pick_prefill("prefix_aware", busy, 1_000, 0).name == "b"
 
 
 def test_decode_by_kv_tokens_then_running():

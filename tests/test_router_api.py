@@ -398,3 +398,14 @@ def test_bad_request_id_header_is_400(make, value):
     r = client.post("/v1/completions", json={"prompt": [5]}, headers={"X-Request-Id": value})
     assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
     assert backend.calls == []
+
+
+def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
+    import json
+
+    from pdcluster.router.openai_api import _event
+
+    text = "a\u2028b\x85c\u00e9"
+    line = _event({"choices": [{"text": text}]})
+    assert line.isascii() and line.endswith("\n\n") and line.count("\n") == 2
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text

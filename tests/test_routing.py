@@ -27,9 +27,6 @@ class HeldBlocks:
     def store(self, instance: str, tokens: Sequence[int]) -> None:
         self.held.setdefault(instance, set()).update(chain_hashes(tokens, BS))
 
-    def held_blocks(self, instance: str) -> int:
-        return len(self.held.get(instance, ()))
-
     def matched_blocks(self, instance: str, hashes: Sequence[bytes]) -> int:
         n = 0
         for h in hashes:
