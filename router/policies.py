@@ -16,7 +16,8 @@ unit-tested without engines; router/routing.py feeds them.
   reset's AllBlocksCleared only at the engine's next step, so an idle
   instance's index can look full long after its cache was emptied.)
 D is picked by load in every policy but round_robin: the KV tokens its requests
-hold (prompt + max_tokens each), then running requests.
+hold (prompt + max_tokens each), then running requests; prefix_aware then prefers
+the D that holds more of the prompt (less to transfer).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class DecodeView:
     name: str
     kv_tokens: int  # KV its requests hold or will: prompt + max_tokens each
     running: int
+    matched_tokens: int = 0  # the prompt's cached prefix on this D (what it need not receive)
 
 
 def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_tokens: int, turn: int) -> PrefillView:
@@ -68,6 +70,9 @@ def pick_decode(policy: Policy, candidates: Sequence[DecodeView], turn: int) -> 
     assert candidates, "no decode instance to pick from"
     if policy == "round_robin":
         return candidates[turn % len(candidates)]
-    if policy in ("least_load", "prefix_aware"):
+    if policy == "least_load":
         return min(candidates, key=lambda c: (c.kv_tokens, c.running, _rotated(candidates, c, turn)))
+    if policy == "prefix_aware":  # by load; between equally loaded D, the one holding more of the prompt
+        return min(candidates, key=lambda c: (c.kv_tokens, c.running, -c.matched_tokens,
+                                              _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")

@@ -87,7 +87,8 @@ class InstancePicker(Generic[I]):
             matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in self.decode}
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
                                self._load[p.name].requests) for p in self.prefill]
-        d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests) for d in self.decode]
+        d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
+                              matched_d[d.name] if matched_d else 0) for d in self.decode]
         p_name = pick_prefill(self.policy, p_views, n, turn).name
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in self.prefill if i.name == p_name)

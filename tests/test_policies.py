@@ -55,3 +55,10 @@ def test_ties_go_round_robin_by_turn():
     assert [pick_prefill("least_load", idle, 1_000, t).name for t in range(3)] == ["a", "b", "c"]
     ds = [DecodeView(n, 0, 0) for n in ("d0", "d1")]
     assert [pick_decode("least_load", ds, t).name for t in range(3)] == ["d0", "d1", "d0"]
+
+
+def test_prefix_aware_prefers_the_d_holding_the_prompt_between_equal_loads():
+    ds = [DecodeView("d0", 0, 0, matched_tokens=0), DecodeView("d1", 0, 0, matched_tokens=512),
+          DecodeView("d2", 100, 0, matched_tokens=1024)]
+    assert pick_decode("prefix_aware", ds, 0).name == "d1"  # d2 holds more but is loaded
+    assert pick_decode("least_load", ds, 0).name == "d0"

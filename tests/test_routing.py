@@ -56,8 +56,8 @@ def test_prefix_aware_goes_where_the_prefix_is_and_predicts_the_hit():
     held.store("d1", family(1))
     route = picker("prefix_aware", held).pick(family(1, suffix=50), max_tokens=8)
     assert (route.prefill.name, route.predicted_p_hit_tokens) == ("p2", 12)
-    # D by load (all idle: the first by name); its own hit is predicted all the same.
-    assert (route.decode.name, route.predicted_d_hit_tokens) == ("d0", 0)
+    # D by load; all idle, the one holding the prefix.
+    assert (route.decode.name, route.predicted_d_hit_tokens) == ("d1", 12)
 
 
 def test_prefix_aware_leaves_a_busy_holder_when_its_queue_costs_more():
