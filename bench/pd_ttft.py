@@ -11,8 +11,13 @@ wait + D's last-token step; negative when D answers before P's own reply, as a
 push allows), from the request's timeline. pdc runs push and pull over each
 transport on the same cluster; `--connector nixl` runs vLLM's NixlConnector.
 
+With `--sim PARAMS` the cluster is simulated (engine: sim): `--sim qwen3-0.6b-1dev` replays the
+seed's own setting, and the "P engine" rows (P's queued to first token, from the timeline) are
+what the seed timed on one device.
+
 usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--dtype bfloat16]
                                          [--connector pdc|nixl] [--transports grpc,torch_dist] [--out FILE.json]
+                                         [--sim qwen3-0.6b-1dev]
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ def cluster_rows(cluster, setup: str, sizes: list[int], trials: int, rng: random
         ev = rec.events
         rows.append(Row(n, setup, cache, got["ttft"], (ev["d_first_token"] - ev["p_done"]) / 1e6,
                         rec.p_cached_tokens, rec.d_cached_tokens))
+        # P's engine alone, queued to its first token: what the seed timed on one device.
+        rows.append(Row(n, f"{setup}: P engine", cache, (ev["p_done"] - ev["p_queued"]) / 1e6, None,
+                        rec.p_cached_tokens, 0))
     return rows
 
 
@@ -143,6 +151,9 @@ def main() -> None:
     ap.add_argument("--connector", default="pdc", choices=["pdc", "nixl"], help="transfer.connector")
     ap.add_argument("--transports", default="grpc,torch_dist", help="pdc: the transports to run, each push and pull")
     ap.add_argument("--no-single", action="store_true", help="skip the single-engine rows")
+    ap.add_argument("--sim", default=None, metavar="PARAMS",
+                    help="simulated engines with this cost-model parameter file (e.g. qwen3-0.6b-1dev): "
+                         "the seed's protocol against the sim; implies --no-single")
     ap.add_argument("--out", default=None, help="write every row as JSON")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -155,12 +166,16 @@ def main() -> None:
     from pdcluster.cluster.spec import parse_spec
 
     model = a.model or ".pdcluster/models/tiny-qwen3"
+    engine = {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len}
     spec = parse_spec({
         "name": "bench-pd-ttft", "model": {"path": model, "tiny": {"arch": "qwen3", "seed": 0}},
-        "engine": {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len},
+        "engine": {**engine, "kind": "sim"} if a.sim else engine,
+        **({"sim": {"params": a.sim}} if a.sim else {}),
         "prefill": {"resources": {"cpu_bind": ["0"]}}, "decode": {"resources": {"cpu_bind": ["1"]}},
         "router": {"port": 18999}, "transfer": {"base_port": 18900, "connector": a.connector},
     }, base_dir=Path.cwd())
+    if a.sim:
+        a.no_single = True
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     cluster = build_cluster(spec)
     rng = random.Random(12345)
@@ -171,7 +186,7 @@ def main() -> None:
                   else [("pull", "grpc")])
         for mode, transport in setups:
             ray.get(cluster.router.set_transfer_mode.remote(mode, transport if a.connector == "pdc" else None))
-            name = f"{a.connector} {mode}" + (f" {transport}" if a.connector == "pdc" else "")
+            name = ("sim " if a.sim else "") + f"{a.connector} {mode}" + (f" {transport}" if a.connector == "pdc" else "")
             rows += cluster_rows(cluster, name, sizes, a.trials, rng)
             print(table(rows, sizes), "\n", flush=True)
     finally:
