@@ -136,11 +136,11 @@ def decide(fleet: Fleet, policy: Policy, prompt: Sequence[int], turn: int) -> De
     matched = {name: idx.matched_blocks(hashes) * fleet.block_size
                for name, idx in (*fleet.prefill.items(), *fleet.decode.items())}
     t2 = time.perf_counter()
-    p = pick_prefill(policy, [PrefillView(name, matched[name], fleet.queued_tokens[name], 0, len(fleet.prefill[name]))
-                              for name in fleet.prefill], len(prompt), turn)
-    # Positional: the D load's meaning (KV usage, KV tokens) is the policies module's to define.
-    d = pick_decode(policy, [DecodeView(name, fleet.kv_tokens[name], fleet.running[name]) for name in fleet.decode],
-                    turn)
+    p = pick_prefill(policy, [PrefillView(name=name, matched_tokens=matched[name],
+                                          queued_tokens=fleet.queued_tokens[name]) for name in fleet.prefill],
+                     len(prompt), turn)
+    d = pick_decode(policy, [DecodeView(name=name, kv_tokens=fleet.kv_tokens[name], running=fleet.running[name],
+                                        matched_tokens=matched[name]) for name in fleet.decode], turn)
     t3 = time.perf_counter()
     _advance_loads(fleet, p.name, d.name, len(prompt), p.matched_tokens)
     return Decision(p.name, d.name, p.matched_tokens, t1 - t0, t2 - t1, t3 - t2)
