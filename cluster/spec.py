@@ -309,15 +309,20 @@ def resolve_sim_params(params: str, resolve) -> str:
     return resolve(params)
 
 
+def read_yaml(path: Path, error: type[Exception]) -> Any:
+    """A YAML file's document; `error` (naming the file) if it is missing, unreadable or not YAML."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise error(f"{path}: not valid YAML: {err}") from None
+
+
 def load_spec(path: str | Path) -> ClusterSpec:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
-    except OSError as err:
-        raise SpecError(f"{path}: cannot read: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML: {err}") from None
+    data = read_yaml(path, SpecError)
     # Model paths in a spec are relative to the current directory, as on a command line.
     return parse_spec(data, str(path), base_dir=Path.cwd())

@@ -296,7 +296,7 @@ def test_kind_specific_fields_are_checked(tmp_path):
 
 
 def test_missing_and_empty_files(tmp_path):
-    with pytest.raises(SimParamsError, match="no such parameter file"):
+    with pytest.raises(SimParamsError, match="no such file"):
         SimParams.load(tmp_path / "nope.yaml")
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SimParamsError, match="empty.yaml: the top level must be a mapping"):

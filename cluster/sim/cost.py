@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdcluster.cluster.spec import read_yaml
 
 ComponentKind = Literal["full", "window", "compressed", "state"]
 
@@ -203,15 +204,7 @@ class SimParams(_Strict):
     @classmethod
     def load(cls, path: str | Path) -> SimParams:
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise SimParamsError(f"{path}: no such parameter file") from None
-        except OSError as err:
-            raise SimParamsError(f"{path}: cannot read: {err.strerror or err}") from None
-        except yaml.YAMLError as err:
-            raise SimParamsError(f"{path}: not valid YAML: {err}") from None
-        return cls.parse(data, str(path))
+        return cls.parse(read_yaml(path, SimParamsError), str(path))
 
     @classmethod
     def parse(cls, data: object, source: str = "<params>") -> SimParams:
