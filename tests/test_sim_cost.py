@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from pdcluster.cluster.sim.calibrate import (
-    H200_CSV,
     SEED000_SUFFIX,
     SEED000_TTFT_S,
     fit_h200,
@@ -116,7 +115,6 @@ def test_h200_long_prompt_shape():
     assert 2.3 <= ratio8 <= 3.5
 
 
-@pytest.mark.skipif(not H200_CSV.exists(), reason="the shared calibration data is not next to this checkout")
 def test_h200_rows_within_tolerance():
     cm = model("qwen3-0.6b-h200")
     rows = [r for r in h200_rows() if r.model == "qwen3-0.6b" and r.new + r.history >= 8192]
@@ -138,7 +136,6 @@ def test_qwen_1dev_holds_the_seed000_fit():
     assert params.efficiency.attention == pytest.approx(fit.attention, rel=0.02)
 
 
-@pytest.mark.skipif(not H200_CSV.exists(), reason="the shared calibration data is not next to this checkout")
 def test_qwen_h200_holds_the_csv_fit():
     params = load("qwen3-0.6b-h200")
     fit = fit_h200(params, [r for r in h200_rows() if r.model == "qwen3-0.6b"])
