@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.bench.presets import PRESETS
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
-from pdcluster.router.prefix_index import BlockStored, InstanceIndex, RouterHash, chain_hashes
+from pdcluster.router.prefix_index import BlockStored, InstanceIndex, RouterHash, chain_hashes, hittable_hashes
 
 C90 = PRESETS["c90"]
 BLOCK_SIZE = 128
@@ -131,7 +131,7 @@ def decide(fleet: Fleet, policy: Policy, prompt: Sequence[int], turn: int) -> De
     """One routing decision, timed in its three parts; then the fleet's loads move."""
     t0 = time.perf_counter()
     # As the router's picker: vLLM always computes the last prompt token, so its block can never hit.
-    hashes = chain_hashes(prompt, fleet.block_size)[:max(0, (len(prompt) - 1) // fleet.block_size)]
+    hashes = hittable_hashes(prompt, fleet.block_size)
     t1 = time.perf_counter()
     matched = {name: idx.matched_blocks(hashes) * fleet.block_size
                for name, idx in (*fleet.prefill.items(), *fleet.decode.items())}

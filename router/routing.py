@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
-from pdcluster.router.prefix_index import RouterHash, chain_hashes
+from pdcluster.router.prefix_index import RouterHash, hittable_hashes
 
 
 class PrefixLookup(Protocol):
@@ -58,11 +58,6 @@ class _Load:
     requests: int = 0
 
 
-def max_hit_blocks(prompt_tokens: int, block_size: int) -> int:
-    """vLLM never serves the whole prompt from cache: the last token is always computed."""
-    return max(0, (prompt_tokens - 1) // block_size)
-
-
 class InstancePicker(Generic[I]):
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
                  lookup: PrefixLookup | None = None):
@@ -82,7 +77,7 @@ class InstancePicker(Generic[I]):
         n = len(prompt_token_ids)
         matched_p = matched_d = None
         if self.lookup is not None:
-            hashes = chain_hashes(prompt_token_ids, self.block_size)[:max_hit_blocks(n, self.block_size)]
+            hashes = hittable_hashes(prompt_token_ids, self.block_size)
             matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in self.prefill}
             matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in self.decode}
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,

@@ -136,6 +136,7 @@ def test_hittable_hashes_leave_the_last_token_to_compute():
     assert hittable_hashes(PROMPT[:12], BS) == chain_hashes(PROMPT, BS)[:2]  # 12 tokens: 2 blocks hittable
     assert hittable_hashes(PROMPT[:13], BS) == chain_hashes(PROMPT, BS)[:3]
     assert hittable_hashes([], BS) == []
+    assert [len(hittable_hashes(list(range(n)), 4)) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
 
 
 def test_token_out_of_range_is_an_error():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdcluster.router.prefix_index import chain_hashes
-from pdcluster.router.routing import InstancePicker, max_hit_blocks
+from pdcluster.router.routing import InstancePicker
 
 BS = 4
 
@@ -44,10 +44,6 @@ def family(f: int, n: int = 16, suffix: int = 0) -> list[int]:
 def picker(policy: str, lookup=None, n_p: int = 3, n_d: int = 2) -> InstancePicker:
     return InstancePicker(policy, [Inst(f"p{i}") for i in range(n_p)], [Inst(f"d{i}") for i in range(n_d)], BS,
                           lookup)
-
-
-def test_max_hit_leaves_the_last_token_to_compute():
-    assert [max_hit_blocks(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
 
 
 def test_prefix_aware_goes_where_the_prefix_is_and_predicts_the_hit():
