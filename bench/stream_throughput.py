@@ -439,14 +439,18 @@ def _stages_child(shape: Shape, chunks: list[int], trials: int, core: int | None
     out.put(rows)
 
 
+def _print_env_header(first: str, envs: dict, chunks: list[int], width: int) -> None:
+    """Two header lines: each malloc setting over its chunk-size columns, then the chunk sizes."""
+    print(f"{'':<64}" + "".join(f" {name:>{width * len(chunks) - 1}}" for name in envs))
+    print(f"{first:<64}" + "".join(f"{c // MIB:>{width - 4}} MiB" for c in chunks) * len(envs))
+
+
 def stages(shape: Shape, chunks: list[int], trials: int, core: int | None) -> None:
     envs = {"default malloc": {}, "MALLOC_TUNED": MALLOC_TUNED}
     results = {name: _in_child(_stages_child, (shape, chunks, trials, core), env) for name, env in envs.items()}
     print(f"\n-- the gRPC path stage by stage, each alone (fresh process, ms per {shape.total_bytes / MIB:.0f} MiB, "
           f"median of {trials}); MALLOC_TUNED = {' '.join(f'{k}={v}' for k, v in MALLOC_TUNED.items())}")
-    heads = [f"{c // MIB} MiB" for c in chunks]
-    print(f"{'':<64}" + "".join(f" {name:>{10 * len(chunks) - 1}}" for name in envs))
-    print(f"{'stage':<64}" + "".join(f"{h:>10}" for h in heads) * len(envs))
+    _print_env_header("stage", envs, chunks, 10)
     labels = list(results["default malloc"]) + [k for k in results["MALLOC_TUNED"] if k not in results["default malloc"]]
     for label in labels:
         cells = [v for name in envs for v in results[name].get(label, [0] * len(chunks))]
@@ -571,9 +575,7 @@ def variants(shape: Shape, chunks: list[int], trials: int, pin_cores: bool, raw_
     results = {name: _in_child(_variants_child, (shape, chunks, trials, pin_cores), env) for name, env in envs.items()}
     print(f"\n-- gRPC variants end to end (fresh P and D processes; GB/s and share of the raw TCP reference "
           f"above, {raw_ms:.1f} ms; median of {trials})")
-    heads = [f"{c // MIB} MiB" for c in chunks]
-    print(f"{'':<64}" + "".join(f" {name:>{12 * len(chunks) - 1}}" for name in envs))
-    print(f"{'variant':<64}" + "".join(f"{h:>12}" for h in heads) * len(envs))
+    _print_env_header("variant", envs, chunks, 12)
     for label in VARIANTS:
         cells = [ms for name in envs for ms in results[name][label]]
         print(f"{label:<64}" + "".join(f"{shape.total_bytes / ms / 1e6:>6.2f} {raw_ms / ms:>4.0%}" for ms in cells))
