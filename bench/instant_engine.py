@@ -33,6 +33,7 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
+from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 
 
@@ -52,7 +53,7 @@ def instant_deltas(req: DecodeRequest, tokens_per_delta: int = 1) -> list[Decode
     return out
 
 
-class InstantEngine:
+class InstantEngine(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the benchmark), with EngineActor's interface."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int, tokens_per_delta: int = 1):
@@ -99,4 +100,4 @@ class InstantEngine:
         return True
 
     def shutdown(self) -> None:
-        pass
+        self.close_channel()

@@ -8,7 +8,7 @@ setting runs every system in turn), since this 2-core machine is shared.
 
 - pdcluster: the real `RouterActor` (FastAPI in a Ray actor) in front of P and
   D `InstantEngine` actors (bench/instant_engine.py): its backends are Ray
-  actors, not HTTP servers. Variants: timeline recording on/off
+  actors reached over their request channels (ZMQ), not HTTP servers. Variants: timeline recording on/off
   (`set_recording`), and each routing policy if the router has `set_policy`.
 - vllm-router (`--vllm-pd-disaggregation --prefill URL --decode URL`), with
   round_robin and cache_aware, and vLLM's toy P/D proxy
@@ -247,7 +247,7 @@ def start_toy_proxy(spawned: Spawned, script: str, p_url: str, d_url: str, backe
 class PdcVariant:
     recording: bool
     policy: str | None  # None: the router as it is (no set_policy on it)
-    tokens_per_delta: int = 1  # D's tokens per DecodeDelta (1: one Ray message per token)
+    tokens_per_delta: int = 1  # D's tokens per DecodeDelta (1: one per token, as vLLM steps)
 
     @property
     def name(self) -> str:
@@ -352,40 +352,57 @@ def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
     return System(variant.name, cluster.url, [cluster.router_pid], cluster.engine_pids, prepare)
 
 
-class RayCallsAlone:
-    """Ray actor body: the dispatcher's Ray calls for one request (P's prefill, then D's decode
-    stream, item by item) with no HTTP, tokenizer or records: the floor of a Ray-based router."""
+class CallsAlone:
+    """Ray actor body: the calls one request makes of the engines (P's prefill, then D's
+    decode read item by item), with no HTTP, tokenizer or records: the floor of a router
+    that reaches its engines that way. Paths (FLOORS): Ray actor calls, as the router
+    made them before issue 6; Ray with D's deltas in one reply; the request channel
+    (cluster/request_channel.py), as the router makes them now."""
 
     def __init__(self, prefill, decode):
         self.prefill, self.decode = prefill, decode
+        self.channels = None
 
     def pid(self) -> int:
         return os.getpid()
 
-    async def run(self, concurrency: int, duration_s: float, max_tokens: int, one_reply: bool = False) -> list[float]:
-        """Closed loop for `duration_s`; each request's latency in seconds. `one_reply`: D's
-        deltas come in one reply (InstantEngine.decode_in_one_reply) instead of one message each."""
+    async def run(self, concurrency: int, duration_s: float, max_tokens: int, path: str = "ray") -> list[float]:
+        """Closed loop for `duration_s`; each request's latency in seconds."""
         import asyncio
 
         from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
+        from pdcluster.cluster.request_channel import EngineChannel
 
+        assert path in FLOORS, f"unknown path {path!r}"
+        if path == "channel" and self.channels is None:
+            self.channels = [await EngineChannel(n, a, "127.0.0.1").connect()
+                             for n, a in (("prefill-0", self.prefill), ("decode-0", self.decode))]
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         prompt = list(range(3, 15))
         latencies: list[float] = []
         end = time.monotonic() + duration_s
 
+        async def one(rid: str) -> None:
+            if path == "channel":
+                p, d = self.channels
+                pre = await p.call("prefill", PrefillRequest(rid, prompt, sampling)).next()
+                call = d.call("decode", DecodeRequest(rid, prompt, sampling, pre.handle))
+                while not call.done:
+                    await call.next()
+                return
+            pre = await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
+            req = DecodeRequest(rid, prompt, sampling, pre.handle)
+            if path == "ray_one_reply":
+                await self.decode.decode_in_one_reply.remote(req)
+            else:
+                async for ref in self.decode.decode.options(num_returns="streaming").remote(req):
+                    await ref
+
         async def worker(w: int) -> None:
             n = 0
             while time.monotonic() < end:
                 t0 = time.monotonic()
-                rid = f"floor-{w}-{n}"
-                pre = await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
-                req = DecodeRequest(rid, prompt, sampling, pre.handle)
-                if one_reply:
-                    await self.decode.decode_in_one_reply.remote(req)
-                else:
-                    async for ref in self.decode.decode.options(num_returns="streaming").remote(req):
-                        await ref
+                await one(f"floor-{w}-{n}")
                 latencies.append(time.monotonic() - t0)
                 n += 1
 
@@ -394,7 +411,7 @@ class RayCallsAlone:
 
 
 def ray_floor_result(latencies: Sequence[float], duration_s: float, cpu_s: float) -> LoadResult:
-    """RayCallsAlone's latencies as a LoadResult (its CPU as the 'client' CPU: it is the caller)."""
+    """CallsAlone's latencies as a LoadResult (its CPU as the 'client' CPU: it is the caller)."""
     lat = sorted(latencies)
     pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")  # noqa: E731
     return LoadResult(len(lat), duration_s, pct(0.5), pct(0.9), pct(0.99),
@@ -430,20 +447,20 @@ class Measurement:
         return self.backend_cpu_s / self.load.requests * 1e6 if self.load.requests else float("nan")
 
 
-RAY_FLOOR = "Ray calls alone (no HTTP)"
-RAY_FLOOR_ONE_REPLY = "Ray calls alone, D in one reply"
+FLOORS = {"ray": "Ray calls alone (no HTTP)", "ray_one_reply": "Ray calls alone, D in one reply",
+          "channel": "request channel alone (no HTTP)"}
 
 
-def measure_ray_floor(caller, caller_pid: int, engine_pids: list[int], setting: Setting,
-                      duration_s: float, one_reply: bool = False) -> Measurement:
-    """The RayCallsAlone actor at the setting's concurrency: requests/s, latency, its CPU."""
+def measure_floor(caller, caller_pid: int, engine_pids: list[int], setting: Setting, duration_s: float,
+                  path: str) -> Measurement:
+    """The CallsAlone actor at the setting's concurrency: requests/s, latency, its CPU."""
     import ray
 
     cpu0, back0 = cpu_seconds([caller_pid]), cpu_seconds(engine_pids)
-    latencies = ray.get(caller.run.remote(setting.connections, duration_s, MAX_TOKENS, one_reply))
+    latencies = ray.get(caller.run.remote(setting.connections, duration_s, MAX_TOKENS, path))
     cpu = cpu_seconds([caller_pid]) - cpu0
-    return Measurement(RAY_FLOOR_ONE_REPLY if one_reply else RAY_FLOOR, setting,
-                       ray_floor_result(latencies, duration_s, 0.0), cpu, cpu_seconds(engine_pids) - back0)
+    return Measurement(FLOORS[path], setting, ray_floor_result(latencies, duration_s, 0.0), cpu,
+                       cpu_seconds(engine_pids) - back0)
 
 
 def measure(system: System, setting: Setting, model: str, duration_s: float, scripts: Path) -> Measurement:
@@ -570,12 +587,14 @@ def main() -> None:
             if a.only:
                 systems = [s for s in systems if s.name.startswith(tuple(a.only.split(",")))]
             caller = None
-            if not a.only or RAY_FLOOR.startswith(tuple(a.only.split(","))):
+            floors = [p for p, name in FLOORS.items() if not a.only or name.startswith(tuple(a.only.split(",")))]
+            if floors:
                 import ray
 
-                caller = ray.remote(RayCallsAlone).options(num_cpus=0).remote(*cluster.engines)
+                caller = ray.remote(CallsAlone).options(num_cpus=0, max_concurrency=1000).remote(*cluster.engines)
                 caller_pid = ray.get(caller.pid.remote())
-                ray.get(caller.run.remote(4, 1.0, MAX_TOKENS))  # warm-up
+                for path in floors:
+                    ray.get(caller.run.remote(4, 1.0, MAX_TOKENS, path))  # warm-up
             for s in systems:
                 s.before_run()
                 check_answers(s, model)
@@ -585,9 +604,9 @@ def main() -> None:
                 for setting in settings:
                     runs = [lambda s=s: measure(s, setting, model, a.duration, scripts) for s in systems]
                     if caller is not None and not setting.stream:  # D's stream is read either way
-                        runs[:0] = [lambda one=one: measure_ray_floor(caller, caller_pid, cluster.engine_pids,
-                                                                      setting, a.duration, one)
-                                    for one in (False, True)]
+                        runs[:0] = [lambda path=path: measure_floor(caller, caller_pid, cluster.engine_pids,
+                                                                    setting, a.duration, path)
+                                    for path in floors]
                     for run in runs:
                         m = run()
                         results.append(m)

@@ -28,6 +28,7 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
+from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 from pdcluster.router.kv_events import engine_kv_events_config
@@ -160,7 +161,7 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
     )
 
 
-class EngineActor:
+class EngineActor(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
@@ -238,7 +239,7 @@ class EngineActor:
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            # One Ray message per DELTA_INTERVAL_NS, not per token: each costs the router
+            # One message per DELTA_INTERVAL_NS, not per token: each cost the router
             # ~0.35 ms of CPU (bench/README.md), which at C90 x 100 tokens/s would be its
             # whole core. The first token goes at once; token_ns keeps every token's time.
             if not out.finished and last_sent and now - last_sent < DELTA_INTERVAL_NS:
@@ -268,4 +269,5 @@ class EngineActor:
         return await self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.close_channel()
         self.llm.shutdown()

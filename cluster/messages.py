@@ -1,7 +1,7 @@
 """Typed messages between the router and the P/D engine actors.
 
-Everything that crosses a Ray call is one of these frozen dataclasses (Ray pickles
-them). Token ids, never text: the router owns the tokenizer, engines run with
+Everything that crosses between them (a Ray call, or a request channel frame:
+cluster/request_channel.py) is one of these frozen dataclasses, pickled. Token ids, never text: the router owns the tokenizer, engines run with
 `skip_tokenizer_init=True`.
 """
 

@@ -1,7 +1,7 @@
 """The contract between the HTTP front end and whatever generates tokens.
 
 The OpenAI-compatible app (router/openai_api.py) only knows `TokenBackend`; the
-P/D dispatcher (router/pd_dispatch.py) implements it over Ray actors. Unit tests
+P/D dispatcher (router/pd_dispatch.py) implements it over the engine actors. Unit tests
 of the HTTP layer use a small in-process backend instead of engines.
 """
 

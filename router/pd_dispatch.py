@@ -1,10 +1,12 @@
-"""The P/D request path: prefill on a P actor, then decode on a D actor.
+"""The P/D request path: prefill on a P engine, then decode on a D engine.
 
-`PDDispatcher` implements `TokenBackend` over Ray actor handles. It picks P and D
-by the configured policy (router/routing.py), bounds every wait by the request deadline, and turns each failure
-into a `BackendError` with a status and a message naming the instance: a dead
-actor is 503, a timeout 504, a failed KV transfer 502. Nothing waits forever:
-on any exit path the decode stream is cancelled, which aborts it in vLLM.
+`PDDispatcher` implements `TokenBackend` over each engine actor's request channel
+(cluster/request_channel.py; Ray only places and watches the actors). It picks P
+and D by the configured policy (router/routing.py), bounds every wait by the
+request deadline, and turns each failure into a `BackendError` with a status and a
+message naming the instance: a dead engine is 503, a timeout 504, a failed KV
+transfer 502, an engine's own error 500. Nothing waits forever: on any exit path
+the decode call is aborted, which aborts it in vLLM.
 
 Each request leaves a RequestRecord (router/timeline.py), handed to the record
 sinks when it ends, however it ends.
@@ -21,9 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, TaskCancelledError
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.policies import Policy
 from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
@@ -32,8 +34,6 @@ from pdcluster.router.timeline import ClockOffset, RequestRecord
 from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
-
-_ACTOR_ERRORS = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Instance:
 class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
                  sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
-                 policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None):
+                 policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
+                 channels: dict[str, EngineChannel] | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -61,6 +62,18 @@ class PDDispatcher(TokenBackend):
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
+        # Instance name -> its request channel (connect_channels; tests pass fakes).
+        self.channels: dict[str, EngineChannel] = dict(channels or {})
+
+    async def connect_channels(self, host: str) -> None:
+        """Open every instance's request channel (each engine binds on `host`)."""
+        insts = self.prefill + self.decode
+        channels = await asyncio.gather(*(EngineChannel(i.name, i.actor, host).connect() for i in insts))
+        self.channels = {i.name: c for i, c in zip(insts, channels)}
+
+    def close_channels(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
 
     @property
     def in_flight(self) -> dict[str, int]:
@@ -127,13 +140,13 @@ class PDDispatcher(TokenBackend):
                 # and reply are no business of D's.
                 handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
                                         self.transport).to_params()
-                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
+                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
                 p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline))
             else:
                 pre = await self._prefill_busy(route, prefill, deadline)
                 record_prefill(rec, pre, self._clock(p))
-                stream = self._decode(d, DecodeRequest(rec.request_id, prompt_token_ids, sampling,
-                                                       self._with_transport(pre.handle)))
+                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling,
+                                                               self._with_transport(pre.handle)))
             with self.picker.decoding(route, len(prompt_token_ids), sampling.max_tokens):
                 while not finished:
                     delta = await self._next_delta_unless_p_fails(d, stream, deadline, p_task)
@@ -150,14 +163,14 @@ class PDDispatcher(TokenBackend):
         finally:
             if p_task is not None and not p_task.done():
                 p_task.cancel()
-            if not finished and stream is not None:
-                ray.cancel(stream)  # aborts the request inside D's engine
+            if stream is not None:
+                stream.cancel()  # unless it finished: aborts the request inside D's engine
 
     async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
         with self.picker.prefilling(route, len(req.prompt_token_ids)):
             return await self._prefill(route.prefill, req, deadline)
 
-    async def _next_delta_unless_p_fails(self, d: Instance, stream, deadline: float,
+    async def _next_delta_unless_p_fails(self, d: Instance, stream: PendingCall, deadline: float,
                                          p_task: asyncio.Future | None) -> DecodeDelta | None:
         """D's next delta; in push mode, P's failure (dead, timed out) ends the wait at once."""
         if p_task is None or p_task.done() and p_task.exception() is None:
@@ -180,9 +193,11 @@ class PDDispatcher(TokenBackend):
             return params
         return {**params, **dataclasses.replace(handle, transport=self.transport).to_params()}
 
-    @staticmethod
-    def _decode(d: Instance, req: DecodeRequest):
-        return d.actor.decode.options(num_returns="streaming").remote(req)
+    def _call(self, inst: Instance, method: str, req: PrefillRequest | DecodeRequest) -> PendingCall:
+        try:
+            return self.channels[inst.name].call(method, req)
+        except EngineUnavailable as err:
+            raise _unavailable(method, inst, err) from None
 
     @staticmethod
     def _record_tokens(rec: RequestRecord, delta: DecodeDelta, clock: ClockOffset) -> None:
@@ -202,33 +217,28 @@ class PDDispatcher(TokenBackend):
         rec.mark("last_token", times[-1])
 
     async def _prefill(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
-        ref = p.actor.prefill.remote(req)
+        call = self._call(p, "prefill", req)
         try:
-            return await asyncio.wait_for(ref, timeout=max(0.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(call.next(), timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            ray.cancel(ref)
             raise BackendError(f"prefill of {req.request_id} on {p.name} timed out after {self._timeout_s:.0f} s", 504,
                                "timeout") from None
-        except _ACTOR_ERRORS as err:
-            raise BackendError(f"prefill instance {p.name} is unavailable: {type(err).__name__}", 503,
-                               "service_unavailable") from None
-        except asyncio.CancelledError:  # client went away mid-prefill: abort it on P too
-            ray.cancel(ref)
-            raise
+        except EngineUnavailable as err:
+            raise _unavailable("prefill", p, err) from None
+        except EngineCallFailed as err:
+            raise BackendError(f"prefill on {p.name} failed: {err}", 500) from None
+        finally:
+            call.cancel()  # unless it answered: aborts the prefill on P (timeout, client gone)
 
-    async def _next_delta(self, d: Instance, stream, deadline: float) -> DecodeDelta | None:
+    async def _next_delta(self, d: Instance, stream: PendingCall, deadline: float) -> DecodeDelta | None:
         try:
-            ref = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
-            return await ref
-        except StopAsyncIteration:
-            return None
+            return await asyncio.wait_for(stream.next(), timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise BackendError(f"decode on {d.name} timed out after {self._timeout_s:.0f} s", 504, "timeout") from None
-        except TaskCancelledError:
-            raise BackendError(f"decode on {d.name} was cancelled", 503, "service_unavailable") from None
-        except _ACTOR_ERRORS as err:
-            raise BackendError(f"decode instance {d.name} is unavailable: {type(err).__name__}", 503,
-                               "service_unavailable") from None
+        except EngineUnavailable as err:
+            raise _unavailable("decode", d, err) from None
+        except EngineCallFailed as err:
+            raise BackendError(f"decode on {d.name} failed: {err}", 500) from None
 
     @staticmethod
     def _chunk(p_cached_tokens: int, delta: DecodeDelta, p: Instance, d: Instance) -> GenerationChunk:
@@ -247,9 +257,15 @@ class PDDispatcher(TokenBackend):
     async def health(self) -> dict[str, bool]:
         async def one(inst: Instance) -> bool:
             try:
-                return await asyncio.wait_for(inst.actor.health.remote(), timeout=5.0)
+                healthy = await asyncio.wait_for(inst.actor.health.remote(), timeout=5.0)
             except Exception:  # dead, restarting, or engine unhealthy
                 return False
+            channel = self.channels.get(inst.name)
+            return healthy and channel is not None and channel.connected
 
         insts = self.prefill + self.decode
         return dict(zip([i.name for i in insts], await asyncio.gather(*(one(i) for i in insts))))
+
+
+def _unavailable(role: str, inst: Instance, err: EngineUnavailable) -> BackendError:
+    return BackendError(f"{role} instance {inst.name} is unavailable: {err}", 503, "service_unavailable")

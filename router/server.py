@@ -86,7 +86,8 @@ class RouterActor:
             self.store = await self._open_run(infos)
             self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
-        _check_port_free(r.host, r.port)  # uvicorn would sys.exit() inside this actor instead
+        _check_port_free(r.host, r.port)
+        await self.dispatcher.connect_channels(self.spec.transfer.host)  # uvicorn would sys.exit() inside this actor instead
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
                                                      timeout_graceful_shutdown=1))
         self._task = asyncio.create_task(self._server.serve())
@@ -133,6 +134,7 @@ class RouterActor:
 
     async def stop(self) -> None:
         self.kv_events.stop()
+        self.dispatcher.close_channels()
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, timeout=10)

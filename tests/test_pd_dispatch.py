@@ -1,8 +1,9 @@
-"""Unit tests of the P/D request path (router/pd_dispatch.py) over fake Ray actor handles.
+"""Unit tests of the P/D request path (router/pd_dispatch.py) over fake engines.
 
-No Ray cluster: a `FakeActor` mimics the handle surface PDDispatcher uses
-(`prefill.remote`, `decode.options(num_returns="streaming").remote`, `health.remote`)
-and `ray.cancel` is replaced by a recorder. Everything runs under `asyncio.run`.
+No Ray, no sockets: a `FakeEngine` stands for both an instance's actor handle
+(`health.remote`) and its request channel (`call`, as cluster/request_channel.py's
+EngineChannel), and each call is a `FakeCall` that plays a script. Aborted calls
+are recorded. Everything runs under `asyncio.run`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import time
 
 import pytest
-from ray.exceptions import ActorDiedError, RayActorError
 
 from pdcluster.cluster.messages import (
     DecodeDelta,
@@ -21,7 +21,7 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
-from pdcluster.router import pd_dispatch
+from pdcluster.cluster.request_channel import EngineCallFailed, EngineUnavailable
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.transfer.handle import TransferHandle
@@ -29,107 +29,97 @@ from pdcluster.transfer.handle import TransferHandle
 CARD = ModelCard(name="tiny", max_model_len=64, vocab_size=100)
 SAMPLING = SamplingSpec(max_tokens=4)
 PROMPT = [1, 2, 3, 4, 5]
-HANG = object()  # script item / prefill outcome: never completes
+HANG = object()  # script item: never completes
+DIED = EngineUnavailable("ActorDiedError")  # what a call on a dead engine's channel raises
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-class FakeRef:
-    """Awaitable like a Ray ObjectRef: resolves to a value, raises an error, or never completes."""
+class FakeCall:
+    """Like request_channel.PendingCall. `next()` plays the script: an item is returned
+    (a PrefillResult or a finished delta ends the call), an exception raised, HANG never
+    returns; past the script, None. `cancel()` before the end aborts it, recorded in
+    `FakeCall.aborted` (the `cancelled` fixture)."""
 
-    def __init__(self, outcome, delay: float = 0.0):
-        self.outcome, self.delay = outcome, delay
+    aborted: list = []
 
-    async def _resolve(self):
-        if self.outcome is HANG:
-            await asyncio.Event().wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome
+    def __init__(self, script: list):
+        self.script, self.pos, self.done = list(script), 0, False
 
-    def __await__(self):
-        return self._resolve().__await__()
-
-
-class FakeStream:
-    """Like Ray's ObjectRefGenerator: `__anext__` waits for the next item and returns its ref.
-
-    Script items: a DecodeDelta (its ref resolves to it), an exception (the ref raises it,
-    as Ray stores a dead actor's error in the next ref), or HANG (`__anext__` never returns).
-    After the script, `__anext__` raises StopAsyncIteration.
-    """
-
-    def __init__(self, script: list, delay: float = 0.0):
-        self.script, self.delay, self.pos = list(script), delay, 0
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> FakeRef:
-        if self.pos >= len(self.script):
-            raise StopAsyncIteration
+    async def next(self):
+        if self.done or self.pos >= len(self.script):
+            self.done = True
+            return None
         item = self.script[self.pos]
         self.pos += 1
         if item is HANG:
             await asyncio.Event().wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return FakeRef(item)
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = isinstance(item, PrefillResult) or item.finish_reason is not None
+        return item
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            FakeCall.aborted.append(self)
+
+
+class FakeRef:
+    """Awaitable like a Ray ObjectRef (for `health.remote()`): a value or an exception."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def __await__(self):
+        async def resolve():
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+
+        return resolve().__await__()
 
 
 class _Method:
     def __init__(self, fn):
-        self._fn = fn
-        self.options_seen: list[dict] = []
-
-    def remote(self, *args):
-        return self._fn(*args)
-
-    def options(self, **kw):
-        self.options_seen.append(kw)
-        return self
+        self.remote = fn
 
 
-class FakeActor:
-    """Records every call. `prefill_outcome`: a PrefillResult factory input, an exception or HANG."""
+class FakeEngine:
+    """Records every call. `prefill_outcome`: None (a PrefillResult naming this engine), an
+    exception or HANG; `decode_script`: DecodeDeltas, exceptions, HANG."""
 
     def __init__(self, p_cached: int = 0, prefill_outcome=None, decode_script: list | None = None,
-                 health_outcome=True):
+                 health_outcome=True, connected: bool = True):
         self.p_cached = p_cached
         self.prefill_outcome = prefill_outcome
         self.decode_script = decode_script
-        self.health_outcome = health_outcome
+        self.connected = connected
         self.prefill_calls: list[PrefillRequest] = []
         self.decode_calls: list[DecodeRequest] = []
-        self.prefill_refs: list[FakeRef] = []
-        self.streams: list[FakeStream] = []
-        self.prefill = _Method(self._prefill)
-        self.decode = _Method(self._decode)
-        self.health = _Method(self._health)
+        self.prefill_pending: list[FakeCall] = []
+        self.decode_pending: list[FakeCall] = []
+        self.health = _Method(lambda: FakeRef(health_outcome))
 
-    def _prefill(self, req: PrefillRequest) -> FakeRef:
-        self.prefill_calls.append(req)
-        outcome = self.prefill_outcome
-        if outcome is None:
-            outcome = PrefillResult(request_id=req.request_id, handle={"from": id(self), "rid": req.request_id},
-                                    prompt_tokens=len(req.prompt_token_ids), p_cached_tokens=self.p_cached)
-        ref = FakeRef(outcome)
-        self.prefill_refs.append(ref)
-        return ref
-
-    def _decode(self, req: DecodeRequest) -> FakeStream:
-        self.decode_calls.append(req)
-        script = self.decode_script if self.decode_script is not None else default_script()
-        stream = FakeStream(script)
-        self.streams.append(stream)
-        return stream
-
-    def _health(self) -> FakeRef:
-        return FakeRef(self.health_outcome)
+    def call(self, method: str, req) -> FakeCall:
+        if not self.connected:
+            raise EngineUnavailable("ActorDiedError")
+        if method == "prefill":
+            self.prefill_calls.append(req)
+            outcome = self.prefill_outcome
+            if outcome is None:
+                outcome = PrefillResult(request_id=req.request_id, handle={"from": id(self), "rid": req.request_id},
+                                        prompt_tokens=len(req.prompt_token_ids), p_cached_tokens=self.p_cached)
+            call = FakeCall([outcome])
+            self.prefill_pending.append(call)
+        else:
+            self.decode_calls.append(req)
+            call = FakeCall(self.decode_script if self.decode_script is not None else default_script())
+            self.decode_pending.append(call)
+        return call
 
 
 def default_script() -> list:
@@ -140,14 +130,16 @@ def default_script() -> list:
 @pytest.fixture
 def cancelled(monkeypatch) -> list:
     seen: list = []
-    monkeypatch.setattr(pd_dispatch.ray, "cancel", lambda ref, **kw: seen.append(ref))
+    monkeypatch.setattr(FakeCall, "aborted", seen)
     return seen
 
 
-def make(ps: list[FakeActor], ds: list[FakeActor], timeout: float = 5.0, mode: str = "pull") -> PDDispatcher:
-    return PDDispatcher([Instance(f"prefill-{i}", a, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, a in enumerate(ps)],
-                        [Instance(f"decode-{i}", a, f"e-d{i}") for i, a in enumerate(ds)], CARD,
-                        request_timeout_s=timeout, transfer_mode=mode)
+def make(ps: list[FakeEngine], ds: list[FakeEngine], timeout: float = 5.0, mode: str = "pull",
+         **kw) -> PDDispatcher:
+    prefill = [Instance(f"prefill-{i}", e, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, e in enumerate(ps)]
+    decode = [Instance(f"decode-{i}", e, f"e-d{i}") for i, e in enumerate(ds)]
+    return PDDispatcher(prefill, decode, CARD, request_timeout_s=timeout, transfer_mode=mode,
+                        channels={i.name: i.actor for i in prefill + decode}, **kw)
 
 
 async def collect(disp: PDDispatcher, rid: str = "r0") -> list[GenerationChunk]:
@@ -164,13 +156,13 @@ async def expect_error(disp: PDDispatcher, rid: str = "r0") -> tuple[BackendErro
 
 def test_refuses_empty_prefill_or_decode_list():
     with pytest.raises(AssertionError):
-        PDDispatcher([], [Instance("decode-0", FakeActor())], CARD, 1.0)
+        PDDispatcher([], [Instance("decode-0", FakeEngine())], CARD, 1.0)
     with pytest.raises(AssertionError):
-        PDDispatcher([Instance("prefill-0", FakeActor())], [], CARD, 1.0)
+        PDDispatcher([Instance("prefill-0", FakeEngine())], [], CARD, 1.0)
 
 
 def test_round_robin_over_two_p_and_two_d(cancelled):
-    ps, ds = [FakeActor(), FakeActor()], [FakeActor(), FakeActor()]
+    ps, ds = [FakeEngine(), FakeEngine()], [FakeEngine(), FakeEngine()]
     disp = make(ps, ds)
 
     async def main():
@@ -182,12 +174,11 @@ def test_round_robin_over_two_p_and_two_d(cancelled):
     assert [r.request_id for r in ps[1].prefill_calls] == ["r1", "r3"]
     assert [r.request_id for r in ds[0].decode_calls] == ["r0", "r2"]
     assert [r.request_id for r in ds[1].decode_calls] == ["r1", "r3"]
-    assert all(m.decode.options_seen == [{"num_returns": "streaming"}] * 2 for m in ds)
     assert cancelled == []
 
 
 def test_chunks_and_decode_request_carry_prefill_results(cancelled):
-    p, d = FakeActor(p_cached=4), FakeActor()
+    p, d = FakeEngine(p_cached=4), FakeEngine()
     disp = make([p], [d])
     chunks = run(collect(disp, "req-x"))
 
@@ -206,7 +197,7 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
 
 
 def test_dead_prefill_is_503_naming_the_instance(cancelled):
-    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor()
+    p, d = FakeEngine(prefill_outcome=DIED), FakeEngine()
     err, got = run(expect_error(make([p], [d])))
     assert err.status == 503 and err.kind == "service_unavailable"
     assert "prefill-0" in str(err)
@@ -214,8 +205,8 @@ def test_dead_prefill_is_503_naming_the_instance(cancelled):
 
 
 def test_unavailable_prefill_ray_actor_error_is_503(cancelled):
-    p, d = FakeActor(), FakeActor()
-    p2 = FakeActor(prefill_outcome=RayActorError())
+    p, d = FakeEngine(), FakeEngine()
+    p2 = FakeEngine(prefill_outcome=EngineUnavailable("RayActorError (restarting)"))
     disp = make([p, p2], [d])
 
     async def main():
@@ -227,33 +218,33 @@ def test_unavailable_prefill_ray_actor_error_is_503(cancelled):
 
 
 def test_prefill_timeout_is_504_and_cancels_the_prefill(cancelled):
-    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    p, d = FakeEngine(prefill_outcome=HANG), FakeEngine()
     t0 = time.monotonic()
     err, got = run(expect_error(make([p], [d], timeout=0.2)))
     elapsed = time.monotonic() - t0
     assert err.status == 504 and err.kind == "timeout"
     assert "prefill-0" in str(err)
     assert 0.15 <= elapsed < 1.0
-    assert cancelled == [p.prefill_refs[0]]
+    assert cancelled == [p.prefill_pending[0]]
     assert got == [] and d.decode_calls == []
 
 
 def test_decode_timeout_is_504_and_cancels_the_stream(cancelled):
-    d = FakeActor(decode_script=[DecodeDelta([10]), HANG])
+    d = FakeEngine(decode_script=[DecodeDelta([10]), HANG])
     t0 = time.monotonic()
-    err, got = run(expect_error(make([FakeActor()], [d], timeout=0.2)))
+    err, got = run(expect_error(make([FakeEngine()], [d], timeout=0.2)))
     elapsed = time.monotonic() - t0
     assert err.status == 504 and err.kind == "timeout"
     assert "decode-0" in str(err)
     assert 0.15 <= elapsed < 1.0
     assert [c.new_token_ids for c in got] == [[10]]
-    assert cancelled == [d.streams[0]]
+    assert cancelled == [d.decode_pending[0]]
 
 
 def test_dead_decode_mid_stream_is_503_naming_the_instance(cancelled):
-    d0 = FakeActor()
-    d1 = FakeActor(decode_script=[DecodeDelta([10]), ActorDiedError()])
-    disp = make([FakeActor()], [d0, d1])
+    d0 = FakeEngine()
+    d1 = FakeEngine(decode_script=[DecodeDelta([10]), DIED])
+    disp = make([FakeEngine()], [d0, d1])
 
     async def main():
         await collect(disp, "r0")  # decode-0
@@ -263,20 +254,34 @@ def test_dead_decode_mid_stream_is_503_naming_the_instance(cancelled):
     assert err.status == 503 and err.kind == "service_unavailable"
     assert "decode-1" in str(err)
     assert [c.new_token_ids for c in got] == [[10]]
-    assert cancelled == [d1.streams[0]]
+    assert cancelled == []  # the engine is gone with the call: nothing to abort
+
+
+def test_a_down_channel_is_503_at_once(cancelled):
+    p, d = FakeEngine(connected=False), FakeEngine()
+    err, got = run(expect_error(make([p], [d])))
+    assert err.status == 503 and "prefill instance prefill-0 is unavailable: ActorDiedError" in str(err)
+    assert got == [] and d.decode_calls == []
+
+
+def test_an_engine_error_is_500_naming_the_instance(cancelled):
+    d = FakeEngine(decode_script=[EngineCallFailed("ValueError: the handle covers 9 tokens")])
+    err, got = run(expect_error(make([FakeEngine()], [d])))
+    assert err.status == 500 and "decode on decode-0 failed: ValueError: the handle covers 9 tokens" in str(err)
+    assert got == [] and cancelled == []
 
 
 def test_finish_reason_error_is_502_kv_transfer_error(cancelled):
-    d = FakeActor(decode_script=[DecodeDelta([], finish_reason="error", transfer=TransferStats(error="boom"))])
-    err, got = run(expect_error(make([FakeActor()], [d])))
+    d = FakeEngine(decode_script=[DecodeDelta([], finish_reason="error", transfer=TransferStats(error="boom"))])
+    err, got = run(expect_error(make([FakeEngine()], [d])))
     assert err.status == 502 and err.kind == "kv_transfer_error"
     assert "decode-0" in str(err) and "prefill-0" in str(err)
     assert got == []
 
 
 def test_consumer_closing_early_cancels_the_stream_once(cancelled):
-    d = FakeActor()
-    disp = make([FakeActor()], [d])
+    d = FakeEngine()
+    disp = make([FakeEngine()], [d])
 
     async def main():
         gen = disp.generate("r0", PROMPT, SAMPLING)
@@ -287,30 +292,31 @@ def test_consumer_closing_early_cancels_the_stream_once(cancelled):
 
     first = run(main())
     assert first.new_token_ids == [10] and first.finish_reason is None
-    assert cancelled == [d.streams[0]]
+    assert cancelled == [d.decode_pending[0]]
 
 
 def test_stream_ending_without_finish_is_502(cancelled):
-    d = FakeActor(decode_script=[DecodeDelta([10]), DecodeDelta([11])])
-    err, got = run(expect_error(make([FakeActor()], [d])))
+    d = FakeEngine(decode_script=[DecodeDelta([10]), DecodeDelta([11])])
+    err, got = run(expect_error(make([FakeEngine()], [d])))
     assert err.status == 502
     assert "decode-0" in str(err) and "without a finish" in str(err)
     assert [c.new_token_ids for c in got] == [[10], [11]]
 
 
 def test_health_reports_each_instance(cancelled):
-    ps = [FakeActor(), FakeActor(health_outcome=ActorDiedError())]
-    ds = [FakeActor(health_outcome=RuntimeError("engine dead")), FakeActor()]
+    ps = [FakeEngine(), FakeEngine(health_outcome=DIED), FakeEngine(connected=False)]
+    ds = [FakeEngine(health_outcome=RuntimeError("engine dead")), FakeEngine()]
     t0 = time.monotonic()
     health = run(make(ps, ds).health())
-    assert health == {"prefill-0": True, "prefill-1": False, "decode-0": False, "decode-1": True}
+    # prefill-2: its actor answers, its request channel is down (reopening after a restart)
+    assert health == {"prefill-0": True, "prefill-1": False, "prefill-2": False, "decode-0": False, "decode-1": True}
     assert time.monotonic() - t0 < 1.0
 
 
 def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
     # A client disconnect cancels the task driving the generator while P is still prefilling:
     # P's request (and the KV it would hold for D) must be aborted too.
-    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    p, d = FakeEngine(prefill_outcome=HANG), FakeEngine()
     disp = make([p], [d])
 
     async def main():
@@ -327,7 +333,7 @@ def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
         await gen.aclose()
 
     run(main())
-    assert cancelled == [p.prefill_refs[0]]
+    assert cancelled == [p.prefill_pending[0]]
     assert d.decode_calls == []
 
 
@@ -335,7 +341,7 @@ def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
 
 
 def test_push_sends_d_the_router_built_handle_before_p_answers(cancelled):
-    p, d = FakeActor(prefill_outcome=HANG), FakeActor()
+    p, d = FakeEngine(prefill_outcome=HANG), FakeEngine()
     disp = make([p], [d], timeout=0.3, mode="push")
     err, got = run(expect_error(disp, "req-p"))
     # D got its request (and P's address) while P was still computing.
@@ -345,39 +351,39 @@ def test_push_sends_d_the_router_built_handle_before_p_answers(cancelled):
     # D's tokens flow before P answers; P never did: 504 before the last one (it carries P's
     # hit), and P's call is cancelled (D had finished).
     assert err.status == 504 and [c.new_token_ids for c in got] == [[10], [11, 12]]
-    assert p.prefill_refs[0] in cancelled
+    assert p.prefill_pending[0] in cancelled
 
 
 def test_push_dead_prefill_cancels_the_decode(cancelled):
-    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor()
+    p, d = FakeEngine(prefill_outcome=DIED), FakeEngine()
     err, got = run(expect_error(make([p], [d], mode="push")))
     assert err.status == 503 and "prefill-0" in str(err)
-    assert len(d.decode_calls) == 1 and d.streams[0] in cancelled
+    assert len(d.decode_calls) == 1 and d.decode_pending[0] in cancelled
 
 
 def test_push_tokens_flow_and_the_last_carries_ps_hit(cancelled):
-    p, d = FakeActor(p_cached=4), FakeActor()
+    p, d = FakeEngine(p_cached=4), FakeEngine()
     chunks = run(collect(make([p], [d], mode="push"), "req-q"))
     assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
     assert chunks[-1].p_cached_tokens == 4 and cancelled == []
 
 
 def test_push_dead_prefill_ends_a_waiting_decode_at_once(cancelled):
-    p, d = FakeActor(prefill_outcome=ActorDiedError()), FakeActor(decode_script=[HANG])
+    p, d = FakeEngine(prefill_outcome=DIED), FakeEngine(decode_script=[HANG])
     t0 = time.monotonic()
     err, got = run(expect_error(make([p], [d], timeout=5.0, mode="push")))
     assert err.status == 503 and got == [] and time.monotonic() - t0 < 1.0
-    assert d.streams[0] in cancelled
+    assert d.decode_pending[0] in cancelled
 
 
 def test_push_needs_every_p_address():
     with pytest.raises(AssertionError, match="KV address"):
-        PDDispatcher([Instance("prefill-0", FakeActor())], [Instance("decode-0", FakeActor())], CARD, 1.0,
+        PDDispatcher([Instance("prefill-0", FakeEngine())], [Instance("decode-0", FakeEngine())], CARD, 1.0,
                      transfer_mode="push")
 
 
 def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
-    p, d = FakeActor(), FakeActor()
+    p, d = FakeEngine(), FakeEngine()
     disp = make([p], [d], mode="push")
 
     async def main():
@@ -391,8 +397,8 @@ def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
 
 def test_pull_asks_p_handle_for_the_routers_transport(cancelled):
     handle = TransferHandle("e-p0", "10.0.0.1:5000", "t-0", 5).to_params()
-    p = FakeActor(prefill_outcome=PrefillResult("r0", handle, 5, 0))
-    d = FakeActor()
+    p = FakeEngine(prefill_outcome=PrefillResult("r0", handle, 5, 0))
+    d = FakeEngine()
     disp = make([p], [d])
     disp.transport = "torch_dist"
     run(collect(disp))
@@ -400,7 +406,7 @@ def test_pull_asks_p_handle_for_the_routers_transport(cancelled):
 
 
 def test_push_handle_names_the_transport(cancelled):
-    p, d = FakeActor(), FakeActor()
+    p, d = FakeEngine(), FakeEngine()
     disp = make([p], [d], mode="push")
     disp.transport = "torch_dist"
     run(collect(disp))
@@ -417,7 +423,7 @@ def test_batched_deltas_stamp_each_token_at_its_engine_time(cancelled):
     now = time.monotonic_ns()
     script = [DecodeDelta([10, 11], token_ns=(now - 3_000_000, now - 2_000_000)),
               DecodeDelta([12], finish_reason="length", token_ns=(now - 1_000_000,))]
-    disp = make([FakeActor()], [FakeActor(decode_script=script)])
+    disp = make([FakeEngine()], [FakeEngine(decode_script=script)])
     records = records_of(disp)
     run(collect(disp))
     (rec,) = records
@@ -432,10 +438,8 @@ def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
         def matched_blocks(self, instance, hashes):
             return 1 if instance == "prefill-1" else 0
 
-    ps, ds = [FakeActor(), FakeActor(p_cached=4)], [FakeActor()]
-    disp = PDDispatcher([Instance(f"prefill-{i}", a, f"e-p{i}", f"10.0.0.1:{5000 + i}") for i, a in enumerate(ps)],
-                        [Instance("decode-0", ds[0], "e-d0")], CARD, request_timeout_s=5.0,
-                        policy="prefix_aware", block_size=4, lookup=HoldsFirstBlock())
+    ps, ds = [FakeEngine(), FakeEngine(p_cached=4)], [FakeEngine()]
+    disp = make(ps, ds, policy="prefix_aware", block_size=4, lookup=HoldsFirstBlock())
     records = records_of(disp)
     run(collect(disp))
     assert ps[1].prefill_calls and not ps[0].prefill_calls

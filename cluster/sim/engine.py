@@ -40,6 +40,7 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
+from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
 from pdcluster.cluster.sim.cost import CostModel, SimParams
@@ -75,7 +76,7 @@ class SimStats:
     lag_resets: int  # steps that started more than max_lag_s late: the CPU could not keep up
 
 
-class SimEngineActor:
+class SimEngineActor(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
@@ -258,6 +259,7 @@ class SimEngineActor:
                         steps=s.steps if s else 0, lag_resets=s.lag_resets if s else 0)
 
     def shutdown(self) -> None:
+        self.close_channel()
         if self.scheduler is not None:
             self.scheduler.stop()
         for side in (self.producer, self.consumer):

@@ -1,0 +1,210 @@
+"""The router <-> engine request channel (cluster/request_channel.py), over real ZMQ sockets
+in one process: a `LocalActor` stands for the Ray actor handle, running an engine body's
+methods in the same event loop, and can die and restart as Ray's actors do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.cluster.request_channel import (
+    EngineCallFailed,
+    EngineChannel,
+    EngineUnavailable,
+    ServesRequestChannel,
+)
+
+SAMPLING = SamplingSpec(max_tokens=3)
+
+
+def prefill_req(rid: str = "r0") -> PrefillRequest:
+    return PrefillRequest(rid, [1, 2, 3], SAMPLING)
+
+
+def decode_req(rid: str = "r0", n: int = 3) -> DecodeRequest:
+    return DecodeRequest(rid, [1, 2, 3], SamplingSpec(max_tokens=n), None)
+
+
+class Body(ServesRequestChannel):
+    """An engine body: prefill answers at once; decode yields max_tokens one-token deltas,
+    or waits forever after the first when `hang_after_first`."""
+
+    def __init__(self, hang_after_first: bool = False, finish: bool = True, fail: bool = False):
+        self.hang_after_first, self.finish, self.fail = hang_after_first, finish, fail
+        self.cancelled: list[str] = []
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        if self.fail:
+            raise ValueError(f"bad prompt for {req.request_id}")
+        return PrefillResult(req.request_id, None, len(req.prompt_token_ids), p_cached_tokens=2)
+
+    async def decode(self, req: DecodeRequest):
+        n = req.sampling.max_tokens
+        try:
+            for i in range(n):
+                last = i == n - 1 and self.finish
+                yield DecodeDelta([100 + i], finish_reason="length" if last else None)
+                if self.hang_after_first:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled.append(req.request_id)
+            raise
+
+
+class _Method:
+    def __init__(self, actor: LocalActor, name: str):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args):
+        return self.actor._invoke(self.name, args)
+
+
+class LocalActor:
+    """What EngineChannel uses of a Ray actor handle, over a body in this process."""
+
+    def __init__(self, body: Body):
+        self.body = body
+        self._pending: list[asyncio.Future] = []
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+    def _invoke(self, name: str, args):
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(fut)
+        task = asyncio.ensure_future(getattr(self.body, name)(*args))
+        task.add_done_callback(lambda t: fut.done() or (fut.set_exception(t.exception()) if t.exception()
+                                                        else fut.set_result(t.result())))
+        return fut
+
+    def die(self, restart_as: Body) -> None:
+        """The process dies (its socket with it); pending calls fail; Ray restarts it as `restart_as`."""
+        self.body._channel.close()
+        for fut in self._pending:
+            if not fut.done():
+                fut.set_exception(ActorDiedError())
+        self.body = restart_as
+
+
+async def connected(body: Body) -> tuple[LocalActor, EngineChannel]:
+    actor = LocalActor(body)
+    return actor, await EngineChannel("decode-0", actor, "127.0.0.1").connect()
+
+
+async def items(call) -> list:
+    out = []
+    while (item := await asyncio.wait_for(call.next(), 5)) is not None:
+        out.append(item)
+        if call.done:
+            break
+    return out
+
+
+def test_prefill_and_decode_round_trip():
+    async def main():
+        actor, ch = await connected(Body())
+        pre = await asyncio.wait_for(ch.call("prefill", prefill_req()).next(), 5)
+        deltas = await items(ch.call("decode", decode_req()))
+        ch.close()
+        return pre, deltas
+
+    pre, deltas = asyncio.run(main())
+    assert pre == PrefillResult("r0", None, 3, p_cached_tokens=2)
+    assert [d.new_token_ids for d in deltas] == [[100], [101], [102]]
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+
+
+def test_replies_of_one_loop_turn_share_a_frame():
+    async def main():
+        actor, ch = await connected(Body())
+        results = await asyncio.gather(*(items(ch.call("decode", decode_req(f"r{i}"))) for i in range(20)))
+        server = actor.body._channel
+        ch.close()
+        return results, server.frames_sent, server.replies_sent
+
+    results, frames, replies = asyncio.run(main())
+    assert all([d.new_token_ids for d in r] == [[100], [101], [102]] for r in results)
+    assert replies == 60 and frames < replies / 4, (frames, replies)
+
+
+def test_cancel_aborts_the_call_in_the_engine():
+    async def main():
+        actor, ch = await connected(Body(hang_after_first=True))
+        call = ch.call("decode", decode_req("gone"))
+        first = await asyncio.wait_for(call.next(), 5)
+        call.cancel()
+        for _ in range(100):
+            if actor.body.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        in_flight = actor.body._channel.calls_in_flight
+        ch.close()
+        return first, actor.body.cancelled, in_flight
+
+    first, cancelled, in_flight = asyncio.run(main())
+    assert first.new_token_ids == [100]
+    assert cancelled == ["gone"] and in_flight == 0
+
+
+def test_an_engine_error_reaches_the_caller_with_its_message():
+    async def main():
+        actor, ch = await connected(Body(fail=True))
+        with pytest.raises(EngineCallFailed, match="ValueError: bad prompt for r7"):
+            await asyncio.wait_for(ch.call("prefill", prefill_req("r7")).next(), 5)
+        ch.close()
+
+    asyncio.run(main())
+
+
+def test_a_decode_that_ends_without_a_finish_ends_in_none():
+    async def main():
+        actor, ch = await connected(Body(finish=False))
+        call = ch.call("decode", decode_req())
+        got = [await asyncio.wait_for(call.next(), 5) for _ in range(4)]
+        ch.close()
+        return got, call.done
+
+    got, done = asyncio.run(main())
+    assert [d.new_token_ids for d in got[:3]] == [[100], [101], [102]] and got[3] is None and done
+
+
+def test_a_dead_engine_fails_its_calls_then_the_channel_reopens_on_the_restarted_one():
+    async def main():
+        actor, ch = await connected(Body(hang_after_first=True))
+        call = ch.call("decode", decode_req("in-flight"))
+        await asyncio.wait_for(call.next(), 5)
+        old_address = ch.address
+        actor.die(restart_as=Body())
+        with pytest.raises(EngineUnavailable, match="ActorDiedError"):
+            await asyncio.wait_for(call.next(), 5)
+        with pytest.raises(EngineUnavailable):  # down: refused at once, not queued
+            ch.call("prefill", prefill_req())
+        for _ in range(200):
+            if ch.connected:
+                break
+            await asyncio.sleep(0.01)
+        assert ch.connected and ch.address != old_address
+        pre = await asyncio.wait_for(ch.call("prefill", prefill_req("after")).next(), 5)
+        ch.close()
+        return pre
+
+    assert asyncio.run(main()).request_id == "after"
+
+
+def test_a_closed_channel_refuses_calls_and_fails_waiting_ones():
+    async def main():
+        actor, ch = await connected(Body(hang_after_first=True))
+        call = ch.call("decode", decode_req())
+        await asyncio.wait_for(call.next(), 5)
+        ch.close()
+        with pytest.raises(EngineUnavailable, match="the router closed the channel"):
+            await asyncio.wait_for(call.next(), 5)
+        with pytest.raises(EngineUnavailable):
+            ch.call("prefill", prefill_req())
+        actor.body._channel.close()
+
+    asyncio.run(main())
