@@ -25,11 +25,11 @@ import asyncio
 import itertools
 import logging
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import zmq
-import zmq.asyncio
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
@@ -79,6 +79,55 @@ class EngineCallFailed(Exception):
     """The engine's method raised; the message is its exception's."""
 
 
+class MessageSocket:
+    """A non-blocking ZMQ socket driven by the event loop: messages posted during one loop
+    turn leave at its end, one frame per peer; frames are read when the loop sees the
+    socket readable. (zmq.asyncio's future per send and per receive cost the router more
+    than the rest of the channel, bench/README.md.)
+
+    Frames are `[*prefix, pickled list of messages]`: the prefix is the peer's identity on
+    a ROUTER socket, empty on a DEALER.
+    """
+
+    def __init__(self, sock: zmq.Socket, on_messages: Callable[[tuple[bytes, ...], list], None]):
+        for opt in (zmq.SNDHWM, zmq.RCVHWM):  # a ROUTER drops what exceeds its high-water mark: never
+            sock.setsockopt(opt, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.sock: zmq.Socket | None = sock
+        self.on_messages = on_messages
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._drain)
+        self._outbox: dict[tuple[bytes, ...], list] = {}  # prefix -> messages not sent yet
+        self.frames_sent = self.messages_sent = 0  # batched: frames <= messages
+
+    def post(self, msg, prefix: tuple[bytes, ...] = ()) -> None:
+        if not self._outbox:  # the first of this loop turn: send them all at its end
+            self._loop.call_soon(self._flush)
+        self._outbox.setdefault(prefix, []).append(msg)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self._loop.remove_reader(self._fd)
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        if self.sock is None:
+            return
+        for prefix, msgs in outbox.items():
+            self.sock.send_multipart([*prefix, encode(msgs)], flags=zmq.NOBLOCK, copy=False)
+            self.frames_sent += 1
+            self.messages_sent += len(msgs)
+        self._drain()  # a send may have taken the FD's (edge-triggered) readable signal
+
+    def _drain(self) -> None:
+        while self.sock is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            self.on_messages(tuple(parts[:-1]), decode(parts[-1]))
+
+
 # ---------------------------------------------------------------------------------- engine side
 
 
@@ -87,30 +136,23 @@ class ChannelServer:
     generator) in the engine actor's event loop.
 
     Invariant: every call gets exactly one `done` reply unless it was aborted (the
-    router forgot it then); a call's task is in `_tasks` until that reply is queued.
+    router forgot it then); a call's task is in `_tasks` until that reply is posted.
     """
 
     def __init__(self, handler):
         self.handler = handler
         self.address = ""
-        self._sock: zmq.asyncio.Socket | None = None
+        self.socket: MessageSocket | None = None
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}  # (router identity, call id) -> its task
-        self._outbox: dict[bytes, list[Reply]] = {}  # replies not sent yet, per router
         self._closed = asyncio.Event()
-        self._recv_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.frames_sent = self.replies_sent = 0  # replies go out batched: frames <= replies
 
     def open(self, host: str) -> str:
         """Bind on a free port of `host`; return the address routers connect to."""
-        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops what exceeds its high-water mark: never
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         port = sock.bind_to_random_port(f"tcp://{host}")
-        self._sock, self.address = sock, f"tcp://{host}:{port}"
+        self.socket, self.address = MessageSocket(sock, self._on_messages), f"tcp://{host}:{port}"
         self._loop = asyncio.get_running_loop()
-        self._recv_task = self._loop.create_task(self._serve())
         return self.address
 
     async def wait_closed(self) -> None:
@@ -124,61 +166,44 @@ class ChannelServer:
         """Cancel every call and close the socket (the engine is shutting down). In the loop's thread."""
         for task in self._tasks.values():
             task.cancel()
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self.socket is not None:
+            self.socket.close()
         self._closed.set()
 
     @property
     def calls_in_flight(self) -> int:
         return len(self._tasks)
 
-    async def _serve(self) -> None:
-        while True:
-            identity, frame = await self._sock.recv_multipart()
-            for msg in decode(frame):
-                key = (identity, msg.call_id)
-                if isinstance(msg, Call):
-                    assert key not in self._tasks, f"call {msg.call_id} twice from one router: its counter reset?"
-                    self._tasks[key] = asyncio.create_task(self._run(identity, msg))
-                elif (task := self._tasks.pop(key, None)) is not None:  # Abort of a call still running
-                    task.cancel()
+    def _on_messages(self, prefix: tuple[bytes, ...], msgs: list) -> None:
+        (identity,) = prefix
+        for msg in msgs:
+            key = (identity, msg.call_id)
+            if isinstance(msg, Call):
+                assert key not in self._tasks, f"call {msg.call_id} twice from one router: its counter reset?"
+                self._tasks[key] = self._loop.create_task(self._run(identity, msg))
+            elif (task := self._tasks.pop(key, None)) is not None:  # Abort of a call still running
+                task.cancel()
 
     async def _run(self, identity: bytes, call: Call) -> None:
-        key = (identity, call.call_id)
+        key, reply_to = (identity, call.call_id), (identity,)
+        post = self.socket.post
         try:
             if call.method == "prefill":
-                self._put(identity, Reply(call.call_id, await self.handler.prefill(call.request), done=True))
+                post(Reply(call.call_id, await self.handler.prefill(call.request), done=True), reply_to)
             else:
                 async for delta in self.handler.decode(call.request):
                     last = delta.finish_reason is not None
-                    self._put(identity, Reply(call.call_id, delta, done=last))
+                    post(Reply(call.call_id, delta, done=last), reply_to)
                     if last:
                         return
-                self._put(identity, Reply(call.call_id, None, done=True))  # ended without a finish
+                post(Reply(call.call_id, None, done=True), reply_to)  # ended without a finish
         except asyncio.CancelledError:
             pass  # aborted: the router no longer waits for it
         except Exception as err:  # the method's failure goes to the caller, as a Ray call's would
-            self._put(identity, Reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"))
+            post(Reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"), reply_to)
         finally:
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
-
-    def _put(self, identity: bytes, reply: Reply) -> None:
-        if not self._outbox:  # the first reply of this loop turn: send them all at its end
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.setdefault(identity, []).append(reply)
-
-    def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        if self._sock is None:
-            return
-        for identity, replies in outbox.items():
-            self._sock.send_multipart([identity, encode(replies)], copy=False)
-            self.frames_sent += 1
-            self.replies_sent += len(replies)
 
 
 class ServesRequestChannel:
@@ -251,56 +276,48 @@ class EngineChannel:
         self.address = ""
         self._ids = itertools.count()
         self._calls: dict[int, PendingCall] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._socket: MessageSocket | None = None
         self._down_reason = "not connected yet"
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        return self._socket is not None
 
     async def connect(self) -> EngineChannel:
-        """Open the channel (the actor binds, we connect) and start reading and watching."""
+        """Open the channel (the actor binds, we connect) and start watching the actor."""
         self.address = await self.actor.open_channel.remote(self.host)
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
-            sock.setsockopt(opt, 0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(self.address)
-        self._sock = sock
-        watch = self.actor.channel_closed.remote()
-        self._tasks = [asyncio.create_task(self._read(sock)), asyncio.create_task(self._watch(watch))]
+        self._socket = MessageSocket(sock, self._on_replies)
+        self._tasks = [asyncio.create_task(self._watch(self.actor.channel_closed.remote()))]
         return self
 
     def call(self, method: Method, request: PrefillRequest | DecodeRequest) -> PendingCall:
-        if self._sock is None:
+        if self._socket is None:
             raise EngineUnavailable(self._down_reason)
         call = PendingCall(self, next(self._ids))
         self._calls[call.call_id] = call
-        self._send(Call(call.call_id, method, request))
+        self._socket.post(Call(call.call_id, method, request))
         return call
 
     def close(self) -> None:
         self._stopped = True
         self._down("the router closed the channel")
 
-    def _send(self, msg) -> None:
-        self._sock.send(encode([msg]), copy=False)
-
     def _abort(self, call_id: int) -> None:
-        if self._calls.pop(call_id, None) is not None and self._sock is not None:
-            self._send(Abort(call_id))
+        if self._calls.pop(call_id, None) is not None and self._socket is not None:
+            self._socket.post(Abort(call_id))
 
     def _forget(self, call_id: int) -> None:
         self._calls.pop(call_id, None)
 
-    async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frame = await sock.recv()
-            for reply in decode(frame):
-                call = self._calls.get(reply.call_id)
-                if call is not None:  # else aborted: its late replies are dropped
-                    call.replies.put_nowait(reply)
+    def _on_replies(self, prefix: tuple[bytes, ...], replies: list[Reply]) -> None:
+        for reply in replies:
+            call = self._calls.get(reply.call_id)
+            if call is not None:  # else aborted: its late replies are dropped
+                call.replies.put_nowait(reply)
 
     async def _watch(self, closed_ref) -> None:
         try:
@@ -317,9 +334,9 @@ class EngineChannel:
     def _down(self, reason: str) -> None:
         """Fail every call in flight and refuse new ones until reconnected."""
         self._down_reason = reason
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         calls, self._calls = self._calls, {}
         for call in calls.values():
             call.replies.put_nowait(EngineUnavailable(reason))

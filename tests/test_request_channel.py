@@ -124,7 +124,7 @@ def test_replies_of_one_loop_turn_share_a_frame():
         results = await asyncio.gather(*(items(ch.call("decode", decode_req(f"r{i}"))) for i in range(20)))
         server = actor.body._channel
         ch.close()
-        return results, server.frames_sent, server.replies_sent
+        return results, server.socket.frames_sent, server.socket.messages_sent
 
     results, frames, replies = asyncio.run(main())
     assert all([d.new_token_ids for d in r] == [[100], [101], [102]] for r in results)
