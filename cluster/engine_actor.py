@@ -30,6 +30,7 @@ from pdcluster.cluster.messages import (
 )
 from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 from pdcluster.router.kv_events import engine_kv_events_config
 
@@ -61,7 +62,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     eng = spec.role_engine(role)
     name = f"{role}-{index}"
     engine_id = f"{spec.name}-{name}"
-    kv_port = spec.transfer.base_port + index if role == "prefill" else None
+    kv_port = spec.kv_port(role, index)
     extra = {
         "host": spec.transfer.host,
         "port": kv_port or 0,
@@ -103,8 +104,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
 
     device = DEVICES[spec.device]
     env: dict[str, str] = {}
-    # Run-time vLLM fixes (cluster/vllm_patches.py) the model needs, and NIXL's on CPU.
-    patch_sets = list(patch_sets_for_model(spec.model.path, spec.device))
+    # Run-time vLLM fixes (cluster/vllm_patches.py): every engine's, the model's, NIXL's on CPU.
+    patch_sets = ["exit_with_parent", *patch_sets_for_model(spec.model.path, spec.device)]
     if spec.transfer.connector == "nixl":
         kv_port = _use_nixl(spec, role, index, engine_id, args, env)
         if spec.device == "cpu":
@@ -121,7 +122,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
 def _use_nixl(spec: ClusterSpec, role: Role, index: int, engine_id: str, args: dict, env: dict) -> int:
     """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine.
     Returns the instance's side-channel port."""
-    port = spec.transfer.base_port + index + (spec.prefill.instances if role == "decode" else 0)
+    port = spec.kv_port(role, index)
     args["kv_transfer_config"] = dict(
         kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id,
         kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
@@ -166,6 +167,7 @@ class EngineActor(ServesRequestChannel):
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
         self.plan = plan_instance(spec, role, index)
+        check_ports_free(listen_ports(spec, role, index))
         self.connector = spec.transfer.connector
         os.environ.update(self.plan.env)  # before vLLM reads its env
         from vllm import AsyncEngineArgs
@@ -186,7 +188,13 @@ class EngineActor(ServesRequestChannel):
             self._stats = LatestSchedulerStats(vllm_config, engine_index)
             return self._stats
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[keep_stats])
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[keep_stats])
+        except Exception as err:
+            cause = engine_core_cause(own_stderr_tail())
+            if cause is None:
+                raise
+            raise RuntimeError(f"vLLM's engine core failed to start: {cause}") from err
         self.started_s = time.time() - t0
 
     def info(self) -> InstanceInfo:

@@ -189,6 +189,13 @@ class ClusterSpec(_Strict):
     def _fill_engine_defaults(cls, engine: EngineSpec) -> EngineSpec:
         return engine.merged_over(DEFAULT_ENGINE)
 
+    def kv_port(self, role: Literal["prefill", "decode"], index: int) -> int | None:
+        """The KV port one instance listens on: P's transfer server (pdc; D has none), or
+        either role's NIXL side channel (P first, then D)."""
+        if self.transfer.connector == "nixl":
+            return self.transfer.base_port + index + (self.prefill.instances if role == "decode" else 0)
+        return self.transfer.base_port + index if role == "prefill" else None
+
     def kv_event_ports(self, role: Literal["prefill", "decode"], index: int) -> tuple[int, int]:
         """(publish, replay) ports of one instance's KV cache events: P first, then D."""
         ordinal = index if role == "prefill" else self.prefill.instances + index

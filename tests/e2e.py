@@ -37,7 +37,9 @@ def free_port_run(n: int) -> int:
 
     rng = random.Random()
     for _ in range(50):
-        base = rng.randrange(20000, 60000)
+        # Above Ray's worker ports (10002-19999), below Linux's ephemeral ones (32768 on),
+        # so no outgoing connection takes one between this check and the engine's bind.
+        base = rng.randrange(20000, 32768 - n)
         socks = []
         try:
             for port in range(base, base + n):
@@ -54,6 +56,11 @@ def free_port_run(n: int) -> int:
 
 def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) -> ClusterSpec:
     """A tiny CPU cluster on free ports; `overrides` are merged into the top level."""
+    # Every fixed port from one run found free now (KV ports, then two KV-event ports per
+    # instance, then the router's): modules that follow each other never share a port with
+    # the previous cluster's engine processes, which may still be exiting.
+    n = prefill + decode
+    ports = free_port_run(3 * n + 1)
     data = {
         "name": name,
         "model": {"path": tiny_model_dir(), "name": "tiny-qwen3"},
@@ -61,9 +68,9 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
                    "kv_cache_space_gib": 1, "dtype": "float32"},
         "prefill": {"instances": prefill, "resources": {"cpu_bind": ["0"] * prefill}},
         "decode": {"instances": decode, "resources": {"cpu_bind": ["1"] * decode}},
-        "transfer": {"base_port": free_port(), "timeout_s": 20, "lease_s": 60,
+        "transfer": {"base_port": ports, "timeout_s": 20, "lease_s": 60,
                      "break_transfers_with_prefix": FAULT_PREFIX},
-        "router": {"port": free_port(), "request_timeout_s": 60},
+        "router": {"port": ports + 3 * n, "request_timeout_s": 60, "kv_events_port": ports + n},
     }
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from e2e import cluster_spec_for, complete, free_port_run, running_cluster
+from e2e import cluster_spec_for, complete, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
@@ -61,7 +61,7 @@ def cluster():
     spec = cluster_spec_for("e2e-kv-events", 2, 2,
                             engine={"max_model_len": 1024, "max_num_batched_tokens": 1024,
                                     "extra": {"num_gpu_blocks_override": POOL_BLOCKS}},
-                            router={"policy": "round_robin", "kv_events_port": free_port_run(8)})
+                            router={"policy": "round_robin"})
     with running_cluster(spec) as c:
         yield c
 

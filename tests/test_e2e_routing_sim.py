@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, free_port_run, running_cluster
+from e2e import assert_no_kv_in_use, cluster_spec_for, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 pytestmark = pytest.mark.e2e
@@ -22,7 +22,7 @@ def cluster():
         "e2e-routing-sim", prefill=4, decode=2,
         engine={"kind": "sim", "max_model_len": 4096, "max_num_batched_tokens": 4096, "max_num_seqs": 8},
         sim={"params": "qwen3-0.6b-1dev", "kv_blocks": KV_BLOCKS},
-        router={"policy": "prefix_aware", "kv_events_port": free_port_run(12)})
+        router={"policy": "prefix_aware"})
     with running_cluster(spec) as c:
         yield c
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import ray
-from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, free_port_run, running_cluster
+from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
 
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
@@ -32,7 +32,7 @@ def cluster():
         sim={"params": "qwen3-0.6b-1dev", "payload_scale": SCALE, "kv_blocks": 256},
         # One block per gRPC message, so the fault injection (after half the blocks) has a middle.
         transfer={"chunk_bytes": 4096},
-        router={"policy": "round_robin", "kv_events_port": free_port_run(8)})
+        router={"policy": "round_robin"})
     with running_cluster(spec) as c:
         yield c
 

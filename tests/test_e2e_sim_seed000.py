@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from e2e import cluster_spec_for, complete, free_port_run, reset_caches, running_cluster
+from e2e import cluster_spec_for, complete, reset_caches, running_cluster
 from routing_checks import records_of
 
 from pdcluster.cluster.sim.calibrate import SEED000_SUFFIX, SEED000_TTFT_S
@@ -27,7 +27,7 @@ def cluster():
     # The seed's token budget (18,432): a 16K prompt is one step, as it was there.
     spec = cluster_spec_for("e2e-sim-seed000", engine={"kind": "sim", "max_model_len": 18432,
                                                        "max_num_batched_tokens": 18432},
-                            sim={"params": "qwen3-0.6b-1dev"}, router={"kv_events_port": free_port_run(4)})
+                            sim={"params": "qwen3-0.6b-1dev"})
     with running_cluster(spec) as c:
         yield c
 

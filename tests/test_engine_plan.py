@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdcluster.cluster.engine_actor import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
 from pdcluster.cluster.spec import parse_spec
+from pdcluster.cluster.vllm_patches import engine_env
 
 
 def spec(**overrides):
@@ -26,7 +27,8 @@ def test_prefill_instance_is_a_producer_on_its_own_port():
                                                "break_prefix": None, "channel_backend": "gloo",
                                                "transport": "grpc"}
     assert kv["kv_load_failure_policy"] == "recompute"
-    assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                     **engine_env(["exit_with_parent"])}
 
 
 def test_decode_instance_is_a_consumer_with_its_role_overrides():

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,9 @@ def test_plan_instance_patches_dsv4_engines_only(tmp_path):
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     env = plan_instance(spec(model_dir(tmp_path / "b", "Qwen3ForCausalLM")), "prefill", 0).env
-    assert not any(k.startswith("PDC_PATCH_") for k in env) and "PYTHONPATH" not in env
+    # Every engine exits with its actor; nothing else for Qwen3.
+    assert [k for k in env if k.startswith("PDC_PATCH_")] == ["PDC_PATCH_EXIT_WITH_PARENT"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
     # NIXL on CPU and DeepSeek-V4: one site folder, both sets.
     env = plan_instance(spec(dsv4, transfer={"connector": "nixl", "base_port": 19000}), "decode", 0).env
     assert env["PDC_PATCH_DSV4_CPU"] == env["PDC_PATCH_NIXL_CPU"] == "1"
@@ -114,6 +117,38 @@ def test_nixl_patches_skip_only_nixl_workers_affinity_call():
         os.sched_setaffinity(0, before)  # anyone else's call goes through
         """, ("nixl_cpu",))
     assert out.split() == ["pdcluster.cluster.vllm_patches", "sched_setaffinity", "True"]
+
+
+def test_an_engine_process_exits_with_its_parent():
+    # The parent starts an engine-like child, which prints its pid once running (its
+    # sitecustomize has run); killing the parent then kills the child.
+    code = """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"])
+        time.sleep(60)
+        """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDC_PATCH_")}
+    env.update(engine_env(["exit_with_parent"], pythonpath=os.environ.get("PYTHONPATH", "")))
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    child_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child_pid):
+        time.sleep(0.05)
+    orphan_alive = _alive(child_pid)
+    if orphan_alive:
+        os.kill(child_pid, 9)
+    assert not orphan_alive, "an orphaned engine process kept running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 DSV4_PATCH_CHECKS = """

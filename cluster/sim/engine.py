@@ -49,6 +49,7 @@ from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig, SimRequest
 from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
 from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class SimEngineActor(ServesRequestChannel):
         t0 = time.time()
         assert spec.sim is not None, "engine: sim without a sim: section (spec validation should have caught it)"
         self.spec, self.role, self.index = spec, role, index
+        check_ports_free(listen_ports(spec, role, index))
         eng = spec.role_engine(role)
         self.name = f"{role}-{index}"
         self.engine_id = f"{spec.name}-{self.name}"
@@ -105,8 +107,9 @@ class SimEngineActor(ServesRequestChannel):
             from pdcluster.cluster.devices import DEVICES
 
             kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale)
-            self.kv_address = f"{t.host}:{t.base_port + index}"
-            self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, t.host, t.base_port + index,
+            kv_port = spec.kv_port(role, index)
+            self.kv_address = f"{t.host}:{kv_port}"
+            self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, t.host, kv_port,
                                          t.chunk_bytes, t.lease_s, t.timeout_s, t.break_transfers_with_prefix,
                                          DEVICES[spec.device].collective_backend)
         else:
