@@ -1,7 +1,7 @@
 """An engine actor that answers at once: the router's counterpart of an instant fake HTTP backend.
 
-pdcluster's router does not speak HTTP to P and D; it calls their Ray actors.
-To measure the router's own overhead (bench/router_overhead.py), it is put in
+pdcluster's router does not speak HTTP to P and D; it sends its calls over each
+engine actor's request channel (cluster/request_channel.py). To measure the router's own overhead (bench/router_overhead.py), it is put in
 front of these instead of real engines: the same method names and messages as
 `cluster.engine_actor.EngineActor` (cluster/messages.py), no model, no KV.
 
@@ -12,7 +12,7 @@ front of these instead of real engines: the same method names and messages as
   the last with finish_reason "length" and empty transfer stats;
 - `info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown` as the real one;
 - its own, for the benchmark: `decode_in_one_reply` (decode's deltas in one reply,
-  one Ray message) and `set_tokens_per_delta`.
+  one Ray message, for the Ray-calls floor) and `set_tokens_per_delta`.
 The generated ids are the prompt's own, so any tokenizer detokenizes them.
 """
 
