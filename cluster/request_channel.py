@@ -13,10 +13,12 @@ router. Each frame is a pickled list of messages: router -> engine `Call` and
 `Abort`; engine -> router `Reply`. Pickle, as Ray uses between the same
 processes: the socket binds on the cluster's transfer host and trusts its peers.
 
-Liveness is Ray's: the router keeps a `channel_closed` call pending on each
-actor; when the actor dies that call fails, every call in flight on the channel
-fails with `EngineUnavailable`, and the router reopens the channel once Ray has
-restarted the actor.
+Liveness: when the engine's process exits, its end of the TCP connection closes
+and every call in flight on the channel fails at once with `EngineUnavailable`
+(a ZMQ socket monitor). Ray says so too, more slowly (a second or more after a
+kill): the router keeps a `channel_closed` call pending on each actor, which
+fails when the actor dies. Either way the router reopens the channel once Ray
+has restarted the actor.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Literal
 
 import zmq
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from zmq.utils.monitor import recv_monitor_message
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
 
@@ -89,7 +92,10 @@ class MessageSocket:
     a ROUTER socket, empty on a DEALER.
     """
 
-    def __init__(self, sock: zmq.Socket, on_messages: Callable[[tuple[bytes, ...], list], None]):
+    def __init__(self, sock: zmq.Socket, on_messages: Callable[[tuple[bytes, ...], list], None],
+                 on_disconnected: Callable[[], None] | None = None):
+        """`on_disconnected`: called when a connection of the socket closes (its peer's
+        process exited), at once, where Ray's word that an actor died takes a second or more."""
         for opt in (zmq.SNDHWM, zmq.RCVHWM):  # a ROUTER drops what exceeds its high-water mark: never
             sock.setsockopt(opt, 0)
         sock.setsockopt(zmq.LINGER, 0)
@@ -98,6 +104,11 @@ class MessageSocket:
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._loop.add_reader(self._fd, self._drain)
+        self._monitor: zmq.Socket | None = None
+        if on_disconnected is not None:
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._read_monitor, on_disconnected)
+            self._read_monitor(on_disconnected)  # arms the FD: ZMQ signals only after a read found nothing
         self._outbox: dict[tuple[bytes, ...], list] = {}  # prefix -> messages not sent yet
         self.frames_sent = self.messages_sent = 0  # batched: frames <= messages
 
@@ -107,6 +118,11 @@ class MessageSocket:
         self._outbox.setdefault(prefix, []).append(msg)
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self.sock is not None:
             self._loop.remove_reader(self._fd)
             self.sock.close(linger=0)
@@ -126,6 +142,14 @@ class MessageSocket:
         while self.sock is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             parts = self.sock.recv_multipart(zmq.NOBLOCK)
             self.on_messages(tuple(parts[:-1]), decode(parts[-1]))
+
+    def _read_monitor(self, on_disconnected: Callable[[], None]) -> None:
+        disconnected = False
+        while self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            disconnected |= event["event"] == zmq.EVENT_DISCONNECTED
+        if disconnected:
+            on_disconnected()
 
 
 # ---------------------------------------------------------------------------------- engine side
@@ -290,7 +314,7 @@ class EngineChannel:
         self.address = await self.actor.open_channel.remote(self.host)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(self.address)
-        self._socket = MessageSocket(sock, self._on_replies)
+        self._socket = MessageSocket(sock, self._on_replies, on_disconnected=self._on_disconnected)
         self._tasks = [asyncio.create_task(self._watch(self.actor.channel_closed.remote()))]
         return self
 
@@ -318,6 +342,13 @@ class EngineChannel:
             call = self._calls.get(reply.call_id)
             if call is not None:  # else aborted: its late replies are dropped
                 call.replies.put_nowait(reply)
+
+    def _on_disconnected(self) -> None:
+        """The engine's end of the connection closed: its process is gone (Ray will say so,
+        a second or more later) or it closed the channel. Fail its calls now."""
+        self._down("its connection closed (the engine process exited)")
+        if not self._stopped:
+            self._tasks.append(asyncio.create_task(self._reconnect()))
 
     async def _watch(self, closed_ref) -> None:
         try:

@@ -179,7 +179,8 @@ def test_a_dead_engine_fails_its_calls_then_the_channel_reopens_on_the_restarted
         await asyncio.wait_for(call.next(), 5)
         old_address = ch.address
         actor.die(restart_as=Body())
-        with pytest.raises(EngineUnavailable, match="ActorDiedError"):
+        # Ray's word or the closed connection, whichever the channel hears first.
+        with pytest.raises(EngineUnavailable, match="ActorDiedError|connection closed"):
             await asyncio.wait_for(call.next(), 5)
         with pytest.raises(EngineUnavailable):  # down: refused at once, not queued
             ch.call("prefill", prefill_req())
@@ -193,6 +194,20 @@ def test_a_dead_engine_fails_its_calls_then_the_channel_reopens_on_the_restarted
         return pre
 
     assert asyncio.run(main()).request_id == "after"
+
+
+def test_a_lost_connection_fails_calls_before_ray_says_the_actor_died():
+    async def main():
+        actor, ch = await connected(Body(hang_after_first=True))
+        call = ch.call("decode", decode_req("in-flight"))
+        await asyncio.wait_for(call.next(), 5)
+        actor.body._channel.socket.close()  # the process is gone; Ray's channel_closed call still pending
+        with pytest.raises(EngineUnavailable, match="connection closed"):
+            await asyncio.wait_for(call.next(), 5)
+        assert not actor._pending[-1].done()  # not Ray's word: the watch call is still waiting
+        ch.close()
+
+    asyncio.run(main())
 
 
 def test_a_closed_channel_refuses_calls_and_fails_waiting_ones():
