@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass
 
 from pdcluster.cluster.messages import Role
@@ -74,11 +75,13 @@ def engine_core_cause(log_text: str) -> str | None:
 
 
 def own_stderr_tail(max_bytes: int = 256 * 1024) -> str:
-    """The end of this process's stderr when it is a file (a Ray worker's log), else ""."""
+    """The end of this process's stderr when it is a regular file (a Ray worker's log), else ""
+    (a terminal or a pipe: reading those would block or steal another reader's bytes)."""
     try:
-        path = os.readlink("/proc/self/fd/2")
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - max_bytes))
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return ""
+        with open(os.readlink("/proc/self/fd/2"), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - max_bytes))
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""

@@ -14,6 +14,7 @@ from pdcluster.cluster.start_diagnosis import (
     check_ports_free,
     engine_core_cause,
     listen_ports,
+    own_stderr_tail,
 )
 from pdcluster.router.kv_events import engine_kv_events_config
 
@@ -69,3 +70,24 @@ def test_the_engine_core_cause_is_its_own_exception_not_the_parents():
     earlier_death = "Process EngineCore:\nValueError: an earlier start\n"
     assert engine_core_cause(earlier_death + WORKER_LOG).startswith("zmq.error.ZMQError")  # the last death counts
     assert engine_core_cause(WORKER_LOG.replace("Process EngineCore:", "")) is None  # no engine core died
+
+
+def test_stderr_is_read_back_only_from_a_file(tmp_path):
+    import os
+
+    log_file = tmp_path / "worker.err"
+    log_file.write_text("x" * 100 + WORKER_LOG)
+    saved = os.dup(2)
+    try:
+        for target, want in ((str(log_file), WORKER_LOG[-50:]), (os.devnull, "")):
+            fd = os.open(target, os.O_RDONLY)
+            os.dup2(fd, 2)
+            os.close(fd)
+            assert own_stderr_tail(max_bytes=50) == want
+        r, w = os.pipe()  # a pipe: never read (it would block)
+        os.dup2(w, 2)
+        assert own_stderr_tail() == ""
+        os.close(r), os.close(w)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
