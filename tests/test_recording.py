@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.recording import record_decode_end, record_prefill
@@ -86,3 +88,15 @@ def test_metrics_count_what_records_report():
     assert _metric(text, 'pdc_in_flight{instance="prefill-0"}') == 2
     in_flight["prefill-0"] = 0
     assert _metric(m.render().decode(), 'pdc_in_flight{instance="prefill-0"}') == 0
+
+
+def test_a_record_round_trips_through_its_json_line():
+    from dataclasses import asdict
+
+    rec = RequestRecord("r1", 12, 4, "prefill-0", "decode-0", "prefix_aware", 256, 0, 256, 0, 12,
+                        [GroupTransfer(0, 3, 12288), GroupTransfer(1, 1, 64)], {"arrival": 5, "finish": 9},
+                        [7, 8, 9], "length", None, None)
+    line = rec.to_json()
+    assert RequestRecord.from_dict(json.loads(line)) == rec
+    assert json.loads(line) == asdict(rec)  # the same dict asdict() would write
+    assert rec.transfer_groups[0] == GroupTransfer(0, 3, 12288)  # the record itself untouched
