@@ -248,8 +248,9 @@ class EngineActor(ServesRequestChannel):
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
             # One message per DELTA_INTERVAL_NS, not per token: each costs the router ~40 us
-            # of CPU (bench/README.md), which at C90 x 100 tokens/s would be a third of its
-            # core. The first token goes at once; token_ns keeps every token's time.
+            # of CPU, ~180 us when streamed as its own SSE event (bench/README.md); at C90 x
+            # 100 tokens/s, per-token deltas would take more than its core. The first token
+            # goes at once; token_ns keeps every token's time.
             if not out.finished and last_sent and now - last_sent < DELTA_INTERVAL_NS:
                 continue
             last_sent = now
