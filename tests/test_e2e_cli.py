@@ -39,23 +39,25 @@ def test_up_status_serve_down(tmp_path):
     assert "no cluster started by pdc up" in pdc("status", env_state=tmp_path).stdout
 
 
-def test_up_reports_the_failing_instance(tmp_path):
-    spec = cluster_spec_for("e2e-cli-bad", engine={"extra": {"bogus_engine_arg": 1}})
+def failed_up(tmp_path, name: str, engine_extra: dict) -> str:
+    """`pdc up` of a spec whose engines cannot start: its stderr, once it exited 1 leaving no state."""
+    spec = cluster_spec_for(name, engine={"extra": engine_extra})
     spec_file = tmp_path / "cluster.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
     up = pdc("up", str(spec_file), env_state=tmp_path, timeout=300)
-    assert up.returncode == 1
-    assert "instance prefill-0 failed to start" in up.stderr and "bogus_engine_arg" in up.stderr, up.stderr[-2000:]
+    assert up.returncode == 1, up.stderr[-2000:]
+    assert "instance prefill-0 failed to start" in up.stderr, up.stderr[-2000:]
     assert not list(tmp_path.glob("*.json"))
+    return up.stderr
+
+
+def test_up_reports_the_failing_instance(tmp_path):
+    stderr = failed_up(tmp_path, "e2e-cli-bad", {"bogus_engine_arg": 1})
+    assert "bogus_engine_arg" in stderr, stderr[-2000:]
 
 
 def test_up_reports_the_engine_cores_own_error(tmp_path):
     # Too few KV blocks for max_model_len: vLLM's engine core process raises while starting,
     # and the error it prints to the worker's log is what `pdc up` shows.
-    spec = cluster_spec_for("e2e-cli-core", engine={"extra": {"num_gpu_blocks_override": 4}})
-    spec_file = tmp_path / "cluster.yaml"
-    spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
-    up = pdc("up", str(spec_file), env_state=tmp_path, timeout=300)
-    assert up.returncode == 1
-    assert "instance prefill-0 failed to start" in up.stderr, up.stderr[-2000:]
-    assert "engine core failed to start: ValueError: To serve at least one request" in up.stderr, up.stderr[-2000:]
+    stderr = failed_up(tmp_path, "e2e-cli-core", {"num_gpu_blocks_override": 4})
+    assert "engine core failed to start: ValueError: To serve at least one request" in stderr, stderr[-2000:]
