@@ -108,9 +108,12 @@ class MessageSocket:
         if on_disconnected is not None:
             self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._read_monitor, on_disconnected)
-            self._read_monitor(on_disconnected)  # arms the FD: ZMQ signals only after a read found nothing
         self._outbox: dict[tuple[bytes, ...], list] = {}  # prefix -> messages not sent yet
         self.frames_sent = self.messages_sent = 0  # batched: frames <= messages
+        # Arm both FDs: ZMQ signals an FD only after a read of its socket found nothing.
+        self._drain()
+        if on_disconnected is not None:
+            self._read_monitor(on_disconnected)
 
     def post(self, msg, prefix: tuple[bytes, ...] = ()) -> None:
         if not self._outbox:  # the first of this loop turn: send them all at its end
