@@ -107,7 +107,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     # Run-time vLLM fixes (cluster/vllm_patches.py): every engine's, the model's, NIXL's on CPU.
     patch_sets = ["exit_with_parent", *patch_sets_for_model(spec.model.path, spec.device)]
     if spec.transfer.connector == "nixl":
-        kv_port = _use_nixl(spec, role, index, engine_id, args, env)
+        _use_nixl(spec, kv_port, engine_id, args, env)
         if spec.device == "cpu":
             patch_sets.append("nixl_cpu")
     env.update(engine_env(patch_sets))
@@ -119,16 +119,14 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     return InstancePlan(name, role, index, engine_id, args, env, kv_port, spec.transfer.host)
 
 
-def _use_nixl(spec: ClusterSpec, role: Role, index: int, engine_id: str, args: dict, env: dict) -> int:
-    """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine.
-    Returns the instance's side-channel port."""
-    port = spec.kv_port(role, index)
+def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, args: dict, env: dict) -> None:
+    """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine
+    on `port` (spec.kv_port)."""
     args["kv_transfer_config"] = dict(
         kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id,
         kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
         **({"kv_buffer_device": "cpu"} if spec.device == "cpu" else {}))
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.transfer.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
-    return port
 
 
 def prefill_kv_params(connector: str, transfer_id: str) -> dict:

@@ -349,9 +349,7 @@ class EngineChannel:
     def _on_disconnected(self) -> None:
         """The engine's end of the connection closed: its process is gone (Ray will say so,
         a second or more later) or it closed the channel. Fail its calls now."""
-        self._down("its connection closed (the engine process exited)")
-        if not self._stopped:
-            self._tasks.append(asyncio.create_task(self._reconnect()))
+        self._lost("its connection closed (the engine process exited)")
 
     async def _watch(self, closed_ref) -> None:
         try:
@@ -361,6 +359,10 @@ class EngineChannel:
             reason = type(err).__name__
         except asyncio.CancelledError:
             return
+        self._lost(reason)
+
+    def _lost(self, reason: str) -> None:
+        """The engine went away: go down, then reopen the channel unless the router closed it."""
         self._down(reason)
         if not self._stopped:
             self._tasks.append(asyncio.create_task(self._reconnect()))
