@@ -6,6 +6,9 @@ What the seed timed is one engine's TTFT; here that is P's own queued -> first t
 B's timeline, through the real actor, scheduler and prefix cache (the cost model alone is
 checked in test_sim_cost.py). Tolerance: 10% of the seed's every TTFT (docs/sim.md), and the
 hits are the engine's own (0 cold, the whole prefix warm).
+
+The engine sleeps each step's modelled time, so the host can only make a TTFT longer
+(a late wake, a busy core); each case is timed REPEATS times and the shortest is compared.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pdcluster.cluster.sim.calibrate import SEED000_SUFFIX, SEED000_TTFT_S
 
 pytestmark = pytest.mark.e2e
 TOLERANCE = 0.10
+REPEATS = 3
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +50,23 @@ def p_engine_ttft_ms(cluster, prompt: list[int]) -> tuple[float, int]:
     return (rec.events["p_done"] - rec.events["p_queued"]) / 1e6, rec.p_cached_tokens
 
 
+def b_ttft_ms(cluster, prefix: int, cache: str) -> tuple[float, int]:
+    """B's TTFT on P after A ran, with P's cache reset in between (cold) or not (warm)."""
+    a, b = ab(prefix)
+    reset_caches(cluster)
+    complete(cluster.url, a, max_tokens=2)
+    if cache == "cold":
+        reset_caches(cluster)
+    return p_engine_ttft_ms(cluster, b)
+
+
 @pytest.mark.parametrize("prefix", sorted(SEED000_TTFT_S))
 def test_cold_and_warm_ttft_within_tolerance_of_the_seed(cluster, prefix):
-    a, b = ab(prefix)
     measured = {}
-    for cache in ("cold", "warm"):
-        reset_caches(cluster)
-        complete(cluster.url, a, max_tokens=2)
-        if cache == "cold":
-            reset_caches(cluster)
-        measured[cache] = p_engine_ttft_ms(cluster, b)
-    (cold_ms, cold_hit), (warm_ms, warm_hit) = measured["cold"], measured["warm"]
-    assert (cold_hit, warm_hit) == (0, prefix)
+    for cache, expected_hit in (("cold", 0), ("warm", prefix)):
+        runs = [b_ttft_ms(cluster, prefix, cache) for _ in range(REPEATS)]
+        assert [hit for _, hit in runs] == [expected_hit] * REPEATS, (cache, runs)
+        measured[cache] = min(ms for ms, _ in runs)
     seed_cold, seed_warm = (s * 1e3 for s in SEED000_TTFT_S[prefix])
-    assert abs(cold_ms - seed_cold) <= TOLERANCE * seed_cold, (cold_ms, seed_cold)
-    assert abs(warm_ms - seed_warm) <= TOLERANCE * seed_warm, (warm_ms, seed_warm)
+    assert abs(measured["cold"] - seed_cold) <= TOLERANCE * seed_cold, (measured, seed_cold)
+    assert abs(measured["warm"] - seed_warm) <= TOLERANCE * seed_warm, (measured, seed_warm)
