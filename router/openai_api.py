@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP front end (FastAPI) over a `TokenBackend`.
+"""OpenAI-compatible HTTP front end (an `HttpApp`, http_app.py) over a `TokenBackend`.
 
 The router owns the tokenizer: prompts are tokenized and validated here, the
 backend sees only token ids, and generated ids are detokenized here. Stop
@@ -18,13 +18,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.http_app import (
+    HttpApp,
+    HttpRequest,
+    Response,
+    StreamResponse,
+    aclose,
+    error_body,
+    json_response,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +104,13 @@ class ApiError(Exception):
         self.status, self.param, self.kind = status, param, kind
 
 
-def _error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
 M = TypeVar("M", bound=BaseModel)
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    # Parsed by hand rather than as a FastAPI body parameter so that every
-    # malformed request is a 400 with an OpenAI body, not FastAPI's 422.
+def _parse(request: HttpRequest, model: type[M]) -> M:
+    # Every malformed request is a 400 with an OpenAI body naming the field.
     try:
-        obj = json.loads(await request.body())
+        obj = json.loads(request.body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"malformed JSON body: {e}") from None
     if not isinstance(obj, dict):
@@ -192,14 +193,6 @@ def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> U
                             transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error))
 
 
-async def _close(it: Any) -> None:
-    # Shielded: on client disconnect we run inside a cancelled scope, and the
-    # backend's cleanup (aborting the request on P/D) must still get to run.
-    if hasattr(it, "aclose"):
-        with anyio.CancelScope(shield=True):
-            await it.aclose()
-
-
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:
     """The one generation path: backend chunks -> text deltas, stop strings applied."""
     gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns)
@@ -237,14 +230,14 @@ async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterato
             raise BackendError("the backend ended the generation without a finish_reason")
         yield final
     finally:
-        await _close(gen)
+        await aclose(gen)
 
 
-def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
+def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    app = FastAPI(title="pdcluster OpenAI-compatible API")
+    app = HttpApp()
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> _Job:
@@ -300,7 +293,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             try:
                 pieces = [d async for d in deltas]
             finally:
-                await _close(deltas)
+                await aclose(deltas)
             last = pieces[-1]
             text = "".join(d.text for d in pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
@@ -308,31 +301,30 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
             choice |= {"logprobs": None, "finish_reason": last.finish_reason}
             if job.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
-            return JSONResponse(_envelope(job, [choice], last.usage, chunk=False))
+            return json_response(_envelope(job, [choice], last.usage, chunk=False))
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
         try:
             first = await deltas.__anext__()
         except BaseException:
-            await _close(deltas)
+            await aclose(deltas)
             raise
-        return _ClosingStreamingResponse(_sse(job, first, deltas), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+        return StreamResponse(_sse(job, first, deltas), headers={"cache-control": "no-cache"})
 
     async def guarded(handler: Any) -> Response:
         try:
             return await handler
         except ApiError as e:
-            return JSONResponse(_error_body(str(e), e.kind, e.param), e.status)
+            return json_response(error_body(str(e), e.kind, e.param), e.status)
         except BackendError as e:
-            return JSONResponse(_error_body(str(e), e.kind), e.status)
+            return json_response(error_body(str(e), e.kind), e.status)
         except Exception as e:  # a bug or a broken backend: answer, never hang
             log.exception("request failed")
-            return JSONResponse(_error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+            return json_response(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
 
-    async def completions(request: Request) -> Response:
+    async def completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
-        req = await _parse(request, CompletionRequest)
+        req = _parse(request, CompletionRequest)
         check_model(req)
         if req.echo:
             raise ApiError("echo is not supported", param="echo")
@@ -348,9 +340,9 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
         return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
                                     request.headers.get("x-request-id")))
 
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
-        req = await _parse(request, ChatCompletionRequest)
+        req = _parse(request, ChatCompletionRequest)
         check_model(req)
         if req.logprobs:
             raise ApiError("logprobs is not supported", param="logprobs")
@@ -366,31 +358,24 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> FastAPI:
         return await serve(make_job(req, True, list(ids), max_tokens, param, arrival_ns,
                                     request.headers.get("x-request-id")))
 
-    @app.post("/v1/completions")
-    async def _completions(request: Request) -> Response:
-        return await guarded(completions(request))
-
-    @app.post("/v1/chat/completions")
-    async def _chat_completions(request: Request) -> Response:
-        return await guarded(chat_completions(request))
-
-    @app.get("/v1/models")
-    async def _models() -> dict[str, Any]:
+    async def models(request: HttpRequest) -> Response:
         card = backend.model_card()
-        return {"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
-                                            "owned_by": "pdcluster", "max_model_len": card.max_model_len,
-                                            "vocab_size": card.vocab_size}]}
+        return json_response({"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
+                                                          "owned_by": "pdcluster", "max_model_len": card.max_model_len,
+                                                          "vocab_size": card.vocab_size}]})
 
-    @app.get("/health")
-    async def _health() -> JSONResponse:
+    async def health(request: HttpRequest) -> Response:
         try:
             instances = await backend.health()
         except Exception as e:
-            return JSONResponse({"status": "error", "instances": {}, "error": str(e)}, status_code=503)
+            return json_response({"status": "error", "instances": {}, "error": str(e)}, 503)
         ok = all(instances.values())
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "instances": instances},
-                            status_code=200 if ok else 503)
+        return json_response({"status": "ok" if ok else "unhealthy", "instances": instances}, 200 if ok else 503)
 
+    app.add("POST", "/v1/completions", lambda request: guarded(completions(request)))
+    app.add("POST", "/v1/chat/completions", lambda request: guarded(chat_completions(request)))
+    app.add("GET", "/v1/models", models)
+    app.add("GET", "/health", health)
     return app
 
 
@@ -434,24 +419,10 @@ async def _sse(job: _Job, first: _Delta, rest: AsyncIterator[_Delta]) -> AsyncIt
         if job.include_usage:
             yield _event(_envelope(job, [], last.usage, chunk=True))
     except BackendError as e:  # headers are sent: the error becomes an event
-        yield _event(_error_body(str(e), e.kind))
+        yield _event(error_body(str(e), e.kind))
     except Exception as e:
         log.exception("stream failed")
-        yield _event(_error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+        yield _event(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
     finally:
-        await _close(rest)
+        await aclose(rest)
     yield "data: [DONE]\n\n"
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes the body generator even when the client went away mid-stream.
-
-    Starlette just stops iterating on a disconnect; closing the generator here
-    runs its `finally`, which closes the backend iterator so the backend aborts.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await _close(self.body_iterator)

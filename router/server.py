@@ -16,6 +16,7 @@ from pathlib import Path
 from pdcluster.cluster.messages import InstanceInfo
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
+from pdcluster.router.http_app import BytesResponse, HttpRequest, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
 
@@ -39,8 +40,6 @@ class RouterActor:
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance]):
-        from fastapi import Response
-
         from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
         from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
@@ -57,13 +56,17 @@ class RouterActor:
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path)
-        self.app.add_api_route("/metrics", lambda: Response(self.metrics.render(), media_type=self.metrics.content_type),
-                               methods=["GET"])
-        # Where this router writes timelines, so a load generator can join them to its requests.
-        self.app.add_api_route("/pdc/run", lambda: {"run_dir": self.run_dir(), "cluster": spec.name},
-                               methods=["GET"])
+        self.app.add("GET", "/metrics", self._metrics_page)
+        self.app.add("GET", "/pdc/run", self._run_page)
         self._server = None
         self._task: asyncio.Task | None = None
+
+    async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
+        return BytesResponse(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def _run_page(self, request: HttpRequest) -> BytesResponse:
+        """Where this router writes timelines, so a load generator can join them to its requests."""
+        return json_response({"run_dir": self.run_dir(), "cluster": self.spec.name})
 
     async def _open_run(self, infos: list[InstanceInfo]) -> RunStore:
         """Measure each instance's clock, then start this run's directory."""

@@ -218,6 +218,7 @@ Thread.run (threading.py:982);PDDispatcher._prefill (pdcluster/router/pd_dispatc
 Thread.run (threading.py:982);ActorMethod._remote (ray/actor.py:1178);SerializationContext.serialize (ray/_private/serialization.py:801) 2
 Thread.run (threading.py:982);build_app.<locals>.completions (pdcluster/router/openai_api.py:347);PreTrainedTokenizerBase.encode (transformers/tokenization_utils_base.py:2279) 4
  6
+_bootstrap (threading.py:1002);Worker.main_loop (ray/_private/worker.py:1069) 9
 """
 
 

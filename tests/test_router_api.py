@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.cluster.tiny_model import make_tiny_model

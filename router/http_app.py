@@ -1,0 +1,167 @@
+"""The router's HTTP layer: a small ASGI app (served by uvicorn) with exact-path routes.
+
+The router's own work per request is a few hundred microseconds; FastAPI's middleware
+stack, dependency solving and request objects added ~150 us to it (bench/README.md, router
+overhead), so the router speaks ASGI directly. Only what the router needs is here:
+- routes by method and exact path; an unknown path is a 404, a known path with another
+  method a 405, both with OpenAI's error body;
+- a request's body read whole before its handler runs;
+- a handler returns `BytesResponse` (JSON via `json_response`) or `StreamResponse`.
+
+A `StreamResponse` closes its chunk iterator when it ends, however it ends (done, failed,
+or the client went away): closing runs the iterator's `finally`, which is where the
+backend's request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
+    body: bytes
+
+
+@dataclass(frozen=True)
+class BytesResponse:
+    body: bytes
+    status: int = 200
+    media_type: str = "application/json"
+
+    async def send(self, send: Callable, receive: Callable) -> None:
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [(b"content-type", self.media_type.encode("latin-1")),
+                                (b"content-length", str(len(self.body)).encode("latin-1"))]})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def json_response(obj: Any, status: int = 200) -> BytesResponse:
+    # As Starlette's JSONResponse: compact, UTF-8; NaN is not JSON and fails here, not in a client.
+    return BytesResponse(json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                         status)
+
+
+@dataclass(frozen=True)
+class StreamResponse:
+    chunks: AsyncIterator[str]
+    media_type: str = "text/event-stream"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    async def send(self, send: Callable, receive: Callable) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", self.media_type.encode("latin-1")),
+                                    *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items())]})
+            # The body is written while another task waits for the client to go away;
+            # whichever ends first cancels the other.
+            pump = asyncio.ensure_future(self._pump(send))
+            gone = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, gone):
+                    task.cancel()
+                for task in (gone, pump):  # the pump last: its error, if any, is the response's
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        finally:
+            await aclose(self.chunks)
+
+    async def _pump(self, send: Callable) -> None:
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnected(receive: Callable) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def aclose(it: Any) -> None:
+    """Close an async iterator (run its `finally`), even from a cancelled task: the backend's
+    cleanup (aborting the request on P and D) must get to run."""
+    if hasattr(it, "aclose"):
+        await asyncio.shield(it.aclose())
+
+
+Response = BytesResponse | StreamResponse
+Handler = Callable[[HttpRequest], Awaitable[Response]]
+
+
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+async def _read_body(receive: Callable) -> bytes:
+    first = await receive()
+    body = first.get("body", b"")
+    if not first.get("more_body"):
+        return body
+    parts = [body]
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionError("the client went away while sending its request")
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+class HttpApp:
+    """An ASGI app: `add(method, path, handler)`, then serve it with uvicorn."""
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[str, str], Handler] = {}
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        assert (method, path) not in self.routes, f"{method} {path} is routed twice"
+        self.routes[(method, path)] = handler
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets: not served; uvicorn closes the connection
+        method, path = scope["method"], scope["path"]
+        handler = self.routes.get((method, path))
+        if handler is None:
+            if any(p == path for _, p in self.routes):
+                response = json_response(error_body(f"method {method} not allowed on {path}",
+                                                    "invalid_request_error"), 405)
+            else:
+                response = json_response(error_body(f"no route {path}", "not_found_error"), 404)
+            await response.send(send, receive)
+            return
+        try:
+            body = await _read_body(receive)
+        except ConnectionError:
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        response = await handler(HttpRequest(method, path, headers, body))
+        await response.send(send, receive)
+
+
+async def _lifespan(receive: Callable, send: Callable) -> None:
+    # Nothing to start or stop: the router's resources live in its actor.
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
