@@ -249,10 +249,10 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
             raise ApiError(f"n must be 1 (got {req.n}): only one choice per request is supported", param="n")
         if not prompt_ids:
             raise ApiError(f"the {what} is empty", param=what)
-        for i, t in enumerate(prompt_ids):
-            if not 0 <= t < card.vocab_size:
-                raise ApiError(f"token id {t} at index {i} of the {what} is out of range "
-                               f"[0, {card.vocab_size})", param=what)
+        if not (0 <= min(prompt_ids) and max(prompt_ids) < card.vocab_size):  # C-speed scans: 128K ids in 2.5 ms
+            i, t = next((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < card.vocab_size)
+            raise ApiError(f"token id {t} at index {i} of the {what} is out of range "
+                           f"[0, {card.vocab_size})", param=what)
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param)
         if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
