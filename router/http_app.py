@@ -93,6 +93,8 @@ async def _disconnected(receive: Callable) -> None:
 async def aclose(it: Any) -> None:
     """Close an async iterator (run its `finally`), even from a cancelled task: the backend's
     cleanup (aborting the request on P and D) must get to run."""
+    if getattr(it, "ag_frame", True) is None:  # an async generator that ended: nothing to run
+        return  # (the common case; shield() would cost a Task per request)
     if hasattr(it, "aclose"):
         await asyncio.shield(it.aclose())
 

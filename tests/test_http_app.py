@@ -122,3 +122,29 @@ def test_a_failing_iterator_is_closed_and_its_error_raised():
     with pytest.raises(RuntimeError, match="backend failed"):
         asyncio.run(run_stream(StreamResponse(aiter(chunks))))
     assert chunks.closed and chunks.sent == 2
+
+
+def test_aclose_finishes_a_generators_cleanup_even_if_the_closing_task_is_cancelled():
+    from pdcluster.router.http_app import aclose
+
+    cleaned: list[str] = []
+
+    async def gen():
+        try:
+            yield 1
+        finally:
+            await asyncio.sleep(0.05)  # as the backend's abort of P and D awaits
+            cleaned.append("done")
+
+    async def main():
+        it = gen()
+        await it.__anext__()
+        closing = asyncio.ensure_future(aclose(it))
+        await asyncio.sleep(0.01)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert cleaned == ["done"]
