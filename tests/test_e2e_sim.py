@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 import time
 
+import httpx
 import pytest
 import ray
 from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
+from routing_checks import records_of
 
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
@@ -121,6 +123,18 @@ def test_broken_transfer_ends_in_an_error_and_frees_its_blocks(cluster, family_r
     assert r.status_code == 502, r.text
     ok = complete(cluster.url, family(10, 500), 8)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_client_gone_mid_stream_ends_its_request_on_d(cluster, family_run):
+    # 2,000 tokens at the model's ~33 ms a step: over a minute, unless D aborts the request.
+    body = {"prompt": family(11, 500), "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30,
+                      headers={"X-Request-Id": "gone-mid-stream"}) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+    assert_no_kv_in_use(cluster, 10)
+    (rec,) = records_of(cluster, ["cmpl-gone-mid-stream"])
+    assert rec.error and "client went away" in rec.error and rec.output_tokens < 2000
 
 
 def test_every_block_is_free_at_the_end(cluster, family_run):
