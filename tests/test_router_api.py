@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -409,3 +410,19 @@ def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
     line = _event({"choices": [{"text": text}]})
     assert line.isascii() and line.endswith("\n\n") and line.count("\n") == 2
     assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
+    from pdcluster.router.openai_api import _Detokenizer
+
+    rng = random.Random(seed)
+    # Random ids split UTF-8 characters across tokens, and may end inside one.
+    ids = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 80))]
+    detok, text, i = _Detokenizer(tok), "", 0
+    while i < len(ids):
+        n = rng.randrange(1, 5)
+        text += detok.add(ids[i:i + n], final=i + n >= len(ids))
+        assert not text.endswith("\ufffd") or i + n >= len(ids), "a split character came out early"
+        i += n
+    assert text == tok.decode(ids, skip_special_tokens=True)
