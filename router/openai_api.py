@@ -256,6 +256,9 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # _Detokenizer steps the Rust tokenizer
+        raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
+                         f"transformers loaded a {type(tokenizer).__name__}")
     app = HttpApp()
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
