@@ -109,18 +109,14 @@ def error_body(message: str, kind: str, param: str | None = None) -> dict[str, A
 
 
 async def _read_body(receive: Callable) -> bytes:
-    first = await receive()
-    body = first.get("body", b"")
-    if not first.get("more_body"):
-        return body
-    parts = [body]
+    parts = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionError("the client went away while sending its request")
         parts.append(message.get("body", b""))
         if not message.get("more_body"):
-            return b"".join(parts)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class HttpApp:

@@ -148,3 +148,18 @@ def test_aclose_finishes_a_generators_cleanup_even_if_the_closing_task_is_cancel
 
     asyncio.run(main())
     assert cleaned == ["done"]
+
+
+def test_a_client_gone_before_its_body_arrived_runs_no_handler():
+    app, seen = echo_app()
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/echo", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    assert seen == [] and sent == []
