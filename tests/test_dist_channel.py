@@ -183,6 +183,10 @@ def test_peer_dies_mid_transfer_fails_within_timeout(peer):
     t = torch.empty(4099, dtype=torch.float32)
     ch.recv_into(t, first)
     assert torch.equal(t, payload(torch.float32, 0))
+    # P is gone with its second send posted and not through. (D used to post its receive
+    # first: once in CI, P's sending thread got all 64 MB out before P's _exit.)
+    p.proc.join(timeout=10)
+    assert p.proc.exitcode == 3
     big = torch.zeros(64 << 20, dtype=torch.uint8)
     t0 = time.monotonic()
     with pytest.raises(ChannelError) as info:
@@ -191,8 +195,6 @@ def test_peer_dies_mid_transfer_fails_within_timeout(peer):
     assert elapsed < 1.0, f"took {elapsed:.2f} s: the death was not noticed before the {timeout_s} s timeout"
     # Either our liveness connection or gloo's own socket noticed first.
     assert f"recv of tag {first + 1} (67108864 B) from P (rank 0)" in str(info.value)
-    p.proc.join(timeout=5)
-    assert p.proc.exitcode == 3
     # The channel is broken from now on: later operations fail at once, naming the first failure.
     t0 = time.monotonic()
     with pytest.raises(ChannelError, match="broken channel"):
