@@ -1,7 +1,7 @@
 """The router's HTTP layer: a small ASGI app (served by uvicorn) with exact-path routes.
 
 The router's own work per request is a few hundred microseconds; FastAPI's middleware
-stack, dependency solving and request objects added ~150 us to it (bench/README.md, router
+stack, dependency solving and request objects added ~250 us to it (bench/README.md, router
 overhead), so the router speaks ASGI directly. Only what the router needs is here:
 - routes by method and exact path; an unknown path is a 404, a known path with another
   method a 405, both with OpenAI's error body;
@@ -18,12 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
