@@ -245,9 +245,9 @@ class EngineActor(ServesRequestChannel):
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            # One message per DELTA_INTERVAL_NS, not per token: each costs the router ~40 us
-            # of CPU, ~180 us when streamed as its own SSE event (bench/README.md); at C90 x
-            # 100 tokens/s, per-token deltas would take more than its core. The first token
+            # One message per DELTA_INTERVAL_NS, not per token: each costs the router ~60 us
+            # of CPU, ~125 us when streamed as its own SSE event (bench/README.md); at C90 x
+            # 100 tokens/s, per-token deltas would take about its core. The first token
             # goes at once; token_ns keeps every token's time.
             if not out.finished and last_sent and now - last_sent < DELTA_INTERVAL_NS:
                 continue

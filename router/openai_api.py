@@ -169,6 +169,7 @@ class _Detokenizer:
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer the stream steps
         self._stream = DecodeStream(skip_special_tokens=True)
         self._held: list[int] = []  # ids whose text has not come out yet
 
@@ -188,14 +189,14 @@ class _Detokenizer:
 
     def _step(self, token_id: int) -> str | None:
         try:
-            return self._stream.step(self._tokenizer.backend_tokenizer, token_id)
+            return self._stream.step(self._backend, token_id)
         except Exception as err:
             # tokenizers can fail a step when a decode is not an extension of the previous
             # one (vLLM issue 17448); vLLM starts a new stream then, and so do we.
             if "Invalid prefix" not in str(err):
                 raise
-            self._stream = DecodeStream(skip_special_tokens=True)
-            return self._stream.step(self._tokenizer.backend_tokenizer, token_id)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        return self._stream.step(self._backend, token_id)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
