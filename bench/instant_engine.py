@@ -43,6 +43,8 @@ def instant_deltas(req: DecodeRequest, tokens_per_delta: int = 1) -> list[Decode
     assert req.prompt_token_ids, "an empty prompt: the router should have refused it"
     n, prompt = req.sampling.max_tokens, req.prompt_token_ids
     ids = [prompt[i % len(prompt)] for i in range(n)]
+    if req.sampling.final_only:  # one delta at the end, as EngineActor sends it
+        tokens_per_delta = n
     out = []
     for start in range(0, n, tokens_per_delta):
         last = start + tokens_per_delta >= n

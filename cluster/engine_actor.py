@@ -245,11 +245,11 @@ class EngineActor(ServesRequestChannel):
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            # One message per DELTA_INTERVAL_NS, not per token: each costs the router ~60 us
-            # of CPU, ~125 us when streamed as its own SSE event (bench/README.md); at C90 x
-            # 100 tokens/s, per-token deltas would take about its core. The first token
-            # goes at once; token_ns keeps every token's time.
-            if not out.finished and last_sent and now - last_sent < DELTA_INTERVAL_NS:
+            # One message per DELTA_INTERVAL_NS (final_only: the last alone), not per token:
+            # each costs the router ~60 us of CPU, ~125 us when streamed as its own SSE event
+            # (bench/README.md); at C90 x 100 tokens/s, per-token deltas would take about its
+            # core. The first token goes at once; token_ns keeps every token's time.
+            if not out.finished and (req.sampling.final_only or last_sent and now - last_sent < DELTA_INTERVAL_NS):
                 continue
             last_sent = now
             transfer = None

@@ -293,14 +293,15 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
         top_k = 0 if req.top_k in (None, -1) else req.top_k  # vLLM's -1 is our 0: off
         if top_k < 0:
             raise ApiError(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        stops = tuple(s for s in ((req.stop,) if isinstance(req.stop, str) else req.stop or ()) if s)
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
-                                stop_token_ids=tuple(req.stop_token_ids or ()))
+                                stop_token_ids=tuple(req.stop_token_ids or ()),
+                                final_only=not req.stream and not stops)  # stop strings are matched here, as tokens come
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
         return _Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
-                    sampling=sampling, stops=tuple(s for s in stops if s), stream=bool(req.stream),
+                    sampling=sampling, stops=stops, stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
                     return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
 

@@ -219,8 +219,9 @@ class PDDispatcher(TokenBackend):
     async def _prefill(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
         call = self._call(p, "prefill", req)
         try:
-            return await asyncio.wait_for(call.next(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # wait_for: a Task per await
+                return await call.next()
+        except TimeoutError:
             raise BackendError(f"prefill of {req.request_id} on {p.name} timed out after {self._timeout_s:.0f} s", 504,
                                "timeout") from None
         except EngineUnavailable as err:
@@ -232,8 +233,9 @@ class PDDispatcher(TokenBackend):
 
     async def _next_delta(self, d: Instance, stream: PendingCall, deadline: float) -> DecodeDelta | None:
         try:
-            return await asyncio.wait_for(stream.next(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # wait_for: a Task per await
+                return await stream.next()
+        except TimeoutError:
             raise BackendError(f"decode on {d.name} timed out after {self._timeout_s:.0f} s", 504, "timeout") from None
         except EngineUnavailable as err:
             raise _unavailable("decode", d, err) from None

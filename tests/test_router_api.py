@@ -102,7 +102,7 @@ def test_completion_text_prompt(make, tok):
     [(rid, ids, sampling)] = backend.calls
     assert ids == tok.encode("Once upon")
     assert sampling == SamplingSpec(max_tokens=20, temperature=0.0, top_p=1.0, top_k=0, seed=7,
-                                    ignore_eos=True, stop_token_ids=(5,))
+                                    ignore_eos=True, stop_token_ids=(5,), final_only=True)
     assert body["id"] == rid and rid.startswith("cmpl-") and len(rid) == 5 + 32
     assert body["object"] == "text_completion" and body["model"] == MODEL and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop"}]
@@ -120,7 +120,7 @@ def test_completion_token_id_prompt(make, prompt):
     r = client.post("/v1/completions", json={"prompt": prompt})
     assert r.status_code == 200, r.text
     assert backend.calls[0][1] == [5, 6, 7]
-    assert backend.calls[0][2] == SamplingSpec()  # defaults: 16 tokens, temperature 1
+    assert backend.calls[0][2] == SamplingSpec(final_only=True)  # defaults: 16 tokens, temperature 1
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["prompt_tokens"] == 3
 
@@ -150,6 +150,8 @@ def test_stream_equals_non_stream(make, include_usage):
     assert "".join(texts) == TEXT == full["choices"][0]["text"]
     assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + ["stop"]
     assert all(e["id"] == backend.calls[1][0] and e["object"] == "text_completion" for e in events)
+    # Only the answer not streamed asks D for its tokens at the end, in one delta.
+    assert [sampling.final_only for _, _, sampling in backend.calls] == [True, False]
 
 
 def test_chat(make, tok):
@@ -198,6 +200,7 @@ def test_stop_string(make, stream, stop):
         text, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
     assert text == TEXT[:TEXT.index(first)] and finish == "stop"
     assert backend.closed_early == [backend.calls[0][0]]  # the router stopped consuming and closed it
+    assert not backend.calls[0][2].final_only  # the router needs the tokens as they come to stop early
 
 
 def test_stop_string_never_streamed_in_part(make, tok):

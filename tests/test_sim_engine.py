@@ -47,9 +47,9 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-async def serve(p, d, tokens: list[int], rid: str, push: bool = True, max_tokens: int = 8):
+async def serve(p, d, tokens: list[int], rid: str, push: bool = True, max_tokens: int = 8, final_only: bool = False):
     """Push (D asks while P computes) or pull (D after P's answer): P's result and D's deltas."""
-    s = SamplingSpec(max_tokens=max_tokens, ignore_eos=True)
+    s = SamplingSpec(max_tokens=max_tokens, ignore_eos=True, final_only=final_only)
 
     async def decode(handle):
         return [delta async for delta in d.decode(DecodeRequest(rid, tokens, s, handle))]
@@ -88,6 +88,21 @@ def test_cold_then_warm_push_hits_on_both_sides_and_moves_only_the_rest():
             row = d.sim_stats().payload_bytes_per_block["full_kv"]
             assert d.sim_stats().received_bytes == (24 + 2) * row
             assert sum(len(x.new_token_ids) for x in deltas) == 8 and deltas[-1].finish_reason == "length"
+            await all_free(p, d)
+    asyncio.run(run())
+
+
+def test_final_only_sends_every_token_in_one_delta_with_its_time():
+    async def run():
+        async with p_and_d(sim_spec()) as (p, d):
+            tokens = prompt(4, 300)
+            _, streamed = await serve(p, d, tokens, "streamed", push=False, max_tokens=12)
+            _, [final] = await serve(p, d, tokens, "final", push=False, max_tokens=12, final_only=True)
+            assert len(streamed) >= 2  # the first token goes at once
+            ids = [t for x in streamed for t in x.new_token_ids]  # the same prompt samples the same ids
+            assert final.finish_reason == "length" and final.new_token_ids == ids and len(ids) == 12
+            assert len(final.token_ns) == 12 and list(final.token_ns) == sorted(final.token_ns)
+            assert final.token_ns[0] < final.token_ns[-1]  # each token at its own step's time
             await all_free(p, d)
     asyncio.run(run())
 

@@ -215,11 +215,17 @@ class SimEngineActor(ServesRequestChannel):
             self.consumer.take_report(rid)
             raise
         finished = False
+        held_ids: list[int] = []  # final_only: every token so far, sent with the finish
+        held_ns: list[int] = []
         try:
             while True:
                 delta = await sreq.out.get()
                 if delta.finish_reason is None:
-                    yield DecodeDelta(new_token_ids=delta.token_ids, token_ns=delta.token_ns)
+                    if s.final_only:
+                        held_ids += delta.token_ids
+                        held_ns += delta.token_ns
+                    else:
+                        yield DecodeDelta(new_token_ids=delta.token_ids, token_ns=delta.token_ns)
                     continue
                 finished = True
                 report = self.consumer.take_report(rid)
@@ -232,10 +238,10 @@ class SimEngineActor(ServesRequestChannel):
                         transfer_end_ns=report.transfer_end_ns, kv_ready_ns=sreq.kv_ready_ns)
                     if report.error is None:
                         cached = report.d_cached_tokens + report.transferred_tokens
-                yield DecodeDelta(new_token_ids=delta.token_ids, finish_reason=delta.finish_reason,
+                yield DecodeDelta(new_token_ids=held_ids + delta.token_ids, finish_reason=delta.finish_reason,
                                   transfer=transfer, num_cached_tokens=cached,
                                   engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns),
-                                  token_ns=delta.token_ns)
+                                  token_ns=(*held_ns, *delta.token_ns))
                 return
         finally:
             if not finished:  # the router cancelled the stream: the client went away
