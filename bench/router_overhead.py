@@ -6,9 +6,9 @@ at concurrency 1, for short prompts and a few output tokens, non-streaming and
 streaming. All systems are measured in one run, settings interleaved (each
 setting runs every system in turn), since this 2-core machine is shared.
 
-- pdcluster: the real `RouterActor` (FastAPI in a Ray actor) in front of P and
-  D `InstantEngine` actors (bench/instant_engine.py): its backends are Ray
-  actors reached over their request channels (ZMQ), not HTTP servers. Variants: timeline recording on/off
+- pdcluster: the real `RouterActor` (uvicorn and its own ASGI app in a Ray actor) in front
+  of P and D `InstantEngine` actors (bench/instant_engine.py): its backends are Ray
+  actors reached over their request channels (TCP), not HTTP servers. Variants: timeline recording on/off
   (`set_recording`), and each routing policy if the router has `set_policy`.
 - vllm-router (`--vllm-pd-disaggregation --prefill URL --decode URL`), with
   round_robin and cache_aware, and vLLM's toy P/D proxy

@@ -1,4 +1,4 @@
-"""The request path between the router and one engine actor: a ZMQ connection, not Ray calls.
+"""The request path between the router and one engine actor: a TCP connection, not Ray calls.
 
 Ray places the engine actors, restarts them and tells the router when one dies;
 the per-request traffic (prefill and decode requests, aborts, results and token
@@ -6,19 +6,23 @@ deltas) goes over one long-lived connection per engine, as vLLM's API server
 talks to its EngineCore. A Ray call cost the router ~1 ms of CPU to submit and
 as much to await, and each streamed item another message (bench/README.md,
 "The router's own overhead"); here a call is one pickled frame, and everything
-an engine has for one router in one event-loop turn goes back in one frame.
+a side has for the other in one event-loop turn goes in one frame.
 
-Wire: ROUTER socket in the engine (it may serve several routers), DEALER in the
-router. Each frame is a pickled list of messages: router -> engine `Call` and
-`Abort`; engine -> router `Reply`. Pickle, as Ray uses between the same
-processes: the socket binds on the cluster's transfer host and trusts its peers.
+Wire: the engine listens (it may serve several routers, a connection each), the
+router connects. Each frame is a 4-byte big-endian length, then a pickled list
+of messages: router -> engine `Call` and `Abort`; engine -> router `Reply`.
+Pickle, as Ray uses between the same processes: the port binds on the cluster's
+transfer host and trusts its peers. Plain asyncio TCP rather than ZMQ: ZMQ's I/O
+thread adds a thread hop each way, and a round trip took ~200 us against
+~110 us (bench/README.md).
 
-Liveness: when the engine's process exits, its end of the TCP connection closes
-and every call in flight on the channel fails at once with `EngineUnavailable`
-(a ZMQ socket monitor). Ray says so too, more slowly (a second or more after a
-kill): the router keeps a `channel_closed` call pending on each actor, which
-fails when the actor dies. Either way the router reopens the channel once Ray
-has restarted the actor.
+Liveness: when the engine's process exits, the kernel closes its end of the
+connection and every call in flight on the channel fails at once with
+`EngineUnavailable`. Ray says so too, more slowly (a second or more after a
+kill, and for a lost host, where no FIN comes): the router keeps a
+`channel_closed` call pending on each actor, which fails when the actor dies.
+Either way the router reopens the channel once Ray has restarted the actor. When
+a router's connection closes, the engine aborts that router's calls.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ import asyncio
 import itertools
 import logging
 import pickle
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import zmq
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from zmq.utils.monitor import recv_monitor_message
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
 
@@ -74,6 +78,9 @@ def decode(frame: bytes) -> list:
     return pickle.loads(frame)
 
 
+_LENGTH = struct.Struct("!I")  # each frame's prefix: the pickled list's length in bytes
+
+
 class EngineUnavailable(Exception):
     """The engine actor died, is restarting, or closed its channel."""
 
@@ -82,77 +89,62 @@ class EngineCallFailed(Exception):
     """The engine's method raised; the message is its exception's."""
 
 
-class MessageSocket:
-    """A non-blocking ZMQ socket driven by the event loop: messages posted during one loop
-    turn leave at its end, one frame per peer; frames are read when the loop sees the
-    socket readable. (zmq.asyncio's future per send and per receive cost the router more
-    than the rest of the channel, bench/README.md.)
+class FramedConnection(asyncio.Protocol):
+    """One TCP connection carrying lists of messages: messages posted during one loop turn
+    leave at its end in one frame; each frame received is handed over whole.
 
-    Frames are `[*prefix, pickled list of messages]`: the prefix is the peer's identity on
-    a ROUTER socket, empty on a DEALER.
+    `on_messages(conn, messages)` per frame; `on_lost(conn)` once, when the connection
+    closes for any reason (the peer's process exited, or `close()`).
     """
 
-    def __init__(self, sock: zmq.Socket, on_messages: Callable[[tuple[bytes, ...], list], None],
-                 on_disconnected: Callable[[], None] | None = None):
-        """`on_disconnected`: called when a connection of the socket closes (its peer's
-        process exited), at once, where Ray's word that an actor died takes a second or more."""
-        for opt in (zmq.SNDHWM, zmq.RCVHWM):  # a ROUTER drops what exceeds its high-water mark: never
-            sock.setsockopt(opt, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.sock: zmq.Socket | None = sock
-        self.on_messages = on_messages
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._drain)
-        self._monitor: zmq.Socket | None = None
-        if on_disconnected is not None:
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._read_monitor, on_disconnected)
-        self._outbox: dict[tuple[bytes, ...], list] = {}  # prefix -> messages not sent yet
+    def __init__(self, on_messages: Callable[[FramedConnection, list], None],
+                 on_lost: Callable[[FramedConnection], None]):
+        self.on_messages, self.on_lost = on_messages, on_lost
+        self.transport: asyncio.Transport | None = None  # None once closed: posts are dropped
+        self._received = bytearray()  # bytes of frames not complete yet
+        self._outbox: list = []  # messages posted this loop turn
         self.frames_sent = self.messages_sent = 0  # batched: frames <= messages
-        # Arm both FDs: ZMQ signals an FD only after a read of its socket found nothing.
-        self._drain()
-        if on_disconnected is not None:
-            self._read_monitor(on_disconnected)
 
-    def post(self, msg, prefix: tuple[bytes, ...] = ()) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        # A frame is one write: Nagle would hold a small reply back for the peer's ACK.
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._received
+        buf += data
+        start = 0
+        while len(buf) - start >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(buf, start)
+            end = start + _LENGTH.size + n
+            if len(buf) < end:
+                break
+            frame = decode(buf[start + _LENGTH.size:end])
+            start = end
+            self.on_messages(self, frame)
+        del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.on_lost(self)
+
+    def post(self, msg) -> None:
         if not self._outbox:  # the first of this loop turn: send them all at its end
-            self._loop.call_soon(self._flush)
-        self._outbox.setdefault(prefix, []).append(msg)
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(msg)
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        if self.sock is not None:
-            self._loop.remove_reader(self._fd)
-            self.sock.close(linger=0)
-            self.sock = None
+        if self.transport is not None:
+            self.transport.abort()  # at once; what is unsent no longer matters to either side
 
     def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        if self.sock is None:
+        msgs, self._outbox = self._outbox, []
+        if self.transport is None:
             return
-        for prefix, msgs in outbox.items():
-            self.sock.send_multipart([*prefix, encode(msgs)], flags=zmq.NOBLOCK, copy=False)
-            self.frames_sent += 1
-            self.messages_sent += len(msgs)
-        self._drain()  # a send may have taken the FD's (edge-triggered) readable signal
-
-    def _drain(self) -> None:
-        while self.sock is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            self.on_messages(tuple(parts[:-1]), decode(parts[-1]))
-
-    def _read_monitor(self, on_disconnected: Callable[[], None]) -> None:
-        disconnected = False
-        while self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            disconnected |= event["event"] == zmq.EVENT_DISCONNECTED
-        if disconnected:
-            on_disconnected()
+        frame = encode(msgs)
+        self.transport.writelines([_LENGTH.pack(len(frame)), frame])
+        self.frames_sent += 1
+        self.messages_sent += len(msgs)
 
 
 # ---------------------------------------------------------------------------------- engine side
@@ -160,26 +152,29 @@ class MessageSocket:
 
 class ChannelServer:
     """Serves `Call`s on `handler.prefill` (a coroutine) and `handler.decode` (an async
-    generator) in the engine actor's event loop.
+    generator) in the engine actor's event loop, for every router connected.
 
     Invariant: every call gets exactly one `done` reply unless it was aborted (the
-    router forgot it then); a call's task is in `_tasks` until that reply is posted.
+    router forgot it, or its connection closed); a call's task is in `_tasks` until
+    that reply is posted.
     """
 
     def __init__(self, handler):
         self.handler = handler
-        self.address = ""
-        self.socket: MessageSocket | None = None
-        self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}  # (router identity, call id) -> its task
+        self.address = ""  # "host:port"
+        self.connections: set[FramedConnection] = set()  # one per router
+        self._server: asyncio.Server | None = None
+        self._tasks: dict[tuple[FramedConnection, int], asyncio.Task] = {}  # (router's connection, call id) -> task
         self._closed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def open(self, host: str) -> str:
-        """Bind on a free port of `host`; return the address routers connect to."""
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = sock.bind_to_random_port(f"tcp://{host}")
-        self.socket, self.address = MessageSocket(sock, self._on_messages), f"tcp://{host}:{port}"
+    async def open(self, host: str) -> str:
+        """Listen on a free port of `host`; return the address routers connect to. The
+        address is set, and connections are queued, before the first await."""
+        sock = socket.create_server((host, 0))
+        self.address = f"{host}:{sock.getsockname()[1]}"
         self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(self._accept, sock=sock)
         return self.address
 
     async def wait_closed(self) -> None:
@@ -190,44 +185,55 @@ class ChannelServer:
             self._loop.call_soon_threadsafe(self.close)
 
     def close(self) -> None:
-        """Cancel every call and close the socket (the engine is shutting down). In the loop's thread."""
+        """Cancel every call and close every connection (the engine is shutting down). In the loop's thread."""
         for task in self._tasks.values():
             task.cancel()
-        if self.socket is not None:
-            self.socket.close()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close()
         self._closed.set()
 
     @property
     def calls_in_flight(self) -> int:
         return len(self._tasks)
 
-    def _on_messages(self, prefix: tuple[bytes, ...], msgs: list) -> None:
-        (identity,) = prefix
+    def _accept(self) -> FramedConnection:
+        conn = FramedConnection(self._on_messages, self._on_lost)
+        self.connections.add(conn)
+        return conn
+
+    def _on_lost(self, conn: FramedConnection) -> None:
+        """The router went away: nobody waits for its calls any more."""
+        self.connections.discard(conn)
+        for key in [k for k in self._tasks if k[0] is conn]:
+            self._tasks.pop(key).cancel()
+
+    def _on_messages(self, conn: FramedConnection, msgs: list) -> None:
         for msg in msgs:
-            key = (identity, msg.call_id)
+            key = (conn, msg.call_id)
             if isinstance(msg, Call):
                 assert key not in self._tasks, f"call {msg.call_id} twice from one router: its counter reset?"
-                self._tasks[key] = self._loop.create_task(self._run(identity, msg))
+                self._tasks[key] = self._loop.create_task(self._run(conn, msg))
             elif (task := self._tasks.pop(key, None)) is not None:  # Abort of a call still running
                 task.cancel()
 
-    async def _run(self, identity: bytes, call: Call) -> None:
-        key, reply_to = (identity, call.call_id), (identity,)
-        post = self.socket.post
+    async def _run(self, conn: FramedConnection, call: Call) -> None:
+        key, post = (conn, call.call_id), conn.post
         try:
             if call.method == "prefill":
-                post(Reply(call.call_id, await self.handler.prefill(call.request), done=True), reply_to)
+                post(Reply(call.call_id, await self.handler.prefill(call.request), done=True))
             else:
                 async for delta in self.handler.decode(call.request):
                     last = delta.finish_reason is not None
-                    post(Reply(call.call_id, delta, done=last), reply_to)
+                    post(Reply(call.call_id, delta, done=last))
                     if last:
                         return
-                post(Reply(call.call_id, None, done=True), reply_to)  # ended without a finish
+                post(Reply(call.call_id, None, done=True))  # ended without a finish
         except asyncio.CancelledError:
             pass  # aborted: the router no longer waits for it
         except Exception as err:  # the method's failure goes to the caller, as a Ray call's would
-            post(Reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"), reply_to)
+            post(Reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"))
         finally:
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
@@ -243,7 +249,7 @@ class ServesRequestChannel:
         """Start serving requests (once; later calls return the same address)."""
         if self._channel is None:
             self._channel = ChannelServer(self)
-            self._channel.open(host)
+            await self._channel.open(host)  # a call meanwhile gets the address: it already queues connections
         return self._channel.address
 
     async def channel_closed(self) -> None:
@@ -293,8 +299,8 @@ class PendingCall:
 class EngineChannel:
     """The router's end of one engine's request channel.
 
-    `call()` sends at once and returns a PendingCall; one reader task routes the
-    engine's replies to their calls. While the channel is down (the actor died and
+    `call()` sends at the end of the loop turn and returns a PendingCall; the
+    connection hands each of the engine's replies to its call. While the channel is down (the actor died and
     is restarting), calls fail at once with EngineUnavailable.
     """
 
@@ -303,30 +309,34 @@ class EngineChannel:
         self.address = ""
         self._ids = itertools.count()
         self._calls: dict[int, PendingCall] = {}
-        self._socket: MessageSocket | None = None
+        self._conn: FramedConnection | None = None
         self._down_reason = "not connected yet"
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
 
     @property
     def connected(self) -> bool:
-        return self._socket is not None
+        return self._conn is not None
 
     async def connect(self) -> EngineChannel:
-        """Open the channel (the actor binds, we connect) and start watching the actor."""
+        """Open the channel (the actor listens, we connect) and start watching the actor."""
         self.address = await self.actor.open_channel.remote(self.host)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(self.address)
-        self._socket = MessageSocket(sock, self._on_replies, on_disconnected=self._on_disconnected)
+        host, _, port = self.address.rpartition(":")
+        _, conn = await asyncio.get_running_loop().create_connection(
+            lambda: FramedConnection(self._on_replies, self._on_connection_lost), host, int(port))
+        if self._stopped:  # closed while connecting
+            conn.close()
+            raise EngineUnavailable(self._down_reason)
+        self._conn = conn
         self._tasks = [asyncio.create_task(self._watch(self.actor.channel_closed.remote()))]
         return self
 
     def call(self, method: Method, request: PrefillRequest | DecodeRequest) -> PendingCall:
-        if self._socket is None:
+        if self._conn is None:
             raise EngineUnavailable(self._down_reason)
         call = PendingCall(self, next(self._ids))
         self._calls[call.call_id] = call
-        self._socket.post(Call(call.call_id, method, request))
+        self._conn.post(Call(call.call_id, method, request))
         return call
 
     def close(self) -> None:
@@ -334,22 +344,23 @@ class EngineChannel:
         self._down("the router closed the channel")
 
     def _abort(self, call_id: int) -> None:
-        if self._calls.pop(call_id, None) is not None and self._socket is not None:
-            self._socket.post(Abort(call_id))
+        if self._calls.pop(call_id, None) is not None and self._conn is not None:
+            self._conn.post(Abort(call_id))
 
     def _forget(self, call_id: int) -> None:
         self._calls.pop(call_id, None)
 
-    def _on_replies(self, prefix: tuple[bytes, ...], replies: list[Reply]) -> None:
+    def _on_replies(self, conn: FramedConnection, replies: list[Reply]) -> None:
         for reply in replies:
             call = self._calls.get(reply.call_id)
             if call is not None:  # else aborted: its late replies are dropped
                 call.replies.put_nowait(reply)
 
-    def _on_disconnected(self) -> None:
+    def _on_connection_lost(self, conn: FramedConnection) -> None:
         """The engine's end of the connection closed: its process is gone (Ray will say so,
         a second or more later) or it closed the channel. Fail its calls now."""
-        self._lost("its connection closed (the engine process exited)")
+        if conn is self._conn:  # else _down closed it
+            self._lost("its connection closed (the engine process exited)")
 
     async def _watch(self, closed_ref) -> None:
         try:
@@ -370,9 +381,9 @@ class EngineChannel:
     def _down(self, reason: str) -> None:
         """Fail every call in flight and refuse new ones until reconnected."""
         self._down_reason = reason
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
         calls, self._calls = self._calls, {}
         for call in calls.values():
             call.replies.put_nowait(EngineUnavailable(reason))
@@ -388,7 +399,7 @@ class EngineChannel:
                 await self.connect()
                 log.info("request channel to %s reopened at %s", self.name, self.address)
                 return
-            except ACTOR_ERRORS as err:
+            except (*ACTOR_ERRORS, OSError) as err:  # OSError: refused, the actor died again
                 self._down_reason = f"{type(err).__name__} (restarting)"
                 await asyncio.sleep(1.0)
 

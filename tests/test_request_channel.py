@@ -1,5 +1,5 @@
-"""The router <-> engine request channel (cluster/request_channel.py), over real ZMQ sockets
-in one process: a `LocalActor` stands for the Ray actor handle, running an engine body's
+"""The router <-> engine request channel (cluster/request_channel.py), over real TCP
+connections in one process: a `LocalActor` stands for the Ray actor handle, running an engine body's
 methods in the same event loop, and can die and restart as Ray's actors do."""
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ def test_replies_of_one_loop_turn_share_a_frame():
     async def main():
         actor, ch = await connected(Body())
         results = await asyncio.gather(*(items(ch.call("decode", decode_req(f"r{i}"))) for i in range(20)))
-        server = actor.body._channel
+        [conn] = actor.body._channel.connections
         ch.close()
-        return results, server.socket.frames_sent, server.socket.messages_sent
+        return results, conn.frames_sent, conn.messages_sent
 
     results, frames, replies = asyncio.run(main())
     assert all([d.new_token_ids for d in r] == [[100], [101], [102]] for r in results)
@@ -201,7 +201,8 @@ def test_a_lost_connection_fails_calls_before_ray_says_the_actor_died():
         actor, ch = await connected(Body(hang_after_first=True))
         call = ch.call("decode", decode_req("in-flight"))
         await asyncio.wait_for(call.next(), 5)
-        actor.body._channel.socket.close()  # the process is gone; Ray's channel_closed call still pending
+        for conn in actor.body._channel.connections:  # the process is gone; Ray's channel_closed call still pending
+            conn.close()
         with pytest.raises(EngineUnavailable, match="connection closed"):
             await asyncio.wait_for(call.next(), 5)
         assert not actor._pending[-1].done()  # not Ray's word: the watch call is still waiting
@@ -223,3 +224,51 @@ def test_a_closed_channel_refuses_calls_and_fails_waiting_ones():
         actor.body._channel.close()
 
     asyncio.run(main())
+
+
+def test_a_prompt_of_128k_ids_crosses_in_pieces_and_arrives_whole():
+    class Echo(Body):
+        async def prefill(self, req: PrefillRequest) -> PrefillResult:
+            return PrefillResult(req.request_id, {"ids": req.prompt_token_ids}, len(req.prompt_token_ids), 0)
+
+    async def main():
+        actor, ch = await connected(Echo())
+        prompt = list(range(131072))
+        calls = [ch.call("prefill", PrefillRequest(f"big-{i}", prompt[i:], SAMPLING)) for i in range(3)]
+        results = [await asyncio.wait_for(c.next(), 10) for c in calls]
+        ch.close()
+        return prompt, results
+
+    prompt, results = asyncio.run(main())
+    assert [r.handle["ids"] for r in results] == [prompt[i:] for i in range(3)]
+
+
+def test_two_routers_on_one_engine_each_get_their_own_replies():
+    async def main():
+        actor, first = await connected(Body())
+        second = await EngineChannel("decode-0", actor, "127.0.0.1").connect()  # its call ids start at 0 too
+        a, b = await asyncio.gather(items(first.call("decode", decode_req("a", 2))),
+                                    items(second.call("decode", decode_req("b", 4))))
+        first.close()
+        second.close()
+        return a, b
+
+    a, b = asyncio.run(main())
+    assert [d.new_token_ids for d in a] == [[100], [101]]
+    assert [d.new_token_ids for d in b] == [[100], [101], [102], [103]]
+
+
+def test_a_router_gone_aborts_its_calls_in_the_engine():
+    async def main():
+        actor, ch = await connected(Body(hang_after_first=True))
+        call = ch.call("decode", decode_req("orphan"))
+        await asyncio.wait_for(call.next(), 5)
+        ch.close()  # as the router's process exiting would: the connection closes, no Abort sent
+        for _ in range(100):
+            if actor.body.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        server = actor.body._channel
+        return actor.body.cancelled, server.calls_in_flight, len(server.connections)
+
+    assert asyncio.run(main()) == (["orphan"], 0, 0)
