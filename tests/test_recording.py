@@ -74,6 +74,7 @@ def test_metrics_count_what_records_report():
     for name, t in [("arrival", 0), ("p_scheduled", 5), ("p_done", 50), ("transfer_start", 55),
                     ("transfer_end", 60), ("d_scheduled", 62), ("first_token", 100)]:
         rec.mark(name, t * MS)
+    rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = 384, 128  # P's index was ahead of its cache
     m.observe(rec)
     m.observe(RequestRecord("failed", error="prefill instance prefill-0 is unavailable"))
     text = m.render().decode()
@@ -85,6 +86,10 @@ def test_metrics_count_what_records_report():
     assert _metric(text, 'pdc_cached_tokens_total{side="prefill"}') == 256
     assert _metric(text, 'pdc_cached_tokens_total{side="decode"}') == 128
     assert _metric(text, 'pdc_transfer_bytes_total{group="0"}') == 917504
+    assert _metric(text, 'pdc_predicted_cached_tokens_total{side="prefill"}') == 384
+    assert _metric(text, 'pdc_hit_predictions_total{outcome="over",side="prefill"}') == 1
+    assert _metric(text, 'pdc_hit_predictions_total{outcome="exact",side="decode"}') == 1
+    assert 'pdc_hit_predictions_total{outcome="exact",side="prefill"} 0.0' in text  # every series from the start
     assert _metric(text, 'pdc_in_flight{instance="prefill-0"}') == 2
     in_flight["prefill-0"] = 0
     assert _metric(m.render().decode(), 'pdc_in_flight{instance="prefill-0"}') == 0

@@ -429,3 +429,17 @@ def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
         assert not text.endswith("\ufffd") or i + n >= len(ids), "a split character came out early"
         i += n
     assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prompt_encoder_equals_the_tokenizers_encode(tok, seed):
+    from pdcluster.router.openai_api import _prompt_encoder
+
+    encode = _prompt_encoder(tok)
+    rng = random.Random(seed)
+    pieces = ["Hello", " world", "\n\n", "  ", "é", "你好", "\u2028", "<|endoftext|>", "<|im_start|>", "user",
+              "123", "!?", "\t", tok.decode(rng.randrange(3, len(tok)))]
+    text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 40)))
+    assert encode(text) == tok.encode(text)
+    tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)  # HF calls between ours
+    assert encode(text) == tok.encode(text)
