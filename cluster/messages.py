@@ -7,7 +7,7 @@ cluster/request_channel.py) is one of these frozen dataclasses, pickled. Token i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Role = Literal["prefill", "decode"]
@@ -103,6 +103,15 @@ class DecodeDelta:
     # several steps' tokens in one delta (the simulated engine does, to keep Ray's
     # per-message cost off 90 streams); empty: the router stamps arrival times.
     token_ns: tuple[int, ...] = ()
+
+    def then(self, later: DecodeDelta) -> DecodeDelta:
+        """This delta and the next as one, as vLLM's RequestOutputCollector merges outputs its
+        consumer has not taken yet. Token times are kept only if both carry them (else the
+        router stamps the merged tokens' arrival)."""
+        assert self.finish_reason is None, "a finished delta is the last: nothing can follow it"
+        stamped = bool(self.token_ns) == bool(self.new_token_ids) and bool(later.token_ns) == bool(later.new_token_ids)
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       token_ns=self.token_ns + later.token_ns if stamped else ())
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,11 @@ class PendingCall:
             raise EngineCallFailed(reply.error)
         return reply.item
 
+    @property
+    def has_reply(self) -> bool:
+        """A reply (or the channel's error) is here: `next()` returns without waiting."""
+        return not self.done and not self.replies.empty()
+
     def cancel(self) -> None:
         """Abort the call in the engine, unless it already ended."""
         if not self.done:

@@ -91,7 +91,9 @@ class RouterActor:
         r = self.spec.router
         _check_port_free(r.host, r.port)
         await self.dispatcher.connect_channels(self.spec.transfer.host)  # uvicorn would sys.exit() inside this actor instead
+        # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
+                                                     access_log=False, proxy_headers=False,
                                                      timeout_graceful_shutdown=1))
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:

@@ -45,8 +45,13 @@ class FakeCall:
 
     aborted: list = []
 
-    def __init__(self, script: list):
-        self.script, self.pos, self.done = list(script), 0, False
+    def __init__(self, script: list, queued: bool = False):
+        """`queued`: the script's items count as arrived together (has_reply until HANG)."""
+        self.script, self.pos, self.done, self.queued = list(script), 0, False, queued
+
+    @property
+    def has_reply(self) -> bool:
+        return self.queued and not self.done and self.pos < len(self.script) and self.script[self.pos] is not HANG
 
     async def next(self):
         if self.done or self.pos >= len(self.script):
@@ -93,8 +98,9 @@ class FakeEngine:
     exception or HANG; `decode_script`: DecodeDeltas, exceptions, HANG."""
 
     def __init__(self, p_cached: int = 0, prefill_outcome=None, decode_script: list | None = None,
-                 health_outcome=True, connected: bool = True):
+                 health_outcome=True, connected: bool = True, decode_queued: bool = False):
         self.p_cached = p_cached
+        self.decode_queued = decode_queued
         self.prefill_outcome = prefill_outcome
         self.decode_script = decode_script
         self.connected = connected
@@ -117,7 +123,8 @@ class FakeEngine:
             self.prefill_pending.append(call)
         else:
             self.decode_calls.append(req)
-            call = FakeCall(self.decode_script if self.decode_script is not None else default_script())
+            call = FakeCall(self.decode_script if self.decode_script is not None else default_script(),
+                            queued=self.decode_queued)
             self.decode_pending.append(call)
         return call
 
@@ -431,6 +438,36 @@ def test_batched_deltas_stamp_each_token_at_its_engine_time(cancelled):
     assert rec.token_ns == [now - 3_000_000, now - 2_000_000, now - 1_000_000]
     assert rec.events["first_token"] == now - 3_000_000 and rec.events["last_token"] == now - 1_000_000
     assert rec.output_tokens == 3
+
+
+def test_deltas_queued_together_go_out_as_one_chunk_with_their_token_times(cancelled):
+    now = time.monotonic_ns()
+    script = [DecodeDelta([10], token_ns=(now - 3_000_000,)), DecodeDelta([11, 12], token_ns=(now - 2, now - 1)),
+              HANG]
+    disp = make([FakeEngine()], [FakeEngine(decode_script=script, decode_queued=True)], timeout=0.3)
+    records = records_of(disp)
+    err, chunks = run(expect_error(disp))
+    assert err.status == 504
+    assert [c.new_token_ids for c in chunks] == [[10, 11, 12]]  # then D hung: what was here went out at once
+    assert records[0].token_ns == [now - 3_000_000, now - 2, now - 1]
+
+
+def test_a_finish_queued_behind_deltas_ends_the_merged_chunk(cancelled):
+    disp = make([FakeEngine()], [FakeEngine(decode_queued=True)])
+    [chunk] = run(collect(disp))
+    assert chunk.new_token_ids == [10, 11, 12, 13] and chunk.finish_reason == "length"
+    assert (chunk.d_cached_tokens, chunk.transferred_tokens) == (2, 3)
+
+
+def test_merging_deltas_keeps_times_only_when_every_token_has_one():
+    a, b = DecodeDelta([1], token_ns=(5,)), DecodeDelta([2, 3], token_ns=(6, 7))
+    assert a.then(b) == DecodeDelta([1, 2, 3], token_ns=(5, 6, 7))
+    assert a.then(DecodeDelta([2])).token_ns == ()  # the router stamps them all on arrival
+    assert DecodeDelta([]).then(b) == b
+    fin = DecodeDelta([4], finish_reason="stop", transfer=TransferStats(transferred_tokens=9), token_ns=(8,))
+    assert a.then(fin) == DecodeDelta([1, 4], "stop", TransferStats(transferred_tokens=9), token_ns=(5, 8))
+    with pytest.raises(AssertionError, match="finished delta"):
+        fin.then(a)
 
 
 def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
