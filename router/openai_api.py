@@ -10,12 +10,15 @@ Beyond OpenAI's fields, `usage.pd` reports the P/D cache and transfer counts:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
@@ -199,13 +202,44 @@ class _Detokenizer:
         return self._stream.step(self._backend, token_id)
 
 
-def _prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """`tokenizer.encode` (special tokens added) through its Rust tokenizer directly: HF's
-    wrapper took ~9 of ~20 us a short prompt. One HF encode first leaves the Rust tokenizer's
-    truncation, padding and special-token splitting as HF's own calls set them."""
-    tokenizer.encode("")
-    backend = tokenizer.backend_tokenizer
-    return lambda text: backend.encode(text).ids
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in a worker thread (~2K tokens: ~2 ms here)
+
+
+class _PromptTokenizer:
+    """Prompts to token ids, off the event loop when they are long.
+
+    A 128K-token text prompt takes the Rust tokenizer ~250 ms here; on the event loop,
+    every other request (streams included) would wait that long. Long prompts go to one
+    worker thread instead, where `encode_batch` runs without the GIL (a single `encode`
+    holds it), as vLLM's API server tokenizes in a thread pool. Short ones stay inline: a
+    thread handoff costs more than their encode.
+
+    Both paths call the Rust tokenizer directly (HF's wrapper took ~9 of ~20 us a short
+    prompt) with special tokens added, as `tokenizer.encode` does. One HF encode at start
+    leaves truncation, padding and special-token splitting as HF's calls set them, so no
+    later HF call changes the Rust tokenizer while the worker reads it (tokenizers fails
+    such a call with "Already borrowed").
+    """
+
+    def __init__(self, tokenizer: Any):
+        tokenizer.encode("")
+        self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def text(self, text: str) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self._encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, text)
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        render = partial(self._tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
+                         return_dict=False)
+        if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
+            return list(render())
+        return list(await asyncio.get_running_loop().run_in_executor(self._worker, render))
+
+    def _encode(self, text: str) -> list[int]:
+        return self._backend.encode_batch([text])[0].ids
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
@@ -269,7 +303,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     if getattr(tokenizer, "backend_tokenizer", None) is None:  # _Detokenizer steps the Rust tokenizer
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
-    encode = _prompt_encoder(tokenizer)
+    prompts = _PromptTokenizer(tokenizer)
     app = HttpApp()
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
@@ -370,7 +404,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
                 raise ApiError(f"batches of prompts are not supported (got {len(prompt)}); "
                                "send one prompt per request", param="prompt")
             prompt = prompt[0]
-        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await prompts.text(prompt) if isinstance(prompt, str) else list(prompt)
         return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
                                     request.headers.get("x-request-id")))
 
@@ -383,13 +417,12 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
         try:
-            ids = tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = await prompts.chat([m.model_dump() for m in req.messages])
         except Exception as e:  # the template rejected the conversation (e.g. a role it does not know)
             raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        return await serve(make_job(req, True, list(ids), max_tokens, param, arrival_ns,
+        return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
                                     request.headers.get("x-request-id")))
 
     async def models(request: HttpRequest) -> Response:

@@ -432,14 +432,47 @@ def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_prompt_encoder_equals_the_tokenizers_encode(tok, seed):
-    from pdcluster.router.openai_api import _prompt_encoder
+def test_prompt_tokenizer_equals_the_tokenizers_encode(tok, seed):
+    from pdcluster.router.openai_api import _PromptTokenizer
 
-    encode = _prompt_encoder(tok)
+    prompts = _PromptTokenizer(tok)
     rng = random.Random(seed)
     pieces = ["Hello", " world", "\n\n", "  ", "é", "你好", "\u2028", "<|endoftext|>", "<|im_start|>", "user",
               "123", "!?", "\t", tok.decode(rng.randrange(3, len(tok)))]
     text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 40)))
-    assert encode(text) == tok.encode(text)
+    assert asyncio.run(prompts.text(text)) == tok.encode(text)
     tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)  # HF calls between ours
-    assert encode(text) == tok.encode(text)
+    assert asyncio.run(prompts.text(text)) == tok.encode(text)
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(tok):
+    import threading
+
+    from pdcluster.router.openai_api import INLINE_TOKENIZE_CHARS, _PromptTokenizer
+
+    prompts = _PromptTokenizer(tok)
+    threads = []
+    encode = prompts._encode
+    prompts._encode = lambda text: threads.append(threading.current_thread().name) or encode(text)
+    short, long = "Once upon a time", "Once upon a time, " * (INLINE_TOKENIZE_CHARS // 10)
+    messages = [{"role": "user", "content": long}]
+
+    async def main():
+        return await prompts.text(short), await prompts.text(long), await prompts.chat(messages)
+
+    got_short, got_long, got_chat = asyncio.run(main())
+    assert got_short == tok.encode(short) and got_long == tok.encode(long)
+    assert got_chat == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    assert threads[0] == threading.current_thread().name and threads[1].startswith("tokenize")
+
+
+def test_tokenize_stall_bench_runs(tok_dir, tok):
+    import uvloop
+
+    from pdcluster.bench.tokenize_stall import InstantBackend, long_prompt, measure
+
+    text, n_tokens = long_prompt(tok, 8000)
+    assert abs(n_tokens - 8000) < 200
+    stall = uvloop.run(measure(build_app(InstantBackend(len(tok)), tok_dir), text))
+    assert stall.long_ms > 0 and stall.short_served > 0 and stall.short_p50_ms <= stall.short_max_ms
