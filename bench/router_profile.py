@@ -24,7 +24,7 @@ OTHER = "other"
 
 # (category, substrings of a frame); first match wins.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("tokenize the prompt", ("PreTrainedTokenizerBase.encode", "apply_chat_template")),
+    ("tokenize the prompt", ("_PromptTokenizer", "PreTrainedTokenizerBase.encode", "apply_chat_template")),
     ("detokenize the output", ("_Detokenizer.add",)),
     ("timeline record + metrics", ("RunStore.append", "RequestRecord.to_json", "RouterMetrics.observe",
                                    "record_prefill", "record_decode_end", "_record_tokens", "RequestRecord.mark",

@@ -245,3 +245,24 @@ def test_ray_floor_result_reports_percentiles_of_the_latencies():
     r = ro.ray_floor_result([0.004, 0.001, 0.002, 0.003], duration_s=2.0, cpu_s=0.0)
     assert (r.requests, r.rps, r.p50_ms, r.p99_ms) == (4, 2.0, 3.0, 4.0)
     assert r.mean_ms == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("recording", [True, False])
+def test_router_floor_in_process_serves_requests_through_the_real_app(recording):
+    from e2e import tiny_model_dir
+
+    from pdcluster.bench import router_floors as floors
+
+    model_dir = tiny_model_dir()
+    app = floors.in_process_app(model_dir, recording)
+    body = json.dumps(ro.request_body("tiny-qwen3", stream=False)).encode()
+    assert asyncio.run(floors.asgi_requests(app, body, 20)) > 0  # asserts every answer was a 200
+
+
+def test_router_floor_instant_decode_answers_max_tokens_of_the_prompt():
+    from pdcluster.bench.router_floors import InstantChannel
+
+    call = InstantChannel().call("decode", DecodeRequest("r", [5, 6], SamplingSpec(max_tokens=3), None))
+    delta = asyncio.run(call.next())
+    assert delta.new_token_ids == [5, 6, 5] and delta.finish_reason == "length" and call.done
+    assert asyncio.run(call.next()) is None
