@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Method = Literal["prefill", "decode"]
 ACTOR_ERRORS = (ActorDiedError, ActorUnavailableError, RayActorError)  # what a call to a dead actor raises
+CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -327,8 +328,13 @@ class EngineChannel:
         """Open the channel (the actor listens, we connect) and start watching the actor."""
         self.address = await self.actor.open_channel.remote(self.host)
         host, _, port = self.address.rpartition(":")
-        _, conn = await asyncio.get_running_loop().create_connection(
-            lambda: FramedConnection(self._on_replies, self._on_connection_lost), host, int(port))
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):  # an unanswered SYN would wait minutes
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    lambda: FramedConnection(self._on_replies, self._on_connection_lost), host, int(port))
+        except OSError as err:  # refused, unreachable, timed out
+            raise EngineUnavailable(f"cannot connect to {self.name}'s request channel at {self.address}: "
+                                    f"{err or type(err).__name__}") from None
         if self._stopped:  # closed while connecting
             conn.close()
             raise EngineUnavailable(self._down_reason)
@@ -404,8 +410,11 @@ class EngineChannel:
                 await self.connect()
                 log.info("request channel to %s reopened at %s", self.name, self.address)
                 return
-            except (*ACTOR_ERRORS, OSError) as err:  # OSError: refused, the actor died again
+            except ACTOR_ERRORS as err:
                 self._down_reason = f"{type(err).__name__} (restarting)"
+                await asyncio.sleep(1.0)
+            except EngineUnavailable as err:  # the restarted actor died again before we connected
+                self._down_reason = str(err)
                 await asyncio.sleep(1.0)
 
 

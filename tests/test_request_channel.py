@@ -272,3 +272,19 @@ def test_a_router_gone_aborts_its_calls_in_the_engine():
         return actor.body.cancelled, server.calls_in_flight, len(server.connections)
 
     assert asyncio.run(main()) == (["orphan"], 0, 0)
+
+
+def test_an_engine_whose_port_refuses_fails_the_connect_naming_it():
+    import socket
+
+    class Gone(Body):
+        async def open_channel(self, host: str) -> str:
+            with socket.socket() as s:  # a port nothing listens on once this closes
+                s.bind((host, 0))
+                return f"{host}:{s.getsockname()[1]}"
+
+    async def main():
+        await EngineChannel("prefill-3", LocalActor(Gone()), "127.0.0.1").connect()
+
+    with pytest.raises(EngineUnavailable, match=r"cannot connect to prefill-3's request channel at 127\.0\.0\.1:\d+"):
+        asyncio.run(main())
