@@ -37,6 +37,12 @@ from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 
 
+def instant_prefill(req: PrefillRequest) -> PrefillResult:
+    """What `prefill` answers (pure): no handle, no hit."""
+    return PrefillResult(request_id=req.request_id, handle=None, prompt_tokens=len(req.prompt_token_ids),
+                         p_cached_tokens=0)
+
+
 def instant_deltas(req: DecodeRequest, tokens_per_delta: int = 1) -> list[DecodeDelta]:
     """What `decode` yields for `req` (pure): its max_tokens ids in deltas, the last one finished."""
     assert tokens_per_delta >= 1, f"tokens_per_delta {tokens_per_delta}: must be at least 1"
@@ -81,8 +87,7 @@ class InstantEngine(ServesRequestChannel):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        return PrefillResult(request_id=req.request_id, handle=None, prompt_tokens=len(req.prompt_token_ids),
-                             p_cached_tokens=0)
+        return instant_prefill(req)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
         for delta in instant_deltas(req, self.tokens_per_delta):

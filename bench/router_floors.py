@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdcluster.bench.instant_engine import instant_deltas, instant_prefill
 from pdcluster.bench.router_overhead import cpu_seconds, free_port, request_body, run_wrk, wait_http, wrk_script
-from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
 
 ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "tiny",
                      "choices": [{"index": 0, "text": " x x x x", "logprobs": None, "finish_reason": "length"}],
@@ -102,34 +102,31 @@ def uvicorn_floor(duration_s: float, model: str) -> None:
 # ---- the router's Python, in-process ---------------------------------------------------------------
 
 class InstantCall:
-    """A request-channel call that has its one answer already (request_channel.PendingCall's interface)."""
+    """A request-channel call whose replies are all here already (request_channel.PendingCall's interface)."""
 
-    def __init__(self, item):
-        self.item, self.done = item, False
+    def __init__(self, items: list):
+        self.items = list(items)
+
+    @property
+    def done(self) -> bool:
+        return not self.items
 
     @property
     def has_reply(self) -> bool:
         return not self.done
 
     async def next(self):
-        if self.done:
-            return None
-        self.done = True
-        return self.item
+        return self.items.pop(0) if self.items else None
 
     def cancel(self) -> None:
-        self.done = True
+        self.items.clear()
 
 
 class InstantChannel:
-    """An engine's request channel answering at once: P with no handle, D with max_tokens prompt ids."""
+    """An engine's request channel answering at once, as the overhead benchmark's InstantEngine does."""
 
     def call(self, method: str, req) -> InstantCall:
-        if method == "prefill":
-            return InstantCall(PrefillResult(req.request_id, None, len(req.prompt_token_ids), 0, engine=EngineTimes()))
-        n = req.sampling.max_tokens
-        ids = [req.prompt_token_ids[i % len(req.prompt_token_ids)] for i in range(n)]
-        return InstantCall(DecodeDelta(ids, "length", TransferStats(), 0, EngineTimes()))
+        return InstantCall([instant_prefill(req)] if method == "prefill" else instant_deltas(req))
 
 
 def in_process_app(model_dir: str, recording: bool):

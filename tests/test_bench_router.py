@@ -262,7 +262,11 @@ def test_router_floor_in_process_serves_requests_through_the_real_app(recording)
 def test_router_floor_instant_decode_answers_max_tokens_of_the_prompt():
     from pdcluster.bench.router_floors import InstantChannel
 
-    call = InstantChannel().call("decode", DecodeRequest("r", [5, 6], SamplingSpec(max_tokens=3), None))
+    # A request the router does not stream (final_only): one delta, as the router_overhead engines send it.
+    call = InstantChannel().call("decode", DecodeRequest("r", [5, 6], SamplingSpec(max_tokens=3, final_only=True),
+                                                         None))
     delta = asyncio.run(call.next())
     assert delta.new_token_ids == [5, 6, 5] and delta.finish_reason == "length" and call.done
     assert asyncio.run(call.next()) is None
+    streamed = InstantChannel().call("decode", DecodeRequest("r", [5, 6], SamplingSpec(max_tokens=3), None))
+    assert streamed.has_reply and len(streamed.items) == 3  # one delta a token otherwise
