@@ -109,7 +109,7 @@ class DecodeDelta:
         consumer has not taken yet. Token times are kept only if both carry them (else the
         router stamps the merged tokens' arrival)."""
         assert self.finish_reason is None, "a finished delta is the last: nothing can follow it"
-        stamped = bool(self.token_ns) == bool(self.new_token_ids) and bool(later.token_ns) == bool(later.new_token_ids)
+        stamped = len(self.token_ns) == len(self.new_token_ids) and len(later.token_ns) == len(later.new_token_ids)
         return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
                        token_ns=self.token_ns + later.token_ns if stamped else ())
 

@@ -306,8 +306,8 @@ class EngineChannel:
     """The router's end of one engine's request channel.
 
     `call()` sends at the end of the loop turn and returns a PendingCall; the
-    connection hands each of the engine's replies to its call. While the channel is down (the actor died and
-    is restarting), calls fail at once with EngineUnavailable.
+    connection hands each of the engine's replies to its call. While the channel is
+    down (the actor died and is restarting), calls fail at once with EngineUnavailable.
     """
 
     def __init__(self, name: str, actor, host: str):

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -208,7 +208,7 @@ INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in a worker thread 
 class _PromptTokenizer:
     """Prompts to token ids, off the event loop when they are long.
 
-    A 128K-token text prompt takes the Rust tokenizer ~250 ms here; on the event loop,
+    A 128K-token text prompt takes the Rust tokenizer ~300 ms here; on the event loop,
     every other request (streams included) would wait that long. Long prompts go to one
     worker thread instead, where `encode_batch` runs without the GIL (a single `encode`
     holds it), as vLLM's API server tokenizes in a thread pool. Short ones stay inline: a
@@ -227,16 +227,17 @@ class _PromptTokenizer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def text(self, text: str) -> list[int]:
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self._encode(text)
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, text)
+        return await self._run(len(text), partial(self._encode, text))
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        render = partial(self._tokenizer.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
-                         return_dict=False)
-        if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
-            return list(render())
-        return list(await asyncio.get_running_loop().run_in_executor(self._worker, render))
+        return list(await self._run(sum(len(m["content"]) for m in messages),
+                                    partial(self._tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)))
+
+    async def _run(self, chars: int, tokenize: Callable[[], list[int]]) -> list[int]:
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return tokenize()
+        return await asyncio.get_running_loop().run_in_executor(self._worker, tokenize)
 
     def _encode(self, text: str) -> list[int]:
         return self._backend.encode_batch([text])[0].ids
