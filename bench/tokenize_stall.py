@@ -7,8 +7,10 @@ and a ticker sleeps 1 ms at a time on the same event loop. Two ways, in one run:
 tokenizing every prompt on the event loop, and the router's way (prompts over
 INLINE_TOKENIZE_CHARS in a worker thread, the Rust tokenizer without the GIL); and, for
 comparison, the same prompt sent as token ids (parsed and validated on the loop).
+Then a burst: `--burst` such prompts (each its own text) sent at once, tokenized by one
+worker thread and by the router's TOKENIZE_THREADS.
 
-usage: python -m pdcluster.bench.tokenize_stall [--tokens 131072] [--model-dir DIR]
+usage: python -m pdcluster.bench.tokenize_stall [--tokens 131072] [--burst 4] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -102,6 +105,14 @@ async def measure(app, long_prompt: str | list[int]) -> Stall:
     return Stall(long_s * 1e3, max(gaps) * 1e3, len(shorts), statistics.median(shorts) * 1e3, max(shorts) * 1e3)
 
 
+async def burst(app, prompts: list[str]) -> float:
+    """All prompts at once; seconds until the last is answered."""
+    bodies = [json.dumps({"prompt": p, "max_tokens": 4}).encode() for p in prompts]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(post(app, b) for b in bodies))
+    return time.perf_counter() - t0
+
+
 def long_prompt(tokenizer, tokens: int) -> tuple[str, int]:
     base = CORPUS.read_text()
     per_char = len(tokenizer.encode(base)) / len(base)
@@ -118,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--model-dir", default=".pdcluster/models/tiny-qwen3")
+    ap.add_argument("--burst", type=int, default=4, help="long prompts sent at once in the burst table")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each way; the median long request is reported")
     args = ap.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -138,6 +150,18 @@ def main() -> None:
         print(f"| {way} | {s.long_ms:.0f} | {s.max_tick_gap_ms:.1f} | {s.short_served} | {s.short_p50_ms:.2f} "
               f"| {s.short_max_ms:.1f} |")
     openai_api.INLINE_TOKENIZE_CHARS = inline_limit
+
+    texts = [f"{i} {text}" for i in range(args.burst)]  # distinct texts, so nothing could be shared
+    print(f"\n{args.burst} such prompts at once ({os.cpu_count()} cores):")
+    print("| tokenizer threads | all answered, s (median) | prompts/s |")
+    print("|---|---|---|")
+    threads = openai_api.TOKENIZE_THREADS
+    for n in sorted({1, threads}):
+        openai_api.TOKENIZE_THREADS = n
+        app = openai_api.build_app(InstantBackend(len(tokenizer)), args.model_dir)
+        s = sorted(uvloop.run(burst(app, texts)) for _ in range(args.repeats))[args.repeats // 2]
+        print(f"| {n} | {s:.2f} | {args.burst / s:.1f} |")
+    openai_api.TOKENIZE_THREADS = threads
 
 
 if __name__ == "__main__":

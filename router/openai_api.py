@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -202,17 +203,21 @@ class _Detokenizer:
         return self._stream.step(self._backend, token_id)
 
 
-INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in a worker thread (~2K tokens: ~2 ms here)
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in worker threads (~2K tokens: ~2 ms here)
+# One 128K-token prompt is ~0.3 s of one core: at C90's 6 req/s one thread would be ~2/3 busy,
+# and a burst would queue behind it. Threads run their encodes in parallel (no GIL held).
+TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class _PromptTokenizer:
     """Prompts to token ids, off the event loop when they are long.
 
     A 128K-token text prompt takes the Rust tokenizer ~300 ms here; on the event loop,
-    every other request (streams included) would wait that long. Long prompts go to one
-    worker thread instead, where `encode_batch` runs without the GIL (a single `encode`
-    holds it), as vLLM's API server tokenizes in a thread pool. Short ones stay inline: a
-    thread handoff costs more than their encode.
+    every other request (streams included) would wait that long. Long prompts go to a few
+    worker threads instead, where `encode_batch` runs without the GIL (a single `encode`
+    holds it), so several long prompts are tokenized on several cores at once, as vLLM's
+    API server tokenizes in a thread pool. Short ones stay inline: a thread handoff costs
+    more than their encode.
 
     Both paths call the Rust tokenizer directly (HF's wrapper took ~9 of ~20 us a short
     prompt) with special tokens added, as `tokenizer.encode` does. One HF encode at start
@@ -221,10 +226,10 @@ class _PromptTokenizer:
     such a call with "Already borrowed").
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, threads: int = TOKENIZE_THREADS):
         tokenizer.encode("")
         self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
 
     async def text(self, text: str) -> list[int]:
         return await self._run(len(text), partial(self._encode, text))
@@ -237,7 +242,7 @@ class _PromptTokenizer:
     async def _run(self, chars: int, tokenize: Callable[[], list[int]]) -> list[int]:
         if chars <= INLINE_TOKENIZE_CHARS:
             return tokenize()
-        return await asyncio.get_running_loop().run_in_executor(self._worker, tokenize)
+        return await asyncio.get_running_loop().run_in_executor(self._workers, tokenize)
 
     def _encode(self, text: str) -> list[int]:
         return self._backend.encode_batch([text])[0].ids
@@ -304,7 +309,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     if getattr(tokenizer, "backend_tokenizer", None) is None:  # _Detokenizer steps the Rust tokenizer
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
-    prompts = _PromptTokenizer(tokenizer)
+    prompts = _PromptTokenizer(tokenizer, TOKENIZE_THREADS)
     app = HttpApp()
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,

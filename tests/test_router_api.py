@@ -467,12 +467,38 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tok):
     assert threads[0] == threading.current_thread().name and threads[1].startswith("tokenize")
 
 
+def test_long_prompts_in_flight_together_are_tokenized_at_once(tok):
+    """Two long prompts are encoded in two threads at the same time: each encode waits at a
+    barrier that opens only when both are inside, so one thread at a time would time out."""
+    import threading
+
+    from pdcluster.router.openai_api import INLINE_TOKENIZE_CHARS, _PromptTokenizer
+
+    prompts = _PromptTokenizer(tok, threads=2)
+    both_inside = threading.Barrier(2, timeout=10)
+    encode = prompts._encode
+
+    def encode_when_both_inside(text: str) -> list[int]:
+        both_inside.wait()
+        return encode(text)
+
+    prompts._encode = encode_when_both_inside
+    texts = [f"Prompt {i}: " + "once upon a time, " * (INLINE_TOKENIZE_CHARS // 10) for i in range(2)]
+
+    async def main():
+        return await asyncio.gather(*(prompts.text(t) for t in texts))
+
+    assert asyncio.run(main()) == [tok.encode(t) for t in texts]
+
+
 def test_tokenize_stall_bench_runs(tok_dir, tok):
     import uvloop
 
-    from pdcluster.bench.tokenize_stall import InstantBackend, long_prompt, measure
+    from pdcluster.bench.tokenize_stall import InstantBackend, burst, long_prompt, measure
 
     text, n_tokens = long_prompt(tok, 8000)
     assert abs(n_tokens - 8000) < 200
-    stall = uvloop.run(measure(build_app(InstantBackend(len(tok)), tok_dir), text))
+    app = build_app(InstantBackend(len(tok)), tok_dir)
+    stall = uvloop.run(measure(app, text))
     assert stall.long_ms > 0 and stall.short_served > 0 and stall.short_p50_ms <= stall.short_max_ms
+    assert uvloop.run(burst(app, [f"{i} {text}" for i in range(3)])) > 0
