@@ -9,7 +9,9 @@ setting runs every system in turn), since this 2-core machine is shared.
 - pdcluster: the real `RouterActor` (uvicorn and its own ASGI app in a Ray actor) in front
   of P and D `InstantEngine` actors (bench/instant_engine.py): its backends are Ray
   actors reached over their request channels (TCP), not HTTP servers. Variants: timeline recording on/off
-  (`set_recording`), and each routing policy if the router has `set_policy`.
+  (`set_recording`), and each routing policy if the router has `set_policy`. `--routers 1,2`:
+  a cluster each with 1 and with 2 router processes sharing one port (SO_REUSEPORT, as vLLM's
+  `--api-server-count`; each router its own Ray actor, request channels and run directory).
 - vllm-router (`--vllm-pd-disaggregation --prefill URL --decode URL`), with
   round_robin and cache_aware, and vLLM's toy P/D proxy
   (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), in front of
@@ -23,7 +25,7 @@ backends (psutil), the fairest figure on a shared machine.
 
 usage: python -m pdcluster.bench.router_overhead [--duration 8] [--rounds 1]
        [--vllm-router /work/.venvs/vllm-router/bin/vllm-router]
-       [--toy-proxy /path/to/toy_proxy_server.py] [--only pdcluster,vllm] [--profile]
+       [--toy-proxy /path/to/toy_proxy_server.py] [--only pdcluster,vllm] [--routers 1,2] [--profile]
 wrk: `apt-get install wrk`; vllm-router: `pip install vllm-router` into a venv of its own.
 """
 
@@ -263,8 +265,10 @@ def pdc_variants(policies: Sequence[str], batched_tokens: int = MAX_TOKENS) -> l
             PdcVariant(True, first, batched_tokens)]
 
 
-def _bench_router_class():
-    """The real RouterActor, plus what the benchmark asks of it (its pid, whether it switches policy)."""
+def _bench_router_class(shared_port: bool = False):
+    """The real RouterActor, plus what the benchmark asks of it (its pid, whether it switches
+    policy); with shared_port, it listens with SO_REUSEPORT, so several can share router.port
+    (the kernel spreads connections over them), as vLLM's --api-server-count does."""
     from pdcluster.router.server import RouterActor
 
     class BenchRouterActor(RouterActor):
@@ -274,17 +278,35 @@ def _bench_router_class():
         def has_policies(self) -> bool:
             return hasattr(self, "set_policy")
 
+        def _listening_socket(self) -> socket.socket | None:
+            if not shared_port:
+                return None
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((self.spec.router.host, self.spec.router.port))
+            return sock
+
     return BenchRouterActor
 
 
 @dataclass
 class PdCluster:
     url: str
-    router: Any  # the router's Ray actor handle
-    router_pid: int
+    routers: list  # the routers' Ray actor handles: one, or several sharing the URL's port
+    router_pids: list[int]
     engine_pids: list[int]
     engines: list = field(default_factory=list)  # P, D actor handles
     has_policies: bool = False
+
+    @property
+    def router(self):
+        return self.routers[0]
+
+    def each_router(self, call: Callable[[Any], Any]) -> None:
+        """call(router) -> an ObjectRef, for every router; waits for them all."""
+        import ray
+
+        ray.get([call(r) for r in self.routers])
 
 
 def bench_spec(model_dir: str, router_port: int, runs_dir: str) -> ClusterSpec:
@@ -319,7 +341,8 @@ def free_port_block() -> int:
     raise RuntimeError("no free block of 8 ports in 20000..60000")
 
 
-def start_pdcluster(model_dir: str, runs_dir: str) -> PdCluster:
+def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluster:
+    """One instant P and D, and `routers` router processes on one port (each its own run directory)."""
     import ray
 
     from pdcluster.bench.instant_engine import InstantEngine
@@ -333,23 +356,30 @@ def start_pdcluster(model_dir: str, runs_dir: str) -> PdCluster:
                for role in ("prefill", "decode")}
     infos = ray.get([h.info.remote() for h in handles.values()])
     insts = {i.name: Instance(i.name, handles[i.name], i.engine_id, i.kv_address) for i in infos}
-    router = ray.remote(_bench_router_class()).options(num_cpus=0, max_concurrency=1000).remote(
-        spec, [insts["prefill-0"]], [insts["decode-0"]])
-    url = ray.get(router.start.remote(infos), timeout=120)
-    return PdCluster(url, router, ray.get(router.pid.remote()), [i.pid for i in infos],
-                     [handles["prefill-0"], handles["decode-0"]], ray.get(router.has_policies.remote()))
+    router_cls = ray.remote(_bench_router_class(shared_port=routers > 1))
+    actors = []
+    for k in range(routers):
+        own = spec if routers == 1 else spec.model_copy(update={"router": spec.router.model_copy(
+            update={"runs_dir": str(Path(runs_dir) / f"router-{k}")})})
+        actors.append(router_cls.options(num_cpus=0, max_concurrency=1000).remote(
+            own, [insts["prefill-0"]], [insts["decode-0"]]))
+    urls = ray.get([a.start.remote(infos) for a in actors], timeout=120)
+    assert len(set(urls)) == 1, f"routers meant to share a port serve on {urls}"
+    return PdCluster(urls[0], actors, ray.get([a.pid.remote() for a in actors]), [i.pid for i in infos],
+                     [handles["prefill-0"], handles["decode-0"]], ray.get(actors[0].has_policies.remote()))
 
 
 def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
     import ray
 
     def prepare() -> None:
-        ray.get(cluster.router.set_recording.remote(variant.recording))
+        cluster.each_router(lambda r: r.set_recording.remote(variant.recording))
         ray.get(cluster.engines[1].set_tokens_per_delta.remote(variant.tokens_per_delta))
         if variant.policy is not None:
-            ray.get(cluster.router.set_policy.remote(variant.policy))
+            cluster.each_router(lambda r: r.set_policy.remote(variant.policy))
 
-    return System(variant.name, cluster.url, [cluster.router_pid], cluster.engine_pids, prepare)
+    name = variant.name if len(cluster.routers) == 1 else f"{variant.name}, {len(cluster.routers)} routers"
+    return System(name, cluster.url, cluster.router_pids, cluster.engine_pids, prepare)
 
 
 class CallsAlone:
@@ -555,6 +585,8 @@ def main() -> None:
     ap.add_argument("--toy-proxy", default=DEFAULT_TOY_PROXY)
     ap.add_argument("--pdc-policies", default="round_robin,prefix_aware",
                     help="pdcluster policies to measure (if its router has set_policy)")
+    ap.add_argument("--routers", default="1",
+                    help="comma-separated counts of pdcluster router processes sharing one port, a cluster each")
     ap.add_argument("--model-dir", default=".pdcluster/models/tiny-qwen3")
     ap.add_argument("--only", default="", help="comma-separated name prefixes of systems to run (default: all)")
     ap.add_argument("--profile", action="store_true",
@@ -570,10 +602,12 @@ def main() -> None:
     print(f"machine before: {machine_note()}", flush=True)
     try:
         with ray_session():
-            cluster = start_pdcluster(str(Path(a.model_dir).resolve()), runs_dir)
+            clusters = [start_pdcluster(str(Path(a.model_dir).resolve()), str(Path(runs_dir) / f"routers-{n}"),
+                                        routers=n) for n in map(int, a.routers.split(","))]
+            cluster = clusters[0]  # the one the floors and the profile use
             model = Path(a.model_dir).name
-            systems = [pdc_system(cluster, v)
-                       for v in pdc_variants(a.pdc_policies.split(",") if cluster.has_policies else [])]
+            systems = [pdc_system(c, v) for c in clusters
+                       for v in pdc_variants(a.pdc_policies.split(",") if c.has_policies else [])]
             p_url, d_url, fake_pids = start_fake_backends(spawned)
             if Path(a.vllm_router).exists():
                 systems += [start_vllm_router(spawned, a.vllm_router, pol, p_url, d_url, fake_pids)
@@ -633,7 +667,7 @@ def profile_pdcluster(system: System, cluster: PdCluster, model: str, scripts: P
 
     py_spy = Path(sys.executable).parent / "py-spy"
     system.before_run()
-    procs = {"router": cluster.router_pid, "P engine": cluster.engine_pids[0], "D engine": cluster.engine_pids[1]}
+    procs = {"router": cluster.router_pids[0], "P engine": cluster.engine_pids[0], "D engine": cluster.engine_pids[1]}
     outs = {name: scripts / f"profile-{name.replace(' ', '-')}.txt" for name in procs}
     cpu0 = {name: cpu_seconds([pid]) for name, pid in procs.items()}
     spies = [record(pid, outs[name], duration_s + 1, rate_hz, str(py_spy) if py_spy.exists() else "py-spy")

@@ -89,19 +89,26 @@ class RouterActor:
             self.store = await self._open_run(infos)
             self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
-        _check_port_free(r.host, r.port)
-        await self.dispatcher.connect_channels(self.spec.transfer.host)  # uvicorn would sys.exit() inside this actor instead
+        listening = self._listening_socket()
+        if listening is None:
+            _check_port_free(r.host, r.port)  # uvicorn would sys.exit() inside this actor instead
+        await self.dispatcher.connect_channels(self.spec.transfer.host)
         # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
                                                      access_log=False, proxy_headers=False,
                                                      timeout_graceful_shutdown=1))
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._server.serve(sockets=None if listening is None else [listening]))
         while not self._server.started:
             if self._task.done():  # e.g. the port is taken
                 exc = self._task.exception()
                 raise RuntimeError(f"router could not serve on {r.host}:{r.port}: {exc or 'server exited'}")
             await asyncio.sleep(0.05)
         return f"http://{r.host}:{r.port}"
+
+    def _listening_socket(self) -> socket.socket | None:
+        """None: uvicorn binds router.host:port itself. A subclass may return a bound socket
+        instead (bench/router_processes.py: several routers on one port, SO_REUSEPORT)."""
+        return None
 
     def set_recording(self, on: bool) -> None:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
