@@ -185,7 +185,7 @@ def main() -> None:
         setups = ([(m, t) for t in a.transports.split(",") for m in ("push", "pull")] if a.connector == "pdc"
                   else [("pull", "grpc")])
         for mode, transport in setups:
-            ray.get(cluster.router.set_transfer_mode.remote(mode, transport if a.connector == "pdc" else None))
+            cluster.each_router("set_transfer_mode", mode, transport if a.connector == "pdc" else None)
             name = ("sim " if a.sim else "") + f"{a.connector} {mode}" + (f" {transport}" if a.connector == "pdc" else "")
             rows += cluster_rows(cluster, name, sizes, a.trials, rng)
             print(table(rows, sizes), "\n", flush=True)

@@ -10,8 +10,8 @@ setting runs every system in turn), since this 2-core machine is shared.
   of P and D `InstantEngine` actors (bench/instant_engine.py): its backends are Ray
   actors reached over their request channels (TCP), not HTTP servers. Variants: timeline recording on/off
   (`set_recording`), and each routing policy if the router has `set_policy`. `--routers 1,2`:
-  a cluster each with 1 and with 2 router processes sharing one port (SO_REUSEPORT, as vLLM's
-  `--api-server-count`; each router its own Ray actor, request channels and run directory).
+  a cluster each with 1 and with 2 router processes sharing one port (`router.processes`,
+  SO_REUSEPORT, as vLLM's `--api-server-count`).
 - vllm-router (`--vllm-pd-disaggregation --prefill URL --decode URL`), with
   round_robin and cache_aware, and vLLM's toy P/D proxy
   (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py), in front of
@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdcluster.cluster.spec import ClusterSpec
@@ -265,10 +265,8 @@ def pdc_variants(policies: Sequence[str], batched_tokens: int = MAX_TOKENS) -> l
             PdcVariant(True, first, batched_tokens)]
 
 
-def _bench_router_class(shared_port: bool = False):
-    """The real RouterActor, plus what the benchmark asks of it (its pid, whether it switches
-    policy); with shared_port, it listens with SO_REUSEPORT, so several can share router.port
-    (the kernel spreads connections over them), as vLLM's --api-server-count does."""
+def _bench_router_class():
+    """The real RouterActor, plus what the benchmark asks of it (its pid, whether it switches policy)."""
     from pdcluster.router.server import RouterActor
 
     class BenchRouterActor(RouterActor):
@@ -277,14 +275,6 @@ def _bench_router_class(shared_port: bool = False):
 
         def has_policies(self) -> bool:
             return hasattr(self, "set_policy")
-
-        def _listening_socket(self) -> socket.socket | None:
-            if not shared_port:
-                return None
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((self.spec.router.host, self.spec.router.port))
-            return sock
 
     return BenchRouterActor
 
@@ -302,23 +292,23 @@ class PdCluster:
     def router(self):
         return self.routers[0]
 
-    def each_router(self, call: Callable[[Any], Any]) -> None:
-        """call(router) -> an ObjectRef, for every router; waits for them all."""
+    def each_router(self, method: str, *args) -> list:
+        """A router method on every router (as cluster/launch.py's Cluster.each_router)."""
         import ray
 
-        ray.get([call(r) for r in self.routers])
+        return ray.get([getattr(r, method).remote(*args) for r in self.routers])
 
 
-def bench_spec(model_dir: str, router_port: int, runs_dir: str) -> ClusterSpec:
+def bench_spec(model_dir: str, router_port: int, runs_dir: str, routers: int = 1) -> ClusterSpec:
     from pdcluster.cluster.spec import parse_spec
 
     return parse_spec({
-        "name": "bench-router-overhead",
+        "name": f"bench-router-overhead-{routers}",
         "model": {"path": model_dir, "tiny": {"arch": "qwen3"}},
         # pull: P's answer (no handle) then D, as the HTTP proxies do; push would need P's KV address.
         "transfer": {"mode": "pull", "base_port": free_port_block()},
         "router": {"host": "127.0.0.1", "port": router_port, "runs_dir": runs_dir,
-                   "kv_events_port": free_port_block()},
+                   "kv_events_port": free_port_block(), "processes": routers},
     })
 
 
@@ -342,30 +332,23 @@ def free_port_block() -> int:
 
 
 def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluster:
-    """One instant P and D, and `routers` router processes on one port (each its own run directory)."""
+    """One instant P and D, and `routers` router processes on one port (router.processes)."""
     import ray
 
     from pdcluster.bench.instant_engine import InstantEngine
-    from pdcluster.cluster.launch import ensure_model
+    from pdcluster.cluster.launch import ensure_model, start_routers
     from pdcluster.router.pd_dispatch import Instance
 
-    spec = bench_spec(model_dir, free_port(), runs_dir)
+    spec = bench_spec(model_dir, free_port(), runs_dir, routers)
     ensure_model(spec)
     engine_cls = ray.remote(InstantEngine)
     handles = {f"{role}-0": engine_cls.options(num_cpus=0, max_concurrency=1000).remote(spec, role, 0)
                for role in ("prefill", "decode")}
     infos = ray.get([h.info.remote() for h in handles.values()])
     insts = {i.name: Instance(i.name, handles[i.name], i.engine_id, i.kv_address) for i in infos}
-    router_cls = ray.remote(_bench_router_class(shared_port=routers > 1))
-    actors = []
-    for k in range(routers):
-        own = spec if routers == 1 else spec.model_copy(update={"router": spec.router.model_copy(
-            update={"runs_dir": str(Path(runs_dir) / f"router-{k}")})})
-        actors.append(router_cls.options(num_cpus=0, max_concurrency=1000).remote(
-            own, [insts["prefill-0"]], [insts["decode-0"]]))
-    urls = ray.get([a.start.remote(infos) for a in actors], timeout=120)
-    assert len(set(urls)) == 1, f"routers meant to share a port serve on {urls}"
-    return PdCluster(urls[0], actors, ray.get([a.pid.remote() for a in actors]), [i.pid for i in infos],
+    actors, url, _ = start_routers(spec, [insts["prefill-0"]], [insts["decode-0"]], infos, detached=False,
+                                   started=[], body=_bench_router_class())
+    return PdCluster(url, actors, ray.get([a.pid.remote() for a in actors]), [i.pid for i in infos],
                      [handles["prefill-0"], handles["decode-0"]], ray.get(actors[0].has_policies.remote()))
 
 
@@ -373,10 +356,10 @@ def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
     import ray
 
     def prepare() -> None:
-        cluster.each_router(lambda r: r.set_recording.remote(variant.recording))
+        cluster.each_router("set_recording", variant.recording)
         ray.get(cluster.engines[1].set_tokens_per_delta.remote(variant.tokens_per_delta))
         if variant.policy is not None:
-            cluster.each_router(lambda r: r.set_policy.remote(variant.policy))
+            cluster.each_router("set_policy", variant.policy)
 
     name = variant.name if len(cluster.routers) == 1 else f"{variant.name}, {len(cluster.routers)} routers"
     return System(name, cluster.url, cluster.router_pids, cluster.engine_pids, prepare)
@@ -602,8 +585,8 @@ def main() -> None:
     print(f"machine before: {machine_note()}", flush=True)
     try:
         with ray_session():
-            clusters = [start_pdcluster(str(Path(a.model_dir).resolve()), str(Path(runs_dir) / f"routers-{n}"),
-                                        routers=n) for n in map(int, a.routers.split(","))]
+            clusters = [start_pdcluster(str(Path(a.model_dir).resolve()), runs_dir, routers=n)
+                        for n in map(int, a.routers.split(","))]
             cluster = clusters[0]  # the one the floors and the profile use
             model = Path(a.model_dir).name
             systems = [pdc_system(c, v) for c in clusters

@@ -91,10 +91,10 @@ def main() -> None:
         rates: dict[bool, list[float]] = {True: [], False: []}
         for i in range(2 * a.rounds):
             on = i % 2 == 0
-            ray.get(cluster.router.set_recording.remote(on))
+            cluster.each_router("set_recording", on)
             rates[on].append(asyncio.run(_round(cluster.url, prompts(), a.concurrency, a.max_tokens)))
             print(f"round {i:2d} recording {'on ' if on else 'off'}: {rates[on][-1]:.2f} req/s", flush=True)
-        ray.get(cluster.router.set_recording.remote(True))
+        cluster.each_router("set_recording", True)
     finally:
         teardown(cluster)
         ray.shutdown()

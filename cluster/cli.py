@@ -113,7 +113,7 @@ def _join_ray(st: dict) -> None:
 def cmd_status(a) -> None:
     import ray
 
-    from pdcluster.cluster.launch import find_actors
+    from pdcluster.cluster.launch import find_actors, is_router
 
     states = _states(a.name)
     if not states:
@@ -131,7 +131,7 @@ def cmd_status(a) -> None:
             print(f"  timelines {st['run_dir']}")
         for full, handle in sorted(actors.items()):
             inst = full.split(":", 1)[1]
-            if inst == "router":
+            if is_router(inst):
                 print(f"  {inst:<10} router   {st['url']}")
                 continue
             try:

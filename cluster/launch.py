@@ -37,18 +37,36 @@ class Cluster:
     spec: ClusterSpec
     prefill: list[Instance]
     decode: list[Instance]
-    router: ray.actor.ActorHandle
+    routers: list[ray.actor.ActorHandle]  # router.processes of them, all serving `url`
     url: str
     infos: list[InstanceInfo]
-    run_dir: str | None  # where the router writes this run's timelines (None: recording off)
+    run_dir: str | None  # where the routers write this run's timelines (None: recording off)
 
     @property
     def instances(self) -> list[Instance]:
         return self.prefill + self.decode
 
+    @property
+    def router(self) -> ray.actor.ActorHandle:
+        """The first router: for what any one answers for all (run_dir, KV-event status)."""
+        return self.routers[0]
+
+    def each_router(self, method: str, *args, timeout_s: float = 60.0) -> list:
+        """Call a router method on every router and wait: settings (set_policy, ...) and
+        barriers (catch_up_kv_events) must reach each, or some requests would miss them."""
+        return ray.get([getattr(r, method).remote(*args) for r in self.routers], timeout=timeout_s)
+
 
 def actor_name(spec: ClusterSpec, instance: str) -> str:
     return f"{spec.name}:{instance}"
+
+
+def router_name(index: int) -> str:
+    return ROUTER if index == 0 else f"{ROUTER}-{index}"
+
+
+def is_router(instance: str) -> bool:
+    return instance == ROUTER or instance.startswith(f"{ROUTER}-")
 
 
 def ensure_model(spec: ClusterSpec) -> None:
@@ -114,20 +132,44 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
                    if n.startswith("prefill")]
         decode = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
                   if n.startswith("decode")]
-        router_opts = dict(name=actor_name(spec, ROUTER), namespace=NAMESPACE, num_cpus=0, max_concurrency=1000)
-        if detached:
-            router_opts["lifetime"] = "detached"
-        router = ray.remote(RouterActor).options(**router_opts).remote(spec, prefill, decode)
-        started.append((ROUTER, router))
-        try:
-            url = ray.get(router.start.remote(infos), timeout=120)
-        except Exception as err:
-            raise ClusterStartError(f"router failed to start: {_root_cause(err)}") from None
-        return Cluster(spec, prefill, decode, router, url, infos, ray.get(router.run_dir.remote()))
+        routers, url, run_dir = start_routers(spec, prefill, decode, infos, detached, started)
+        return Cluster(spec, prefill, decode, routers, url, infos, run_dir)
     except BaseException:
         for _, handle in started:
             ray.kill(handle, no_restart=True)
         raise
+
+
+def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
+                  detached: bool, started: list[tuple[str, ray.actor.ActorHandle]], body: type = RouterActor,
+                  ) -> tuple[list[ray.actor.ActorHandle], str, str | None]:
+    """Router 0, then routers 1.. on its node (SO_REUSEPORT shares a port within one host),
+    writing into its run directory; then each learns the others (for /metrics). Each is
+    added to `started` as it is made. Returns the routers, their URL and the run directory.
+    `body`: RouterActor, or a subclass (the benchmarks')."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    routers: list[ray.actor.ActorHandle] = []
+    url, run_dir, node = "", None, None
+    for k in range(spec.router.processes):
+        opts: dict = dict(name=actor_name(spec, router_name(k)), namespace=NAMESPACE, num_cpus=0,
+                          max_concurrency=1000)
+        if detached:
+            opts["lifetime"] = "detached"
+        if node is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, k)
+        started.append((router_name(k), router))
+        routers.append(router)
+        try:
+            url = ray.get(router.start.remote(infos, run_dir), timeout=120)
+        except Exception as err:
+            raise ClusterStartError(f"{router_name(k)} failed to start: {_root_cause(err)}") from None
+        if k == 0:
+            run_dir, node = ray.get([router.run_dir.remote(), router.node_id.remote()])
+    if len(routers) > 1:
+        ray.get([r.set_peers.remote([p for p in routers if p is not r]) for r in routers])
+    return routers, url, run_dir
 
 
 def _root_cause(err: BaseException) -> str:
@@ -137,11 +179,12 @@ def _root_cause(err: BaseException) -> str:
 
 
 def teardown(cluster: Cluster) -> None:
-    try:
-        ray.get(cluster.router.stop.remote(), timeout=15)
-    except Exception as err:  # already dead: nothing to stop
-        log.warning("router stop: %s", err)
-    for handle in [cluster.router] + [i.actor for i in cluster.instances]:
+    for k, router in enumerate(cluster.routers):
+        try:
+            ray.get(router.stop.remote(), timeout=15)
+        except Exception as err:  # already dead: nothing to stop
+            log.warning("%s stop: %s", router_name(k), err)
+    for handle in cluster.routers + [i.actor for i in cluster.instances]:
         ray.kill(handle, no_restart=True)
 
 

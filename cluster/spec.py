@@ -164,6 +164,10 @@ class RouterSpec(_Strict):
     request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
+    # One router process serves ~2,500-3,500 short requests/s here (bench/README.md); more
+    # processes share host:port, as vLLM's --api-server-count (router/server.py).
+    processes: int = Field(1, ge=1, le=64, description="router processes sharing host:port (SO_REUSEPORT), "
+                                                       "each a Ray actor on the first one's node")
 
 
 class ClusterSpec(_Strict):

@@ -1,7 +1,9 @@
 """Prometheus metrics of the router, fed by finished request records.
 
 A private registry per router (not prometheus_client's global one), so several
-routers in one process (tests) do not collide. Served at GET /metrics.
+routers in one process (tests) do not collide. Served at GET /metrics; with several
+router processes (router.processes), any one of them serves the sum of all
+(`merge_expositions`), since a scrape reaches whichever the kernel picks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import RequestRecord
@@ -79,3 +84,35 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Merged:
+    """A collector that yields given metric families as they are (for rendering them)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def merge_expositions(pages: list[bytes]) -> bytes:
+    """Several routers' /metrics pages as one: each series summed over the routers (counts,
+    sums, buckets, and the in-flight gauges, whose instances' requests are split between
+    routers), except `_created` timestamps, which keep the earliest."""
+    families: dict[str, Metric] = {}
+    series: dict[str, dict[tuple[str, tuple], float]] = {}  # family -> (sample name, labels) -> value
+    for page in pages:
+        for fam in text_string_to_metric_families(page.decode()):
+            families.setdefault(fam.name, fam)
+            own = series.setdefault(fam.name, {})
+            for sample in fam.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = own.get(key)
+                own[key] = sample.value if old is None else (
+                    min(old, sample.value) if sample.name.endswith("_created") else old + sample.value)
+    for name, fam in families.items():
+        fam.samples = [Sample(sample_name, dict(labels), value) for (sample_name, labels), value in series[name].items()]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(list(families.values())))
+    return generate_latest(registry)

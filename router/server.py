@@ -37,14 +37,23 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 class RouterActor:
-    """Ray actor body (wrapped with ray.remote by the launcher)."""
+    """Ray actor body (wrapped with ray.remote by the launcher).
 
-    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance]):
+    With router.processes > 1, routers 0..n-1 are one actor each on one node, listening on
+    one port with SO_REUSEPORT (the kernel hands each new connection to one of them), as
+    vLLM's --api-server-count runs several API servers. Each has its own request channels,
+    KV-event index and load counts (a load-aware policy sees only its own requests); they
+    share one run directory, and each one's /metrics shows the sum of all (`set_peers`).
+    """
+
+    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], index: int = 0):
         from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
         from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
 
-        self.spec = spec
+        assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
+        self.spec, self.index = spec, index
+        self.peers: list = []  # the other routers' actor handles (router.processes > 1)
         block_size = spec.role_engine("prefill").block_size
         # Every instance's KV cache events, whatever the policy: the predicted hits are
         # recorded for every request (and prefix_aware routes by them).
@@ -62,18 +71,39 @@ class RouterActor:
         self._task: asyncio.Task | None = None
 
     async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
-        return BytesResponse(self.metrics.render(), media_type=self.metrics.content_type)
+        page = self.metrics.render()
+        if self.peers:
+            from pdcluster.router.metrics import merge_expositions
+
+            page = merge_expositions([page, *await asyncio.gather(*(p.own_metrics.remote() for p in self.peers))])
+        return BytesResponse(page, media_type=self.metrics.content_type)
+
+    def own_metrics(self) -> bytes:
+        """This router's /metrics page alone (a peer merges it into its own)."""
+        return self.metrics.render()
+
+    def set_peers(self, peers: list) -> None:
+        self.peers = peers
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     async def _run_page(self, request: HttpRequest) -> BytesResponse:
         """Where this router writes timelines, so a load generator can join them to its requests."""
         return json_response({"run_dir": self.run_dir(), "cluster": self.spec.name})
 
-    async def _open_run(self, infos: list[InstanceInfo]) -> RunStore:
-        """Measure each instance's clock, then start this run's directory."""
+    async def _open_run(self, infos: list[InstanceInfo], run_dir: str | None) -> RunStore:
+        """Measure each instance's clock, then start this run's directory (router 0), or
+        join the one router 0 started (run_dir)."""
         import ray
 
         here = ray.util.get_node_ip_address()
         clocks = await self.dispatcher.measure_clocks({i.name for i in infos if i.node_ip == here})
+        if self.index > 0:
+            assert run_dir is not None, f"router {self.index} writes into router 0's run directory: none given"
+            return RunStore(run_dir, None, writer=self.index)
         started_mono, started_wall = time.monotonic_ns(), time.time_ns()
         run_id = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         meta = RunMeta(run_id=run_id, started_wall_ns=started_wall, started_mono_ns=started_mono,
@@ -81,17 +111,20 @@ class RouterActor:
                        instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
         return RunStore(Path(self.spec.router.runs_dir) / run_id, meta)
 
-    async def start(self, infos: list[InstanceInfo]) -> str:
-        """Serve on router.host:port; return the base URL once it accepts connections."""
+    async def start(self, infos: list[InstanceInfo], run_dir: str | None = None) -> str:
+        """Serve on router.host:port; return the base URL once it accepts connections.
+        run_dir: router 0's run directory, for routers 1.. to write into."""
         import uvicorn
 
         if self.spec.router.record_timeline:
-            self.store = await self._open_run(infos)
+            self.store = await self._open_run(infos, run_dir)
             self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
+        if self.index == 0:
+            # uvicorn would sys.exit() inside this actor instead. Checked without SO_REUSEPORT
+            # even for several routers: a stale cluster's routers would share the port otherwise.
+            _check_port_free(r.host, r.port)
         listening = self._listening_socket()
-        if listening is None:
-            _check_port_free(r.host, r.port)  # uvicorn would sys.exit() inside this actor instead
         await self.dispatcher.connect_channels(self.spec.transfer.host)
         # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
@@ -106,9 +139,19 @@ class RouterActor:
         return f"http://{r.host}:{r.port}"
 
     def _listening_socket(self) -> socket.socket | None:
-        """None: uvicorn binds router.host:port itself. A subclass may return a bound socket
-        instead (bench/router_processes.py: several routers on one port, SO_REUSEPORT)."""
-        return None
+        """None: uvicorn binds router.host:port itself. Several routers: each binds it with
+        SO_REUSEPORT (router 0 first checked that nothing else holds it)."""
+        r = self.spec.router
+        if r.processes == 1:
+            return None
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((r.host, r.port))
+        except OSError as err:
+            sock.close()
+            raise RuntimeError(f"router.port {r.port} on {r.host} is not free: {err.strerror}") from None
+        return sock
 
     def set_recording(self, on: bool) -> None:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""

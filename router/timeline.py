@@ -161,17 +161,28 @@ def versions() -> dict[str, str]:
 
 
 class RunStore:
-    """One run directory: meta.json written at start, requests appended as they finish."""
+    """One run directory: meta.json written at start, requests appended as they finish.
+
+    Several router processes (router.processes) share one run: the first writes meta.json
+    and requests.jsonl, router k >= 1 passes meta=None and appends to requests-<k>.jsonl
+    (one file per writer, so no two processes interleave within a line).
+    """
 
     META, REQUESTS = "meta.json", "requests.jsonl"
 
-    def __init__(self, path: str | Path, meta: RunMeta):
+    def __init__(self, path: str | Path, meta: RunMeta | None, writer: int = 0):
+        assert (meta is None) == (writer > 0), "the run's first router (writer 0) writes meta.json, and only it"
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / self.META).write_text(meta.to_json())
+        if meta is not None:
+            (self.path / self.META).write_text(meta.to_json())
         self._lock = threading.Lock()
         # Line-buffered append: a crash loses at most the record being written.
-        self._file = open(self.path / self.REQUESTS, "a", buffering=1)
+        self._file = open(self.path / self.requests_file(writer), "a", buffering=1)
+
+    @classmethod
+    def requests_file(cls, writer: int) -> str:
+        return cls.REQUESTS if writer == 0 else f"requests-{writer}.jsonl"
 
     def append(self, record: RequestRecord) -> None:
         line = record.to_json()
@@ -202,13 +213,16 @@ def load_run(path: str | Path) -> Run:
     if not (path / RunStore.META).exists():
         raise FileNotFoundError(f"{path} is not a run directory (no {RunStore.META})")
     meta = RunMeta.from_dict(json.loads((path / RunStore.META).read_text()))
+    files = [path / RunStore.REQUESTS] + sorted(path.glob("requests-*.jsonl"), key=lambda f: int(f.stem.split("-")[1]))
     records = []
-    requests = path / RunStore.REQUESTS
-    if requests.exists():
-        for n, line in enumerate(requests.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(RequestRecord.from_dict(json.loads(line)))
-                except (json.JSONDecodeError, TypeError) as err:
-                    raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+    for requests in files:
+        if requests.exists():
+            for n, line in enumerate(requests.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        records.append(RequestRecord.from_dict(json.loads(line)))
+                    except (json.JSONDecodeError, TypeError) as err:
+                        raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+    if len(files) > 1:  # several routers: one list in the order they finished, as one router appends
+        records.sort(key=lambda r: r.events.get("finish", 0))
     return Run(meta, records)

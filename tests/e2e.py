@@ -142,14 +142,13 @@ def reset_caches(cluster, timeout: float = 30):
 def transfer_as(cluster, mode: str | None = None, transport: str | None = None):
     """The router transfers in this mode (push | pull) over this transport (grpc | torch_dist)
     until the block ends, then goes back to the spec's; None keeps the spec's."""
-    import ray
 
     spec = cluster.spec.transfer
-    ray.get(cluster.router.set_transfer_mode.remote(mode or spec.mode, transport or spec.backend))
+    cluster.each_router("set_transfer_mode", mode or spec.mode, transport or spec.backend)
     try:
         yield
     finally:
-        ray.get(cluster.router.set_transfer_mode.remote(spec.mode, spec.backend))
+        cluster.each_router("set_transfer_mode", spec.mode, spec.backend)
 
 
 def serve_over_each_transport(cluster, prompts: list[list[int]], wants: list[list[int]], max_tokens: int = 8,

@@ -45,27 +45,25 @@ def shuffled_order(families: int, rounds: int, seed: int = 0) -> list[int]:
 
 def under_policy(cluster, policy: str, fams: Families, order: list[int], tag: str) -> list[RequestRecord]:
     """From empty caches, the prompts in turn with the router on `policy`."""
-    import ray
     from e2e import reset_caches
 
     reset_caches(cluster)
-    ray.get(cluster.router.set_policy.remote(policy))
+    cluster.each_router("set_policy", policy)
     try:
         return send_in_turn(cluster, fams, order, tag)
     finally:
-        ray.get(cluster.router.set_policy.remote(cluster.spec.router.policy))
+        cluster.each_router("set_policy", cluster.spec.router.policy)
 
 
 def send_in_turn(cluster, fams: Families, order: list[int], tag: str, max_tokens: int = 4) -> list[RequestRecord]:
     """Each prompt after the last finished and the router's index has its events; the records, in order."""
-    import ray
 
     ids = []
     for n, f in enumerate(order):
         rid = f"{tag}-{n}-f{f}"
         r = complete(cluster.url, fams.prompt(f, n), max_tokens, request_id=rid)
         assert r.status_code == 200, r.text
-        ray.get(cluster.router.catch_up_kv_events.remote())
+        cluster.each_router("catch_up_kv_events")
         ids.append(r.json()["id"])
     return records_of(cluster, ids)
 

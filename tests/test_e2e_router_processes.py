@@ -1,49 +1,65 @@
-"""Two router processes on one port (bench/router_overhead.py --routers 2, SO_REUSEPORT, as
-vLLM's --api-server-count): connections are spread over both, and each request is answered
-and recorded by exactly one of them."""
+"""Two router processes on one port (router.processes: 2, SO_REUSEPORT, as vLLM's
+--api-server-count), in front of simulated P1D1: connections are spread over both, each
+request is answered and recorded once in the one run directory, and either router's
+/metrics counts every request."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e import tiny_model_dir
+from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
 
-from pdcluster.bench import router_overhead as ro
 from pdcluster.router.timeline import load_run
 
 pytestmark = pytest.mark.e2e
 
-REQUESTS = 40
+REQUESTS = 24
 
 
 @pytest.fixture(scope="module")
-def two_routers(tmp_path_factory):
-    with ro.ray_session():
-        yield ro.start_pdcluster(tiny_model_dir(), str(tmp_path_factory.mktemp("runs")), routers=2)
+def cluster():
+    spec = cluster_spec_for("e2e-routers", engine={"kind": "sim", "max_model_len": 8192},
+                            sim={"params": "qwen3-0.6b-1dev", "payload_scale": 1024, "kv_blocks": 128},
+                            router={"processes": 2})
+    with running_cluster(spec) as c:
+        yield c
 
 
-def recorded_ids(cluster) -> list[set[str]]:
+@pytest.fixture(scope="module")
+def served(cluster):
+    """REQUESTS requests, each on a new connection (the kernel picks a router per connection)."""
+    ids = []
+    for i in range(REQUESTS):
+        res = complete(cluster.url, [5 + i] * 300, max_tokens=4, request_id=f"two-routers-{i}")
+        assert res.status_code == 200, res.text
+        assert len(res.json()["choices"][0]["token_ids"]) == 4
+        ids.append(res.json()["id"])
+    return ids
+
+
+def test_the_routers_are_two_processes_on_one_node(cluster):
     import ray
 
-    return [{r.request_id for r in load_run(d).records} for d in ray.get([r.run_dir.remote() for r in cluster.routers])]
+    assert len(cluster.routers) == 2
+    assert len(set(ray.get([r.node_id.remote() for r in cluster.routers]))) == 1
+    assert cluster.each_router("set_policy", "least_load") == [None, None]
+    cluster.each_router("set_policy", cluster.spec.router.policy)
 
 
-def test_two_routers_share_the_port_and_each_request_is_served_once(two_routers):
-    cluster = two_routers
-    assert len(set(cluster.router_pids)) == 2, "the two routers should be two processes"
-    body = ro.request_body(Path(tiny_model_dir()).name, stream=False)
-    sent = set()
-    for i in range(REQUESTS):
-        with httpx.Client(timeout=30) as client:  # a new connection each: the kernel picks a router per connection
-            res = client.post(f"{cluster.url}/v1/completions", json=body, headers={"X-Request-Id": f"shared-{i}"})
-        assert res.status_code == 200, res.text
-        assert res.json()["usage"]["completion_tokens"] == body["max_tokens"]
-        sent.add(res.json()["id"])
-    deadline = time.monotonic() + 10
-    while sum(map(len, per_router := recorded_ids(cluster))) < REQUESTS and time.monotonic() < deadline:
-        time.sleep(0.1)  # a record is appended as its request finishes
-    assert all(per_router), f"one router served every connection: {[len(ids) for ids in per_router]}"
-    assert not per_router[0] & per_router[1] and per_router[0] | per_router[1] == sent
+def test_each_request_is_recorded_once_in_the_one_run(cluster, served):
+    run = load_run(cluster.run_dir)
+    assert sorted(r.request_id for r in run.records) == sorted(served)
+    assert all(not r.error and r.output_tokens == 4 for r in run.records)
+    writers = {f.name: len(f.read_text().splitlines()) for f in Path(cluster.run_dir).glob("requests*.jsonl")}
+    assert set(writers) == {"requests.jsonl", "requests-1.jsonl"} and all(writers.values()), (
+        f"one router served every connection: {writers}")
+    assert_no_kv_in_use(cluster)
+
+
+def test_either_routers_metrics_count_every_request(cluster, served):
+    for _ in range(12):  # a new connection each: both routers answer some of these (but 2 in 4,096 runs)
+        text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith('pdc_requests_total{outcome="ok"}'))
+        assert float(line.split()[-1]) == REQUESTS

@@ -58,7 +58,7 @@ def test_after_evictions_the_index_matches_the_caches(cluster):
     assert any(r.p_cached_tokens for r in records) and not all(r.p_cached_tokens for r in records[many.count:]), (
         "expected both hits and evicted prefixes")
     assert_no_kv_in_use(cluster)
-    ray.get(cluster.router.catch_up_kv_events.remote())
+    cluster.each_router("catch_up_kv_events")
     status = ray.get(cluster.router.kv_event_status.remote())
     for inst in cluster.instances:
         engine = ray.get(inst.actor.check_blocks.remote())

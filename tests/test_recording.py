@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.recording import record_decode_end, record_prefill
@@ -105,3 +107,37 @@ def test_a_record_round_trips_through_its_json_line():
     assert RequestRecord.from_dict(json.loads(line)) == rec
     assert json.loads(line) == asdict(rec)  # the same dict asdict() would write
     assert rec.transfer_groups[0] == GroupTransfer(0, 3, 12288)  # the record itself untouched
+
+
+def _series(page: bytes) -> dict[tuple, float]:
+    """Every sample of a /metrics page but the _created timestamps: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(page.decode()) for s in fam.samples
+            if not s.name.endswith("_created")}
+
+
+def test_metrics_of_several_routers_merge_into_what_one_router_would_show():
+    from pdcluster.router.metrics import merge_expositions
+
+    def record(i: int, group: int) -> RequestRecord:
+        rec = RequestRecord(f"r{i}", prompt_tokens=100 * i, p_cached_tokens=16 * i,
+                            transfer_groups=[GroupTransfer(group, 1, 1000 * i)], token_ns=[i * MS, 3 * i * MS])
+        rec.mark("arrival", 0)
+        rec.mark("first_token", i * MS)
+        return rec
+
+    loads = [{"prefill-0": 1, "decode-0": 0}, {"prefill-0": 2, "decode-0": 3}]
+    routers = [RouterMetrics(lambda load=load: load) for load in loads]
+    one = RouterMetrics(lambda: {"prefill-0": 3, "decode-0": 3})
+    for i in range(1, 6):  # router 1 alone sees transfer group 1
+        routers[i % 2].observe(record(i, group=i % 2))
+        one.observe(record(i, group=i % 2))
+    merged = merge_expositions([r.render() for r in routers])
+    assert _series(merged) == pytest.approx(_series(one.render()))
+    created = [float(line.split()[-1]) for line in merged.decode().splitlines()
+               if line.startswith('pdc_requests_created{outcome="ok"}')]
+    first = min(float(line.split()[-1]) for r in routers for line in r.render().decode().splitlines()
+                if line.startswith('pdc_requests_created{outcome="ok"}'))
+    assert created == [first]

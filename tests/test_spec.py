@@ -231,6 +231,12 @@ def test_router_port_just_past_kv_ports_is_valid():
     assert parse_spec(minimal(prefill={"instances": 4}, router={"port": 18604})).router.port == 18604
 
 
+def test_router_processes_at_least_one():
+    assert parse_spec(minimal(router={"port": 8000, "processes": 4})).router.processes == 4
+    msg = spec_error(minimal(router={"port": 8000, "processes": 0}))
+    assert "router.processes" in msg and "greater than or equal to 1" in msg
+
+
 def test_missing_model():
     data = minimal()
     del data["model"]

@@ -210,3 +210,23 @@ def test_summary_sets_predicted_hits_beside_delivered_ones(tmp_path):
 
 def test_summary_without_routing_records_has_no_routing_lines(tmp_path):
     assert "routing:" not in format_summary(summarize(load_run(write_run(tmp_path / "run"))))
+
+
+def test_a_run_written_by_several_routers_loads_as_one_in_finish_order(tmp_path):
+    recs = sample_records()
+    first = write_run(tmp_path / "run", [r for r in recs if r.request_id in ("r1", "r4")])
+    second = RunStore(first, None, writer=2)  # router 2 of the same run: no meta.json of its own
+    for rec in recs:
+        if rec.request_id not in ("r1", "r4"):
+            second.append(rec)
+    second.close()
+    assert sorted(p.name for p in first.iterdir()) == ["meta.json", "requests-2.jsonl", "requests.jsonl"]
+    run = load_run(first)
+    assert sorted(r.request_id for r in run.records) == sorted(r.request_id for r in recs)
+    finishes = [r.events["finish"] for r in run.records]
+    assert finishes == sorted(finishes)
+
+
+def test_only_the_first_router_of_a_run_writes_its_meta(tmp_path):
+    with pytest.raises(AssertionError, match="writer 0"):
+        RunStore(tmp_path / "run", None, writer=0)
