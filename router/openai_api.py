@@ -226,10 +226,10 @@ class _PromptTokenizer:
     such a call with "Already borrowed").
     """
 
-    def __init__(self, tokenizer: Any, threads: int = TOKENIZE_THREADS):
+    def __init__(self, tokenizer: Any, threads: int | None = None):
         tokenizer.encode("")
         self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
-        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._workers = ThreadPoolExecutor(threads or TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     async def text(self, text: str) -> list[int]:
         return await self._run(len(text), partial(self._encode, text))
@@ -309,7 +309,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     if getattr(tokenizer, "backend_tokenizer", None) is None:  # _Detokenizer steps the Rust tokenizer
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
-    prompts = _PromptTokenizer(tokenizer, TOKENIZE_THREADS)
+    prompts = _PromptTokenizer(tokenizer)
     app = HttpApp()
 
     def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,

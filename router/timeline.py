@@ -169,6 +169,7 @@ class RunStore:
     """
 
     META, REQUESTS = "meta.json", "requests.jsonl"
+    LATER_REQUESTS = "requests-{}.jsonl"  # router k >= 1's file
 
     def __init__(self, path: str | Path, meta: RunMeta | None, writer: int = 0):
         assert (meta is None) == (writer > 0), "the run's first router (writer 0) writes meta.json, and only it"
@@ -182,7 +183,13 @@ class RunStore:
 
     @classmethod
     def requests_file(cls, writer: int) -> str:
-        return cls.REQUESTS if writer == 0 else f"requests-{writer}.jsonl"
+        return cls.REQUESTS if writer == 0 else cls.LATER_REQUESTS.format(writer)
+
+    @classmethod
+    def requests_files(cls, path: Path) -> list[Path]:
+        """A run's request files that exist, writer 0 first, then by writer."""
+        others = sorted(path.glob(cls.LATER_REQUESTS.format("*")), key=lambda f: int(f.stem.split("-")[1]))
+        return [f for f in [path / cls.REQUESTS, *others] if f.exists()]
 
     def append(self, record: RequestRecord) -> None:
         line = record.to_json()
@@ -213,16 +220,15 @@ def load_run(path: str | Path) -> Run:
     if not (path / RunStore.META).exists():
         raise FileNotFoundError(f"{path} is not a run directory (no {RunStore.META})")
     meta = RunMeta.from_dict(json.loads((path / RunStore.META).read_text()))
-    files = [path / RunStore.REQUESTS] + sorted(path.glob("requests-*.jsonl"), key=lambda f: int(f.stem.split("-")[1]))
+    files = RunStore.requests_files(path)
     records = []
     for requests in files:
-        if requests.exists():
-            for n, line in enumerate(requests.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        records.append(RequestRecord.from_dict(json.loads(line)))
-                    except (json.JSONDecodeError, TypeError) as err:
-                        raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+        for n, line in enumerate(requests.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(RequestRecord.from_dict(json.loads(line)))
+                except (json.JSONDecodeError, TypeError) as err:
+                    raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
     if len(files) > 1:  # several routers: one list in the order they finished, as one router appends
         records.sort(key=lambda r: r.events.get("finish", 0))
     return Run(meta, records)
