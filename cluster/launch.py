@@ -168,7 +168,7 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
         if k == 0:
             run_dir, node = ray.get([router.run_dir.remote(), router.node_id.remote()])
     if len(routers) > 1:
-        ray.get([r.set_peers.remote([p for p in routers if p is not r]) for r in routers])
+        ray.get([r.set_peers.remote({router_name(j): p for j, p in enumerate(routers) if p is not r}) for r in routers])
     return routers, url, run_dir
 
 

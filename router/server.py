@@ -16,7 +16,7 @@ from pathlib import Path
 from pdcluster.cluster.messages import InstanceInfo
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
-from pdcluster.router.http_app import BytesResponse, HttpRequest, json_response
+from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
 
@@ -25,6 +25,9 @@ def model_card(spec: ClusterSpec) -> ModelCard:
     config = json.loads((Path(spec.model.path) / "config.json").read_text())
     max_len = min(spec.role_engine("prefill").max_model_len, spec.role_engine("decode").max_model_len)
     return ModelCard(name=spec.model.served_name, max_model_len=max_len, vocab_size=int(config["vocab_size"]))
+
+
+PEER_TIMEOUT_S = 10.0  # another router's /metrics share; a live router answers in milliseconds
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -53,7 +56,7 @@ class RouterActor:
 
         assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
         self.spec, self.index = spec, index
-        self.peers: list = []  # the other routers' actor handles (router.processes > 1)
+        self.peers: dict = {}  # the other routers' actor handles by name (router.processes > 1)
         block_size = spec.role_engine("prefill").block_size
         # Every instance's KV cache events, whatever the policy: the predicted hits are
         # recorded for every request (and prefix_aware routes by them).
@@ -75,14 +78,23 @@ class RouterActor:
         if self.peers:
             from pdcluster.router.metrics import merge_expositions
 
-            page = merge_expositions([page, *await asyncio.gather(*(p.own_metrics.remote() for p in self.peers))])
+            # A peer that is gone fails the page, naming it: a sum without its counts would be wrong.
+            pages = await asyncio.gather(*(asyncio.wait_for(p.own_metrics.remote(), PEER_TIMEOUT_S)
+                                           for p in self.peers.values()), return_exceptions=True)
+            failed = {name: err for name, err in zip(self.peers, pages) if isinstance(err, BaseException)}
+            if failed:
+                said = "; ".join(f"{name}: {type(err).__name__}" for name, err in failed.items())
+                return json_response(error_body(f"metrics of the other router processes did not come ({said})",
+                                                "service_unavailable"), 503)
+            page = merge_expositions([page, *pages])
         return BytesResponse(page, media_type=self.metrics.content_type)
 
     def own_metrics(self) -> bytes:
         """This router's /metrics page alone (a peer merges it into its own)."""
         return self.metrics.render()
 
-    def set_peers(self, peers: list) -> None:
+    def set_peers(self, peers: dict) -> None:
+        """The other routers of this cluster: actor name -> handle."""
         self.peers = peers
 
     def node_id(self) -> str:

@@ -5,6 +5,7 @@ request is answered and recorded once in the one run directory, and either route
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -63,3 +64,22 @@ def test_either_routers_metrics_count_every_request(cluster, served):
         text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
         line = next(x for x in text.splitlines() if x.startswith('pdc_requests_total{outcome="ok"}'))
         assert float(line.split()[-1]) == REQUESTS
+
+
+def test_with_one_router_dead_the_other_serves_and_metrics_name_the_dead_one(cluster, served):
+    """Last in this module: it kills router-1."""
+    import ray
+
+    ray.kill(cluster.routers[1], no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until Ray knows it is dead (its socket is closed by then)
+        try:
+            ray.get(cluster.routers[1].node_id.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.1)
+    for i in range(8):  # a new connection each: the kernel hands them all to router 0 now
+        res = complete(cluster.url, [7 + i] * 300, max_tokens=4, request_id=f"one-router-{i}")
+        assert res.status_code == 200, res.text
+    res = httpx.get(f"{cluster.url}/metrics", timeout=30)
+    assert res.status_code == 503 and "router-1" in res.json()["error"]["message"], res.text
