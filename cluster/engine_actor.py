@@ -32,7 +32,7 @@ from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
-from pdcluster.router.kv_events import engine_kv_events_config
+from pdcluster.router.kv_event_wire import engine_kv_events_config
 
 CONNECTOR_MODULE = "pdcluster.transfer.connector"
 DELTA_INTERVAL_NS = 50_000_000  # D sends a request's new tokens at most this often (the first at once)

@@ -1,12 +1,6 @@
 """The KV-event feed: every instance's vLLM KV cache events, applied to its prefix index.
 
-Each engine publishes with vLLM's `ZmqEventPublisher` (kv_events_config, from
-`engine_kv_events_config`): batches of BlockStored / BlockRemoved /
-AllBlocksCleared as multipart messages (topic, seq as 8-byte big-endian,
-msgpack `KVEventBatch`) on a PUB socket, and serves missed batches from a
-buffer of its last `buffer_steps` on a ROUTER socket (request: empty frame +
-start seq; answer: every buffered batch from there, then an end marker with seq
--1). The simulated engine (cluster/sim) publishes the same way.
+What the engines publish, and how it decodes, is router/kv_event_wire.py.
 
 `KvEventFeed` runs one thread that owns every socket (one SUB and one replay
 DEALER per instance, plus a monitor of each SUB's connection). Contract:
@@ -46,104 +40,13 @@ from typing import Any
 
 import msgspec
 
-from pdcluster.router.prefix_index import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    InstanceIndex,
-    KvEvent,
-    RouterHash,
-)
+from pdcluster.router.kv_event_wire import END_SEQ, KV_EVENTS_TOPIC, decode_batch
+from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 
 log = logging.getLogger(__name__)
 
-KV_EVENTS_TOPIC = "kv"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay marker
 REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1 s
 QUIET_PROBE_S = 1.0  # this long after an instance's last batch (or connection), ask its replay once
-
-
-# -- where engines publish and where the feed connects ------------------------------------
-
-def engine_kv_events_config(spec: Any, role: str, index: int) -> dict[str, Any]:
-    """vLLM's KVEventsConfig fields for one instance (a ClusterSpec's `router.kv_events_port`).
-
-    vLLM's publisher binds its PUB socket only for a wildcard address (any other
-    address it connects to), so PUB listens on every interface; the replay socket
-    binds the address given, the transfer host's. The feed connects to both, so
-    any number of feeds (the router, a test, a tool) can follow one engine."""
-    pub, replay = spec.kv_event_ports(role, index)
-    return dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
-                replay_endpoint=f"tcp://{spec.transfer.host}:{replay}", topic=KV_EVENTS_TOPIC)
-
-
-def feed_endpoints(spec: Any, hosts: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
-    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of every instance,
-    at the transfer host, or at `hosts[name]` where given (an instance's node IP)."""
-    out = {}
-    for role, n in (("prefill", spec.prefill.instances), ("decode", spec.decode.instances)):
-        for i in range(n):
-            name = f"{role}-{i}"
-            host = (hosts or {}).get(name, spec.transfer.host)
-            pub, replay = spec.kv_event_ports(role, i)
-            out[name] = (f"tcp://{host}:{pub}", f"tcp://{host}:{replay}")
-    return out
-
-
-# -- vLLM's wire format (vllm/distributed/kv_events.py), read without importing vLLM ----------
-# Events are tagged maps (unknown fields ignored); the batch is an array [ts, events, dp_rank].
-
-class _WireStored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    medium: str | None = None
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
-
-
-class _WireRemoved(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _WireCleared(msgspec.Struct, tag="AllBlocksCleared"):
-    pass
-
-
-class _WireBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-_batch_decoder = msgspec.msgpack.Decoder(_WireBatch)
-_event_decoder = msgspec.msgpack.Decoder(_WireStored | _WireRemoved | _WireCleared)
-
-
-def decode_batch(payload: bytes) -> tuple[list[KvEvent], int]:
-    """A published batch as index events, and how many events were of a kind it does not know.
-    Raises msgspec.DecodeError / ValidationError for a payload that is not a KVEventBatch."""
-    batch = _batch_decoder.decode(payload)
-    events: list[KvEvent] = []
-    unknown = 0
-    for raw in batch.events:
-        try:
-            ev = _event_decoder.decode(raw)
-        except msgspec.ValidationError:  # a newer vLLM's event type: not ours to guess
-            unknown += 1
-            continue
-        if isinstance(ev, _WireStored):
-            extra = tuple(tuple(k) if k is not None else None for k in ev.extra_keys) if ev.extra_keys else None
-            events.append(BlockStored(tuple(ev.block_hashes), ev.parent_block_hash, tuple(ev.token_ids),
-                                      ev.block_size, ev.group_idx or 0, ev.medium, extra))
-        elif isinstance(ev, _WireRemoved):
-            events.append(BlockRemoved(tuple(ev.block_hashes), ev.group_idx or 0, ev.medium))
-        else:
-            events.append(AllBlocksCleared())
-    return events, unknown
 
 
 # -- the feed ----------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class RouterActor:
     """
 
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], index: int = 0):
-        from pdcluster.router.kv_events import KvEventFeed, feed_endpoints
+        from pdcluster.router.kv_event_wire import feed_endpoints
+        from pdcluster.router.kv_events import KvEventFeed
         from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
 

@@ -11,7 +11,8 @@ import pytest
 from e2e import free_port
 
 from pdcluster.cluster.spec import parse_spec
-from pdcluster.router.kv_events import KvEventFeed, decode_batch, engine_kv_events_config, feed_endpoints
+from pdcluster.router.kv_event_wire import decode_batch, engine_kv_events_config, feed_endpoints
+from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import BlockRemoved, BlockStored, chain_hashes
 
 BS = 4

@@ -16,7 +16,7 @@ from pdcluster.cluster.start_diagnosis import (
     listen_ports,
     own_stderr_tail,
 )
-from pdcluster.router.kv_events import engine_kv_events_config
+from pdcluster.router.kv_event_wire import engine_kv_events_config
 
 
 def spec(connector: str = "pdc"):

@@ -121,7 +121,7 @@ class SimEngineActor(ServesRequestChannel):
         self.started_s = time.time() - t0
 
     def _event_publisher(self) -> EventPublisher:
-        from pdcluster.router.kv_events import engine_kv_events_config
+        from pdcluster.router.kv_event_wire import engine_kv_events_config
 
         cfg = engine_kv_events_config(self.spec, self.role, self.index)
         return EventPublisher(cfg["endpoint"], cfg["replay_endpoint"], topic=cfg["topic"])
