@@ -1,0 +1,360 @@
+"""The cluster secret, and how every plane proves it knows it before anything else is read.
+
+One secret per cluster: the spec's `auth.secret`, else the env var PDC_CLUSTER_SECRET
+(clusters whose processes other tooling starts), else one `build_cluster` generates.
+It reaches the cluster's processes inside the spec (a SecretStr: dumps, logs and run
+metadata show it masked) and, for vLLM's own processes, in their environment. It is
+never sent: each plane proves knowledge of a key derived from it (`derive`), so a
+peer that sees the traffic learns no key.
+
+- Stream sockets (the request channel, the torch.distributed liveness pair): a
+  mutual challenge-response before the first byte of payload (`ServerHandshake`,
+  `ClientHandshake`, sans-I/O; `handshake_socket` for blocking sockets). The server
+  reads exactly one fixed-size proof and refuses anything else, so a peer without
+  the key gets nothing read, let alone deserialized.
+- gRPC (P's KV service, the channel store inside it): every call carries a
+  `pdc-auth` metadata token, an HMAC of the method, a time and a nonce
+  (`GrpcAuth`); the server interceptor checks it before the handler and its
+  request deserializer run. A token is good for one call within `window_s` of its
+  time (hosts' clocks must agree that well); a nonce seen again is a replay.
+- ZMQ (the KV-event PUB and replay sockets): CURVE, with key pairs derived from
+  the secret (`curve_keys`); the publisher's ZAP handler admits only the cluster's
+  client key, and CURVE encrypts the events (they carry prompts' token ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "PDC_CLUSTER_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+class AuthError(Exception):
+    """A peer failed to prove it knows the cluster secret; the message says how."""
+
+
+def generate_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def check_secret(secret: str, source: str) -> str:
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{source}: the cluster secret must have at least {MIN_SECRET_CHARS} characters "
+                         f"(got {len(secret)}); e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    return secret
+
+
+def derive(secret: str, purpose: str) -> bytes:
+    """A 32-byte key for one purpose: knowing one purpose's key tells nothing of another's."""
+    return hmac.new(secret.encode(), b"pdcluster/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+
+
+# ---------------------------------------------------------------------- stream sockets
+
+MAGIC = b"PDC1"
+NONCE_BYTES = 16
+MAC_BYTES = 32
+SERVER_HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # magic, server nonce
+CLIENT_PROOF_BYTES = len(MAGIC) + NONCE_BYTES + MAC_BYTES  # magic, client nonce, client MAC
+HANDSHAKE_TIMEOUT_S = 5.0  # a server closes a connection that has not proved itself by then
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a handshake wants done after `feed`: bytes to send, and whether it is over
+    (then `leftover` is payload that came after it)."""
+
+    send: bytes = b""
+    done: bool = False
+    leftover: bytes = b""
+
+
+class ServerHandshake:
+    """The listening side: says hello (its nonce), reads the client's proof, proves itself.
+
+    Protocol (fixed sizes, nothing else is read before it completes):
+      server -> client  MAGIC + nonce_s
+      client -> server  MAGIC + nonce_c + HMAC(k, "client", nonce_s, nonce_c)
+      server -> client  HMAC(k, "server", nonce_s, nonce_c)
+    """
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._nonce = os.urandom(NONCE_BYTES)
+        self._got = bytearray()
+        self.done = False
+
+    def hello(self) -> bytes:
+        return MAGIC + self._nonce
+
+    def feed(self, data: bytes) -> Step:
+        """Raises AuthError on a wrong proof (or one that does not start like ours)."""
+        assert not self.done, "handshake fed after it ended: the connection should have switched to payload"
+        self._got += data
+        if not self._got[:len(MAGIC)] == MAGIC[:len(self._got)]:
+            raise AuthError("the peer did not open with pdcluster's handshake (not a cluster process, or garbage)")
+        if len(self._got) < CLIENT_PROOF_BYTES:
+            return Step()
+        proof, leftover = bytes(self._got[:CLIENT_PROOF_BYTES]), bytes(self._got[CLIENT_PROOF_BYTES:])
+        nonce_c, mac_c = proof[len(MAGIC):len(MAGIC) + NONCE_BYTES], proof[len(MAGIC) + NONCE_BYTES:]
+        if not hmac.compare_digest(mac_c, _mac(self._key, b"client", self._nonce, nonce_c)):
+            raise AuthError("the peer's proof is wrong (it does not hold this cluster's secret)")
+        self.done = True
+        return Step(_mac(self._key, b"server", self._nonce, nonce_c), True, leftover)
+
+
+class ClientHandshake:
+    """The connecting side: answers the server's hello with its proof, checks the server's."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._nonce = os.urandom(NONCE_BYTES)
+        self._got = bytearray()
+        self._server_nonce: bytes | None = None
+        self.done = False
+
+    def feed(self, data: bytes) -> Step:
+        assert not self.done, "handshake fed after it ended"
+        self._got += data
+        if self._server_nonce is None:
+            if len(self._got) < SERVER_HELLO_BYTES:
+                return Step()
+            if self._got[:len(MAGIC)] != MAGIC:
+                raise AuthError("the server did not open with pdcluster's handshake")
+            self._server_nonce = bytes(self._got[len(MAGIC):SERVER_HELLO_BYTES])
+            del self._got[:SERVER_HELLO_BYTES]
+            proof = MAGIC + self._nonce + _mac(self._key, b"client", self._server_nonce, self._nonce)
+            done, leftover = self._finish()
+            return Step(proof, done, leftover)
+        done, leftover = self._finish()
+        return Step(b"", done, leftover)
+
+    def _finish(self) -> tuple[bool, bytes]:
+        if len(self._got) < MAC_BYTES:
+            return False, b""
+        mac_s, leftover = bytes(self._got[:MAC_BYTES]), bytes(self._got[MAC_BYTES:])
+        if not hmac.compare_digest(mac_s, _mac(self._key, b"server", self._server_nonce, self._nonce)):
+            raise AuthError("the server's proof is wrong (it does not hold this cluster's secret)")
+        self.done = True
+        return True, leftover
+
+
+def handshake_socket(sock: socket.socket, key: bytes, server: bool, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bytes:
+    """Run the handshake on a connected blocking socket; returns payload bytes that came
+    after it (usually none). Raises AuthError (wrong proof) or OSError/TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    hs: ServerHandshake | ClientHandshake = ServerHandshake(key) if server else ClientHandshake(key)
+    before = sock.gettimeout()
+    try:
+        if server:
+            sock.sendall(hs.hello())
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer did not complete the handshake in time")
+            sock.settimeout(remaining)
+            data = sock.recv(CLIENT_PROOF_BYTES if server else SERVER_HELLO_BYTES + MAC_BYTES)
+            if not data:
+                raise AuthError("the peer closed the connection during the handshake")
+            step = hs.feed(data)
+            if step.send:
+                sock.sendall(step.send)
+            if step.done:
+                return step.leftover
+    finally:
+        sock.settimeout(before)
+
+
+# ---------------------------------------------------------------------- gRPC
+
+AUTH_METADATA_KEY = "pdc-auth"
+TOKEN_WINDOW_S = 300.0
+
+
+class GrpcAuth:
+    """Makes and checks per-call tokens: "<unix ms>.<nonce hex>.<HMAC hex of method, ms, nonce>".
+
+    Thread-safe (a gRPC server checks from its pool threads)."""
+
+    def __init__(self, secret: str, window_s: float = TOKEN_WINDOW_S):
+        self._key = derive(secret, "grpc")
+        self.window_s = window_s
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> its token's time, oldest first
+        self._lock = threading.Lock()
+
+    def token(self, method: str, now_s: float | None = None) -> str:
+        ms = str(int((time.time() if now_s is None else now_s) * 1000))
+        nonce = os.urandom(NONCE_BYTES).hex()
+        return f"{ms}.{nonce}.{_mac(self._key, method.encode(), ms.encode(), nonce.encode()).hex()}"
+
+    def check(self, method: str, token: str | None, now_s: float | None = None) -> str | None:
+        """None if `token` is good for this call of `method`; else why not."""
+        if not token:
+            return f"no {AUTH_METADATA_KEY} token"
+        parts = token.split(".")
+        if len(parts) != 3 or not parts[0].isdigit():
+            return f"a malformed {AUTH_METADATA_KEY} token"
+        ms, nonce, mac = parts
+        if not hmac.compare_digest(mac.encode(), _mac(self._key, method.encode(), ms.encode(),
+                                                      nonce.encode()).hex().encode()):
+            return "a wrong token (the caller does not hold this cluster's secret)"
+        now = time.time() if now_s is None else now_s
+        at = int(ms) / 1000
+        if abs(now - at) > self.window_s:
+            return f"a token {now - at:+.0f} s from this host's clock (outside {self.window_s:.0f} s; clocks unsynced?)"
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now - self.window_s:
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                return "a replayed token"
+            self._seen[nonce] = at
+        return None
+
+
+def grpc_server_interceptor(auth: GrpcAuth, service_name: str):
+    """A grpc.ServerInterceptor refusing (UNAUTHENTICATED) calls without a good token, before
+    the method's handler or request deserializer runs; each refusal is logged."""
+    import grpc
+
+    def refuse(reason: str, method: str, handler):
+        def abort(request, context):
+            log.warning("%s: refused %s from %s: %s", service_name, method, context.peer(), reason)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service_name}: {reason}")
+
+        # Same call shape as the method's, with no deserializer: the request stays bytes.
+        if handler is not None and handler.response_streaming:
+            if handler.request_streaming:
+                return grpc.stream_stream_rpc_method_handler(abort)
+            return grpc.unary_stream_rpc_method_handler(abort)
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(abort)
+        return grpc.unary_unary_rpc_method_handler(abort)
+
+    class _Interceptor(grpc.ServerInterceptor):
+        def intercept_service(self, continuation, details):
+            token = next((v for k, v in (details.invocation_metadata or ()) if k == AUTH_METADATA_KEY), None)
+            reason = auth.check(details.method, token)
+            if reason is None:
+                return continuation(details)
+            return refuse(reason, details.method, continuation(details))
+
+    return _Interceptor()
+
+
+def grpc_authenticated_channel(channel, auth: GrpcAuth):
+    """`channel` with a fresh token added to every call's metadata."""
+    import grpc
+
+    class _Details(grpc.ClientCallDetails):
+        def __init__(self, d, metadata):
+            self.method, self.timeout, self.metadata = d.method, d.timeout, metadata
+            self.credentials, self.wait_for_ready, self.compression = d.credentials, d.wait_for_ready, d.compression
+
+    class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _details(self, d):
+            method = d.method.decode() if isinstance(d.method, bytes) else d.method
+            return _Details(d, [*(d.metadata or ()), (AUTH_METADATA_KEY, auth.token(method))])
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._details(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._details(details), request)
+
+    return grpc.intercept_channel(channel, _Interceptor())
+
+
+# ---------------------------------------------------------------------- ZMQ (CURVE)
+
+ZAP_DOMAIN = "pdcluster"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """Z85 CURVE key pairs of a cluster's publishers (server) and subscribers (client)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    def __repr__(self) -> str:
+        return "CurveKeys(<derived from the cluster secret>)"
+
+
+def curve_keys(secret: str) -> CurveKeys:
+    import zmq
+    from zmq.utils import z85
+
+    server_secret = z85.encode(derive(secret, "zmq-curve-server"))
+    client_secret = z85.encode(derive(secret, "zmq-curve-client"))
+    return CurveKeys(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
+
+
+class _ClusterClients:
+    """A ZAP credentials provider: the client keys of the clusters served from one ZMQ context."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, str] = {}  # client public key -> the name of what it may reach
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if any(hmac.compare_digest(client_key, k) for k in self.keys):
+            return True
+        log.warning("%s: refused a ZMQ peer with an unknown CURVE key (no cluster secret)",
+                    ", ".join(sorted(set(self.keys.values()))))
+        return False
+
+
+_zap: dict[int, tuple[object, _ClusterClients]] = {}  # id(zmq context) -> its ZAP handler, its admitted keys
+_zap_lock = threading.Lock()
+
+
+def zmq_secure_server(sock, keys: CurveKeys, name: str) -> None:
+    """Make `sock` (before it binds) a CURVE server that admits only the cluster's client key;
+    the first call per context starts that context's ZAP handler (a thread). `name`: what
+    the socket serves, for the log line of a refusal."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    ctx = sock.context
+    with _zap_lock:
+        if id(ctx) not in _zap:
+            handler, clients = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap")), _ClusterClients()
+            handler.start()
+            handler.configure_curve_callback(ZAP_DOMAIN, credentials_provider=clients)
+            _zap[id(ctx)] = (handler, clients)
+        _zap[id(ctx)][1].keys[keys.client_public] = name
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def zmq_stop_auth(ctx) -> None:
+    """Stop `ctx`'s ZAP handler, if it has one (before `ctx.term()`, which waits for its socket)."""
+    with _zap_lock:
+        entry = _zap.pop(id(ctx), None)
+    if entry is not None:
+        entry[0].stop()
+
+
+def zmq_secure_client(sock, keys: CurveKeys) -> None:
+    """Make `sock` (before it connects) a CURVE client of the cluster's publishers."""
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
