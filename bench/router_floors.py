@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from pdcluster.bench.instant_engine import instant_deltas, instant_prefill
-from pdcluster.bench.router_overhead import cpu_seconds, free_port, request_body, run_wrk, wait_http, wrk_script
+from pdcluster.bench.wrk_load import cpu_seconds, free_port, request_body, run_wrk, wait_http, wrk_script
 
 ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "tiny",
                      "choices": [{"index": 0, "text": " x x x x", "logprobs": None, "finish_reason": "length"}],

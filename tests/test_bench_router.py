@@ -13,7 +13,9 @@ import pytest
 from pdcluster.bench import fake_pd_backend as fake
 from pdcluster.bench import router_overhead as ro
 from pdcluster.bench import router_profile as prof
+from pdcluster.bench import router_systems as systems
 from pdcluster.bench import routing_decisions as rd
+from pdcluster.bench import wrk_load
 from pdcluster.bench.instant_engine import instant_deltas
 from pdcluster.cluster.messages import DecodeRequest, SamplingSpec
 from pdcluster.router.prefix_index import InstanceIndex, chain_hashes
@@ -107,7 +109,7 @@ def test_summarize_counts_decisions_sent_to_the_owner():
     assert "| least_load | 250.0 | 4.00 | 1.00 |" in rd.format_table([r])
 
 
-# ---- bench/router_overhead.py, bench/fake_pd_backend.py, bench/instant_engine.py ---------------
+# ---- bench/router_overhead.py (+ router_systems.py, wrk_load.py), bench/fake_pd_backend.py, bench/instant_engine.py ---------------
 
 WRK_OUTPUT = """Running 8s test @ http://127.0.0.1:1/v1/completions
   1 threads and 32 connections
@@ -116,23 +118,23 @@ WRK_OUTPUT = """Running 8s test @ http://127.0.0.1:1/v1/completions
 
 
 def test_wrk_script_posts_the_body_as_a_lua_string():
-    body = ro.request_body("tiny", stream=True)
-    script = ro.wrk_script(body)
+    body = wrk_load.request_body("tiny", stream=True)
+    script = wrk_load.wrk_script(body)
     literal = next(line for line in script.splitlines() if line.startswith("wrk.body = ")).removeprefix("wrk.body = ")
     assert json.loads(json.loads(literal)) == body  # a JSON string literal is a valid Lua one
     assert 'wrk.method = "POST"' in script and "latency:percentile(50)" in script
 
 
 def test_parse_wrk_reads_the_result_line():
-    r = ro.parse_wrk(WRK_OUTPUT, client_cpu_s=1.0)
+    r = wrk_load.parse_wrk(WRK_OUTPUT, client_cpu_s=1.0)
     assert (r.requests, r.rps, r.p50_ms, r.p99_ms, r.errors, r.non_2xx) == (8000, 2000.0, 3.5, 9.0, 1, 2)
     assert r.client_cpu_share == 0.25
     with pytest.raises(ValueError, match="no result line"):
-        ro.parse_wrk("Running 8s test\n")
+        wrk_load.parse_wrk("Running 8s test\n")
 
 
 def measurement(system: str, setting: ro.Setting, requests: int, proxy_cpu_s: float = 0.5) -> ro.Measurement:
-    load = ro.LoadResult(requests, 1.0, 2.0, 3.0, 4.0, 2.5, 0, 0, client_cpu_s=0.1)
+    load = wrk_load.LoadResult(requests, 1.0, 2.0, 3.0, 4.0, 2.5, 0, 0, client_cpu_s=0.1)
     return ro.Measurement(system, setting, load, proxy_cpu_s, 0.25)
 
 
@@ -150,10 +152,10 @@ def test_format_table_shows_throughput_at_c32_latency_at_c1_and_cpu_per_request(
 
 
 def test_pdc_variants_toggle_recording_and_batching_on_the_first_policy_only():
-    names = [v.name for v in ro.pdc_variants(["round_robin", "prefix_aware"], batched_tokens=4)]
+    names = [v.name for v in systems.pdc_variants(["round_robin", "prefix_aware"], batched_tokens=4)]
     assert names == ["pdcluster round_robin rec on", "pdcluster round_robin rec off",
                      "pdcluster prefix_aware rec on", "pdcluster round_robin rec on, D 4 tokens/delta"]
-    assert [(v.policy, v.tokens_per_delta) for v in ro.pdc_variants([])] == [(None, 1), (None, 1), (None, 4)]
+    assert [(v.policy, v.tokens_per_delta) for v in systems.pdc_variants([])] == [(None, 1), (None, 1), (None, 4)]
 
 
 def decode_request(max_tokens: int) -> DecodeRequest:
@@ -242,7 +244,7 @@ def test_profile_spreads_cpu_per_request_by_sample_share():
 
 
 def test_ray_floor_result_reports_percentiles_of_the_latencies():
-    r = ro.ray_floor_result([0.004, 0.001, 0.002, 0.003], duration_s=2.0, cpu_s=0.0)
+    r = systems.ray_floor_result([0.004, 0.001, 0.002, 0.003], duration_s=2.0, cpu_s=0.0)
     assert (r.requests, r.rps, r.p50_ms, r.p99_ms) == (4, 2.0, 3.0, 4.0)
     assert r.mean_ms == pytest.approx(2.5)
 
@@ -255,7 +257,7 @@ def test_router_floor_in_process_serves_requests_through_the_real_app(recording)
 
     model_dir = tiny_model_dir()
     app = floors.in_process_app(model_dir, recording)
-    body = json.dumps(ro.request_body("tiny-qwen3", stream=False)).encode()
+    body = json.dumps(wrk_load.request_body("tiny-qwen3", stream=False)).encode()
     assert asyncio.run(floors.asgi_requests(app, body, 20)) > 0  # asserts every answer was a 200
 
 
