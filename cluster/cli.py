@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     from pdcluster.router.timeline_cli import add_timeline_commands
 
     add_timeline_commands(sub)
+    __import__("pdcluster.cluster.lab_cli", fromlist=["_"]).add_lab_commands(sub)
     add_bench_commands(sub)
     a = ap.parse_args(argv)
     a.fn(a)

@@ -1,0 +1,492 @@
+"""The multi-host lab: one machine rehearsing N hosts with Linux network namespaces.
+
+`Lab.up(hosts=2)` makes a bridge `<name>-br` holding the subnet's first address (the head, in the
+root namespace) and per host k a namespace `<name>-host<k>` joined to it by a veth pair
+(`<name>-h<k>` on the bridge, `<name>-h<k>ns` inside, with the subnet's (k+1)-th address); a Ray
+head in the root namespace and a Ray worker node in each namespace, labelled `pdc-host=head|host<k>`
+(pin an actor with `.options(label_selector={"pdc-host": "host1"})`). Faults: `set_link`,
+`kill_host`, `revive_host`; `shape` puts tbf on both directions of a link. Needs root and iproute2.
+
+Contracts:
+- All is named from `name` and written to `<PDC_LAB_DIR or /tmp/pdc-lab>/<name>/state.json` before
+  it is made: `Lab.down_by_name(name)` removes it from any process, after a partial `up` too, and
+  nothing else (processes: by namespace, and the session of the `ray start --head` run here).
+- No route leaves the lab (no default route in a namespace, no NAT, ip_forward untouched), so every
+  lab process gets `VLLM_HOST_IP`: vLLM finds its IP by a UDP connect towards 8.8.8.8.
+- Each Ray node has its own `--temp-dir`: a plain `ray.init()` elsewhere starts its own cluster.
+  `ray.init(address="auto")` does join the lab (Ray finds any raylet on the machine by its command
+  line), and `ray stop` kills the lab's nodes too.
+- Ray declares a vanished node dead within HEALTH_CHECK_BOUND_S. A link down for longer ends that
+  host's Ray node for good (its raylet exits once it hears): `revive_host` starts a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LABEL_KEY = "pdc-host"
+HEAD_LABEL = "head"
+IFNAMSIZ = 15  # the kernel's limit on an interface name
+# GCS checks each node every period; `failure_threshold` failed checks in a row (each waits up to
+# `timeout`) declare it dead: at most threshold x (period + timeout) after it vanished.
+HEALTH_CHECK = {"period_ms": 500, "timeout_ms": 1000, "failure_threshold": 3, "initial_delay_ms": 1000}
+HEALTH_CHECK_BOUND_S = HEALTH_CHECK["failure_threshold"] * (HEALTH_CHECK["period_ms"] + HEALTH_CHECK["timeout_ms"]) / 1e3
+DEFAULT_LATENCY = "50ms"  # tbf's queue bound when only a rate is given
+
+
+class LabError(RuntimeError):
+    """The lab cannot be made or used as asked; the message says why and what to run."""
+
+
+def lab_root() -> Path:
+    return Path(os.environ.get("PDC_LAB_DIR", "/tmp/pdc-lab"))
+
+
+@dataclass
+class LabHost:
+    """One rehearsed host: a namespace, its veth pair, its address and Ray label."""
+
+    name: str  # "host1"
+    index: int  # k, from 1
+    netns: str
+    address: str
+    label: str  # the value of its Ray node's `pdc-host` label
+    veth: str  # the end on the bridge (root namespace)
+    peer: str  # the end inside the namespace, holding `address`
+    temp_dir: str  # its Ray node's --temp-dir
+    rate: str | None = None  # tbf on both ends; None: unshaped
+    latency: str | None = None
+
+    @property
+    def selector(self) -> dict[str, str]:
+        """The Ray `label_selector` that pins an actor to this host."""
+        return {LABEL_KEY: self.label}
+
+
+Host = str | int | LabHost  # see Lab.host
+
+
+@dataclass(frozen=True)
+class RayNode:
+    node_id: str
+    address: str
+    label: str
+    alive: bool
+
+
+# ---- pure parts (the address plan and names are Lab.plan) ----
+
+def find_overlaps(subnet: str, routes: list[dict], addrs: list[dict]) -> list[str]:
+    """What overlaps `subnet`, from `ip -j -4 route show table all` and `ip -j -4 addr` output.
+    Default routes are left out: every subnet is inside them."""
+    net, found = ipaddress.IPv4Network(subnet), []
+    for r in routes:
+        try:
+            dst = ipaddress.IPv4Network(r.get("dst", "default"), strict=False)
+        except ValueError:  # "default", or a kind of route without a prefix
+            continue
+        if dst.prefixlen > 0 and dst.overlaps(net):
+            found.append(f"route {r['dst']}" + (f" dev {r['dev']}" if r.get("dev") else ""))
+    for link in addrs:
+        for a in link.get("addr_info", []):
+            if a.get("family") == "inet" and net.overlaps(ipaddress.IPv4Network(f"{a['local']}/{a['prefixlen']}",
+                                                                                strict=False)):
+                found.append(f"address {a['local']}/{a['prefixlen']} on {link.get('ifname', '?')}")
+    return found
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(i?)(bit|bps)?", re.IGNORECASE)
+_TIME = re.compile(r"\d+(?:\.\d+)?(?:s|sec|ms|msec|us|usec)?")
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate syntax in bits per second: "200mbit", "1gbit", "10mbps" (bytes), "1mibit"."""
+    m = _RATE.fullmatch(rate.strip())
+    if not m:
+        raise LabError(f"rate {rate!r}: expected a tc rate such as 200mbit or 1gbit")
+    value, prefix, binary, unit = m.groups()
+    scale = (1024 if binary else 1000) ** " kmgt".index(prefix.lower() or " ")
+    return float(value) * scale * (8 if (unit or "bit").lower() == "bps" else 1)
+
+
+def tbf_args(rate: str, latency: str | None) -> list[str]:
+    """`tc qdisc replace ... root` arguments shaping to `rate`. The burst is 4 ms of the rate and at
+    least 32 KiB, so that a full-size frame always fits (tbf drops what exceeds it)."""
+    latency = latency or DEFAULT_LATENCY
+    if not _TIME.fullmatch(latency):
+        raise LabError(f"latency {latency!r}: expected a tc time such as 50ms")
+    burst = max(32 * 1024, int(rate_bits(rate) / 8 * 0.004))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", latency]
+
+
+# ---- the machine ----
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise LabError(f"{' '.join(argv)}: {(out.stderr or out.stdout).strip()}")
+    return out
+
+
+def _link_exists(ifname: str) -> bool:
+    return _run(["ip", "link", "show", "dev", ifname], check=False).returncode == 0
+
+
+def _netns_list() -> set[str]:
+    return {line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()}
+
+
+def _netns_pids(netns: str) -> list[int]:
+    out = _run(["ip", "netns", "pids", netns], check=False)
+    return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
+
+
+def _proc(pid: int | str, what: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""  # gone meanwhile
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (not zombies: those only wait for PID 1 to reap them)."""
+    stats = {int(pid): _proc(pid, "stat").rsplit(")", 1)[-1].split() for pid in filter(str.isdigit, os.listdir("/proc"))}
+    return [pid for pid, f in stats.items() if len(f) > 3 and f[3] == str(sid) and f[0] != "Z"]  # state ppid pgrp sid
+
+
+def _rss_kb(pid: int) -> int:
+    m = re.search(r"VmRSS:\s+(\d+)", _proc(pid, "status"))
+    return int(m.group(1)) if m else 0
+
+
+def _kill_all(find, reap: bool, timeout_s: float = 10.0) -> None:
+    """SIGKILL what `find()` lists until it lists nothing. `reap`: then wait (a few seconds at most)
+    until PID 1 has reaped them too, so that a `ps` right after shows no zombie of ours."""
+    deadline, killed = time.monotonic() + timeout_s, set()
+    while pids := find():
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
+        if time.monotonic() > deadline:
+            raise LabError(f"processes still alive after SIGKILL: {pids}")
+        time.sleep(0.05)
+    while reap and any(Path(f"/proc/{pid}").exists() for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on every address (the sockets are held together so that they differ)."""
+    socks = [socket.create_server(("", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Lab:
+    """A lab's plan and, once up, its Ray address. Make one with `Lab.up`, find it with `Lab.attach`."""
+
+    name: str
+    subnet: str
+    head_address: str
+    bridge: str
+    hosts: list[LabHost]
+    state_dir: str
+    ray_cpus_per_host: int = 2
+    object_store_mb: int = 128
+    ray_port: int | None = None
+    head_sid: int | None = None  # the session of the `ray start --head` run here: the head's processes
+
+    @classmethod
+    def plan(cls, hosts: int = 2, name: str = "pdclab", subnet: str = "10.213.0.0/24",
+             ray_cpus_per_host: int = 2, object_store_mb: int = 128) -> Lab:
+        """The lab `up` would make, with nothing made; LabError if the name or subnet cannot hold it."""
+        if not re.fullmatch(r"[a-z][a-z0-9]*", name):
+            raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
+        if hosts < 1:
+            raise LabError(f"hosts: {hosts} (at least 1)")
+        try:
+            net = ipaddress.IPv4Network(subnet)
+        except ValueError as err:
+            raise LabError(f"subnet {subnet!r}: {err}") from None
+        if net.num_addresses - 2 < hosts + 1:  # no network or broadcast address; the head takes one
+            raise LabError(f"subnet {subnet} has {max(net.num_addresses - 2, 0)} addresses; "
+                           f"{hosts} hosts need {hosts + 1}")
+        state_dir = lab_root() / name
+        lab = cls(name=name, subnet=subnet, head_address=str(net.network_address + 1), bridge=f"{name}-br",
+                  hosts=[LabHost(name=f"host{k}", index=k, netns=f"{name}-host{k}", label=f"host{k}",
+                                 address=str(net.network_address + 1 + k), veth=f"{name}-h{k}", peer=f"{name}-h{k}ns",
+                                 temp_dir=str(state_dir / f"host{k}")) for k in range(1, hosts + 1)],
+                  state_dir=str(state_dir), ray_cpus_per_host=ray_cpus_per_host, object_store_mb=object_store_mb)
+        for ifname in [lab.bridge] + [n for h in lab.hosts for n in (h.veth, h.peer)]:
+            if len(ifname) > IFNAMSIZ:
+                longest = IFNAMSIZ - len(lab.hosts[-1].peer) + len(name)
+                raise LabError(f"interface name {ifname!r} is {len(ifname)} characters (max {IFNAMSIZ}): use a "
+                               f"shorter lab name (at most {longest} characters for {hosts} hosts)")
+        return lab
+
+    @classmethod
+    def up(cls, hosts: int = 2, name: str = "pdclab", subnet: str = "10.213.0.0/24", rate: str | None = None,
+           latency: str | None = None, ray_cpus_per_host: int = 2, *, object_store_mb: int = 128,
+           timeout_s: float = 60.0) -> Lab:
+        """Make the network, shape it if `rate` is given, start Ray on the head and on every host;
+        return once Ray has every node alive. On any failure, remove what was made and raise."""
+        lab = cls.plan(hosts, name, subnet, ray_cpus_per_host, object_store_mb)
+        if latency is not None and rate is None:
+            raise LabError("latency without rate: tbf shapes to a rate (its latency bounds the queue)")
+        if rate is not None:
+            tbf_args(rate, latency)  # a bad rate or latency fails before anything is made
+        lab._check_free()
+        Path(lab.state_dir).mkdir(parents=True)
+        lab._save()  # from here on, down() finds whatever exists of the plan
+        try:
+            lab._make_network()
+            if rate is not None:
+                lab.shape(None, rate, latency)
+            lab._start_head(timeout_s)
+            lab._start_workers(lab.hosts, timeout_s)
+            lab.wait_for_nodes({HEAD_LABEL: lab.head_address} | {h.label: h.address for h in lab.hosts}, timeout_s)
+        except BaseException:
+            lab.down()
+            raise
+        return lab
+
+    @classmethod
+    def attach(cls, name: str = "pdclab") -> Lab:
+        """The lab `name`, from the state file `up` wrote (in any process)."""
+        path = lab_root() / name / "state.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise LabError(f"no lab {name!r} ({path} not found; pdc lab up --name {name})") from None
+        return cls(**data | {"hosts": [LabHost(**h) for h in data["hosts"]]})
+
+    @classmethod
+    def down_by_name(cls, name: str = "pdclab") -> bool:
+        """Remove the lab `name` if it has a state file; False if it had none."""
+        if not (lab_root() / name / "state.json").exists():
+            with contextlib.suppress(OSError):  # an up that died before writing it made nothing else
+                (lab_root() / name).rmdir()
+            return False
+        cls.attach(name).down()
+        return True
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    @property
+    def ray_address(self) -> str:
+        return f"{self.head_address}:{self.ray_port}"
+
+    def host(self, host: Host) -> LabHost:
+        """A host by name ("host1"), index (1 or "1") or itself."""
+        for h in self.hosts:
+            if host in (h, h.name, h.index, str(h.index)):
+                return h
+        raise LabError(f"no host {host!r} in lab {self.name!r} (hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def _save(self) -> None:
+        path = Path(self.state_dir) / "state.json"
+        path.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        path.with_suffix(".tmp").replace(path)  # atomic: another process never reads half a file
+
+    def _check_free(self) -> None:
+        if os.geteuid() != 0:
+            raise LabError("the lab needs root (network namespaces, veth, tc)")
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            raise LabError("the lab needs iproute2 (ip, tc)")
+        if (Path(self.state_dir).exists() or any(map(_link_exists, [self.bridge] + [h.veth for h in self.hosts]))
+                or _netns_list() & {h.netns for h in self.hosts}):
+            raise LabError(f"lab {self.name!r} is up, or was left half-made: pdc lab down --name {self.name}")
+        routes = json.loads(_run(["ip", "-j", "-4", "route", "show", "table", "all"]).stdout or "[]")
+        addrs = json.loads(_run(["ip", "-j", "-4", "addr"]).stdout or "[]")
+        if found := find_overlaps(self.subnet, routes, addrs):
+            raise LabError(f"subnet {self.subnet} overlaps this machine's {'; '.join(found)} (pass another --subnet)")
+
+    # ---- network ----
+
+    def _make_network(self) -> None:
+        prefix = ipaddress.IPv4Network(self.subnet).prefixlen
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.head_address}/{prefix}", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        for h in self.hosts:
+            _run(["ip", "netns", "add", h.netns])
+            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", h.peer, "netns", h.netns])
+            _run(["ip", "link", "set", h.veth, "master", self.bridge, "up"])
+            _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/{prefix}", "dev", h.peer])
+            _run(["ip", "-n", h.netns, "link", "set", h.peer, "up"])
+            _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+
+    def set_link(self, host: Host, up: bool) -> None:
+        """Both ends of a host's link down (its packets vanish: no FIN, no RST reach anyone) or up."""
+        h, state = self.host(host), "up" if up else "down"
+        _run(["ip", "link", "set", h.veth, state])
+        _run(["ip", "-n", h.netns, "link", "set", h.peer, state])
+
+    def shape(self, host: Host | None, rate: str | None, latency: str | None = None) -> None:
+        """tbf on the egress of both ends of a host's link (None: every host's); rate None unshapes."""
+        for h in self.hosts if host is None else [self.host(host)]:
+            for tc, dev in ((["tc"], h.veth), (["tc", "-n", h.netns], h.peer)):
+                if rate is None:
+                    _run(tc + ["qdisc", "del", "dev", dev, "root"], check=False)  # none there: fine
+                else:
+                    _run(tc + ["qdisc", "replace", "dev", dev, "root"] + tbf_args(rate, latency))
+            h.rate, h.latency = rate, (latency or DEFAULT_LATENCY) if rate else None
+        self._save()
+
+    # ---- processes ----
+
+    def _env(self, address: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # Auth mode explicit: left unset, Ray turns token auth on when ~/.ray/auth_token exists, which
+        # a plain ray.init() elsewhere may create at any time.
+        return env | {"VLLM_HOST_IP": address, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def _ray_start(self, *args: str, temp_dir: str, label: str) -> list[str]:
+        return [str(Path(sys.executable).parent / "ray"), "start", *args, f"--temp-dir={temp_dir}",
+                f"--num-cpus={self.ray_cpus_per_host}", f"--object-store-memory={self.object_store_mb * 2**20}",
+                "--labels", f"{LABEL_KEY}={label}", f"--node-name={label}", "--disable-usage-stats",
+                "--include-log-monitor=false",  # nobody reads the logs live; a process less per node
+                "--min-worker-port=0", "--max-worker-port=0"]  # OS-chosen: no clash with a local Ray's range
+
+    def _spawn(self, nodes: dict[str, tuple[list[str], dict]], timeout_s: float) -> None:
+        """Run `ray start`s concurrently (each is ~2 s of Python start-up); LabError with the log's tail
+        if one fails. Output goes to a file, never a pipe: Ray's daemons inherit it and keep it open."""
+        procs = {}
+        for what, (argv, env) in nodes.items():
+            log = Path(self.state_dir) / f"{what}.log"
+            with open(log, "ab") as out:
+                procs[what] = log, subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            if what == HEAD_LABEL:
+                self.head_sid = procs[what][1].pid
+                self._save()
+        failed = []
+        for what, (log, proc) in procs.items():  # every one waited for: none is left a zombie of ours
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = f"timeout, {proc.wait()}"
+            if rc != 0:
+                failed.append(f"ray start on {what} failed ({rc}); {log}:\n"
+                              + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        if failed:
+            raise LabError("\n".join(failed))
+
+    def _start_head(self, timeout_s: float) -> None:
+        self.ray_port, client, agent = _free_ports(3)
+        argv = self._ray_start("--head", f"--node-ip-address={self.head_address}", f"--port={self.ray_port}",
+                               "--include-dashboard=false", "--no-monitor",  # no autoscaler: the nodes are fixed
+                               f"--ray-client-server-port={client}",  # Ray starts one whenever it can; not on 10001
+                               f"--dashboard-agent-listen-port={agent}",  # not 52365, which a local Ray takes
+                               temp_dir=str(Path(self.state_dir) / "head"), label=HEAD_LABEL)
+        health = {f"RAY_health_check_{k}": str(v) for k, v in HEALTH_CHECK.items()}  # a caller's own win
+        self._spawn({HEAD_LABEL: (argv, health | self._env(self.head_address))}, timeout_s)
+
+    def _start_workers(self, hosts: list[LabHost], timeout_s: float) -> None:
+        nodes = {}
+        for h in hosts:
+            argv = self._ray_start(f"--address={self.ray_address}", f"--node-ip-address={h.address}",
+                                   temp_dir=h.temp_dir, label=h.label)
+            nodes[h.name] = ["ip", "netns", "exec", h.netns, *argv], self._env(h.address)
+        self._spawn(nodes, timeout_s)
+
+    def exec(self, host: Host, argv: list[str], **popen_kwargs) -> subprocess.Popen:
+        """Start `argv` inside a host's namespace, VLLM_HOST_IP set (in a given `env` too)."""
+        h = self.host(host)
+        env = dict(popen_kwargs.pop("env", None) or os.environ) | {"VLLM_HOST_IP": h.address}
+        return subprocess.Popen(["ip", "netns", "exec", h.netns, *argv], env=env, **popen_kwargs)
+
+    def host_pids(self, host: Host) -> list[int]:
+        return _netns_pids(self.host(host).netns)
+
+    def head_pids(self) -> list[int]:
+        """The head's session, if it is provably ours (a member names our state dir): a session id
+        reused after the head died is never touched."""
+        pids = _session_pids(self.head_sid) if self.head_sid else []
+        return pids if any(self.state_dir in _proc(p, "cmdline") for p in pids) else []
+
+    def rss_mb(self, host: Host | None = None) -> float:
+        """Resident memory of a host's processes (None: the head's), summed."""
+        return sum(map(_rss_kb, self.head_pids() if host is None else self.host_pids(host))) / 1024
+
+    def kill_host(self, host: Host) -> None:
+        """Crash a host: the link goes down first (so nothing it held sends a FIN or RST), then every
+        process in its namespace gets SIGKILL. Returns when they are gone; Ray notices later."""
+        h = self.host(host)
+        self.set_link(h, False)
+        _kill_all(lambda: _netns_pids(h.netns), reap=False)  # zombies hold no socket: gone enough
+
+    def revive_host(self, host: Host, timeout_s: float = 60.0) -> None:
+        """Link up and a new Ray worker node (same address and label); returns once Ray has it alive."""
+        h = self.host(host)
+        before = {n.node_id for n in self.ray_nodes() if n.label == h.label}
+        self.set_link(h, True)
+        self._start_workers([h], timeout_s)
+        self.wait_for_nodes({h.label: h.address}, timeout_s, exclude=before)
+
+    # ---- Ray's view ----
+
+    def ray_nodes(self) -> list[RayNode]:
+        """Every node Ray's GCS knows in this lab, dead ones included."""
+        from ray._raylet import GcsClient
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        infos = GcsClient(address=self.ray_address).get_all_node_info(timeout=10).values()
+        return [RayNode(node_id=i.node_id.hex(), address=i.node_manager_address, label=i.labels.get(LABEL_KEY, ""),
+                        alive=i.state == GcsNodeInfo.GcsNodeState.ALIVE) for i in infos]
+
+    def wait_for_nodes(self, want: dict[str, str], timeout_s: float = 60.0, exclude: set[str] = frozenset()) -> None:
+        """Until each label -> address of `want` has a live node (not one of `exclude`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                have = {(n.label, n.address) for n in self.ray_nodes() if n.alive and n.node_id not in exclude}
+            except Exception:  # GCS not answering yet
+                have = set()
+            if not (missing := set(want.items()) - have):
+                return
+            if time.monotonic() > deadline:
+                raise LabError(f"Ray nodes not up after {timeout_s:.0f} s: {sorted(missing)}; logs in {self.state_dir}")
+            time.sleep(0.2)
+
+    # ---- teardown ----
+
+    def down(self) -> None:
+        """Remove everything the lab made, and nothing else: its processes (by namespace, and the head's
+        session), veths (their qdiscs go with them), namespaces, bridge, state dir. Idempotent."""
+        netns, head = _netns_list(), bool(self.head_pids())  # head: proven ours once, then all its session
+        _kill_all(lambda: [p for h in self.hosts if h.netns in netns for p in _netns_pids(h.netns)]
+                  + (_session_pids(self.head_sid) if head else []), reap=True)
+        for h in self.hosts:
+            # One end deletes the pair. Explicitly: a deleted namespace can outlive its name a while,
+            # and its end of the pair (so ours too) with it.
+            if _link_exists(h.veth):
+                _run(["ip", "link", "del", h.veth])
+            if h.netns in netns:
+                _run(["ip", "netns", "del", h.netns])
+        if _link_exists(self.bridge):
+            _run(["ip", "link", "del", self.bridge])
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(self.state_dir).parent.rmdir()  # the labs' root too, if this was the last lab
