@@ -5,7 +5,8 @@ root namespace) and per host k a namespace `<name>-host<k>` joined to it by a ve
 (`<name>-h<k>` on the bridge, `<name>-h<k>ns` inside, with the subnet's (k+1)-th address); a Ray
 head in the root namespace and a Ray worker node in each namespace, labelled `pdc-host=head|host<k>`
 (pin an actor with `.options(label_selector={"pdc-host": "host1"})`). Faults: `set_link`,
-`kill_host`, `revive_host`; `shape` puts tbf on both directions of a link. Needs root and iproute2.
+`kill_host`, `revive_host`; `shape` puts tbf on both directions of a link (the tc part is
+cluster/lab_tc.py). Needs root and iproute2.
 
 Contracts:
 - All is named from `name` and written to `<PDC_LAB_DIR or /tmp/pdc-lab>/<name>/state.json` before
@@ -37,6 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
+from pdcluster.cluster.lab_tc import DEFAULT_LATENCY, LabError, LinkEnd, set_tbf, tbf_args
+from pdcluster.cluster.lab_tc import run as _run
+
 LABEL_KEY = "pdc-host"
 HEAD_LABEL = "head"
 IFNAMSIZ = 15  # the kernel's limit on an interface name
@@ -44,11 +49,6 @@ IFNAMSIZ = 15  # the kernel's limit on an interface name
 # `timeout`) declare it dead: at most threshold x (period + timeout) after it vanished.
 HEALTH_CHECK = {"period_ms": 500, "timeout_ms": 1000, "failure_threshold": 3, "initial_delay_ms": 1000}
 HEALTH_CHECK_BOUND_S = HEALTH_CHECK["failure_threshold"] * (HEALTH_CHECK["period_ms"] + HEALTH_CHECK["timeout_ms"]) / 1e3
-DEFAULT_LATENCY = "50ms"  # tbf's queue bound when only a rate is given
-
-
-class LabError(RuntimeError):
-    """The lab cannot be made or used as asked; the message says why and what to run."""
 
 
 def lab_root() -> Path:
@@ -108,38 +108,7 @@ def find_overlaps(subnet: str, routes: list[dict], addrs: list[dict]) -> list[st
     return found
 
 
-_RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(i?)(bit|bps)?", re.IGNORECASE)
-_TIME = re.compile(r"\d+(?:\.\d+)?(?:s|sec|ms|msec|us|usec)?")
-
-
-def rate_bits(rate: str) -> float:
-    """tc's rate syntax in bits per second: "200mbit", "1gbit", "10mbps" (bytes), "1mibit"."""
-    m = _RATE.fullmatch(rate.strip())
-    if not m:
-        raise LabError(f"rate {rate!r}: expected a tc rate such as 200mbit or 1gbit")
-    value, prefix, binary, unit = m.groups()
-    scale = (1024 if binary else 1000) ** " kmgt".index(prefix.lower() or " ")
-    return float(value) * scale * (8 if (unit or "bit").lower() == "bps" else 1)
-
-
-def tbf_args(rate: str, latency: str | None) -> list[str]:
-    """`tc qdisc replace ... root` arguments shaping to `rate`. The burst is 4 ms of the rate and at
-    least 32 KiB, so that a full-size frame always fits (tbf drops what exceeds it)."""
-    latency = latency or DEFAULT_LATENCY
-    if not _TIME.fullmatch(latency):
-        raise LabError(f"latency {latency!r}: expected a tc time such as 50ms")
-    burst = max(32 * 1024, int(rate_bits(rate) / 8 * 0.004))
-    return ["tbf", "rate", rate, "burst", str(burst), "latency", latency]
-
-
 # ---- the machine ----
-
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, capture_output=True, text=True)
-    if check and out.returncode != 0:
-        raise LabError(f"{' '.join(argv)}: {(out.stderr or out.stdout).strip()}")
-    return out
-
 
 def _link_exists(ifname: str) -> bool:
     return _run(["ip", "link", "show", "dev", ifname], check=False).returncode == 0
@@ -345,11 +314,8 @@ class Lab:
     def shape(self, host: Host | None, rate: str | None, latency: str | None = None) -> None:
         """tbf on the egress of both ends of a host's link (None: every host's); rate None unshapes."""
         for h in self.hosts if host is None else [self.host(host)]:
-            for tc, dev in ((["tc"], h.veth), (["tc", "-n", h.netns], h.peer)):
-                if rate is None:
-                    _run(tc + ["qdisc", "del", "dev", dev, "root"], check=False)  # none there: fine
-                else:
-                    _run(tc + ["qdisc", "replace", "dev", dev, "root"] + tbf_args(rate, latency))
+            for end in (LinkEnd(None, h.veth), LinkEnd(h.netns, h.peer)):
+                set_tbf(end, rate, latency)
             h.rate, h.latency = rate, (latency or DEFAULT_LATENCY) if rate else None
         self._save()
 

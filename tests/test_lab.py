@@ -28,10 +28,9 @@ from pdcluster.cluster.lab import (
     Lab,
     LabError,
     find_overlaps,
-    rate_bits,
-    tbf_args,
 )
 from pdcluster.cluster.lab_cli import add_lab_commands
+from pdcluster.cluster.lab_tc import rate_bits, tbf_args
 
 # ---- pure parts ----
 
