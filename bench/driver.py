@@ -15,7 +15,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -34,6 +34,11 @@ class DriveConfig:
     timeout_s: float = 600.0
     seed: int = 0
     progress: bool = True
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer <key>`
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 def _inter_arrival(rng: random.Random, rate: float, burstiness: float) -> float:
@@ -100,7 +105,7 @@ async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) 
     tasks: list[asyncio.Task] = []
     bar = _progress(len(requests), label, cfg.progress)
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with httpx.AsyncClient(limits=limits, headers=cfg.headers) as client:
         t0 = time.monotonic()
         deadline = t0 + cfg.duration_s if cfg.duration_s is not None else None
 

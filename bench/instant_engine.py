@@ -33,6 +33,7 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
+from pdcluster.cluster.network import instance_address, instance_planes
 from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 
@@ -65,17 +66,24 @@ class InstantEngine(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the benchmark), with EngineActor's interface."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int, tokens_per_delta: int = 1):
-        self.name, self.role, self.index = f"{role}-{index}", role, index
+        import ray
+
+        self.spec, self.name, self.role, self.index = spec, f"{role}-{index}", role, index
         self.engine_id = f"{spec.name}-{self.name}"
         self.tokens_per_delta = tokens_per_delta
         self.started = time.time()
+        self.address = instance_address(spec.network, ray.util.get_node_ip_address())
+        self.serve_requests_on(self.address, spec.secret())
 
-    def info(self) -> InstanceInfo:
+    async def info(self) -> InstanceInfo:
         import ray
 
+        # Its KV-event addresses are advertised (the router follows them) but nothing publishes there.
+        planes = instance_planes(self.address, await self.open_channel(),
+                                 self.spec.kv_event_ports(self.role, self.index))
         return InstanceInfo(name=self.name, role=self.role, index=self.index,
                             node_ip=ray.util.get_node_ip_address(), pid=os.getpid(), kv_address=None,
-                            engine_id=self.engine_id, started_s=0.0)
+                            engine_id=self.engine_id, started_s=0.0, planes=planes)
 
     def clock(self) -> int:
         return time.monotonic_ns()

@@ -235,7 +235,7 @@ def main() -> None:
             if floors:
                 import ray
 
-                caller = ray.remote(CallsAlone).options(num_cpus=0, max_concurrency=1000).remote(*cluster.engines)
+                caller = ray.remote(CallsAlone).options(num_cpus=0, max_concurrency=1000).remote(*cluster.engines, cluster.secret)
                 caller_pid = ray.get(caller.pid.remote())
                 for path in floors:
                     ray.get(caller.run.remote(4, 1.0, MAX_TOKENS, path))  # warm-up

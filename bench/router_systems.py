@@ -119,6 +119,7 @@ class PdCluster:
     engine_pids: list[int]
     engines: list = field(default_factory=list)  # P, D actor handles
     has_policies: bool = False
+    secret: str = ""  # the cluster secret (its request channels ask for it)
 
     @property
     def router(self):
@@ -168,10 +169,11 @@ def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluste
     import ray
 
     from pdcluster.bench.instant_engine import InstantEngine
-    from pdcluster.cluster.launch import ensure_model, start_routers
+    from pdcluster.cluster.launch import ensure_model, settle_spec, start_routers
+    from pdcluster.cluster.placement import alive_nodes
     from pdcluster.router.pd_dispatch import Instance
 
-    spec = bench_spec(model_dir, free_port(), runs_dir, routers)
+    spec = settle_spec(bench_spec(model_dir, free_port(), runs_dir, routers), alive_nodes())
     ensure_model(spec)
     engine_cls = ray.remote(InstantEngine)
     handles = {f"{role}-0": engine_cls.options(num_cpus=0, max_concurrency=1000).remote(spec, role, 0)
@@ -181,7 +183,8 @@ def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluste
     actors, url, _ = start_routers(spec, [insts["prefill-0"]], [insts["decode-0"]], infos, detached=False,
                                    started=[], body=_bench_router_class())
     return PdCluster(url, actors, ray.get([a.pid.remote() for a in actors]), [i.pid for i in infos],
-                     [handles["prefill-0"], handles["decode-0"]], ray.get(actors[0].has_policies.remote()))
+                     [handles["prefill-0"], handles["decode-0"]], ray.get(actors[0].has_policies.remote()),
+                     spec.secret())
 
 
 def pdc_system(cluster: PdCluster, variant: PdcVariant) -> System:
@@ -204,8 +207,8 @@ class CallsAlone:
     made them before issue 6; Ray with D's deltas in one reply; the request channel
     (cluster/request_channel.py), as the router makes them now."""
 
-    def __init__(self, prefill, decode):
-        self.prefill, self.decode = prefill, decode
+    def __init__(self, prefill, decode, secret: str):
+        self.prefill, self.decode, self.secret = prefill, decode, secret
         self.channels = None
 
     def pid(self) -> int:
@@ -220,7 +223,7 @@ class CallsAlone:
 
         assert path in FLOORS, f"unknown path {path!r}"
         if path == "channel" and self.channels is None:
-            self.channels = [await EngineChannel(n, a, "127.0.0.1").connect()
+            self.channels = [await EngineChannel(n, a, self.secret).connect()
                              for n, a in (("prefill-0", self.prefill), ("decode-0", self.decode))]
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         prompt = list(range(3, 15))

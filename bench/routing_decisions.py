@@ -221,7 +221,7 @@ def run_picker(policies: Sequence[Policy], n: int, input_len: int, seed: int, wa
     block_size = fleet_args.get("block_size", BLOCK_SIZE)
     results = []
     for policy in policies:
-        feed = KvEventFeed({name: ("tcp://127.0.0.1:1", None) for name in names}, block_size)
+        feed = KvEventFeed({name: ("tcp://127.0.0.1:1", None) for name in names}, block_size, curve=None)
         fleet = build_fleet(n_prefill, n_decode, seed=fleet_seed, indexes={name: feed.index(name) for name in names},
                             **fleet_args)
         picker = InstancePicker(policy, [_Named(x) for x in fleet.prefill], [_Named(x) for x in fleet.decode],

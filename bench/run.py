@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,8 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     out: str | None = None
+    # The router's API key, if it asks for one (router auth.api_keys): --api-key or PDC_API_KEY.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     progress: bool = True
     preset: str | None = None
 
@@ -83,10 +86,11 @@ class BenchRun:
     out_dir: Path
 
 
-def server_info(base_url: str) -> tuple[int | None, str | None]:
+def server_info(base_url: str, api_key: str | None = None) -> tuple[int | None, str | None]:
     """(vocab size the server declares, the pdcluster router's run dir) — None where not offered."""
     vocab = run_dir = None
-    models = httpx.get(f"{base_url}/v1/models", timeout=10)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    models = httpx.get(f"{base_url}/v1/models", timeout=10, headers=headers)
     models.raise_for_status()
     data = models.json().get("data") or [{}]
     vocab = data[0].get("vocab_size")
@@ -120,7 +124,7 @@ def build_workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
-    vocab, run_dir = server_info(cfg.base_url)
+    vocab, run_dir = server_info(cfg.base_url, cfg.api_key)
     vocab = cfg.vocab_size or vocab
     if vocab is None:
         raise ValueError(f"{cfg.base_url} does not say its vocab size: pass --vocab-size")
@@ -128,7 +132,7 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
     drive = DriveConfig(base_url=cfg.base_url, model=cfg.model, max_concurrency=cfg.max_concurrency,
                         request_rate=cfg.request_rate, burstiness=cfg.burstiness, duration_s=cfg.duration_s,
                         follow_timestamps=bool(cfg.trace) and not cfg.closed_loop, timeout_s=cfg.timeout_s,
-                        seed=cfg.seed, progress=cfg.progress)
+                        seed=cfg.seed, progress=cfg.progress, api_key=cfg.api_key)
     results: list[RequestResult] = []
     by_index = {r.index: r for r in requests}
     for phase in PHASE_ORDER:
@@ -209,6 +213,8 @@ def add_bench_commands(subparsers) -> None:
     r.add_argument("--timeout", dest="timeout_s", type=float)
     r.add_argument("--out", help="output directory (default .pdcluster/bench/<preset>-<time>)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    r.add_argument("--api-key", default=os.environ.get("PDC_API_KEY"),
+                   help="the router's API key (default: $PDC_API_KEY), sent as a Bearer token")
     r.set_defaults(fn=_cmd_run)
 
 

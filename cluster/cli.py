@@ -7,6 +7,7 @@
   pdc demo [SPEC.yaml] [--replay c90]                up, a few requests, a replay, down (the README's main job)
   pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
   pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
+  pdc lab up|status|down|exec|link|kill|revive         rehearse N hosts on this machine (cluster/lab.py)
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def cmd_up(a) -> None:
          "ray_address": spec.ray_address, "run_dir": cluster.run_dir}))
     print(f"cluster {spec.name!r} up in {time.monotonic() - t0:.0f} s: P{len(cluster.prefill)} D{len(cluster.decode)}")
     for info in cluster.infos:
-        print(f"  {info.name:<10} {info.role:<8} pid {info.pid:<7} node {info.node_ip}"
-              + (f"  kv {info.kv_address}" if info.kv_address else ""))
+        print(f"  {info.name:<10} {info.role:<8} pid {info.pid:<7} node {info.node_ip}")
+        print(f"  {'':<10} {_planes(info)}")
     print(f"endpoint: {cluster.url}/v1  (model {spec.model.served_name!r})")
     if cluster.run_dir:
         print(f"timelines: {cluster.run_dir}  (pdc timeline summary {cluster.run_dir})")
@@ -137,10 +138,21 @@ def cmd_status(a) -> None:
             try:
                 info = ray.get(handle.info.remote(), timeout=10)
                 healthy = ray.get(handle.health.remote(), timeout=10)
-                where = f"pid {info.pid} node {info.node_ip}" + (f" kv {info.kv_address}" if info.kv_address else "")
-                print(f"  {inst:<10} {info.role:<8} {'healthy' if healthy else 'UNHEALTHY':<9} {where}")
+                print(f"  {inst:<10} {info.role:<8} {'healthy' if healthy else 'UNHEALTHY':<9} "
+                      f"pid {info.pid} node {info.node_ip}")
+                print(f"  {'':<10} {_planes(info)}")
             except Exception as err:
                 print(f"  {inst:<10} {'?':<8} DOWN      {type(err).__name__}")
+
+
+def _planes(info) -> str:
+    """Where an instance's planes listen, as it advertises them."""
+    p = info.planes
+    parts = [f"requests {p.request_channel}"]
+    if info.kv_address:
+        parts.append(f"kv {info.kv_address}")
+    parts.append(f"kv events {p.kv_events.removeprefix('tcp://')} (replay {p.kv_events_replay.removeprefix('tcp://')})")
+    return "  ".join(parts)
 
 
 def cmd_down(a) -> None:
@@ -197,10 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--no-replay", action="store_true", help="skip the replay at the end")
     demo.set_defaults(fn=cmd_demo)
     from pdcluster.bench.run import add_bench_commands
+    from pdcluster.cluster.lab_cli import add_lab_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
 
     add_timeline_commands(sub)
-    __import__("pdcluster.cluster.lab_cli", fromlist=["_"]).add_lab_commands(sub)
+    add_lab_commands(sub)
     add_bench_commands(sub)
     a = ap.parse_args(argv)
     a.fn(a)

@@ -39,7 +39,9 @@ def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
     cluster = build_cluster(spec)
     try:
         print(f"up in {time.monotonic() - t0:.0f} s; endpoint {cluster.url}/v1")
-        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none")
+        keys = cluster.spec.auth.api_keys  # the router asks for one of them, if any (auth.api_keys, PDC_API_KEYS)
+        api_key = keys[0].get_secret_value() if keys else None
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=api_key or "none")
         model = spec.model.served_name
         for label in ("long document, first time", "same document again (prefix hit on P and D)"):
             r = client.completions.create(model=model, prompt=DOC + "Question: what does the cache save?",
@@ -58,7 +60,7 @@ def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
             from pdcluster.bench.run import BenchConfig, report, run_bench
 
             print(f"\n--- replaying the scaled C90 load ({replay}) through the router")
-            print(report(run_bench(BenchConfig.from_preset(replay, base_url=cluster.url))))
+            print(report(run_bench(BenchConfig.from_preset(replay, base_url=cluster.url, api_key=api_key))))
     finally:
         teardown(cluster)
         ray.shutdown()

@@ -28,6 +28,7 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
+from pdcluster.cluster.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
 from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
@@ -50,21 +51,23 @@ class InstancePlan:
     engine_args: dict[str, Any]
     env: dict[str, str]
     kv_port: int | None  # P's KV server (ours), or the engine's NIXL side channel
+    address: InstanceAddress = LOOPBACK_ADDRESS  # what its planes bind, and advertise
 
     @property
     def kv_address(self) -> str | None:
-        return f"{self.kv_host}:{self.kv_port}" if self.kv_port is not None else None
-
-    kv_host: str = "127.0.0.1"
+        return host_port(self.address.advertise, self.kv_port) if self.kv_port is not None else None
 
 
-def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
+def plan_instance(spec: ClusterSpec, role: Role, index: int,
+                  address: InstanceAddress = LOOPBACK_ADDRESS) -> InstancePlan:
+    """`address`: where this instance's planes bind and what they advertise (cluster/network.py)."""
     eng = spec.role_engine(role)
     name = f"{role}-{index}"
     engine_id = f"{spec.name}-{name}"
     kv_port = spec.kv_port(role, index)
     extra = {
-        "host": spec.transfer.host,
+        "host": address.bind,
+        "advertise_host": address.advertise,
         "port": kv_port or 0,
         "lease_s": spec.transfer.lease_s,
         "timeout_s": spec.transfer.timeout_s,
@@ -94,7 +97,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
             kv_connector_extra_config=extra,
         ),
         # Every instance publishes its KV cache events (the router's prefix index, router/kv_events.py).
-        kv_events_config=engine_kv_events_config(spec, role, index),
+        kv_events_config=engine_kv_events_config(spec, role, index, address.bind),
     )
     if eng.seed is not None:
         args["seed"] = eng.seed
@@ -105,9 +108,9 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     device = DEVICES[spec.device]
     env: dict[str, str] = {}
     # Run-time vLLM fixes (cluster/vllm_patches.py): every engine's, the model's, NIXL's on CPU.
-    patch_sets = ["exit_with_parent", *patch_sets_for_model(spec.model.path, spec.device)]
+    patch_sets = ["exit_with_parent", "kv_events_curve", *patch_sets_for_model(spec.model.path, spec.device)]
     if spec.transfer.connector == "nixl":
-        _use_nixl(spec, kv_port, engine_id, args, env)
+        _use_nixl(spec, kv_port, engine_id, address.advertise, args, env)
         if spec.device == "cpu":
             patch_sets.append("nixl_cpu")
     env.update(engine_env(patch_sets))
@@ -116,17 +119,17 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int) -> InstancePlan:
     bind = getattr(spec, role).resources.cpu_bind
     if bind is not None and device.bind_env is not None:
         env[device.bind_env] = bind[index]
-    return InstancePlan(name, role, index, engine_id, args, env, kv_port, spec.transfer.host)
+    return InstancePlan(name, role, index, engine_id, args, env, kv_port, address)
 
 
-def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, args: dict, env: dict) -> None:
+def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, host: str, args: dict, env: dict) -> None:
     """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine
-    on `port` (spec.kv_port)."""
+    on host:port (spec.kv_port). vLLM's side channel has no authentication of its own."""
     args["kv_transfer_config"] = dict(
         kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id,
         kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
         **({"kv_buffer_device": "cpu"} if spec.device == "cpu" else {}))
-    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.transfer.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
 
 
 def prefill_kv_params(connector: str, transfer_id: str) -> dict:
@@ -164,10 +167,20 @@ class EngineActor(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
-        self.plan = plan_instance(spec, role, index)
-        check_ports_free(listen_ports(spec, role, index))
+        import ray
+
+        from pdcluster.cluster.auth import SECRET_ENV
+
+        self.spec, self.name = spec, f"{role}-{index}"
+        address = instance_address(spec.network, ray.util.get_node_ip_address())
+        self.plan = plan_instance(spec, role, index, address)
+        check_ports_free(listen_ports(spec, role, index, address.bind))
         self.connector = spec.transfer.connector
         os.environ.update(self.plan.env)  # before vLLM reads its env
+        # vLLM's processes (its KV-event publisher, our connector in its worker) prove the
+        # cluster secret too; the env, unlike the engine args, is neither logged nor dumped.
+        os.environ[SECRET_ENV] = spec.secret()
+        self.serve_requests_on(address, spec.secret())
         from vllm import AsyncEngineArgs
         from vllm.config import KVTransferConfig
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -195,12 +208,14 @@ class EngineActor(ServesRequestChannel):
             raise RuntimeError(f"vLLM's engine core failed to start: {cause}") from err
         self.started_s = time.time() - t0
 
-    def info(self) -> InstanceInfo:
+    async def info(self) -> InstanceInfo:
         import ray
 
         p = self.plan
+        planes = instance_planes(p.address, await self.open_channel(), self.spec.kv_event_ports(p.role, p.index))
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
-                            pid=os.getpid(), kv_address=p.kv_address, engine_id=p.engine_id, started_s=self.started_s)
+                            pid=os.getpid(), kv_address=p.kv_address, engine_id=p.engine_id, started_s=self.started_s,
+                            planes=planes)
 
     def clock(self) -> int:
         """This host's monotonic clock, which vLLM's engine timestamps use: the router

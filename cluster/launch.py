@@ -9,15 +9,22 @@ non-detached actors that die with their driver.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from pydantic import SecretStr
 
+from pdcluster.cluster.auth import SECRET_ENV, check_secret, generate_secret
 from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.engine_actor import EngineActor
 from pdcluster.cluster.messages import InstanceInfo, Role
+from pdcluster.cluster.network import settle_mode
+from pdcluster.cluster.placement import NodeView, PlacementError, alive_nodes, check_placement, engine_options
+from pdcluster.cluster.placement import router_options as router_placement
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.pd_dispatch import Instance
 from pdcluster.router.server import RouterActor
@@ -26,6 +33,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "pdcluster"
 ROUTER = "router"
+API_KEYS_ENV = "PDC_API_KEYS"  # comma-separated, for a spec without auth.api_keys
 
 
 class ClusterStartError(RuntimeError):
@@ -81,13 +89,31 @@ def ensure_model(spec: ClusterSpec) -> None:
     make_tiny_model(path, arch=spec.model.tiny.arch, seed=spec.model.tiny.seed)
 
 
+def settle_spec(spec: ClusterSpec, nodes: list[NodeView], environ: Mapping[str, str] = os.environ) -> ClusterSpec:
+    """The spec every actor gets: its cluster secret (the spec's, else PDC_CLUSTER_SECRET, else
+    a new one), its API keys (the spec's, else PDC_API_KEYS), and `network.mode: auto`
+    settled from the nodes alive now. Raises PlacementError (naming the field) if the spec
+    asks for a node Ray does not have."""
+    check_placement(spec, nodes)
+    auth = spec.auth
+    if auth.secret is None:
+        secret = environ.get(SECRET_ENV) or generate_secret()
+        auth = auth.model_copy(update={"secret": SecretStr(check_secret(secret, SECRET_ENV))})
+    if not auth.api_keys and environ.get(API_KEYS_ENV):
+        auth = auth.model_copy(update={"api_keys": [SecretStr(k) for k in environ[API_KEYS_ENV].split(",") if k]})
+    net = spec.network
+    net = net.model_copy(update={"mode": settle_mode(net.mode, net.interface, net.cidr, len(nodes))})
+    return spec.model_copy(update={"auth": auth, "network": net})
+
+
 def _engine_options(spec: ClusterSpec, role: Role, index: int, detached: bool) -> dict:
     res = getattr(spec, role).resources
     device = DEVICES[spec.device]
     opts: dict = dict(name=actor_name(spec, f"{role}-{index}"), namespace=NAMESPACE, num_cpus=res.cpus,
                       # A dead engine comes back (a new vLLM engine, empty caches); requests
-                      # in flight on it fail and the router reports that.
-                      max_restarts=-1, max_concurrency=1000)
+                      # in flight on it fail and the router reports that. Its placement is by
+                      # labels, so a host that rejoins gets its instances back.
+                      max_restarts=-1, max_concurrency=1000, **engine_options(spec, role, index))
     if device.ray_resource == "GPU":
         opts["num_gpus"] = res.gpus
     elif device.ray_resource is not None:
@@ -110,8 +136,13 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
     """Start every P and D engine and the router; return once all are healthy.
 
     Needs ray.init() done. On any failure, kills what it started and raises
-    ClusterStartError naming the instance.
+    ClusterStartError naming the instance (or the spec field no node satisfies).
+    The cluster's spec (`Cluster.spec`) is the settled one (settle_spec).
     """
+    try:
+        spec = settle_spec(spec, alive_nodes())
+    except (PlacementError, ValueError) as err:
+        raise ClusterStartError(str(err)) from None
     ensure_model(spec)  # also for engine: sim (the router tokenizes with the model's tokenizer)
     started: list[tuple[str, ray.actor.ActorHandle]] = []
     try:
@@ -156,13 +187,15 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
                           max_concurrency=1000)
         if detached:
             opts["lifetime"] = "detached"
-        if node is not None:
+        if node is None:  # router 0: the driver's node, or one with router.labels
+            opts.update(router_placement(spec, ray.get_runtime_context().get_node_id()))
+        else:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, k)
+        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k)
         started.append((router_name(k), router))
         routers.append(router)
         try:
-            url = ray.get(router.start.remote(infos, run_dir), timeout=120)
+            url = ray.get(router.start.remote(run_dir), timeout=120)
         except Exception as err:
             raise ClusterStartError(f"{router_name(k)} failed to start: {_root_cause(err)}") from None
         if k == 0:

@@ -1,8 +1,9 @@
 """Typed messages between the router and the P/D engine actors.
 
 Everything that crosses between them (a Ray call, or a request channel frame:
-cluster/request_channel.py) is one of these frozen dataclasses, pickled. Token ids, never text: the router owns the tokenizer, engines run with
-`skip_tokenizer_init=True`.
+cluster/channel_wire.py) is one of these frozen dataclasses: pickled by Ray, msgpack
+typed by msgspec on the request channel. Token ids, never text: the router owns the
+tokenizer, engines run with `skip_tokenizer_init=True`.
 """
 
 from __future__ import annotations
@@ -115,16 +116,27 @@ class DecodeDelta:
 
 
 @dataclass(frozen=True)
+class PlaneAddresses:
+    """Where one instance's planes listen, as it advertises them (cluster/network.py)."""
+
+    host: str = ""  # the address its planes bind (or advertise, with network.bind_all)
+    request_channel: str = ""  # host:port
+    kv_events: str = ""  # tcp://host:port: the KV-event PUB socket
+    kv_events_replay: str = ""  # tcp://host:port: its replay socket
+
+
+@dataclass(frozen=True)
 class InstanceInfo:
     name: str  # "prefill-0"
     role: Role
     index: int
-    node_ip: str
+    node_ip: str  # its Ray node's IP
     pid: int
-    kv_address: str | None  # P: where its KV server listens
+    kv_address: str | None  # P: where its KV server listens (and its torch.distributed channel store)
     engine_id: str
     started_s: float
     extra: dict = field(default_factory=dict)
+    planes: PlaneAddresses = PlaneAddresses()
 
 
 @dataclass(frozen=True)

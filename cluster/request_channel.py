@@ -5,23 +5,19 @@ the per-request traffic (prefill and decode requests, aborts, results and token
 deltas) goes over one long-lived connection per engine, as vLLM's API server
 talks to its EngineCore. A Ray call cost the router ~1 ms of CPU to submit and
 as much to await, and each streamed item another message (bench/README.md,
-"The router's own overhead"); here a call is one pickled frame, and everything
+"The router's own overhead"); here a call is one msgpack frame, and everything
 a side has for the other in one event-loop turn goes in one frame.
 
-Wire: the engine listens (it may serve several routers, a connection each), the
-router connects. Each frame is a 4-byte big-endian length, then a pickled list
-of messages: router -> engine `Call` and `Abort`; engine -> router `Reply`.
-Pickle, as Ray uses between the same processes: the port binds on the cluster's
-transfer host and trusts its peers. Plain asyncio TCP rather than ZMQ: ZMQ's I/O
-thread adds a thread hop each way (a round trip ~200 us here against ~110; P's and D's
-calls at one connection 0.67 -> 0.32 ms, bench/README.md "The router's own overhead").
+Wire (cluster/channel_wire.py): the engine listens on its node's address, the
+router connects, both prove they hold the cluster secret, then typed msgpack frames.
 
 Liveness: when the engine's process exits, the kernel closes its end of the
 connection and every call in flight on the channel fails at once with
-`EngineUnavailable`. Ray says so too, more slowly (a second or more after a
-kill, and for a lost host, where no FIN comes): the router keeps a
-`channel_closed` call pending on each actor, which fails when the actor dies.
-Either way the router reopens the channel once Ray has restarted the actor. When
+`EngineUnavailable`. A host that vanishes sends no FIN: TCP keepalive and
+TCP_USER_TIMEOUT end the connection within DEAD_PEER_S. Ray says so too, more slowly
+(a second or more after a kill; for a lost host, once Ray declares its node dead): the
+router keeps a `channel_closed` call pending on each actor, which fails when the actor
+dies. Either way the router reopens the channel once Ray has restarted the actor. When
 a router's connection closes, the engine aborts that router's calls.
 """
 
@@ -34,16 +30,26 @@ import socket
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from pdcluster.cluster.auth import AuthError, ClientHandshake
 from pdcluster.cluster.channel_wire import (
+    CALLS,
+    ENGINE_INBOX,
+    ROUTER_INBOX,
     Abort,
-    Call,
+    DecodeCall,
+    DecodeReply,
     EngineCallFailed,
     EngineUnavailable,
     FramedConnection,
     Method,
+    PrefillCall,
+    PrefillReply,
     Reply,
+    ServerHandshake,
+    channel_key,
 )
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.cluster.network import InstanceAddress, host_port
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +61,32 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 class ChannelServer:
-    """Serves `Call`s on `handler.prefill` (a coroutine) and `handler.decode` (an async
-    generator) in the engine actor's event loop, for every router connected.
+    """Serves calls on `handler.prefill` (a coroutine) and `handler.decode` (an async
+    generator) in the engine actor's event loop, for every router connected that proved
+    it holds the cluster secret (`refused` counts those that did not).
 
     Invariant: every call gets exactly one `done` reply unless it was aborted (the
     router forgot it, or its connection closed); a call's task is in `_tasks` until
     that reply is posted.
     """
 
-    def __init__(self, handler):
-        self.handler = handler
-        self.address = ""  # "host:port"
-        self.connections: set[FramedConnection] = set()  # one per router
+    def __init__(self, handler, secret: str, name: str = "request channel"):
+        self.handler, self.name = handler, name
+        self._key = channel_key(secret)
+        self.address = ""  # "host:port", as advertised
+        self.connections: set[FramedConnection] = set()  # one per router, once it proved itself
+        self.refused = 0  # connections refused at the handshake
         self._server: asyncio.Server | None = None
         self._tasks: dict[tuple[FramedConnection, int], asyncio.Task] = {}  # (router's connection, call id) -> task
         self._closed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def open(self, host: str) -> str:
-        """Listen on a free port of `host`; return the address routers connect to. The
-        address is set, and connections are queued, before the first await."""
-        sock = socket.create_server((host, 0))
-        self.address = f"{host}:{sock.getsockname()[1]}"
+    async def open(self, address: InstanceAddress) -> str:
+        """Listen on a free port of `address.bind`; return the address routers connect to
+        (`address.advertise` and that port). The address is set, and connections are queued,
+        before the first await."""
+        sock = socket.create_server((address.bind, 0))
+        self.address = host_port(address.advertise, sock.getsockname()[1])
         self._loop = asyncio.get_running_loop()
         self._server = await self._loop.create_server(self._accept, sock=sock)
         return self.address
@@ -103,9 +113,15 @@ class ChannelServer:
         return len(self._tasks)
 
     def _accept(self) -> FramedConnection:
-        conn = FramedConnection(self._on_messages, self._on_lost)
-        self.connections.add(conn)
+        conn = FramedConnection(self._on_messages, self._on_lost, ENGINE_INBOX, ServerHandshake(self._key), self.name)
+        conn.ready.add_done_callback(lambda ready: self._admit(conn, ready))
         return conn
+
+    def _admit(self, conn: FramedConnection, ready: asyncio.Future) -> None:
+        if ready.exception() is None:
+            self.connections.add(conn)
+        elif conn.refused is not None:
+            self.refused += 1
 
     def _on_lost(self, conn: FramedConnection) -> None:
         """The router went away: nobody waits for its calls any more."""
@@ -116,28 +132,29 @@ class ChannelServer:
     def _on_messages(self, conn: FramedConnection, msgs: list) -> None:
         for msg in msgs:
             key = (conn, msg.call_id)
-            if isinstance(msg, Call):
+            if not isinstance(msg, Abort):
                 assert key not in self._tasks, f"call {msg.call_id} twice from one router: its counter reset?"
                 self._tasks[key] = self._loop.create_task(self._run(conn, msg))
             elif (task := self._tasks.pop(key, None)) is not None:  # Abort of a call still running
                 task.cancel()
 
-    async def _run(self, conn: FramedConnection, call: Call) -> None:
+    async def _run(self, conn: FramedConnection, call: PrefillCall | DecodeCall) -> None:
         key, post = (conn, call.call_id), conn.post
+        reply = PrefillReply if isinstance(call, PrefillCall) else DecodeReply
         try:
-            if call.method == "prefill":
-                post(Reply(call.call_id, await self.handler.prefill(call.request), done=True))
+            if isinstance(call, PrefillCall):
+                post(PrefillReply(call.call_id, await self.handler.prefill(call.request), done=True))
             else:
                 async for delta in self.handler.decode(call.request):
                     last = delta.finish_reason is not None
-                    post(Reply(call.call_id, delta, done=last))
+                    post(DecodeReply(call.call_id, delta, done=last))
                     if last:
                         return
-                post(Reply(call.call_id, None, done=True))  # ended without a finish
+                post(DecodeReply(call.call_id, None, done=True))  # ended without a finish
         except asyncio.CancelledError:
             pass  # aborted: the router no longer waits for it
         except Exception as err:  # the method's failure goes to the caller, as a Ray call's would
-            post(Reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"))
+            post(reply(call.call_id, None, done=True, error=f"{type(err).__name__}: {err}"))
         finally:
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
@@ -145,15 +162,25 @@ class ChannelServer:
 
 class ServesRequestChannel:
     """Mixin for an engine actor body with `prefill` and `decode`: the two Ray methods
-    the router uses to open and watch its request channel."""
+    the router uses to open and watch its request channel. The body calls
+    `serve_requests_on(address, secret)` in its __init__."""
 
     _channel: ChannelServer | None = None
+    _channel_address: InstanceAddress | None = None
+    _channel_secret: str | None = None
 
-    async def open_channel(self, host: str) -> str:
+    def serve_requests_on(self, address: InstanceAddress, secret: str) -> None:
+        self._channel_address, self._channel_secret = address, secret
+
+    async def open_channel(self) -> str:
         """Start serving requests (once; later calls return the same address)."""
         if self._channel is None:
-            self._channel = ChannelServer(self)
-            await self._channel.open(host)  # a call meanwhile gets the address: it already queues connections
+            assert self._channel_address is not None and self._channel_secret is not None, (
+                "serve_requests_on(address, secret) was not called in the engine body's __init__")
+            self._channel = ChannelServer(self, self._channel_secret,
+                                          f"request channel of {getattr(self, 'name', type(self).__name__)}")
+            # A call meanwhile gets the address: it already queues connections.
+            await self._channel.open(self._channel_address)
         return self._channel.address
 
     async def channel_closed(self) -> None:
@@ -213,8 +240,9 @@ class EngineChannel:
     down (the actor died and is restarting), calls fail at once with EngineUnavailable.
     """
 
-    def __init__(self, name: str, actor, host: str):
-        self.name, self.actor, self.host = name, actor, host
+    def __init__(self, name: str, actor, secret: str):
+        self.name, self.actor = name, actor
+        self._key = channel_key(secret)
         self.address = ""
         self._ids = itertools.count()
         self._calls: dict[int, PendingCall] = {}
@@ -228,14 +256,21 @@ class EngineChannel:
         return self._conn is not None
 
     async def connect(self) -> EngineChannel:
-        """Open the channel (the actor listens, we connect) and start watching the actor."""
-        self.address = await self.actor.open_channel.remote(self.host)
+        """Open the channel (the actor listens, we connect and both prove the secret), and
+        start watching the actor."""
+        self.address = await self.actor.open_channel.remote()
         host, _, port = self.address.rpartition(":")
+        conn = None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):  # an unanswered SYN would wait minutes
                 _, conn = await asyncio.get_running_loop().create_connection(
-                    lambda: FramedConnection(self._on_replies, self._on_connection_lost), host, int(port))
-        except OSError as err:  # refused, unreachable, timed out
+                    lambda: FramedConnection(self._on_replies, self._on_connection_lost, ROUTER_INBOX,
+                                             ClientHandshake(self._key), f"request channel to {self.name}"),
+                    host.strip("[]"), int(port))
+                await conn.ready
+        except (OSError, AuthError, EngineUnavailable) as err:  # refused, unreachable, timed out, not ours
+            if conn is not None:
+                conn.close()
             raise EngineUnavailable(f"cannot connect to {self.name}'s request channel at {self.address}: "
                                     f"{err or type(err).__name__}") from None
         if self._stopped:  # closed while connecting
@@ -250,7 +285,7 @@ class EngineChannel:
             raise EngineUnavailable(self._down_reason)
         call = PendingCall(self, next(self._ids))
         self._calls[call.call_id] = call
-        self._conn.post(Call(call.call_id, method, request))
+        self._conn.post(CALLS[method](call.call_id, request))
         return call
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdcluster.cluster.devices import DEVICES
 from pdcluster.router.policies import Policy
@@ -92,10 +92,43 @@ class ResourceSpec(_Strict):
         None, description="per instance, the cores its engine's threads use (CPU: VLLM_CPU_OMP_THREADS_BIND)")
 
 
+class PlacementSpec(_Strict):
+    """Which Ray nodes a role's instances go to, by node labels (`ray start --labels k=v`;
+    the multi-host lab labels its hosts `pdc-host=hostK`). Labels, not node ids: an instance
+    whose host died comes back on a node with the same labels when one rejoins."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="every instance on a node with these labels")
+    per_instance: list[dict[str, str]] | None = Field(
+        None, description="instance i also on a node with per_instance[i]'s labels (e.g. its own host)")
+    spread: bool = Field(False, description="spread the instances over the matching nodes (Ray's SPREAD)")
+
+    @field_validator("labels", "per_instance")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        for labels in ([value] if isinstance(value, dict) else value or []):
+            for k, v in labels.items():
+                if not k or not v:
+                    raise ValueError(f"label {k!r}: {v!r}: keys and values must be non-empty")
+        return value
+
+    def labels_of(self, index: int) -> dict[str, str]:
+        """The node labels instance `index` needs."""
+        return {**self.labels, **(self.per_instance[index] if self.per_instance else {})}
+
+
 class RoleSpec(_Strict):
     instances: int = Field(1, ge=1, le=64)
     engine: EngineSpec = EngineSpec()
     resources: ResourceSpec = ResourceSpec()
+    placement: PlacementSpec = PlacementSpec()
+
+    @model_validator(mode="after")
+    def _one_placement_per_instance(self) -> RoleSpec:
+        per = self.placement.per_instance
+        if per is not None and len(per) != self.instances:
+            raise ValueError(f"placement.per_instance has {len(per)} entries for {self.instances} instances: "
+                             f"give one per instance")
+        return self
 
 
 class TransferSpec(_Strict):
@@ -110,7 +143,6 @@ class TransferSpec(_Strict):
     # chunk, the bytes go over a torch.distributed pair channel (gloo on cpu, nccl on
     # cuda, hccl on npu: cluster/devices.py).
     backend: Literal["grpc", "torch_dist"] = "grpc"
-    host: str = "127.0.0.1"
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
     lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
     timeout_s: float = Field(30.0, gt=0, description="D gives up receiving a request's KV after this long "
@@ -127,6 +159,9 @@ class TransferSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _default_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "host" in data:
+            raise ValueError("`host` is gone: every plane binds its own node's address; see `network:` "
+                             "(mode, interface, cidr, bind_all)")
         if isinstance(data, dict) and data.get("mode") is None and data.get("connector", "pdc") != "pdc":
             data = {**data, "mode": "pull"}
         return data
@@ -152,7 +187,65 @@ class SimSpec(_Strict):
     kv_blocks: int | None = Field(None, gt=0, description="KV blocks per instance; default: the params file's")
 
 
+class NetworkSpec(_Strict):
+    """The address every instance's planes bind and advertise (cluster/network.py)."""
+
+    # auto: loopback when the Ray cluster has one node at `pdc up`, else the node's address.
+    mode: Literal["auto", "loopback", "node"] = "auto"
+    interface: str | None = Field(None, description="node mode: this interface's IPv4 address on each node")
+    cidr: str | None = Field(None, description="node mode: each node's address inside this network")
+    bind_all: bool = Field(False, description="bind 0.0.0.0 (every interface), advertising the chosen address")
+
+    @field_validator("cidr")
+    @classmethod
+    def _network(cls, cidr: str | None) -> str | None:
+        import ipaddress
+
+        if cidr is not None:
+            try:
+                ipaddress.IPv4Network(cidr, strict=False)
+            except ValueError as err:
+                raise ValueError(f"{cidr!r} is not an IPv4 network (e.g. 10.0.0.0/16): {err}") from None
+        return cidr
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NetworkSpec:
+        if self.interface and self.cidr:
+            raise ValueError("interface and cidr both set: name one way to pick each node's address")
+        if self.mode == "loopback" and (self.interface or self.cidr or self.bind_all):
+            raise ValueError("mode loopback binds 127.0.0.1: interface, cidr and bind_all need mode node (or auto)")
+        return self
+
+
+class AuthSpec(_Strict):
+    """Secrets (shown masked in dumps, logs and run metadata)."""
+
+    # Every plane between the cluster's processes proves it (cluster/auth.py). Unset: the env
+    # var PDC_CLUSTER_SECRET, else `pdc up` generates one for this cluster's life.
+    secret: SecretStr | None = None
+    # The router's HTTP API answers 401 without `Authorization: Bearer <one of these>`
+    # (/health stays open). Also from PDC_API_KEYS (comma-separated). None: open.
+    api_keys: list[SecretStr] = Field(default_factory=list)
+
+    @field_validator("secret")
+    @classmethod
+    def _long_enough(cls, secret: SecretStr | None) -> SecretStr | None:
+        from pdcluster.cluster.auth import MIN_SECRET_CHARS
+
+        if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
+            raise ValueError(f"must have at least {MIN_SECRET_CHARS} characters")
+        return secret
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_non_empty(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        if any(not k.get_secret_value() for k in keys):
+            raise ValueError("an API key is empty")
+        return keys
+
+
 class RouterSpec(_Strict):
+    # The HTTP API's address: loopback unless the spec names another (0.0.0.0: every interface).
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     # How the router picks P and D (router/policies.py). prefix_aware reads every
@@ -168,6 +261,8 @@ class RouterSpec(_Strict):
     # processes share host:port, as vLLM's --api-server-count (router/server.py).
     processes: int = Field(1, ge=1, le=64, description="router processes sharing host:port (SO_REUSEPORT), "
                                                        "each a Ray actor on the first one's node")
+    labels: dict[str, str] | None = Field(
+        None, description="put the routers on a Ray node with these labels; default: the node `pdc up` runs on")
 
 
 class ClusterSpec(_Strict):
@@ -181,6 +276,14 @@ class ClusterSpec(_Strict):
     decode: RoleSpec = RoleSpec()
     transfer: TransferSpec = TransferSpec()
     router: RouterSpec = RouterSpec()
+    network: NetworkSpec = NetworkSpec()
+    auth: AuthSpec = AuthSpec()
+
+    def secret(self) -> str:
+        """The cluster secret (build_cluster settles it before any actor starts)."""
+        assert self.auth.secret is not None, ("no cluster secret in the spec: build_cluster sets one "
+                                              "(with_secret); a component made from an unsettled spec is a bug")
+        return self.auth.secret.get_secret_value()
 
     @field_validator("engine", mode="before")
     @classmethod

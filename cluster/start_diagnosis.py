@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass
 
 from pdcluster.cluster.messages import Role
+from pdcluster.cluster.network import LOOPBACK
 from pdcluster.cluster.spec import ClusterSpec
 
 
@@ -28,15 +29,15 @@ class ListenPort:
     source: str  # the spec field the port comes from, so the error says what to change
 
 
-def listen_ports(spec: ClusterSpec, role: Role, index: int) -> list[ListenPort]:
-    """The fixed ports one instance binds: its KV events (publish, replay) and its KV port
-    (P's transfer server, or either role's NIXL side channel)."""
+def listen_ports(spec: ClusterSpec, role: Role, index: int, host: str = LOOPBACK) -> list[ListenPort]:
+    """The fixed ports one instance binds on `host` (its bind address, cluster/network.py):
+    its KV events (publish, replay) and its KV port (P's transfer server, or either role's
+    NIXL side channel)."""
     pub, replay = spec.kv_event_ports(role, index)
-    ports = [ListenPort("0.0.0.0", pub, "router.kv_events_port"),  # vLLM's PUB binds tcp://*
-             ListenPort(spec.transfer.host, replay, "router.kv_events_port")]
+    ports = [ListenPort(host, pub, "router.kv_events_port"), ListenPort(host, replay, "router.kv_events_port")]
     kv_port = spec.kv_port(role, index)
     if kv_port is not None:
-        ports.append(ListenPort(spec.transfer.host, kv_port, "transfer.base_port"))
+        ports.append(ListenPort(host, kv_port, "transfer.base_port"))
     return ports
 
 

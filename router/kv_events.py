@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from pdcluster.cluster.auth import CurveKeys, zmq_secure_client
 from pdcluster.router.kv_event_wire import END_SEQ, KV_EVENTS_TOPIC, decode_batch
 from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1 s
 QUIET_PROBE_S = 1.0  # this long after an instance's last batch (or connection), ask its replay once
+HANDSHAKE_FAILED = 0x800 | 0x2000 | 0x4000  # zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, _PROTOCOL, _AUTH
 
 
 # -- the feed ----------------------------------------------------------------------------
@@ -81,6 +83,7 @@ class _Instance:
         self.monitor: Any = None
         self.dealer: Any = None
         self.probe_at: float | None = None  # when to ask the replay buffer for what SUB may have lost
+        self.handshake_failed = False  # the last handshake with the publisher failed (logged once)
         self.batches = self.replayed = self.lost = self.connections = self.unknown = self.errors = 0
 
 
@@ -88,11 +91,13 @@ class KvEventFeed:
     """Follows every instance's KV events into its prefix index; see the module docstring."""
 
     def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
-                 topic: str = KV_EVENTS_TOPIC, replay_timeout_s: float = REPLAY_TIMEOUT_S,
+                 curve: CurveKeys | None, topic: str = KV_EVENTS_TOPIC, replay_timeout_s: float = REPLAY_TIMEOUT_S,
                  quiet_probe_s: float = QUIET_PROBE_S,
                  drop: Callable[[str, int], bool] | None = None):
         """`endpoints`: {instance name: (publish endpoint, replay endpoint or None)}, e.g.
-        `feed_endpoints(spec)`. `drop`: fault injection for tests: SUB messages (instance, seq)
+        `feed_endpoints(infos)`. `curve`: the cluster's CURVE keys (cluster/auth.py), as the
+        engines publish only to the cluster's processes; None only against plain publishers
+        (tests of the wire). `drop`: fault injection for tests: SUB messages (instance, seq)
         it returns True for are ignored, as if the network lost them."""
         assert endpoints, "a KV-event feed needs at least one instance"
         assert block_size > 0, f"block_size {block_size}: must be positive"
@@ -101,6 +106,7 @@ class KvEventFeed:
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self._quiet_probe_s = quiet_probe_s
         self._drop = drop
+        self._curve = curve
         self._inst = {name: _Instance(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
         self._lock = threading.Lock()  # guards every index and counter
         self._changed = threading.Condition(self._lock)  # notified after every change of state
@@ -246,7 +252,11 @@ class KvEventFeed:
             for st in self._inst.values():
                 st.sub = self._ctx.socket(zmq.SUB)
                 st.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                st.monitor = st.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                if self._curve is not None:
+                    zmq_secure_client(st.sub, self._curve)
+                # Connected means the ZMTP (CURVE) handshake succeeded, not just TCP.
+                st.monitor = st.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                                       | HANDSHAKE_FAILED)
                 st.sub.connect(st.publish)
                 poller.register(st.monitor, zmq.POLLIN)
                 poller.register(st.sub, zmq.POLLIN)
@@ -327,7 +337,13 @@ class KvEventFeed:
                     st.index.next_seq = 0
                     self._changed.notify_all()
                 st.last_sub_seq = None
-            elif event == zmq.EVENT_CONNECTED:
+            elif event & HANDSHAKE_FAILED:
+                if not st.handshake_failed:  # ZMQ retries every 100 ms: say it once until one succeeds
+                    log.warning("%s: the KV-event handshake with %s failed (event %#x): its engine holds "
+                                "another cluster's secret, or is not an engine", st.name, st.publish, event)
+                st.handshake_failed = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                st.handshake_failed = False
                 # A first connection, or a new engine behind the port: rebuild from its history.
                 # Whatever the SUB socket holds was sent before the replay below answers, so the
                 # replay covers it; dropping it keeps an old engine's last batches out.
@@ -395,6 +411,8 @@ class KvEventFeed:
             return []
         if st.dealer is None:
             st.dealer = self._ctx.socket(zmq.DEALER)
+            if self._curve is not None:
+                zmq_secure_client(st.dealer, self._curve)
             st.dealer.connect(st.replay_endpoint)
         out: list[tuple[int, bytes]] = []
         try:

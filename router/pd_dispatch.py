@@ -29,7 +29,7 @@ from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, E
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.policies import Policy
 from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
-from pdcluster.router.routing import InstancePicker, PrefixLookup, Route
+from pdcluster.router.routing import InstancePicker, NoInstanceUp, PrefixLookup, Route
 from pdcluster.router.timeline import ClockOffset, RequestRecord
 from pdcluster.transfer.handle import TransferHandle
 
@@ -58,17 +58,24 @@ class PDDispatcher(TokenBackend):
         self.prefill, self.decode = prefill, decode
         self._card = card
         self._timeout_s = request_timeout_s
-        self.picker = InstancePicker(policy, prefill, decode, block_size, lookup)
+        # Only instances whose channel is up get new requests: a dead host's are skipped from
+        # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
+        self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up)
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
         # Instance name -> its request channel (connect_channels; tests pass fakes).
         self.channels: dict[str, EngineChannel] = dict(channels or {})
 
-    async def connect_channels(self, host: str) -> None:
-        """Open every instance's request channel (each engine binds on `host`)."""
+    def _channel_up(self, name: str) -> bool:
+        channel = self.channels.get(name)
+        return channel is None or getattr(channel, "connected", True)  # tests' fake channels are always up
+
+    async def connect_channels(self, secret: str) -> None:
+        """Open every instance's request channel (at the address each engine advertises;
+        both ends prove the cluster secret)."""
         insts = self.prefill + self.decode
-        channels = await asyncio.gather(*(EngineChannel(i.name, i.actor, host).connect() for i in insts))
+        channels = await asyncio.gather(*(EngineChannel(i.name, i.actor, secret).connect() for i in insts))
         self.channels = {i.name: c for i, c in zip(insts, channels)}
 
     def close_channels(self) -> None:
@@ -123,7 +130,10 @@ class PDDispatcher(TokenBackend):
     async def _generate(self, rec: RequestRecord, prompt_token_ids: list[int],
                         sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]:
         deadline = time.monotonic() + self._timeout_s
-        route = self.picker.pick(prompt_token_ids, sampling.max_tokens)
+        try:
+            route = self.picker.pick(prompt_token_ids, sampling.max_tokens)
+        except NoInstanceUp as err:
+            raise BackendError(str(err), 503, "service_unavailable") from None
         p, d = route.prefill, route.decode
         record_route(rec, route, self.picker.policy)
         rec.mark("dispatch")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -58,36 +58,54 @@ class _Load:
     requests: int = 0
 
 
+class NoInstanceUp(Exception):
+    """Every instance of a role is down (dead, restarting, or unreachable); the message names them."""
+
+
 class InstancePicker(Generic[I]):
+    """Picks P and D by policy among the instances `is_up` says are reachable now (all, if
+    None): a dead or cut-off instance gets no new request until it is back."""
+
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
-                 lookup: PrefixLookup | None = None):
+                 lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None):
         assert policy != "prefix_aware" or lookup is not None, (
             "prefix_aware routing needs a prefix lookup (the KV-event feed)")
         self.policy = policy
         self.prefill, self.decode = list(prefill), list(decode)
         self.block_size = block_size
         self.lookup = lookup
+        self.is_up = is_up
         self._turn = itertools.count()
         # Invariant: each instance's load is the sum over the requests between
         # prefilling()/decoding() entry and exit on it; both return to 0 when idle.
         self._load: dict[str, _Load] = {i.name: _Load() for i in [*prefill, *decode]}
 
+    def _up(self, role: str, instances: list[I]) -> list[I]:
+        if self.is_up is None:
+            return instances
+        up = [i for i in instances if self.is_up(i.name)]
+        if not up:
+            raise NoInstanceUp(f"no {role} instance is up ({', '.join(i.name for i in instances)} all down)")
+        return up
+
     def pick(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Route[I]:
+        """Raises NoInstanceUp if a role has no instance up."""
         turn = next(self._turn)
         n = len(prompt_token_ids)
+        prefill, decode = self._up("prefill", self.prefill), self._up("decode", self.decode)
         matched_p = matched_d = None
         if self.lookup is not None:
             hashes = hittable_hashes(prompt_token_ids, self.block_size)
-            matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in self.prefill}
-            matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in self.decode}
+            matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in prefill}
+            matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in decode}
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
-                               self._load[p.name].requests) for p in self.prefill]
+                               self._load[p.name].requests) for p in prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
-                              matched_d[d.name] if matched_d else 0) for d in self.decode]
+                              matched_d[d.name] if matched_d else 0) for d in decode]
         p_name = pick_prefill(self.policy, p_views, n, turn).name
         d_name = pick_decode(self.policy, d_views, turn).name
-        p = next(i for i in self.prefill if i.name == p_name)
-        d = next(i for i in self.decode if i.name == d_name)
+        p = next(i for i in prefill if i.name == p_name)
+        d = next(i for i in decode if i.name == d_name)
         return Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None)
 
     @contextlib.contextmanager

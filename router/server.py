@@ -49,7 +49,9 @@ class RouterActor:
     share one run directory, and each one's /metrics shows the sum of all (`set_peers`).
     """
 
-    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], index: int = 0):
+    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
+                 index: int = 0):
+        from pdcluster.cluster.auth import curve_keys
         from pdcluster.router.kv_event_wire import feed_endpoints
         from pdcluster.router.kv_events import KvEventFeed
         from pdcluster.router.metrics import RouterMetrics
@@ -59,9 +61,11 @@ class RouterActor:
         self.spec, self.index = spec, index
         self.peers: dict = {}  # the other routers' actor handles by name (router.processes > 1)
         block_size = spec.role_engine("prefill").block_size
+        self.infos = infos
         # Every instance's KV cache events, whatever the policy: the predicted hits are
-        # recorded for every request (and prefix_aware routes by them).
-        self.kv_events = KvEventFeed(feed_endpoints(spec), block_size).start()
+        # recorded for every request (and prefix_aware routes by them). At the addresses the
+        # instances advertise, with the cluster's keys (the engines publish to nobody else).
+        self.kv_events = KvEventFeed(feed_endpoints(infos), block_size, curve=curve_keys(spec.secret())).start()
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events)
@@ -69,6 +73,8 @@ class RouterActor:
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path)
+        if spec.auth.api_keys:
+            self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys])
         self.app.add("GET", "/metrics", self._metrics_page)
         self.app.add("GET", "/pdc/run", self._run_page)
         self._server = None
@@ -124,13 +130,13 @@ class RouterActor:
                        instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
         return RunStore(Path(self.spec.router.runs_dir) / run_id, meta)
 
-    async def start(self, infos: list[InstanceInfo], run_dir: str | None = None) -> str:
+    async def start(self, run_dir: str | None = None) -> str:
         """Serve on router.host:port; return the base URL once it accepts connections.
         run_dir: router 0's run directory, for routers 1.. to write into."""
         import uvicorn
 
         if self.spec.router.record_timeline:
-            self.store = await self._open_run(infos, run_dir)
+            self.store = await self._open_run(self.infos, run_dir)
             self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
         if self.index == 0:
@@ -138,7 +144,7 @@ class RouterActor:
             # even for several routers: a stale cluster's routers would share the port otherwise.
             _check_port_free(r.host, r.port)
         listening = self._listening_socket()
-        await self.dispatcher.connect_channels(self.spec.transfer.host)
+        await self.dispatcher.connect_channels(self.spec.secret())
         # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
                                                      access_log=False, proxy_headers=False,

@@ -54,6 +54,15 @@ def free_port_run(n: int) -> int:
     raise RuntimeError(f"no run of {n} free ports found")
 
 
+def settled(spec: ClusterSpec) -> ClusterSpec:
+    """`spec` as build_cluster hands it to actors on one node (a fresh secret, loopback): for
+    tests that make engine bodies themselves."""
+    from pdcluster.cluster.launch import settle_spec
+    from pdcluster.cluster.placement import NodeView
+
+    return settle_spec(spec, [NodeView("node-0", "127.0.0.1", {})], environ={})
+
+
 def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) -> ClusterSpec:
     """A tiny CPU cluster on free ports; `overrides` are merged into the top level."""
     # Every fixed port from one run found free now (KV ports, then two KV-event ports per

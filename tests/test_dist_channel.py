@@ -1,7 +1,9 @@
 """The torch.distributed pair channel (gloo), between this process (D) and a spawned P.
 
-No engines: P is a child process started with multiprocessing's spawn, hosting
-the store on a free port it reports back; this process opens D's end.
+No engines: P is a child process started with multiprocessing's spawn, serving a KV
+service with no blocks (transfer/grpc_server.py, which hosts the channels' stores) on a
+free port it reports back; this process opens D's end through it (transfer/channels.py's
+ChannelPool), as a D engine's worker does.
 """
 
 from __future__ import annotations
@@ -15,17 +17,23 @@ import time
 import pytest
 import torch
 
+from pdcluster.cluster.auth import GrpcAuth
+from pdcluster.transfer.channel_store import ChannelStores, LocalStore
+from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_channel import (
     ChannelError,
     TensorChannel,
+    channel_liveness_key,
     count_chunks,
-    host_store,
     open_channel,
     recv_blocks,
     send_blocks,
 )
+from pdcluster.transfer.grpc_client import kv_stub
 
 HOST = "127.0.0.1"
+SECRET = "dist-channel-test-secret-0123"
+KEY = channel_liveness_key(SECRET)
 DTYPES = (torch.bfloat16, torch.float32, torch.uint8)
 BLOCK_SHAPE = (2, 2, 16, 8)  # (K/V, kv heads, block size, head dim), the CPU layout's block
 NUM_BLOCKS = 12
@@ -53,11 +61,26 @@ def caches(seed: int | None) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- P, in a spawned child
 
 
+def kv_service(timeout_s: float):
+    """A KV service with no blocks: what P's data channels need of it (OpenChannel, ChannelStore)."""
+    from pdcluster.transfer.grpc_server import KvServer
+    from pdcluster.transfer.paged_kv import PagedKv
+    from pdcluster.transfer.sources import SourceTable
+
+    return KvServer("p-test", PagedKv({}, {}, 0), SourceTable({}, ()), HOST, 0, 1 << 20, secret=SECRET,
+                    wait_s=timeout_s, channel_backend="gloo")
+
+
 def _p_main(scenario: str, out: mp.Queue, timeout_s: float) -> None:
     try:
-        store = host_store(HOST, 0, timeout_s)
-        out.put(("port", store.port))
-        ch = open_channel("p", HOST, store.port, "gloo", timeout_s, name=f"test-{scenario}", store=store)
+        server = kv_service(timeout_s)
+        out.put(("port", int(server.address.rsplit(":", 1)[1])))
+        host = server._channels
+        deadline = time.monotonic() + 30
+        while not host.opened():  # D opens the one channel of this test
+            assert time.monotonic() < deadline, "D opened no channel"
+            time.sleep(0.01)
+        ch = host.get(host.opened()[0])
         first_tag = int(out_wait(ch, out))
         if scenario == "exchange":
             _p_exchange(ch, first_tag)
@@ -128,7 +151,9 @@ def peer():
     def start(scenario: str, timeout_s: float) -> tuple[PeerP, TensorChannel, int]:
         p = PeerP(scenario, timeout_s)
         started.append(p)
-        ch = open_channel("d", HOST, p.port, "gloo", timeout_s, name=f"test-{scenario}")
+        address = f"{HOST}:{p.port}"
+        _, stub = kv_stub(address, GrpcAuth(SECRET))
+        ch = ChannelPool("d-test", timeout_s, KEY).get(address, stub)
         first = ch.allocate_tags(200)
         ch.send(torch.tensor([first], dtype=torch.int64), 0)
         return p, ch, first
@@ -234,28 +259,89 @@ def _free_port() -> int:
 
 
 def test_open_against_absent_p_fails_within_timeout():
-    port = _free_port()
+    address = f"{HOST}:{_free_port()}"
+    _, stub = kv_stub(address, GrpcAuth(SECRET))
     t0 = time.monotonic()
-    with pytest.raises(ChannelError, match=f"no channel store at {HOST}:{port}"):
-        open_channel("d", HOST, port, "gloo", timeout_s=1.0, name="absent-p")
+    with pytest.raises(ChannelError, match=f"P at {address} did not open channel .*UNAVAILABLE"):
+        ChannelPool("d-test", 1.0, KEY).get(address, stub)
     assert time.monotonic() - t0 < 2.0
+
+
+def local_store(name: str, timeout_s: float, stores: ChannelStores | None = None) -> LocalStore:
+    stores = stores or ChannelStores()
+    stores.create(name)
+    return LocalStore(stores, name, timeout_s)
 
 
 def test_open_without_d_fails_within_timeout():
-    port = _free_port()
     t0 = time.monotonic()
     with pytest.raises(ChannelError, match="D never joined within 1.0 s"):
-        open_channel("p", HOST, port, "gloo", timeout_s=1.0, name="absent-d")
+        open_channel("p", local_store("absent-d", 1.0), "gloo", 1.0, "absent-d", HOST, KEY)
     assert time.monotonic() - t0 < 2.0
 
 
+def test_a_kv_service_call_without_the_secret_opens_no_channel():
+    import grpc
+
+    server = kv_service(2.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth("another-cluster-secret"))
+        with pytest.raises(ChannelError, match="UNAUTHENTICATED"):
+            ChannelPool("d-test", 2.0, KEY).get(server.address, stub)
+        assert server._channels.opened() == []
+        with pytest.raises(grpc.RpcError) as err:  # nor reads its store
+            from pdcluster.transfer import kv_transfer_pb2 as pb
+
+            stub.ChannelStore(pb.StoreRequest(channel="x", op="get", key="k"), timeout=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()
+
+
+def test_the_liveness_socket_refuses_a_peer_without_the_secret_then_takes_d(caplog):
+    """P's liveness listener (after the gloo rendezvous) is reached first by an intruder: P
+    drops it and still pairs with D. In one process: both ends share one ChannelStores."""
+    stores = ChannelStores()
+    name = "intruded"
+    refused = threading.Event()
+
+    class GatedStore(LocalStore):
+        def _get(self, key: str, wait_s: float):
+            value = super()._get(key, wait_s)
+            if key.startswith("pdc-channel-alive/"):  # D waits until the intruder was turned away
+                host, port = value.decode().rsplit(":", 1)
+                with socket.create_connection((host, int(port)), timeout=5) as intruder:
+                    intruder.recv(20)  # P's hello
+                    intruder.sendall(b"\x80\x05" + b"\0" * 50)  # a pickle, not a proof
+                    assert intruder.recv(1) == b"", "P kept the intruder's connection"
+                refused.set()
+            return value
+
+    stores.create(name)
+    ends: dict[str, TensorChannel] = {}
+    p = threading.Thread(target=lambda: ends.setdefault("p", open_channel(
+        "p", LocalStore(stores, name, 10.0), "gloo", 10.0, name, HOST, KEY)))
+    p.start()
+    ends["d"] = open_channel("d", GatedStore(stores, name, 10.0), "gloo", 10.0, name, HOST, KEY)
+    p.join(10)
+    assert refused.is_set() and "channel liveness socket: refused" in caplog.text
+    t = torch.arange(8, dtype=torch.float32)
+    got = torch.zeros(8)
+    pending = ends["d"].recv_async(got, 1 << 30)
+    ends["p"].send(t, 1 << 30)
+    pending.wait()
+    assert torch.equal(got, t)
+    for ch in ends.values():
+        ch.close()
+
+
 def test_tags_come_from_each_ranks_own_space_and_never_overlap():
-    ch = TensorChannel(None, 1, "gloo", 1.0, "t", "-", None, None)
+    ch = TensorChannel(None, 1, "gloo", 1.0, "t", None)
     a, b = ch.allocate_tags(10), ch.allocate_tags(5)
     assert (a, b) == ((1 << 30), (1 << 30) + 10)
     ch._tags = iter([(1 << 30) - 3])  # near the end of the space: wraps to its start
     assert ch.allocate_tags(5) == 1 << 30
-    assert TensorChannel(None, 0, "gloo", 1.0, "t", "-", None, None).allocate_tags(3) == 0
+    assert TensorChannel(None, 0, "gloo", 1.0, "t", None).allocate_tags(3) == 0
 
 
 def test_every_device_has_a_channel_backend():
@@ -267,6 +353,6 @@ def test_every_device_has_a_channel_backend():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="role"):
-        open_channel("x", HOST, 1, "gloo", 1.0)
+        open_channel("x", local_store("x", 1.0), "gloo", 1.0, "x", HOST, KEY)
     with pytest.raises(ValueError, match="backend"):
-        open_channel("d", HOST, 1, "mpi", 1.0)
+        open_channel("d", local_store("y", 1.0), "mpi", 1.0, "y", HOST, KEY)

@@ -24,7 +24,11 @@ def test_up_status_serve_down(tmp_path):
         status = pdc("status", env_state=tmp_path)
         assert status.returncode == 0, status.stderr[-3000:]
         lines = status.stdout.splitlines()
-        assert any("prefill-0" in l and "healthy" in l and "kv 127.0.0.1:" in l for l in lines), status.stdout
+        assert any("prefill-0" in l and "healthy" in l for l in lines), status.stdout
+        # each instance's planes, as it advertises them (loopback: one node)
+        at = lines.index(next(l for l in lines if "prefill-0" in l and "healthy" in l)) + 1
+        assert "requests 127.0.0.1:" in lines[at] and "kv 127.0.0.1:" in lines[at] and \
+            "kv events 127.0.0.1:" in lines[at], status.stdout
         assert any("decode-0" in l and "healthy" in l for l in lines), status.stdout
 
         r = httpx.post(f"{url}/v1/completions", timeout=60,

@@ -20,6 +20,7 @@ import pytest
 from e2e import cluster_spec_for, complete, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
+from pdcluster.cluster.auth import curve_keys
 from pdcluster.router.kv_event_wire import feed_endpoints
 from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import hittable_hashes
@@ -69,7 +70,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def feed(cluster):
-    with KvEventFeed(feed_endpoints(cluster.spec), BS) as f:
+    # A feed of the test's own, beside the router's: it too must hold the cluster's keys.
+    with KvEventFeed(feed_endpoints(cluster.infos), BS, curve=curve_keys(cluster.spec.secret())) as f:
         for name in f.instances:
             f.wait_for(name, lambda s: s.connected, timeout=30)
         yield f

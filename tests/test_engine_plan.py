@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdcluster.cluster.engine_actor import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
+from pdcluster.cluster.network import InstanceAddress
 from pdcluster.cluster.spec import parse_spec
 from pdcluster.cluster.vllm_patches import engine_env
 
@@ -22,13 +23,15 @@ def test_prefill_instance_is_a_producer_on_its_own_port():
     assert (p.name, p.engine_id, p.kv_address) == ("prefill-1", "c-prefill-1", "127.0.0.1:19001")
     assert kv["kv_role"] == "kv_producer" and kv["engine_id"] == "c-prefill-1"
     assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
-    assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "port": 19001, "lease_s": 7.0,
+    assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "advertise_host": "127.0.0.1", "port": 19001,
+                                               "lease_s": 7.0,
                                                "timeout_s": 3.0, "chunk_bytes": 1 << 20,
                                                "break_prefix": None, "channel_backend": "gloo",
                                                "transport": "grpc"}
     assert kv["kv_load_failure_policy"] == "recompute"
     assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                     **engine_env(["exit_with_parent"])}
+                     **engine_env(["exit_with_parent", "kv_events_curve"])}
+    assert "secret" not in str(p.engine_args)  # vLLM logs its config: the secret goes by env (EngineActor)
 
 
 def test_decode_instance_is_a_consumer_with_its_role_overrides():
@@ -91,9 +94,19 @@ def test_every_instance_publishes_kv_events_on_its_own_ports():
     want = {("prefill", 0): (18800, 18801), ("prefill", 1): (18802, 18803), ("decode", 0): (18804, 18805)}
     for (role, index), (pub, replay) in want.items():
         ev = plan_instance(s, role, index).engine_args["kv_events_config"]
-        assert ev == dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+        assert ev == dict(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{pub}",
                           replay_endpoint=f"tcp://127.0.0.1:{replay}", topic="kv")
     from vllm.config.kv_events import KVEventsConfig
 
-    cfg = KVEventsConfig(**plan_instance(s, "decode", 0).engine_args["kv_events_config"])  # as EngineActor builds it
-    assert (cfg.enable_kv_cache_events, cfg.publisher, cfg.endpoint) == (True, "zmq", "tcp://*:18804")
+    address = InstanceAddress("10.0.0.5", "10.0.0.5")
+    cfg = KVEventsConfig(**plan_instance(s, "decode", 0, address).engine_args["kv_events_config"])  # as EngineActor
+    assert (cfg.enable_kv_cache_events, cfg.publisher, cfg.endpoint) == (True, "zmq", "tcp://10.0.0.5:18804")
+
+
+def test_an_instance_binds_its_address_and_advertises_the_chosen_one():
+    bind_all = InstanceAddress("0.0.0.0", "10.0.0.5")
+    p = plan_instance(spec(), "prefill", 1, bind_all)
+    extra = p.engine_args["kv_transfer_config"]["kv_connector_extra_config"]
+    assert (extra["host"], extra["advertise_host"], p.kv_address) == ("0.0.0.0", "10.0.0.5", "10.0.0.5:19001")
+    nixl = plan_instance(spec(transfer={"connector": "nixl", "base_port": 19000}), "decode", 0, bind_all)
+    assert nixl.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5"

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from pdcluster.cluster.auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
@@ -25,6 +26,8 @@ from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
 from pdcluster.transfer.sources import SourceTable
+
+SECRET = "grpc-transfer-test-secret-01"
 
 P_BLOCKS = 12  # P's and D's caches differ in size; only the block layout must match
 D_BLOCKS = 16
@@ -150,7 +153,7 @@ def make_p():
         caches = source_caches(shape_fn(P_BLOCKS))
         kv = PagedKv(caches, GROUPS, P_BLOCKS)
         sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, wait_s=SOURCE_WAIT_S)
+        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=SOURCE_WAIT_S)
         servers.append(server)
         return P(caches, kv, sources, server, block_dim)
 
@@ -167,7 +170,7 @@ def make_d():
         shape_fn, block_dim = LAYOUTS[layout]
         caches = caches if caches is not None else zero_caches(shape_fn(D_BLOCKS))
         kv = PagedKv(caches, GROUPS, D_BLOCKS)
-        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers)
+        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers, secret=SECRET)
         fetchers.append(fetcher)
         return D(caches, kv, fetcher, block_dim)
 
@@ -180,10 +183,11 @@ def make_d():
 def stub_to():
     channels = []
 
-    def make(address) -> pb_grpc.KvTransferStub:
+    def make(address, secret: str | None = SECRET) -> pb_grpc.KvTransferStub:
         ch = grpc.insecure_channel(address)
         channels.append(ch)
-        return frames.framed_stub(ch)  # as D calls P: ReadBlocks yields Frames
+        # as D calls P (ReadBlocks yields Frames), proving the cluster secret (None: not)
+        return frames.framed_stub(ch if secret is None else grpc_authenticated_channel(ch, GrpcAuth(secret)))
 
     yield make
     for ch in channels:
@@ -516,12 +520,78 @@ def test_get_layout_and_release(make_p, stub_to):
     assert p.sources.take_finished() == {"r1"}
 
 
+def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on(make_p, make_d, stub_to,
+                                                                                 tmp_path, caplog):
+    """A peer that reaches P's port: no token, another cluster's, a replayed one, raw bytes, a
+    pickle. Each is refused before P reads a block or its lease; D then reads as ever."""
+    import pickle
+
+    from pdcluster.cluster.auth import AUTH_METADATA_KEY
+
+    p = make_p()
+    offer(p, "r1", (2, 5, 7, 9))
+    gathered = []
+    real_gather = p.kv.gather
+    p.kv.gather = lambda layer, ids: (gathered.append(ids), real_gather(layer, ids))[1]
+    read = pb.ReadBlocksRequest(transfer_id="r1", groups=[pb.GroupBlocks(group=0, block_indices=[0, 1, 2, 3])])
+    for secret in (None, "another-clusters-secret"):
+        stub = stub_to(p.server.address, secret)
+        for call in (lambda: list(stub.ReadBlocks(read, timeout=5)),
+                     lambda: stub.Release(pb.ReleaseRequest(transfer_id="r1"), timeout=5),
+                     lambda: stub.GetLayout(pb.LayoutRequest(), timeout=5)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    # A token seen once does not open a second call.
+    auth = GrpcAuth(SECRET)
+    token = auth.token("/pdcluster.transfer.KvTransfer/Release")
+    raw = grpc.insecure_channel(p.server.address)
+    release = raw.unary_unary("/pdcluster.transfer.KvTransfer/Release",
+                              request_serializer=pb.ReleaseRequest.SerializeToString,
+                              response_deserializer=pb.ReleaseReply.FromString)
+    assert release(pb.ReleaseRequest(transfer_id="nope"), metadata=[(AUTH_METADATA_KEY, token)], timeout=5).known is False
+    with pytest.raises(grpc.RpcError, match="replayed"):
+        release(pb.ReleaseRequest(transfer_id="r1"), metadata=[(AUTH_METADATA_KEY, token)], timeout=5)
+    # A pickle as the request body of a call without a token: refused before any deserializer.
+    marker = tmp_path / "ran"
+    evil = raw.unary_unary("/pdcluster.transfer.KvTransfer/Release")
+    with pytest.raises(grpc.RpcError):
+        evil(pickle.dumps(_RunsCode(marker)), timeout=5)
+    raw.close()
+    # Raw garbage on the port: not HTTP/2, the connection is dropped.
+    host, port = p.server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as junk:
+        junk.sendall(b"\x80\x05garbage that is not an HTTP/2 preface" * 10)
+        junk.settimeout(5)
+        try:
+            while junk.recv(4096):
+                pass
+        except OSError:
+            pass
+    assert gathered == [] and not marker.exists()
+    assert "refused /pdcluster.transfer.KvTransfer/ReadBlocks" in caplog.text
+    d = make_d()
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (1, 2, 3, 4)))
+    r = wait_results(d.fetcher, {"d-r1"})
+    assert (r.finished, r.failed) == ({"d-r1"}, set())  # the lease was still there
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
 def test_injected_fault_breaks_the_transfer_halfway(make_d):
     """P's fault injection: a transfer whose id has the prefix dies after half its blocks;
     D has written some blocks, reports failure (vLLM then errors or recomputes the request)."""
     caches = source_caches(cpu_shape(P_BLOCKS))
     sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-    server = KvServer("p0", PagedKv(caches, GROUPS, P_BLOCKS), sources, "127.0.0.1", 0, 1 << 20,
+    server = KvServer("p0", PagedKv(caches, GROUPS, P_BLOCKS), sources, "127.0.0.1", 0, 1 << 20, secret=SECRET,
                       break_prefix="break-")
     try:
         d = make_d()
@@ -556,7 +626,7 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
     sources.step("big", "big", 64 * BLOCK_SIZE, (tuple(range(1, n)),), 64 * BLOCK_SIZE)
     sources.step_done()
     sources.finish("big", 60)
-    server = KvServer("p0", kv, sources, "127.0.0.1", 0, 1 << 20)
+    server = KvServer("p0", kv, sources, "127.0.0.1", 0, 1 << 20, secret=SECRET)
     try:
         stream = stub_to(server.address).ReadBlocks(pb.ReadBlocksRequest(
             transfer_id="big", groups=[pb.GroupBlocks(group=0, block_indices=list(range(64)))]), timeout=30)
@@ -584,11 +654,11 @@ def gloo_pair(make_d):
         caches = source_caches(shape_fn(P_BLOCKS))
         kv = PagedKv(caches, GROUPS, P_BLOCKS)
         sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, wait_s=5.0, break_prefix=break_prefix,
-                          channel_backend="gloo")
+        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=5.0,
+                          break_prefix=break_prefix, channel_backend="gloo")
         dst = zero_caches(shape_fn(D_BLOCKS))
         d_kv = PagedKv(dst, GROUPS, D_BLOCKS)
-        fetcher = KvFetcher("d0", d_kv, timeout_s=10.0)
+        fetcher = KvFetcher("d0", d_kv, timeout_s=10.0, secret=SECRET)
         made.append((server, fetcher))
         return P(caches, kv, sources, server, block_dim), D(dst, d_kv, fetcher, block_dim)
 

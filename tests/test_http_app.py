@@ -38,6 +38,27 @@ def test_routes_by_method_and_exact_path():
     assert len(seen) == 1
 
 
+def test_api_keys_guard_the_v1_paths_only():
+    app, seen = echo_app()
+    app.add("POST", "/v1/echo", app.routes[("POST", "/echo")])
+    app.add("GET", "/health", lambda request: _ok())
+    app.require_api_keys(["sk-one", "sk-two"])
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer sk-three"}, {"Authorization": "sk-one"},
+                        {"Authorization": "Bearer sk-one "}):
+            r = client.post("/v1/echo", content=b"x", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        assert seen == []  # refused before the handler (and before the body was read)
+        for key in ("sk-one", "sk-two"):
+            assert client.post("/v1/echo", content=b"x", headers={"Authorization": f"Bearer {key}"}).status_code == 201
+        assert client.get("/health").status_code == 200  # open, as vLLM's --api-key leaves it
+        assert client.post("/echo", content=b"x").status_code == 201  # not an /v1 path
+
+
+async def _ok() -> BytesResponse:
+    return json_response({"ok": True})
+
+
 def test_a_body_sent_in_chunks_reaches_the_handler_whole():
     app, seen = echo_app()
     parts = [b"ab", b"cd", b""]

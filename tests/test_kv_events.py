@@ -95,7 +95,7 @@ def engine(ports):
 
 def feed_for(ports, **kw) -> KvEventFeed:
     pub, replay = ports
-    return KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")}, BS, **kw)
+    return KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")}, BS, **{"curve": None, **kw})
 
 
 def matched(feed: KvEventFeed, prompt: list[int]) -> int:
@@ -249,7 +249,7 @@ def test_a_numbering_that_goes_back_is_a_restart_even_on_one_connection():
                 pass
         raise AssertionError(f"the index never held {blocks} blocks")
 
-    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{downstream}", f"tcp://127.0.0.1:{replay}")}, BS) as feed:
+    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{downstream}", f"tcp://127.0.0.1:{replay}")}, BS, curve=None) as feed:
         feed.wait_for(NAME, lambda s: s.connected)
         first = engine_behind_broker()
         try:
@@ -286,7 +286,8 @@ def test_without_a_replay_endpoint_a_gap_is_lost_at_once(engine, ports):
     a = family(1)
     pub, _ = ports
     dropped: list[int] = []
-    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", None)}, BS, drop=lambda name, seq: seq in dropped) as feed:
+    with KvEventFeed({NAME: (f"tcp://127.0.0.1:{pub}", None)}, BS, curve=None,
+                     drop=lambda name, seq: seq in dropped) as feed:
         feed.wait_for(NAME, lambda s: s.connected)
         # Until PUB has the subscription it sends nothing (and nothing can be replayed): probe.
         probes = 0
@@ -314,7 +315,7 @@ def test_without_a_replay_endpoint_a_gap_is_lost_at_once(engine, ports):
 
 
 def test_a_malformed_endpoint_fails_start_and_leaves_nothing_running():
-    feed = KvEventFeed({NAME: ("not-an-endpoint", None)}, BS)
+    feed = KvEventFeed({NAME: ("not-an-endpoint", None)}, BS, curve=None)
     with pytest.raises(RuntimeError, match="failed to start"):
         feed.start()
     assert not [t for t in threading.enumerate() if t.name == "kv-event-feed"]
@@ -322,22 +323,53 @@ def test_a_malformed_endpoint_fails_start_and_leaves_nothing_running():
 
 
 def test_unknown_instance_is_named():
-    feed = KvEventFeed({NAME: ("tcp://127.0.0.1:1", None)}, BS)
+    feed = KvEventFeed({NAME: ("tcp://127.0.0.1:1", None)}, BS, curve=None)
     with pytest.raises(KeyError, match="no KV-event feed for instance 'decode-9'"):
         feed.matched_blocks("decode-9", [])
 
 
-def test_endpoints_from_the_spec_agree_with_the_engines_config():
+def test_engines_bind_and_advertise_their_node_address_and_the_feed_dials_it():
+    from pdcluster.cluster.messages import InstanceInfo
+    from pdcluster.cluster.network import InstanceAddress, instance_planes
+
     spec = parse_spec({"name": "c", "model": {"path": "/m", "name": "tiny"},
                        "prefill": {"instances": 2}, "decode": {"instances": 1},
-                       "transfer": {"base_port": 19000, "host": "127.0.0.1"}, "router": {"kv_events_port": 18800}})
-    assert feed_endpoints(spec) == {
-        "prefill-0": ("tcp://127.0.0.1:18800", "tcp://127.0.0.1:18801"),
-        "prefill-1": ("tcp://127.0.0.1:18802", "tcp://127.0.0.1:18803"),
-        "decode-0": ("tcp://127.0.0.1:18804", "tcp://127.0.0.1:18805"),
-    }
-    assert feed_endpoints(spec, hosts={"decode-0": "10.0.0.7"})["decode-0"] == (
-        "tcp://10.0.0.7:18804", "tcp://10.0.0.7:18805")
-    cfg = engine_kv_events_config(spec, "decode", 0)
-    assert cfg == dict(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:18804",
-                       replay_endpoint="tcp://127.0.0.1:18805", topic="kv")
+                       "transfer": {"base_port": 19000}, "router": {"kv_events_port": 18800}})
+    cfg = engine_kv_events_config(spec, "decode", 0, "10.0.0.7")
+    assert cfg == dict(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://10.0.0.7:18804",
+                       replay_endpoint="tcp://10.0.0.7:18805", topic="kv")  # no wildcard
+    # bind_all: the sockets bind every interface, the instance advertises its chosen address
+    planes = instance_planes(InstanceAddress("0.0.0.0", "10.0.0.7"), "10.0.0.7:4000", spec.kv_event_ports("decode", 0))
+    assert (planes.kv_events, planes.kv_events_replay) == ("tcp://10.0.0.7:18804", "tcp://10.0.0.7:18805")
+    info = InstanceInfo("decode-0", "decode", 0, "10.0.0.7", 1, None, "c-decode-0", 0.0, planes=planes)
+    assert feed_endpoints([info]) == {"decode-0": ("tcp://10.0.0.7:18804", "tcp://10.0.0.7:18805")}
+
+
+def test_a_curve_publisher_feeds_only_the_cluster():
+    """The simulated engine's publisher with the cluster's keys (as every engine publishes):
+    a feed with them follows it; a plain feed and one of another secret never connect."""
+    from pdcluster.cluster.auth import curve_keys, zmq_stop_auth
+    from pdcluster.cluster.sim.kv_wire import AllBlocksCleared as SimCleared
+    from pdcluster.cluster.sim.kv_wire import EventPublisher
+    from pdcluster.cluster.sim.kv_wire import KVEventBatch as SimBatch
+
+    keys = curve_keys("kv-events-test-secret-0123")
+    pub, replay = free_port(), free_port()
+    publisher = EventPublisher(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv", curve=keys)
+    endpoints = {NAME: (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")}
+    try:
+        publisher.publish(SimBatch(ts=0.0, events=[SimCleared()]))
+        with KvEventFeed(endpoints, BS, curve=keys, replay_timeout_s=0.5) as good, \
+                KvEventFeed(endpoints, BS, curve=None, replay_timeout_s=0.5) as plain, \
+                KvEventFeed(endpoints, BS, curve=curve_keys("another-cluster-secret"), replay_timeout_s=0.5) as other:
+            good.wait_for(NAME, lambda st: st.connected and st.applied_seq == 0, timeout=10)
+            publisher.publish(SimBatch(ts=0.0, events=[SimCleared()]))
+            good.wait_for(NAME, lambda st: st.applied_seq == 1, timeout=10)
+            for feed in (plain, other):
+                status = feed.status(NAME)
+                assert not status.connected and status.batches == 0, status
+    finally:
+        publisher.shutdown()
+        import zmq
+
+        zmq_stop_auth(zmq.Context.instance())

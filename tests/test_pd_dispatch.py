@@ -264,11 +264,27 @@ def test_dead_decode_mid_stream_is_503_naming_the_instance(cancelled):
     assert cancelled == []  # the engine is gone with the call: nothing to abort
 
 
-def test_a_down_channel_is_503_at_once(cancelled):
+def test_with_every_instance_of_a_role_down_it_is_503_at_once(cancelled):
     p, d = FakeEngine(connected=False), FakeEngine()
     err, got = run(expect_error(make([p], [d])))
-    assert err.status == 503 and "prefill instance prefill-0 is unavailable: ActorDiedError" in str(err)
+    assert err.status == 503 and "no prefill instance is up (prefill-0 all down)" in str(err)
     assert got == [] and d.decode_calls == []
+
+
+def test_a_down_instance_gets_no_new_request_until_it_is_back(cancelled):
+    ps, ds = [FakeEngine(), FakeEngine(connected=False)], [FakeEngine(connected=False), FakeEngine()]
+    disp = make(ps, ds)
+
+    async def main(n: int):
+        for i in range(n):
+            await collect(disp, f"r{i}")
+
+    run(main(4))  # round robin, over the survivors only
+    assert (len(ps[0].prefill_calls), len(ps[1].prefill_calls)) == (4, 0)
+    assert (len(ds[0].decode_calls), len(ds[1].decode_calls)) == (0, 4)
+    ps[1].connected = ds[0].connected = True  # back (its channel reopened)
+    run(main(4))
+    assert len(ps[1].prefill_calls) == 2 and len(ds[0].decode_calls) == 2
 
 
 def test_an_engine_error_is_500_naming_the_instance(cancelled):

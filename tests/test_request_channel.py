@@ -10,6 +10,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.cluster.network import InstanceAddress
 from pdcluster.cluster.request_channel import (
     EngineCallFailed,
     EngineChannel,
@@ -18,6 +19,8 @@ from pdcluster.cluster.request_channel import (
 )
 
 SAMPLING = SamplingSpec(max_tokens=3)
+SECRET = "test-cluster-secret-0123456789"
+LOOPBACK = InstanceAddress("127.0.0.1", "127.0.0.1")
 
 
 def prefill_req(rid: str = "r0") -> PrefillRequest:
@@ -32,11 +35,15 @@ class Body(ServesRequestChannel):
     """An engine body: prefill answers at once; decode yields max_tokens one-token deltas,
     or waits forever after the first when `hang_after_first`."""
 
-    def __init__(self, hang_after_first: bool = False, finish: bool = True, fail: bool = False):
+    def __init__(self, hang_after_first: bool = False, finish: bool = True, fail: bool = False,
+                 address: InstanceAddress = LOOPBACK):
         self.hang_after_first, self.finish, self.fail = hang_after_first, finish, fail
         self.cancelled: list[str] = []
+        self.prefills = 0
+        self.serve_requests_on(address, SECRET)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        self.prefills += 1
         if self.fail:
             raise ValueError(f"bad prompt for {req.request_id}")
         return PrefillResult(req.request_id, None, len(req.prompt_token_ids), p_cached_tokens=2)
@@ -90,9 +97,9 @@ class LocalActor:
         self.body = restart_as
 
 
-async def connected(body: Body) -> tuple[LocalActor, EngineChannel]:
+async def connected(body: Body, secret: str = SECRET) -> tuple[LocalActor, EngineChannel]:
     actor = LocalActor(body)
-    return actor, await EngineChannel("decode-0", actor, "127.0.0.1").connect()
+    return actor, await EngineChannel("decode-0", actor, secret).connect()
 
 
 async def items(call) -> list:
@@ -246,7 +253,7 @@ def test_a_prompt_of_128k_ids_crosses_in_pieces_and_arrives_whole():
 def test_two_routers_on_one_engine_each_get_their_own_replies():
     async def main():
         actor, first = await connected(Body())
-        second = await EngineChannel("decode-0", actor, "127.0.0.1").connect()  # its call ids start at 0 too
+        second = await EngineChannel("decode-0", actor, SECRET).connect()  # its call ids start at 0 too
         a, b = await asyncio.gather(items(first.call("decode", decode_req("a", 2))),
                                     items(second.call("decode", decode_req("b", 4))))
         first.close()
@@ -278,13 +285,132 @@ def test_an_engine_whose_port_refuses_fails_the_connect_naming_it():
     import socket
 
     class Gone(Body):
-        async def open_channel(self, host: str) -> str:
+        async def open_channel(self) -> str:
             with socket.socket() as s:  # a port nothing listens on once this closes
-                s.bind((host, 0))
-                return f"{host}:{s.getsockname()[1]}"
+                s.bind(("127.0.0.1", 0))
+                return f"127.0.0.1:{s.getsockname()[1]}"
 
     async def main():
-        await EngineChannel("prefill-3", LocalActor(Gone()), "127.0.0.1").connect()
+        await EngineChannel("prefill-3", LocalActor(Gone()), SECRET).connect()
 
     with pytest.raises(EngineUnavailable, match=r"cannot connect to prefill-3's request channel at 127\.0\.0\.1:\d+"):
         asyncio.run(main())
+
+
+# ---- peers without the cluster secret
+
+
+class RunsCode:
+    """A pickle whose unpickling writes `marker`: proof that something unpickled it."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
+def evil_pickle(marker) -> bytes:
+    import pickle
+
+    return pickle.dumps([RunsCode(marker)], protocol=5)
+
+
+async def refused_after(host: str, port: int, payload: bytes, timeout: float = 5.0) -> bytes:
+    """Connect, read the server's hello, send `payload`; returns the hello once the server closed."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        hello = await asyncio.wait_for(reader.readexactly(20), timeout)
+        writer.write(payload)
+        assert await asyncio.wait_for(reader.read(), timeout) == b"", "the server answered instead of closing"
+        return hello
+    finally:
+        writer.close()
+
+
+def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path, caplog):
+    import pickle
+
+    from pdcluster.cluster.auth import ClientHandshake
+    from pdcluster.cluster.channel_wire import channel_key
+
+    marker = tmp_path / "ran"
+    pickle.loads(evil_pickle(marker))  # the payload is real: unpickled, it runs
+    assert marker.read_text() == "unpickled"
+    marker.unlink()
+
+    async def main():
+        actor, ch = await connected(Body())
+        host, port = ch.address.rsplit(":", 1)
+        with pytest.raises(EngineUnavailable, match="cannot connect to decode-0's request channel"):
+            await EngineChannel("decode-0", actor, "another-cluster's-secret").connect()
+        for payload in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", evil_pickle(marker)):
+            await refused_after(host, int(port), payload)
+        # A peer that proves the secret and then sends a pickled frame: not decoded as one.
+        reader, writer = await asyncio.open_connection(host, int(port))
+        hs = ClientHandshake(channel_key(SECRET))
+        writer.write(hs.feed(await reader.readexactly(20)).send)
+        assert hs.feed(await reader.readexactly(32)).done
+        frame = evil_pickle(marker)
+        writer.write(len(frame).to_bytes(4, "big") + frame)
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "the engine kept a connection that sent pickle"
+        writer.close()
+        after = await asyncio.wait_for(ch.call("prefill", prefill_req("after")).next(), 5)  # still serving
+        server = actor.body._channel
+        ch.close()
+        return after, server.refused, actor.body.prefills
+
+    after, refused, prefills = asyncio.run(main())
+    assert after.request_id == "after" and prefills == 1
+    assert refused == 3  # the wrong secret, the garbage, the pickle sent as a handshake
+    assert not marker.exists()
+    assert caplog.text.count("refused 127.0.0.1:") == 3 and "a frame does not decode" in caplog.text
+
+
+def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch):
+    from pdcluster.cluster import channel_wire
+
+    monkeypatch.setattr(channel_wire, "HANDSHAKE_TIMEOUT_S", 0.2)
+
+    async def main():
+        actor, ch = await connected(Body())
+        host, port = ch.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        await reader.readexactly(20)
+        closed = await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        refused = actor.body._channel.refused
+        ch.close()
+        return closed, refused
+
+    assert asyncio.run(main()) == (True, 1)
+
+
+def test_a_router_refuses_an_engine_without_the_secret():
+    from pdcluster.cluster.auth import ServerHandshake, derive
+
+    async def main():
+        async def impostor(reader, writer):  # answers the router's proof with a MAC of another key
+            hs = ServerHandshake(derive("not-this-cluster-secret", "request-channel"))
+            writer.write(hs.hello())
+            await reader.readexactly(52)
+            writer.write(b"\0" * 32)
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        class Impostor(Body):
+            async def open_channel(self) -> str:
+                return f"127.0.0.1:{port}"
+
+        try:
+            with pytest.raises(EngineUnavailable, match="server's proof is wrong"):
+                await EngineChannel("prefill-0", LocalActor(Impostor()), SECRET).connect()
+        finally:
+            server.close()
+
+    asyncio.run(main())

@@ -11,9 +11,10 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 import zmq
-from e2e import free_port, free_port_run, tiny_model_dir
+from e2e import free_port, free_port_run, settled, tiny_model_dir
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
+from pdcluster.cluster.auth import curve_keys, zmq_secure_client
 from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.sim.engine import SimEngineActor
 from pdcluster.cluster.spec import parse_spec
@@ -23,13 +24,13 @@ BLOCK = 128
 
 
 def sim_spec(params: str = "qwen3-0.6b-1dev", kv_blocks: int = 128, **transfer):
-    return parse_spec({
+    return settled(parse_spec({
         "name": "sim-unit", "model": {"path": tiny_model_dir()},
         "engine": {"kind": "sim", "block_size": BLOCK, "max_model_len": 16384, "max_num_batched_tokens": 1024,
                    "max_num_seqs": 8},
         "sim": {"params": params, "kv_blocks": kv_blocks},
         "transfer": {"base_port": free_port(), "timeout_s": 10, "chunk_bytes": 4096, **transfer},
-        "router": {"port": free_port(), "kv_events_port": free_port_run(4)}})
+        "router": {"port": free_port(), "kv_events_port": free_port_run(4)}}))
 
 
 @asynccontextmanager
@@ -146,13 +147,23 @@ def test_kv_events_go_out_in_vllms_wire_format():
         spec = sim_spec()
         async with p_and_d(spec) as (p, d):
             pub, _ = spec.kv_event_ports("prefill", 0)
-            sub = zmq.Context.instance().socket(zmq.SUB)
-            sub.connect(f"tcp://127.0.0.1:{pub}")
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
+
+            def subscriber(keys):
+                sub = zmq.Context.instance().socket(zmq.SUB)
+                if keys is not None:
+                    zmq_secure_client(sub, keys)
+                sub.connect(f"tcp://127.0.0.1:{pub}")
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                return sub
+
+            sub, plain = subscriber(curve_keys(spec.secret())), subscriber(None)  # only the cluster's is served
             await asyncio.sleep(0.3)  # a SUB misses what is published before it joined
             await serve(p, d, prompt(5, 1000), "ev")
-            topic, seq, payload = await asyncio.to_thread(sub.recv_multipart)
+            assert await asyncio.to_thread(sub.poll, 10_000), "the cluster's subscriber got no KV events"
+            topic, seq, payload = sub.recv_multipart()
+            assert not plain.poll(200), "a subscriber without the cluster's keys got KV events"
             sub.close(linger=0)
+            plain.close(linger=0)
             batch = msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
             stored = [e for e in batch.events if isinstance(e, BlockStored)]
             assert int.from_bytes(seq, "big") == 0

@@ -51,7 +51,8 @@ def test_publisher_speaks_zmq_event_publishers_protocol(impl):
     """The same client exchange against both publishers: live batches, then a replay."""
     pub_port, replay_port = free_port(), free_port()
     if impl == "ours":
-        publisher = kv_wire.EventPublisher(f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}", topic="kv")
+        publisher = kv_wire.EventPublisher(f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}", topic="kv",
+                                           curve=None)
         batch_cls = kv_wire.KVEventBatch
     else:
         publisher = vllm_events.ZmqEventPublisher(0, f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{replay_port}",

@@ -87,6 +87,9 @@ def test_p8d8_npu():
     assert (eng.max_model_len, eng.max_num_batched_tokens, eng.dtype) == (131072, 131072, "bfloat16")
     assert (spec.transfer.lease_s, spec.transfer.timeout_s, spec.transfer.on_failure) == (120, 60, "recompute")
     assert (spec.router.host, spec.router.port) == ("0.0.0.0", 8000)
+    assert spec.prefill.placement.labels_of(7) == {"pdc-role": "prefill"}
+    assert spec.decode.placement.labels_of(0) == {"pdc-role": "decode"}
+    assert (spec.network.mode, spec.network.cidr) == ("auto", "10.0.0.0/8")
 
 
 # --- role engine merging --------------------------------------------------------------

@@ -27,12 +27,13 @@ def spec(connector: str = "pdc"):
 
 def test_listen_ports_are_the_ports_the_engine_is_given():
     s = spec()
-    assert listen_ports(s, "prefill", 1) == [ListenPort("0.0.0.0", 19102, "router.kv_events_port"),
-                                             ListenPort("127.0.0.1", 19103, "router.kv_events_port"),
-                                             ListenPort("127.0.0.1", 19001, "transfer.base_port")]
+    assert listen_ports(s, "prefill", 1, "10.0.0.5") == [ListenPort("10.0.0.5", 19102, "router.kv_events_port"),
+                                                          ListenPort("10.0.0.5", 19103, "router.kv_events_port"),
+                                                          ListenPort("10.0.0.5", 19001, "transfer.base_port")]
+    assert {p.host for p in listen_ports(s, "decode", 0)} == {"127.0.0.1"}  # loopback unless told
     assert [p.port for p in listen_ports(s, "decode", 0)] == [19104, 19105]  # D serves no KV
-    events = engine_kv_events_config(s, "decode", 1)
-    assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:19106", "tcp://127.0.0.1:19107")
+    events = engine_kv_events_config(s, "decode", 1, "10.0.0.5")
+    assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://10.0.0.5:19106", "tcp://10.0.0.5:19107")
     for role, index in (("prefill", 1), ("decode", 1)):
         n = spec("nixl")
         assert listen_ports(n, role, index)[-1].port == plan_instance(n, role, index).kv_port

@@ -66,8 +66,9 @@ def test_plan_instance_patches_dsv4_engines_only(tmp_path):
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     env = plan_instance(spec(model_dir(tmp_path / "b", "Qwen3ForCausalLM")), "prefill", 0).env
-    # Every engine exits with its actor; nothing else for Qwen3.
-    assert [k for k in env if k.startswith("PDC_PATCH_")] == ["PDC_PATCH_EXIT_WITH_PARENT"]
+    # Every engine exits with its actor and binds its KV events with CURVE; nothing else for Qwen3.
+    assert [k for k in env if k.startswith("PDC_PATCH_")] == ["PDC_PATCH_EXIT_WITH_PARENT",
+                                                             "PDC_PATCH_KV_EVENTS_CURVE"]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
     # NIXL on CPU and DeepSeek-V4: one site folder, both sets.
     env = plan_instance(spec(dsv4, transfer={"connector": "nixl", "base_port": 19000}), "decode", 0).env

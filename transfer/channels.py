@@ -5,12 +5,13 @@ streams back one header per chunk; the bytes go over a pair channel
 (transfer/dist_channel.py: gloo on CPU, nccl on CUDA, hccl on Ascend), one per
 (P, D) pair, opened on D's first transfer from that P:
 
-    D: OpenChannel(name) --gRPC--> P: hosts a TCPStore (once), answers its port,
-                                      joins the rendezvous in the background
-    D: joins the rendezvous with the port    -> both ends hold the channel
+    D: OpenChannel(name) --gRPC--> P: makes the channel's store (transfer/channel_store.py),
+                                      answers, joins the rendezvous in the background
+    D: joins the rendezvous through ChannelStore calls -> both ends hold the channel
 
-A channel that fails is dropped on both sides; the next transfer opens a new
-one under a new name (what was in flight on the old pair cannot be trusted).
+Every call is P's authenticated KV service, so the rendezvous is the cluster's alone.
+A channel that fails is dropped on both sides; the next transfer opens a new one
+under a new name (what was in flight on the old pair cannot be trusted).
 """
 
 from __future__ import annotations
@@ -20,31 +21,40 @@ import logging
 import threading
 from concurrent import futures
 
+import grpc
+
 from pdcluster.transfer import kv_transfer_pb2 as pb
-from pdcluster.transfer.dist_channel import ChannelError, TensorChannel, host_store, open_channel
+from pdcluster.transfer.channel_store import ChannelStores, LocalStore, RemoteStore
+from pdcluster.transfer.dist_channel import ChannelError, TensorChannel, local_address_towards, open_channel
 
 log = logging.getLogger(__name__)
 
 
 class ChannelHost:
-    """P's end: one store, and the channels D's have opened to it by name."""
+    """P's end: the channels D's have opened to it by name, and their stores.
+    `host`: P's advertised address (its end of every pair binds and is dialled there)."""
 
-    def __init__(self, host: str, backend: str, timeout_s: float):
-        self._host, self._backend, self._timeout_s = host, backend, timeout_s
+    def __init__(self, host: str, backend: str, timeout_s: float, auth_key: bytes):
+        self._host, self._backend, self._timeout_s, self._auth_key = host, backend, timeout_s, auth_key
         self._lock = threading.Lock()
-        self._store = None
+        self.stores = ChannelStores()  # served by the KV service's ChannelStore call
         self._opening: dict[str, futures.Future] = {}  # name -> future of the TensorChannel
         self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdc-channel-open")
 
     def open(self, name: str) -> pb.OpenChannelReply:
         with self._lock:
-            if self._store is None:
-                self._store = host_store(self._host, 0, self._timeout_s)
             if name in self._opening:
                 raise ChannelError(f"channel {name!r} opened twice: D must pick a new name per open")
-            self._opening[name] = self._pool.submit(open_channel, "p", self._host, self._store.port, self._backend,
-                                                    self._timeout_s, name, store=self._store)
-            return pb.OpenChannelReply(store_port=self._store.port, backend=self._backend)
+            self.stores.create(name)
+            store = LocalStore(self.stores, name, self._timeout_s)
+            self._opening[name] = self._pool.submit(open_channel, "p", store, self._backend, self._timeout_s, name,
+                                                    self._host, self._auth_key)
+            return pb.OpenChannelReply(backend=self._backend)
+
+    def opened(self) -> list[str]:
+        """The names of the channels D's have opened (and not dropped)."""
+        with self._lock:
+            return list(self._opening)
 
     def get(self, name: str) -> TensorChannel:
         """The channel `name`, once its rendezvous is done (bounded by the channel timeout)."""
@@ -60,6 +70,7 @@ class ChannelHost:
     def drop(self, name: str) -> None:
         with self._lock:
             opening = self._opening.pop(name, None)
+        self.stores.drop(name)
         if opening is not None and opening.done() and opening.exception() is None:
             opening.result().close()
 
@@ -74,22 +85,27 @@ class ChannelHost:
 class ChannelPool:
     """D's end: one open channel per P address."""
 
-    def __init__(self, engine_id: str, timeout_s: float):
-        self._engine_id, self._timeout_s = engine_id, timeout_s
+    def __init__(self, engine_id: str, timeout_s: float, auth_key: bytes):
+        self._engine_id, self._timeout_s, self._auth_key = engine_id, timeout_s, auth_key
         self._lock = threading.Lock()
         self._channels: dict[str, TensorChannel] = {}
         self._opens = itertools.count()
 
     def get(self, address: str, stub) -> TensorChannel:
+        """`stub`: an authenticated KvTransfer stub of the P at `address`."""
         with self._lock:
             ch = self._channels.get(address)
             if ch is not None:
                 return ch
             name = f"{address}/{self._engine_id}/{next(self._opens)}"
             # Opening under the lock: concurrent first transfers to one P wait for a single rendezvous.
-            reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=self._timeout_s)
-            host = address.rsplit(":", 1)[0]
-            ch = open_channel("d", host, reply.store_port, reply.backend, self._timeout_s, name)
+            try:
+                reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=self._timeout_s)
+            except grpc.RpcError as err:
+                raise ChannelError(f"P at {address} did not open channel {name!r}: {err.code().name}: "
+                                   f"{err.details()}") from None
+            ch = open_channel("d", RemoteStore(stub, name, self._timeout_s), reply.backend, self._timeout_s, name,
+                              local_address_towards(address), self._auth_key)
             self._channels[address] = ch
             log.info("opened %s data channel %s", reply.backend, name)
             return ch

@@ -336,6 +336,18 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.stop()
 
 
+def _cluster_secret() -> str:
+    """The cluster secret, from the env the engine actor set before vLLM started this worker:
+    kept out of kv_connector_extra_config, which vLLM logs with the rest of its config."""
+    import os
+
+    from pdcluster.cluster.auth import SECRET_ENV
+
+    secret = os.environ.get(SECRET_ENV)
+    assert secret, f"{SECRET_ENV} is not set in this vLLM worker: the engine actor sets it before the engine starts"
+    return secret
+
+
 class _Worker:
     """Worker-side state: the source table and KV server on P, the fetcher on D."""
 
@@ -348,13 +360,14 @@ class _Worker:
         self.sources: SourceTable | None = None
         self.server = self.fetcher = None
         s = conn.settings
+        secret = _cluster_secret()
         if conn.is_producer:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
             self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
-                                   wait_s=s.timeout_s, break_prefix=s.break_prefix,
-                                   channel_backend=s.channel_backend)
+                                   secret=secret, wait_s=s.timeout_s, break_prefix=s.break_prefix,
+                                   channel_backend=s.channel_backend, advertise=s.advertise_host)
         else:
-            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s)
+            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret)
 
     def start(self, meta: PdcMetadata) -> None:
         if self.sources is not None:

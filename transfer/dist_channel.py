@@ -6,7 +6,8 @@ never touches torch.distributed's global default group (vLLM owns that in its
 workers): each pair gets its own two-rank process group built from the
 low-level pieces, P = rank 0, D = rank 1:
 
-    TCPStore (P hosts it, D connects) -> PrefixStore("pdc-channel/<name>") -> ProcessGroupGloo/NCCL/HCCL
+    the channel's store (in P's KV service, transfer/channel_store.py)
+        -> PrefixStore("pdc-channel/<name>") -> ProcessGroupGloo/NCCL/HCCL
 
 The backend comes from the device (`cluster.devices.DEVICES[...].collective_backend`):
 gloo on CPU (the one tested here), nccl on CUDA, hccl on Ascend NPU (torch_npu's
@@ -15,10 +16,16 @@ this machine (no GPU, no NPU).
 
 Every blocking call is bounded by the channel's timeout and raises ChannelError
 naming the channel, the peer and the tag; nothing hangs. Beside the process group
-each pair keeps one idle TCP connection whose only job is to close when a process
-dies: a peer that dies fails pending and later operations within ~20 ms (gloo
-alone would not notice a peer that dies mid-payload before its timeout); a silent
-peer makes them time out. After any ChannelError the channel is broken (later
+each pair keeps one idle TCP connection (both ends prove the cluster secret on it)
+whose only job is to close when a process dies: a peer that dies fails pending and
+later operations within ~20 ms (gloo alone would not notice a peer that dies
+mid-payload before its timeout); a peer whose host vanishes, within ~11 s
+(keepalive); a silent peer makes them time out.
+
+The backend's own sockets (gloo's pairs; NCCL's and HCCL's bootstrap) have no
+authentication hook: their listening ports are exchanged only through the
+authenticated store, and they carry KV bytes into preallocated buffers, never
+anything deserialized. Keep them on a private network (`network.cidr`). After any ChannelError the channel is broken (later
 posts raise at once): close it and open a new one under a new name, since what is
 in flight on that pair can no longer be trusted.
 
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -50,6 +58,8 @@ from concurrent import futures
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 ROLES = {"p": 0, "d": 1}  # P serves KV (rank 0, hosts the store), D receives it (rank 1)
 TAG_SPACE_BITS = 30  # each rank's share of the C-int tag space
@@ -65,37 +75,16 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The store P hosts for its channels (port 0: pick a free one, see `.port`).
-
-    One store can serve many pairs (one per D), each under its own channel name;
-    pass it to `open_channel(..., store=...)` after telling D the port.
-    """
-    try:
-        return dist.TCPStore(host, port, None, True, _td(timeout_s), wait_for_workers=False)
-    except Exception as err:  # c10d raises several types
-        raise ChannelError(f"cannot host a channel store on {host}:{port}: {err}") from err
-
-
-def _wait_listening(host: str, port: int, deadline: float) -> None:
-    # TCPStore's client retries with backoff past its own timeout (2 s asked, 7 s taken):
-    # probe the port ourselves so an absent peer fails within the deadline.
-    last: OSError | None = None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.01)):
-                return
-        except OSError as err:
-            last = err
-            time.sleep(0.05)
-    raise ChannelError(f"no channel store at {host}:{port} (is P up?): {last}")
-
-
-def _local_address_towards(host: str, port: int) -> str:
+def _local_address_towards(host: str) -> str:
     """The address of this host's interface that routes to host (gloo binds its device to it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))  # UDP: no packet is sent
+        s.connect((host, 9))  # UDP: no packet is sent
         return s.getsockname()[0]
+
+
+def local_address_towards(address: str) -> str:
+    """For D: its own address on the route to P's `host:port`."""
+    return _local_address_towards(address.rsplit(":", 1)[0].strip("[]"))
 
 
 def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.timedelta, local_host: str):
@@ -118,29 +107,56 @@ def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.
     raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
 
 
+# The liveness connection: its peer's host vanishing (no FIN) ends it within ~11 s.
+_KEEPALIVE = ((socket.SO_KEEPALIVE, 1, socket.SOL_SOCKET), (socket.TCP_KEEPIDLE, 5, socket.IPPROTO_TCP),
+              (socket.TCP_KEEPINTVL, 2, socket.IPPROTO_TCP), (socket.TCP_KEEPCNT, 3, socket.IPPROTO_TCP))
+
+
 def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, deadline: float,
-                   listener: socket.socket | None) -> socket.socket:
-    """A plain TCP connection beside the process group whose only job is to close when the peer dies."""
+                   auth_key: bytes) -> socket.socket:
+    """A plain TCP connection beside the process group whose only job is to close when the peer
+    dies; both ends prove the cluster secret first (P drops whatever else connects)."""
+    from pdcluster.cluster.auth import AuthError, handshake_socket
+    from pdcluster.cluster.network import host_port
+
     if rank == 0:
-        assert listener is not None
-        listener.settimeout(max(deadline - time.monotonic(), 0.01))
-        conn, _ = listener.accept()
-        listener.close()
+        listener = socket.create_server((local_host, 0))
+        try:
+            store.set(key, host_port(local_host, listener.getsockname()[1]))
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("D never connected its liveness socket")
+                listener.settimeout(remaining)
+                conn, peer = listener.accept()
+                try:
+                    handshake_socket(conn, auth_key, server=True, timeout_s=max(0.01, deadline - time.monotonic()))
+                    break
+                except (AuthError, OSError) as err:
+                    log.warning("channel liveness socket: refused %s: %s", peer, err)
+                    conn.close()
+        finally:
+            listener.close()
     else:
         host, port = store.get(key).decode().rsplit(":", 1)
-        conn = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.01))
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=max(deadline - time.monotonic(), 0.01))
+        handshake_socket(conn, auth_key, server=False, timeout_s=max(0.01, deadline - time.monotonic()))
+    for opt, value, level in _KEEPALIVE:
+        conn.setsockopt(level, opt, value)
     conn.settimeout(None)
     return conn
 
 
-def open_channel(role: str, store_host: str, store_port: int, backend: str = "gloo", timeout_s: float = 30.0,
-                 name: str = "kv", *, store: dist.Store | None = None) -> TensorChannel:
+def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, name: str, local_host: str,
+                 auth_key: bytes) -> TensorChannel:
     """Open P's or D's end of the pair channel `name`; returns once both ends are connected.
 
-    role "p" hosts the store on store_host:store_port (or uses `store`, from `host_store`),
-    role "d" connects to it. The whole open, store and rendezvous, is bounded by timeout_s;
-    an absent peer raises ChannelError. Use a fresh name for every open of a pair (e.g.
-    "<p id>-<d id>-<generation>"): the rendezvous keys of an older open stay in the store.
+    `store`: the channel's rendezvous store (transfer/channel_store.py: P's LocalStore, D's
+    RemoteStore through P's KV service); `local_host`: the address this end's sockets bind
+    and the peer dials (P's advertised address; D's address towards P); `auth_key`: the
+    cluster's key for the liveness connection (`channel_liveness_key`). The whole open is
+    bounded by timeout_s; an absent peer raises ChannelError. Use a fresh name for every
+    open of a pair (e.g. "<p id>-<d id>-<generation>").
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
@@ -148,33 +164,22 @@ def open_channel(role: str, store_host: str, store_port: int, backend: str = "gl
         raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
     rank = ROLES[role]
     deadline = time.monotonic() + timeout_s
-    where = f"channel {name!r} ({backend}) as {role.upper()} via store {store_host}:{store_port}"
-    alive_key = f"pdc-channel-alive/{name}"
-    own_store = listener = None
+    where = f"channel {name!r} ({backend}) as {role.upper()} on {local_host}"
     try:
-        if rank == 0:
-            if store is None:
-                store = own_store = host_store(store_host, store_port, timeout_s)
-            local_host = store_host
-            listener = socket.create_server((local_host, 0))
-            store.set(alive_key, f"{local_host}:{listener.getsockname()[1]}")
-        else:
-            _wait_listening(store_host, store_port, deadline)
-            store = dist.TCPStore(store_host, store_port, None, False, _td(deadline - time.monotonic()))
-            local_host = _local_address_towards(store_host, store_port)
         store.set_timeout(_td(deadline - time.monotonic()))
         pg = _make_backend(backend, dist.PrefixStore(f"pdc-channel/{name}", store), rank,
                            _td(deadline - time.monotonic()), local_host)
-        alive = _liveness_pair(rank, store, alive_key, local_host, deadline, listener)
-    except ChannelError as err:
-        raise ChannelError(f"{where}: {err}") from err
-    except Exception as err:  # c10d: DistStoreError, DistNetworkError, RuntimeError; socket: OSError
+        alive = _liveness_pair(rank, store, f"pdc-channel-alive/{name}", local_host, deadline, auth_key)
+    except Exception as err:  # c10d: DistStoreError, DistNetworkError, RuntimeError; store; socket: OSError
         peer = "D never joined" if rank == 0 else "P did not complete the rendezvous"
         raise ChannelError(f"{where}: {peer} within {timeout_s:.1f} s: {err}") from err
-    finally:
-        if listener is not None:
-            listener.close()
-    return TensorChannel(pg, rank, backend, timeout_s, name, f"{store_host}:{store_port}", store, own_store, alive)
+    return TensorChannel(pg, rank, backend, timeout_s, name, store, alive)
+
+
+def channel_liveness_key(secret: str) -> bytes:
+    from pdcluster.cluster.auth import derive
+
+    return derive(secret, "channel-liveness")
 
 
 class Pending:
@@ -255,18 +260,16 @@ def _watch(alive: socket.socket, state: _PeerState, peer: str) -> None:
 class TensorChannel:
     """One end of a P/D pair: tagged, bounded sends and receives of whole tensors."""
 
-    def __init__(self, pg, rank: int, backend: str, timeout_s: float, name: str, store_address: str,
-                 store: dist.Store | None, own_store: dist.Store | None, alive: socket.socket | None = None):
+    def __init__(self, pg, rank: int, backend: str, timeout_s: float, name: str, store: dist.Store | None,
+                 alive: socket.socket | None = None):
         self._pg = pg
         self.rank = rank
         self.peer = 1 - rank
         self.backend = backend
         self.timeout_s = timeout_s
         self.name = name
-        self.store_address = store_address
         self.tags_matched = backend in TAGGED_BACKENDS
-        self._store = store  # D's client, or P's store: kept alive as long as the channel
-        self._own_store = own_store
+        self._store = store  # kept alive as long as the channel
         self._lock = threading.Lock()
         self._tags = itertools.count()
         self._broken: str | None = None
@@ -285,7 +288,7 @@ class TensorChannel:
         return self._peer.gone
 
     def __repr__(self) -> str:
-        return f"TensorChannel({self.name!r}, {self.backend}, rank {self.rank}, store {self.store_address})"
+        return f"TensorChannel({self.name!r}, {self.backend}, rank {self.rank})"
 
     @property
     def _peer_name(self) -> str:
@@ -375,7 +378,7 @@ class TensorChannel:
         except Exception:  # best effort: the peer may be gone already
             pass
         self._pg = None
-        self._store = self._own_store = None
+        self._store = None
 
 
 # ---------------------------------------------------------------- paged blocks over a channel

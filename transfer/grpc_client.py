@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from pdcluster.cluster.auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
@@ -66,14 +67,23 @@ class LoadResults:
     timings: dict[str, PullTiming] = field(default_factory=dict)  # every pull that ran, failed ones too
 
 
+def kv_stub(address: str, auth: GrpcAuth) -> tuple[grpc.Channel, pb_grpc.KvTransferStub]:
+    """A channel to P's KV service at `address` and its stub, every call carrying a token."""
+    channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+    return channel, frames.framed_stub(grpc_authenticated_channel(channel, auth))
+
+
 class KvFetcher:
     """A job whose handle asks for transport torch_dist receives its bytes over a
     torch.distributed pair channel to its P (opened on first use), which the gRPC
     stream then only announces; otherwise the bytes come inside the stream."""
 
-    def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4):
+    def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4, *, secret: str):
+        from pdcluster.transfer.dist_channel import channel_liveness_key
+
         self._engine_id = engine_id
-        self._channels = ChannelPool(engine_id, timeout_s)
+        self._auth = GrpcAuth(secret)  # every call proves the cluster secret to P's KV service
+        self._channels = ChannelPool(engine_id, timeout_s, channel_liveness_key(secret))
         self._kv = kv
         self._timeout_s = timeout_s
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
@@ -109,8 +119,7 @@ class KvFetcher:
     def _stub(self, address: str) -> pb_grpc.KvTransferStub:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-                self._stubs[address] = (channel, frames.framed_stub(channel))
+                self._stubs[address] = kv_stub(address, self._auth)
             return self._stubs[address][1]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:

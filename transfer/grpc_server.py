@@ -7,6 +7,11 @@ run of blocks the forward pass has finished, and sleeping on the source table
 until the next layer is done. A finished prefill is simply a source whose
 every block is ready, so pull and push are the same code.
 
+Authentication: every call must carry a token of the cluster secret (cluster/auth.py);
+the server's interceptor refuses any other before its handler or request deserializer
+runs, so a peer without the secret can read no transfer, release no lease, open no
+channel and hold no server thread.
+
 Flow control and memory: gRPC pulls from this generator only as fast as HTTP/2
 flow control lets the stream drain to D, so at most one chunk (`chunk_bytes`)
 plus the transport's window is buffered per stream, whatever the transfer size.
@@ -22,9 +27,11 @@ from concurrent import futures
 import grpc
 import torch
 
+from pdcluster.cluster.auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.channel_store import StoreError
 from pdcluster.transfer.channels import ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
@@ -35,7 +42,16 @@ log = logging.getLogger(__name__)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
+    # A peer whose host vanished (no FIN, no RST) is found by HTTP/2 pings: every 5 s while a
+    # call is open, dead after 5 s unanswered. P then ends the stream it was stuck writing
+    # (its blocks stay leased until D releases them or the lease ends).
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
+# P accepts D's pings at that rate (gRPC's default refuses pings under 5 min apart).
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", 4000),
+                  ("grpc.http2.max_ping_strikes", 0)]
 
 
 def layout_of(engine_id: str, kv: PagedKv) -> pb.Layout:
@@ -88,6 +104,14 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             return self._channels.open(request.name)
         except ChannelError as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+
+    def ChannelStore(self, request: pb.StoreRequest, context):
+        if self._channels is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"P {self._engine_id} has no data channels")
+        try:
+            return self._channels.stores.handle(request)
+        except StoreError as err:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(err))
 
     def ReadBlocks(self, request: pb.ReadBlocksRequest, context):
         # Answer before D's deadline, so D learns why rather than just "deadline exceeded".
@@ -206,23 +230,31 @@ def _handlers(service: KvTransferService) -> grpc.GenericRpcHandler:
         "ReadBlocks": frames.read_blocks_handler(service.ReadBlocks),
         "OpenChannel": unary(service.OpenChannel, pb.OpenChannelRequest.FromString,
                              pb.OpenChannelReply.SerializeToString),
+        "ChannelStore": unary(service.ChannelStore, pb.StoreRequest.FromString, pb.StoreReply.SerializeToString),
         "Release": unary(service.Release, pb.ReleaseRequest.FromString, pb.ReleaseReply.SerializeToString),
     })
 
 
 class KvServer:
-    """A gRPC server bound to host:port, serving one engine's transfer sources."""
+    """A gRPC server bound to host:port, serving one engine's transfer sources to the
+    cluster's processes (those holding `secret`). `advertise`: the address D's dial
+    (its channels' sockets bind there); default: host."""
 
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
-                 wait_s: float = 30.0, break_prefix: str | None = None, channel_backend: str | None = None,
-                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES, max_workers: int = 8):
+                 *, secret: str, wait_s: float = 30.0, break_prefix: str | None = None,
+                 channel_backend: str | None = None, channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES,
+                 max_workers: int = 8, advertise: str | None = None):
+        from pdcluster.transfer.dist_channel import channel_liveness_key
+
         # A ReadBlocks call holds a thread while its source is not ready (push mode: through P's
         # queue); calls past max_workers, GetLayout included, wait for one to end.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                               thread_name_prefix="pdc-kv-server"),
-                                   options=GRPC_OPTIONS)
+                                   options=SERVER_OPTIONS,
+                                   interceptors=[grpc_server_interceptor(GrpcAuth(secret), f"KV service of {engine_id}")])
         # transfer.backend torch_dist: the bytes go over pair channels (transfer/channels.py).
-        self._channels = ChannelHost(host, channel_backend, wait_s) if channel_backend else None
+        self._channels = (ChannelHost(advertise or host, channel_backend, wait_s, channel_liveness_key(secret))
+                          if channel_backend else None)
         service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels,
                                     channel_chunk_bytes)
         self._server.add_generic_rpc_handlers((_handlers(service),))

@@ -49,6 +49,11 @@ class KvTransferStub:
                 request_serializer=kv__transfer__pb2.OpenChannelRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.OpenChannelReply.FromString,
                 _registered_method=True)
+        self.ChannelStore = channel.unary_unary(
+                '/pdcluster.transfer.KvTransfer/ChannelStore',
+                request_serializer=kv__transfer__pb2.StoreRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.StoreReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdcluster.transfer.KvTransfer/Release',
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -75,8 +80,16 @@ class KvTransferServicer:
 
     def OpenChannel(self, request, context):
         """Open a torch.distributed data channel between this P and the asking D
-        (transfer.backend: torch_dist): P answers with its store's port at once and
-        joins the rendezvous in the background; D then joins too.
+        (transfer.backend: torch_dist): P makes the channel's store and answers at
+        once, joining the rendezvous in the background; D then joins too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChannelStore(self, request, context):
+        """One operation on an open channel's rendezvous store (transfer/channel_store.py):
+        the store lives in this service, so only the cluster's processes reach it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +119,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.OpenChannel,
                     request_deserializer=kv__transfer__pb2.OpenChannelRequest.FromString,
                     response_serializer=kv__transfer__pb2.OpenChannelReply.SerializeToString,
+            ),
+            'ChannelStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChannelStore,
+                    request_deserializer=kv__transfer__pb2.StoreRequest.FromString,
+                    response_serializer=kv__transfer__pb2.StoreReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -194,6 +212,33 @@ class KvTransfer:
             '/pdcluster.transfer.KvTransfer/OpenChannel',
             kv__transfer__pb2.OpenChannelRequest.SerializeToString,
             kv__transfer__pb2.OpenChannelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChannelStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.transfer.KvTransfer/ChannelStore',
+            kv__transfer__pb2.StoreRequest.SerializeToString,
+            kv__transfer__pb2.StoreReply.FromString,
             options,
             channel_credentials,
             insecure,

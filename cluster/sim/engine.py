@@ -40,6 +40,7 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
+from pdcluster.cluster.network import host_port, instance_address, instance_planes
 from pdcluster.cluster.request_channel import ServesRequestChannel
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
@@ -83,8 +84,11 @@ class SimEngineActor(ServesRequestChannel):
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
         t0 = time.time()
         assert spec.sim is not None, "engine: sim without a sim: section (spec validation should have caught it)"
+        import ray
+
         self.spec, self.role, self.index = spec, role, index
-        check_ports_free(listen_ports(spec, role, index))
+        self.address = instance_address(spec.network, ray.util.get_node_ip_address())
+        check_ports_free(listen_ports(spec, role, index, self.address.bind))
         eng = spec.role_engine(role)
         self.name = f"{role}-{index}"
         self.engine_id = f"{spec.name}-{self.name}"
@@ -108,23 +112,27 @@ class SimEngineActor(ServesRequestChannel):
 
             kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale)
             kv_port = spec.kv_port(role, index)
-            self.kv_address = f"{t.host}:{kv_port}"
-            self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, t.host, kv_port,
+            self.kv_address = host_port(self.address.advertise, kv_port)
+            self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, self.address.bind, kv_port,
                                          t.chunk_bytes, t.lease_s, t.timeout_s, t.break_transfers_with_prefix,
-                                         DEVICES[spec.device].collective_backend)
+                                         DEVICES[spec.device].collective_backend, spec.secret(),
+                                         advertise=self.address.advertise)
         else:
             self._d_kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale, RecordingPagedKv)
         self.publisher = self._event_publisher()
+        self.serve_requests_on(self.address, spec.secret())
         self.scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.started_s = time.time() - t0
 
     def _event_publisher(self) -> EventPublisher:
+        from pdcluster.cluster.auth import curve_keys
         from pdcluster.router.kv_event_wire import engine_kv_events_config
 
-        cfg = engine_kv_events_config(self.spec, self.role, self.index)
-        return EventPublisher(cfg["endpoint"], cfg["replay_endpoint"], topic=cfg["topic"])
+        cfg = engine_kv_events_config(self.spec, self.role, self.index, self.address.bind)
+        return EventPublisher(cfg["endpoint"], cfg["replay_endpoint"], topic=cfg["topic"],
+                              curve=curve_keys(self.spec.secret()))
 
     def _publish(self, events) -> None:
         self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
@@ -137,7 +145,7 @@ class SimEngineActor(ServesRequestChannel):
             if self.role == "decode":
                 hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, self._d_kv,
                                                      self.config.block_size, self.cost, self.spec.transfer.timeout_s,
-                                                     loop)
+                                                     loop, self.spec.secret())
             self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish)
             hooks.scheduler = self.scheduler
             self._task = loop.create_task(self.scheduler.run())
@@ -151,14 +159,16 @@ class SimEngineActor(ServesRequestChannel):
 
     # ------------------------------------------------------------------ EngineActor's interface
 
-    def info(self) -> InstanceInfo:
+    async def info(self) -> InstanceInfo:
         import ray
 
         extra = {"engine": "sim", "kv_blocks": self.pool.num_blocks - 1, "payload_scale": self.spec.sim.payload_scale,
                  "payload_bytes_per_block": self.payload_bytes_per_block}
+        planes = instance_planes(self.address, await self.open_channel(),
+                                 self.spec.kv_event_ports(self.role, self.index))
         return InstanceInfo(name=self.name, role=self.role, index=self.index, node_ip=ray.util.get_node_ip_address(),
                             pid=os.getpid(), kv_address=self.kv_address, engine_id=self.engine_id,
-                            started_s=self.started_s, extra=extra)
+                            started_s=self.started_s, extra=extra, planes=planes)
 
     def clock(self) -> int:
         return time.monotonic_ns()

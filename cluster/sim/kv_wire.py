@@ -37,6 +37,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from pdcluster.cluster.auth import CurveKeys, zmq_secure_server
+
 log = logging.getLogger(__name__)
 
 BlockHash = bytes
@@ -119,7 +121,9 @@ class EventPublisher:
     """One thread owns both sockets (ZMQ sockets are not thread-safe); `publish` only queues."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "", buffer_steps: int = 10_000,
-                 hwm: int = 100_000, data_parallel_rank: int = 0):
+                 hwm: int = 100_000, data_parallel_rank: int = 0, *, curve: CurveKeys | None):
+        """`curve`: serve only the cluster's processes (CURVE, cluster/auth.py), as the engines'
+        patched vLLM publisher does; None only for tests of the wire format."""
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
@@ -127,14 +131,16 @@ class EventPublisher:
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
-        # As vLLM: bind a wildcard (or ipc/inproc) address, connect to any other.
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
+        if curve is not None:
+            zmq_secure_server(self._pub, curve, f"KV events at {endpoint}")
+        # Bound, as the engines' patched vLLM publisher binds it (vLLM itself connects a PUB
+        # endpoint that is not a wildcard).
+        self._pub.bind(endpoint)
         self._replay = None
         if replay_endpoint is not None:
             self._replay = ctx.socket(zmq.ROUTER)
+            if curve is not None:
+                zmq_secure_server(self._replay, curve, f"KV-event replay at {replay_endpoint}")
             self._replay.bind(replay_endpoint)
         self._running = True
         self._thread = threading.Thread(target=self._run, daemon=True, name="sim-kv-events")
