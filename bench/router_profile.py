@@ -30,7 +30,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
                                    "record_prefill", "record_decode_end", "_record_tokens", "RequestRecord.mark",
                                    "prometheus_client")),
     ("routing: hash, match, pick", ("InstancePicker", "chain_hashes", "pick_prefill", "pick_decode", "KvEventFeed")),
-    ("request channel: pickle, send, receive", ("request_channel.py",)),
+    ("request channel: encode, send, receive", ("request_channel.py", "channel_wire.py")),
     ("Ray: (de)serialize messages", ("ray/_private/serialization.py", "cloudpickle", "msgpack")),
     ("Ray: submit prefill/decode calls", ("ray/actor.py",)),
     ("Ray: await results and stream items", ("object_ref_generator.py", "PDDispatcher._next_delta",
