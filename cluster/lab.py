@@ -5,8 +5,9 @@ root namespace) and per host k a namespace `<name>-host<k>` joined to it by a ve
 (`<name>-h<k>` on the bridge, `<name>-h<k>ns` inside, with the subnet's (k+1)-th address); a Ray
 head in the root namespace and a Ray worker node in each namespace, labelled `pdc-host=head|host<k>`
 (pin an actor with `.options(label_selector={"pdc-host": "host1"})`). Faults: `set_link`,
-`kill_host`, `revive_host`; `shape` puts tbf on both directions of a link (the tc part is
-cluster/lab_tc.py). Needs root and iproute2.
+`kill_host`, `revive_host`; `partition(a, b)` / `heal(a, b)` cut and restore the path between two
+hosts only; `shape` puts tbf on both directions of a link (the tc part is cluster/lab_tc.py).
+Needs root and iproute2.
 
 Contracts:
 - All is named from `name` and written to `<PDC_LAB_DIR or /tmp/pdc-lab>/<name>/state.json` before
@@ -17,6 +18,8 @@ Contracts:
 - Each Ray node has its own `--temp-dir`: a plain `ray.init()` elsewhere starts its own cluster.
   `ray.init(address="auto")` does join the lab (Ray finds any raylet on the machine by its command
   line), and `ray stop` kills the lab's nodes too.
+- Shaping and partitions are recorded in the state file (`LabHost.rate`, `.partitioned_from`) and
+  live in qdiscs on the veths: `down` removes them with the veths.
 - Ray declares a vanished node dead within HEALTH_CHECK_BOUND_S. A link down for longer ends that
   host's Ray node for good (its raylet exits once it hears): `revive_host` starts a new one.
 """
@@ -35,11 +38,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
-from pdcluster.cluster.lab_tc import DEFAULT_LATENCY, LabError, LinkEnd, set_tbf, tbf_args
+from pdcluster.cluster.lab_tc import LabError, LinkControl, tbf_args
 from pdcluster.cluster.lab_tc import run as _run
 
 LABEL_KEY = "pdc-host"
@@ -69,6 +72,7 @@ class LabHost:
     temp_dir: str  # its Ray node's --temp-dir
     rate: str | None = None  # tbf on both ends; None: unshaped
     latency: str | None = None
+    partitioned_from: list[str] = field(default_factory=list)  # hosts cut from this one (both ways)
 
     @property
     def selector(self) -> dict[str, str]:
@@ -167,8 +171,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 @dataclass
-class Lab:
-    """A lab's plan and, once up, its Ray address. Make one with `Lab.up`, find it with `Lab.attach`."""
+class Lab(LinkControl):
+    """A lab's plan and, once up, its Ray address. Make one with `Lab.up`, find it with `Lab.attach`.
+    Shaping and partitions (`shape`, `partition`, `heal`, `partitions`) are in LinkControl."""
 
     name: str
     subnet: str
@@ -310,14 +315,6 @@ class Lab:
         h, state = self.host(host), "up" if up else "down"
         _run(["ip", "link", "set", h.veth, state])
         _run(["ip", "-n", h.netns, "link", "set", h.peer, state])
-
-    def shape(self, host: Host | None, rate: str | None, latency: str | None = None) -> None:
-        """tbf on the egress of both ends of a host's link (None: every host's); rate None unshapes."""
-        for h in self.hosts if host is None else [self.host(host)]:
-            for end in (LinkEnd(None, h.veth), LinkEnd(h.netns, h.peer)):
-                set_tbf(end, rate, latency)
-            h.rate, h.latency = rate, (latency or DEFAULT_LATENCY) if rate else None
-        self._save()
 
     # ---- processes ----
 

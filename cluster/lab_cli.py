@@ -1,6 +1,6 @@
 """`pdc lab ...`: the multi-host lab (cluster/lab.py) from the command line.
 
-`add_lab_commands(subparsers)` adds `pdc lab up|status|down|exec|link|kill|revive` to an existing
+`add_lab_commands(subparsers)` adds `pdc lab up|status|down|exec|link|kill|revive|partition|heal` to an existing
 `pdc` parser; each sets `fn`, which the caller runs as `args.fn(args)`. A lab error is one line on
 stderr and exit code 2.
 """
@@ -34,6 +34,8 @@ def _print_hosts(lab: Lab) -> None:
     for h in lab.hosts:
         shaping = f"  tbf {h.rate} latency {h.latency}" if h.rate else ""
         print(f"  {h.name:<8} {h.address:<15} label {LABEL_KEY}={h.label:<6} (netns {h.netns}){shaping}")
+    if lab.partitions:
+        print("partitions: " + ", ".join(f"{a} <-> {b}" for a, b in lab.partitions))
     print(f"ray_address: {lab.ray_address}")
 
 
@@ -92,6 +94,14 @@ def _revive(a: argparse.Namespace) -> None:
     print(f"{a.host}: link up, a new Ray node joined")
 
 
+def _partition(a: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    lab = Lab.attach(a.name)
+    (lab.partition if a.lab_cmd == "partition" else lab.heal)(a.a, a.b)
+    what = "cut (both ways; each still reaches the head and the other hosts)" if a.lab_cmd == "partition" else "healed"
+    print(f"{lab.host(a.a).name} <-> {lab.host(a.b).name}: {what} in {(time.monotonic() - t0) * 1e3:.0f} ms")
+
+
 def add_lab_commands(sub: argparse._SubParsersAction) -> None:
     lab = sub.add_parser("lab", help="one machine rehearsing N hosts (network namespaces, a Ray node each)")
     cmds = lab.add_subparsers(dest="lab_cmd", required=True)
@@ -117,6 +127,11 @@ def add_lab_commands(sub: argparse._SubParsersAction) -> None:
     link.add_argument("state", choices=["up", "down"])
     add("kill", _kill, "crash a host: link down, then SIGKILL every process in it").add_argument("host")
     add("revive", _revive, "link up and a new Ray node with the same label").add_argument("host")
+    for name, help_ in (("partition", "cut the path between hosts A and B silently, both ways, and only it"),
+                        ("heal", "lift the partition between hosts A and B")):
+        p = add(name, _partition, help_)
+        p.add_argument("a", metavar="A")
+        p.add_argument("b", metavar="B")
 
 
 if __name__ == "__main__":  # python -m pdcluster.cluster.lab_cli lab up ...
