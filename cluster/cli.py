@@ -7,7 +7,7 @@
   pdc demo [SPEC.yaml] [--replay c90]                up, a few requests, a replay, down (the README's main job)
   pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
   pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
-  pdc lab up|status|down|exec|link|kill|revive         rehearse N hosts on this machine (cluster/lab.py)
+  pdc lab up|status|down|exec|link|kill|revive|partition|heal   rehearse N hosts (cluster/lab.py)
 """
 
 from __future__ import annotations
