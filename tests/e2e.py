@@ -172,3 +172,36 @@ def serve_over_each_transport(cluster, prompts: list[list[int]], wants: list[lis
                 assert r.status_code == 200, (name, r.text)
                 out.append((p, r.json(), want))
     return out
+
+
+def seed_prompts_000() -> tuple[list[int], list[int], list[int]]:
+    """The first seed's prompts (../shared/seeds/000): A and B share a 1,024-token document and
+    differ in a 14-token question; B' is B with token 17 changed."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    doc = tok.encode("Prefix caching saves prefill computation, not memory. " * 200)[:1024]
+    suffix_a = tok.encode(" Question A: briefly describe what the cache does.")[:14]
+    suffix_b = tok.encode(" Question B: what computation can repeated input save?")[:14]
+    assert len(doc) == 1024 and len(suffix_a) == len(suffix_b) == 14
+    a, b = doc + suffix_a, doc + suffix_b
+    b_changed = list(b)
+    b_changed[17] = (b[17] + 1) % len(tok)
+    return a, b, b_changed
+
+
+class RunsCode:
+    """Unpickled, writes `marker`: proof, for the security tests, that something unpickled it."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "unpickled"))
+
+
+def evil_pickle(marker) -> bytes:
+    import pickle
+
+    return pickle.dumps([RunsCode(marker)], protocol=5)
+

@@ -9,12 +9,11 @@ intruders dial those addresses without the cluster secret.
 from __future__ import annotations
 
 import asyncio
-import pickle
 
 import httpx
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, reset_caches, tiny_model_dir
+from e2e import assert_no_kv_in_use, cluster_spec_for, evil_pickle, reset_caches, seed_prompts_000, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +32,12 @@ def lab():
 @pytest.fixture(scope="module")
 def cluster(lab):
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.spec import PlacementSpec
 
-    spec = cluster_spec_for("e2e-multihost", ray_address=lab.ray_address,
-                            prefill={"placement": {"labels": {"pdc-host": "host1"}}},
-                            decode={"placement": {"labels": {"pdc-host": "host2"}}},
-                            auth={"api_keys": [API_KEY]})
+    spec = cluster_spec_for("e2e-multihost", ray_address=lab.ray_address, auth={"api_keys": [API_KEY]})
+    spec = spec.model_copy(update={  # each role on its own host, by the lab's labels
+        role: getattr(spec, role).model_copy(update={"placement": PlacementSpec(labels={"pdc-host": host})})
+        for role, host in (("prefill", "host1"), ("decode", "host2"))})
     ray.init(address=lab.ray_address, namespace=NAMESPACE, log_to_driver=False)
     try:
         c = build_cluster(spec)
@@ -82,16 +82,7 @@ def test_each_role_runs_on_its_host_and_every_plane_binds_that_hosts_address(lab
 
 @pytest.fixture(scope="module")
 def seed_prompts():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
-    doc = tok.encode("Prefix caching saves prefill computation, not memory. " * 200)[:1024]
-    suffix_a = tok.encode(" Question A: briefly describe what the cache does.")[:14]
-    suffix_b = tok.encode(" Question B: what computation can repeated input save?")[:14]
-    a, b = doc + suffix_a, doc + suffix_b
-    b_changed = list(b)
-    b_changed[17] = (b[17] + 1) % len(tok)
-    return a, b, b_changed
+    return seed_prompts_000()
 
 
 def test_the_first_seed_across_hosts(cluster, reference, seed_prompts):
@@ -134,16 +125,6 @@ def test_the_api_wants_a_key_and_health_does_not(cluster, seed_prompts):
     assert run(cluster, [1, 2, 3], 2)[0]  # with the key
 
 
-class RunsCode:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return (Path.write_text, (Path(self.marker), "unpickled"))
-
-
 async def _intrude_stream(host: str, port: int, payload: bytes) -> bytes:
     """Connect, send `payload` after whatever the server says first; what the server sent before closing."""
     reader, writer = await asyncio.open_connection(host, port)
@@ -163,7 +144,7 @@ def test_every_plane_on_a_lab_address_refuses_peers_without_the_secret(cluster, 
     from pdcluster.transfer import kv_transfer_pb2 as pb
 
     marker = tmp_path / "ran"
-    evil = pickle.dumps([RunsCode(marker)])
+    evil = evil_pickle(marker)
     infos = {i.name: i for i in cluster.infos}
     # The request channels (P's and D's): garbage, a pickle, a made-up proof. Each is dropped.
     for name in ("prefill-0", "decode-0"):

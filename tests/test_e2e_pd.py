@@ -21,6 +21,7 @@ from e2e import (
     complete,
     reset_caches,
     running_cluster,
+    seed_prompts_000,
     tiny_model_dir,
     transfer_as,
     wait_until,
@@ -63,17 +64,7 @@ def run(cluster, prompt, max_tokens=16):
 
 @pytest.fixture(scope="module")
 def seed_prompts():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
-    doc = tok.encode("Prefix caching saves prefill computation, not memory. " * 200)[:1024]
-    suffix_a = tok.encode(" Question A: briefly describe what the cache does.")[:14]
-    suffix_b = tok.encode(" Question B: what computation can repeated input save?")[:14]
-    assert len(doc) == 1024 and len(suffix_a) == len(suffix_b) == 14
-    a, b = doc + suffix_a, doc + suffix_b
-    b_changed = list(b)
-    b_changed[17] = (b[17] + 1) % len(tok)
-    return a, b, b_changed
+    return seed_prompts_000()
 
 
 def test_seed_cold_warm_changed(cluster, reference, seed_prompts):

@@ -524,7 +524,7 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
                                                                                  tmp_path, caplog):
     """A peer that reaches P's port: no token, another cluster's, a replayed one, raw bytes, a
     pickle. Each is refused before P reads a block or its lease; D then reads as ever."""
-    import pickle
+    from e2e import evil_pickle
 
     from pdcluster.cluster.auth import AUTH_METADATA_KEY
 
@@ -556,7 +556,7 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
     marker = tmp_path / "ran"
     evil = raw.unary_unary("/pdcluster.transfer.KvTransfer/Release")
     with pytest.raises(grpc.RpcError):
-        evil(pickle.dumps(_RunsCode(marker)), timeout=5)
+        evil(evil_pickle(marker), timeout=5)
     raw.close()
     # Raw garbage on the port: not HTTP/2, the connection is dropped.
     host, port = p.server.address.rsplit(":", 1)
@@ -574,16 +574,6 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
     d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (1, 2, 3, 4)))
     r = wait_results(d.fetcher, {"d-r1"})
     assert (r.finished, r.failed) == ({"d-r1"}, set())  # the lease was still there
-
-
-class _RunsCode:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return (Path.write_text, (Path(self.marker), "unpickled"))
 
 
 def test_injected_fault_breaks_the_transfer_halfway(make_d):

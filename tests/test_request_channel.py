@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from e2e import evil_pickle
 from ray.exceptions import ActorDiedError
 
 from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
@@ -298,24 +299,6 @@ def test_an_engine_whose_port_refuses_fails_the_connect_naming_it():
 
 
 # ---- peers without the cluster secret
-
-
-class RunsCode:
-    """A pickle whose unpickling writes `marker`: proof that something unpickled it."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        from pathlib import Path
-
-        return (Path.write_text, (Path(self.marker), "unpickled"))
-
-
-def evil_pickle(marker) -> bytes:
-    import pickle
-
-    return pickle.dumps([RunsCode(marker)], protocol=5)
 
 
 async def refused_after(host: str, port: int, payload: bytes, timeout: float = 5.0) -> bytes:
