@@ -161,6 +161,25 @@ def _kill_all(find, reap: bool, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def use_ray_token() -> None:
+    """Ray token auth for the lab's nodes and for this process, with the machine's own Ray token
+    (~/.ray/auth_token, made if missing), as one real cluster shares one token. Why not disabled:
+    a process that ever ran a local ray.init() is in token mode for good (Ray's default since 2.52),
+    and its driver then refuses every call from nodes without the token."""
+    from ray._private.authentication import authentication_token_setup as ray_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    if os.environ.get(ray_auth.AUTH_MODE_ENV_VAR, "token").lower() != "token":
+        raise LabError(f"{ray_auth.AUTH_MODE_ENV_VAR}={os.environ[ray_auth.AUTH_MODE_ENV_VAR]} in this process, "
+                       "but the lab's Ray uses token auth: unset it")
+    loader = AuthenticationTokenLoader.instance()
+    if not loader.has_token(ignore_auth_mode=True):
+        ray_auth.generate_and_save_token()
+        loader.reset_cache()
+    if ray_auth.AUTH_MODE_ENV_VAR not in os.environ:
+        ray_auth._enable_token_auth()  # the lab's own GCS calls (ray_nodes) carry the token
+
+
 def _free_ports(n: int) -> list[int]:
     """n distinct ports free on every address (the sockets are held together so that they differ)."""
     socks = [socket.create_server(("", 0)) for _ in range(n)]
@@ -232,6 +251,7 @@ class Lab(LinkControl):
             lab._make_network()
             if rate is not None:
                 lab.shape(None, rate, latency)
+            use_ray_token()
             lab._start_head(timeout_s)
             lab._start_workers(lab.hosts, timeout_s)
             lab.wait_for_nodes({HEAD_LABEL: lab.head_address} | {h.label: h.address for h in lab.hosts}, timeout_s)
@@ -320,9 +340,7 @@ class Lab(LinkControl):
 
     def _env(self, address: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        # Auth mode explicit: left unset, Ray turns token auth on when ~/.ray/auth_token exists, which
-        # a plain ray.init() elsewhere may create at any time.
-        return env | {"VLLM_HOST_IP": address, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        return env | {"VLLM_HOST_IP": address, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _ray_start(self, *args: str, temp_dir: str, label: str) -> list[str]:
         return [str(Path(sys.executable).parent / "ray"), "start", *args, f"--temp-dir={temp_dir}",
@@ -415,6 +433,7 @@ class Lab(LinkControl):
         from ray._raylet import GcsClient
         from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
+        use_ray_token()
         infos = GcsClient(address=self.ray_address).get_all_node_info(timeout=10).values()
         return [RayNode(node_id=i.node_id.hex(), address=i.node_manager_address, label=i.labels.get(LABEL_KEY, ""),
                         alive=i.state == GcsNodeInfo.GcsNodeState.ALIVE) for i in infos]
