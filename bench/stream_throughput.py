@@ -18,6 +18,7 @@ last byte in its cache. P is pinned to core 0 and D to core 1 (as the cluster bi
 unless --no-pin. --profile adds where the gRPC path's time goes (see profile()).
 
 usage: python -m pdcluster.bench.stream_throughput [--tokens 131072] [--trials 7] [--profile]
+(bench/stream_veth.py runs P and D on two hosts of the multi-host lab instead, across the veth.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ BLOCK_SIZE = 128
 DTYPE = torch.bfloat16
 HOST = "127.0.0.1"
 MIB = 1 << 20
+# P's KV service admits only callers with the cluster secret (cluster/auth.py): the env's, else this
+BENCH_SECRET = os.environ.get("PDC_CLUSTER_SECRET") or "stream-bench-secret-0123456789"
 # --profile: glibc malloc that keeps chunk-sized buffers (see stream_profile.py)
 MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * MIB), "MALLOC_TRIM_THRESHOLD_": str(256 * MIB)}
 
@@ -122,52 +125,94 @@ def grpc_source_table(kv_layers: dict[str, int], ids: list[int], count: int):
     return table
 
 
-def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int], transport: str = "grpc"):
-    """D's load of source r{t}: every block of P's table, into d_ids."""
+def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int], transport: str = "grpc", first: int = 0):
+    """D's load of source r{t} (num_blocks blocks): P's blocks first.. (every one by default), into d_ids."""
     from pdcluster.transfer.grpc_client import LoadJob
     from pdcluster.transfer.handle import TransferHandle
     from pdcluster.transfer.plan import GroupPlan, TransferPlan
 
     tokens = num_blocks * BLOCK_SIZE
-    plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(num_blocks)), tuple(d_ids)),), 0, tokens)
+    remote = tuple(range(first, first + len(d_ids)))
+    plan = TransferPlan((GroupPlan(0, "full_attention", remote, tuple(d_ids)),), 0, tokens)
     return LoadJob(f"d{t}", TransferHandle("bench-P", address, f"r{t}", tokens, transport), plan)
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """n items in `parts` consecutive (start, count) runs, as even as can be (none empty)."""
+    parts = max(1, min(parts, n))
+    return [(k * n // parts, (k + 1) * n // parts - k * n // parts) for k in range(parts)]
+
+
+def stripes(regions: list[memoryview], parts: int) -> list[list[memoryview]]:
+    """Each region cut in `parts` runs; stream k moves run k of every region (parallel raw TCP)."""
+    out = [[] for _ in range(max(1, parts))]
+    for r in regions:
+        for k, (start, count) in enumerate(split(len(r), parts)):
+            out[k].append(r[start:start + count])
+    return out
+
+
+def in_threads(fn, items: list) -> None:
+    """fn(item) for each item, each in its own thread (one: in this one); re-raises the first failure."""
+    if len(items) == 1:
+        fn(items[0])
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        for f in [pool.submit(fn, x) for x in items]:
+            f.result()
 
 
 # ---------------------------------------------------------------- P
 
 
-def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, ready) -> None:
-    from pdcluster.transfer.dist_channel import host_store, open_channel, send_blocks
+def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, ready, host: str = HOST,
+            secret: str = BENCH_SECRET, streams: int = 1) -> None:
+    """P: KV services (one per chunk size) over shape's blocks, a gloo channel, raw TCP sockets on
+    `host`; their addresses go to ready.put(); then it serves D's commands until "quit"."""
+    from pdcluster.transfer.dist_channel import send_blocks
     from pdcluster.transfer.grpc_server import KvServer
     from pdcluster.transfer.paged_kv import PagedKv
+    from pdcluster.transfer.sources import SourceTable
 
     pin(core)
     src = caches(shape, fill=True)
     groups = dict.fromkeys(src, 0)
     kv = PagedKv(src, groups, shape.num_blocks + 1)
     ids = block_ids(shape, False, 0)
-    servers = {c: KvServer("bench-P", kv, grpc_source_table(groups, ids, jobs), HOST, 0, c, channel_backend="gloo",
-                           channel_chunk_bytes=c)
+    servers = {c: KvServer("bench-P", kv, grpc_source_table(groups, ids, jobs), host, 0, c, secret=secret,
+                           channel_backend="gloo", channel_chunk_bytes=c)
                for c in grpc_chunks}
-    data = socket.create_server((HOST, 0))
-    ctrl = socket.create_server((HOST, 0))
-    store = host_store(HOST, 0, 60)
+    # The gloo channel alone: opened by D through a KV service of its own, as transfers open theirs.
+    chan_server = KvServer("bench-P-channel", PagedKv({}, {}, 0), SourceTable({}, ()), host, 0, MIB, secret=secret,
+                           channel_backend="gloo")
+    data = socket.create_server((host, 0))
+    ctrl = socket.create_server((host, 0))
     ready.put({"grpc": {c: s.address for c, s in servers.items()}, "data": data.getsockname()[1],
-               "ctrl": ctrl.getsockname()[1], "store": store.port})
-    ch = open_channel("p", HOST, store.port, "gloo", 120, name="bench", store=store)
-    # Two data connections: kernel-default buffers, and the send buffer gloo asks for on its
-    # sockets (min(message, 32 MiB), which the kernel caps at net.core.wmem_max).
-    dconns = [data.accept()[0], data.accept()[0]]
-    dconns[1].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * MIB)
+               "ctrl": ctrl.getsockname()[1], "channel": chan_server.address})
+    channels = chan_server._channels
+    deadline = time.monotonic() + 120
+    while not channels.opened():
+        if time.monotonic() > deadline:
+            raise TimeoutError("D opened no gloo channel in 120 s")
+        time.sleep(0.01)
+    ch = channels.get(channels.opened()[0])
+    # 1 + streams data connections: kernel-default buffers, and `streams` with the send buffer gloo
+    # asks for on its sockets (min(message, 32 MiB), which the kernel caps at net.core.wmem_max).
+    dconns = [data.accept()[0] for _ in range(1 + streams)]
+    for c in dconns[1:]:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * MIB)
     cconn, _ = ctrl.accept()
     # Raw TCP sends each layer's request blocks as they lie in P's cache (blocks 1..n: one run).
     regions = [memoryview(t[1:].view(torch.uint8).numpy()).cast("B") for t in src.values()]
     with cconn.makefile("r") as commands:
         for line in commands:
             cmd, *args = line.split()
-            if cmd == "raw":
-                for r in regions:
-                    dconns[int(args[0])].sendall(r)
+            if cmd == "raw":  # raw FIRST N: over data connections FIRST..FIRST+N-1, one stripe each
+                first, n = int(args[0]), int(args[1])
+                in_threads(lambda job: [job[0].sendall(r) for r in job[1]],
+                           list(zip(dconns[first:first + n], stripes(regions, n), strict=True)))
             elif cmd == "gloo":
                 first_tag, chunk, shuffled = int(args[0]), int(args[1]), args[2] == "1"
                 p_ids = block_ids(shape, shuffled, seed=1)
@@ -175,7 +220,7 @@ def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, r
             elif cmd == "quit":
                 break
     ch.close()
-    for s in servers.values():
+    for s in [*servers.values(), chan_server]:
         s.stop()
     _exit_now()
 
@@ -183,57 +228,87 @@ def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, r
 # ---------------------------------------------------------------- D (this process) and the trials
 
 
+def sources_needed(trials: int, streams: int) -> int:
+    """Sources each of P's KV services holds: a pull of N streams takes N (one per part), and each
+    service serves a gRPC and a torch_dist method per stream count, checked once, then trials times."""
+    return 4 * (trials + 1) * streams
+
+
 class Bench:
-    def __init__(self, shape: Shape, grpc_chunks: list[int], gloo_chunks: list[int], trials: int, pin_cores: bool):
-        from pdcluster.transfer.dist_channel import open_channel
-        from pdcluster.transfer.grpc_client import KvFetcher
+    """D, in this process. `p`: P's addresses (what _p_main put), for a P already running on `host`
+    (bench/stream_veth.py); else P is spawned here on loopback."""
+
+    def __init__(self, shape: Shape, grpc_chunks: list[int], trials: int, pin_cores: bool, host: str = HOST,
+                 p: dict | None = None, streams: int = 1, secret: str = BENCH_SECRET):
+        from pdcluster.cluster.auth import GrpcAuth
+        from pdcluster.transfer.channels import ChannelPool
+        from pdcluster.transfer.dist_channel import channel_liveness_key
+        from pdcluster.transfer.grpc_client import KvFetcher, kv_stub
         from pdcluster.transfer.paged_kv import PagedKv
 
-        self.shape = shape
-        ctx = mp.get_context("spawn")
-        ready = ctx.Queue()
-        self.proc = ctx.Process(target=_p_main, daemon=True,
-                                args=(shape, grpc_chunks, 4 * (trials + 1), 0 if pin_cores else None, ready))
-        self.proc.start()
-        ports = ready.get(timeout=120)
+        self.shape, self.proc = shape, None
+        if p is None:
+            ctx = mp.get_context("spawn")
+            ready = ctx.Queue()
+            self.proc = ctx.Process(target=_p_main, daemon=True, args=(
+                shape, grpc_chunks, sources_needed(trials, streams), 0 if pin_cores else None, ready, HOST, secret,
+                streams))
+            self.proc.start()
+            p = ready.get(timeout=120)
         pin(1 if pin_cores else None)
         self.dst = caches(shape, fill=False)
         self.kv = PagedKv(self.dst, dict.fromkeys(self.dst, 0), shape.num_blocks + 1)
-        self.fetcher = KvFetcher("bench-D", self.kv, timeout_s=120)
-        self.grpc = ports["grpc"]
-        self.ch = open_channel("d", HOST, ports["store"], "gloo", 120, name="bench")
-        self.data = [socket.create_connection((HOST, ports["data"])) for _ in range(2)]
-        self.ctrl = socket.create_connection((HOST, ports["ctrl"]))
+        self.fetcher = KvFetcher("bench-D", self.kv, timeout_s=120, secret=secret)
+        self.grpc = {int(c): a for c, a in p["grpc"].items()}
+        self.pool = ChannelPool("bench-D", 120, channel_liveness_key(secret))
+        self.ch = self.pool.get(p["channel"], kv_stub(p["channel"], GrpcAuth(secret))[1])
+        self.data = [socket.create_connection((host, p["data"])) for _ in range(1 + streams)]
+        self.ctrl = socket.create_connection((host, p["ctrl"]))
         self.regions = [memoryview(t[1:].view(torch.uint8).numpy()).cast("B") for t in self.dst.values()]
         self.grpc_trial = dict.fromkeys(grpc_chunks, 0)
 
     def _command(self, line: str) -> None:
         self.ctrl.sendall((line + "\n").encode())
 
-    def raw_tcp(self, big_sndbuf: bool) -> float:
+    def raw_tcp(self, big_sndbuf: bool, streams: int = 1) -> float:
+        """Over one connection (kernel-default buffers, or gloo's send buffer), or `streams` at once."""
+        first = int(big_sndbuf or streams > 1)
+
+        def recv(job) -> None:
+            conn, views = job
+            for r in views:
+                view, left = r, len(r)
+                while left:
+                    got = conn.recv_into(view, left)
+                    if not got:
+                        raise ConnectionError("P closed the data socket")
+                    view, left = view[got:], left - got
+
         t0 = time.perf_counter()
-        self._command(f"raw {int(big_sndbuf)}")
-        conn = self.data[int(big_sndbuf)]
-        for r in self.regions:
-            view, left = r, len(r)
-            while left:
-                got = conn.recv_into(view, left)
-                if not got:
-                    raise ConnectionError("P closed the data socket")
-                view, left = view[got:], left - got
+        self._command(f"raw {first} {streams}")
+        in_threads(recv, list(zip(self.data[first:first + streams], stripes(self.regions, streams), strict=True)))
         return time.perf_counter() - t0
 
-    def grpc_pull(self, chunk: int, transport: str = "grpc") -> float:
-        t = self.grpc_trial[chunk]
-        self.grpc_trial[chunk] += 1
+    def grpc_pull(self, chunk: int, transport: str = "grpc", streams: int = 1) -> float:
+        """One pull of every block, or `streams` pulls of a part each at once (the fetcher's threads)."""
         ids = block_ids(self.shape, False, 0)
-        job = grpc_job(self.grpc[chunk], t, len(ids), ids, transport)
+        jobs = []
+        for start, count in split(len(ids), streams):
+            t = self.grpc_trial[chunk]
+            self.grpc_trial[chunk] += 1
+            jobs.append(grpc_job(self.grpc[chunk], t, len(ids), ids[start:start + count], transport, start))
+        waiting, failed = {j.request_id for j in jobs}, set()
         t0 = time.perf_counter()
-        self.fetcher.submit(job)
-        while not (res := self.fetcher.take_results()).finished:
-            time.sleep(0.0002)
+        for job in jobs:
+            self.fetcher.submit(job)
+        while waiting:
+            res = self.fetcher.take_results()
+            waiting -= res.finished
+            failed |= res.failed
+            if waiting:
+                time.sleep(0.0002)
         elapsed = time.perf_counter() - t0
-        assert not res.failed, f"gRPC pull {t} at {chunk} B chunks failed"
+        assert not failed, f"gRPC pulls {sorted(failed)} at {chunk} B chunks ({transport}) failed"
         return elapsed
 
     def gloo(self, chunk: int, shuffled: bool = False) -> float:
@@ -262,8 +337,9 @@ class Bench:
     def close(self) -> None:
         self.fetcher.stop()
         self._command("quit")
-        self.proc.join(timeout=30)
-        self.ch.close()
+        if self.proc is not None:
+            self.proc.join(timeout=30)
+        self.pool.close()
 
 
 def main() -> None:
@@ -286,7 +362,7 @@ def main() -> None:
     if tuned := {k: os.environ[k] for k in MALLOC_TUNED if k in os.environ}:
         print(f"malloc: {' '.join(f'{k}={v}' for k, v in tuned.items())}", flush=True)
 
-    b = Bench(shape, grpc_chunks, gloo_chunks, a.trials, not a.no_pin)
+    b = Bench(shape, grpc_chunks, a.trials, not a.no_pin)
     methods = [("raw TCP, gloo's send buffer (the reference)", b.raw_tcp, (True,)),
                ("raw TCP, kernel-default buffers", b.raw_tcp, (False,))]
     methods += [(f"gRPC KvServer/KvFetcher, {c // MIB} MiB chunks", b.grpc_pull, (c,)) for c in grpc_chunks]
