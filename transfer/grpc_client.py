@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # and a job waits up to CONNECT_S for its P to accept a connection.
 CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 CONNECT_S = 5.0
+RELEASE_S = 5.0  # D's word to P that a lease may end
+RELEASE_AFTER_FAILURE_S = 1.0  # P may be cut off; its lease ends on its own
 
 
 class TransferError(RuntimeError):
@@ -122,11 +124,11 @@ class KvFetcher:
                 self._stubs[address] = kv_stub(address, self._auth)
             return self._stubs[address][1]
 
-    def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle) -> None:
+    def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle, deadline: float) -> None:
         """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
         if handle.address in self._checked_peers:
             return
-        wait_s = min(CONNECT_S, self._timeout_s)
+        wait_s = max(0.01, min(CONNECT_S, deadline - time.monotonic()))
         try:
             theirs = stub.GetLayout(pb.LayoutRequest(), timeout=wait_s, wait_for_ready=True)
         except grpc.RpcError as err:
@@ -143,12 +145,13 @@ class KvFetcher:
     def _run(self, job: LoadJob) -> None:
         ok = False
         start_ns = time.monotonic_ns()
+        deadline = time.monotonic() + self._timeout_s  # the whole job: connect, layout check, stream
         bytes_per_group = [0] * len(job.plan.groups)
         try:
             stub = self._stub(job.handle.address)
             if job.plan.num_blocks:
-                self._check_peer(stub, job.handle)
-                self._pull(stub, job, bytes_per_group)
+                self._check_peer(stub, job.handle, deadline)
+                self._pull(stub, job, bytes_per_group, deadline)
             ok = True
         except Exception as err:  # any failure fails this request, never the engine
             self._checked_peers.discard(job.handle.address)  # P may have restarted: wait for it next time
@@ -157,7 +160,8 @@ class KvFetcher:
             with self._lock:
                 self._calls.pop(job.request_id, None)
                 self._cancelled.discard(job.request_id)
-            self._release(job)
+            if ok:  # P's blocks free before D reports the load: the request's end finds P's cache free
+                self._release(job, timeout_s=RELEASE_S)
             # Only requests vLLM parked for this load wait for a result (a
             # release-only job is for a request that is not waiting).
             if job.plan.num_blocks:
@@ -167,8 +171,11 @@ class KvFetcher:
                     self._results.timings[job.request_id] = timing
                     if not ok:
                         self._results.failed.add(job.request_id)
+            if not ok:  # after the result: P may be cut off, and the request must not wait on it
+                self._release(job, timeout_s=RELEASE_AFTER_FAILURE_S)  # P's lease ends on its own anyway
 
-    def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob, bytes_per_group: list[int]) -> None:
+    def _pull(self, stub: pb_grpc.KvTransferStub, job: LoadJob, bytes_per_group: list[int],
+              deadline: float) -> None:
         t0 = time.perf_counter()
         request = pb.ReadBlocksRequest(transfer_id=job.handle.transfer_id, groups=[
             pb.GroupBlocks(group=g.group, block_indices=list(g.remote_indices)) for g in job.plan.groups if g.num_blocks
@@ -183,7 +190,7 @@ class KvFetcher:
             # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
             request.first_tag = channel.allocate_tags(sum(expected.values()))
         try:
-            self._receive(stub, job, request, expected, channel, bytes_per_group)
+            self._receive(stub, job, request, expected, channel, bytes_per_group, deadline)
         except Exception:
             # A transfer that failed midway may leave sends or receives posted: P drops its end
             # too (grpc_server.ReadBlocks), and the next transfer opens a new pair.
@@ -194,10 +201,11 @@ class KvFetcher:
                  sum(bytes_per_group) / 1e6, job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
 
     def _receive(self, stub: pb_grpc.KvTransferStub, job: LoadJob, request: pb.ReadBlocksRequest,
-                 expected: dict[str, int], channel: TensorChannel | None, bytes_per_group: list[int]) -> None:
+                 expected: dict[str, int], channel: TensorChannel | None, bytes_per_group: list[int],
+                 deadline: float) -> None:
         received: dict[str, set[int]] = {name: set() for name in expected}
         in_flight: deque[Pending] = deque()
-        call = stub.ReadBlocks(request, timeout=self._timeout_s)
+        call = stub.ReadBlocks(request, timeout=max(0.01, deadline - time.monotonic()))
         with self._lock:
             self._calls[job.request_id] = call
             if job.request_id in self._cancelled:  # cancelled before the call started
@@ -236,9 +244,10 @@ class KvFetcher:
         idx = torch.tensor(local, dtype=torch.long, device=view.device)
         return channel.recv_async(buf, tag).then(lambda: view.index_copy_(0, idx, buf), keep=buf)
 
-    def _release(self, job: LoadJob) -> None:
+    def _release(self, job: LoadJob, timeout_s: float) -> None:
         try:
-            self._stub(job.handle.address).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id), timeout=5.0)
+            self._stub(job.handle.address).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id),
+                                                   timeout=timeout_s)
         except grpc.RpcError as err:
             # P's lease expires on its own; nothing is lost but time.
             log.warning("could not release %s on %s: %s", job.handle.transfer_id, job.handle.address, err.code())
