@@ -1,0 +1,212 @@
+"""Faults across hosts, with real vLLM engines: the shipped 4-host P2D2 spec in the lab.
+
+deploy/lab-p2d2-tiny-cpu.yaml puts prefill-0/1 on host1/host2 and decode-0/1 on host3/host4;
+the router runs on the head. Two faults, each followed by its recovery:
+- P's hosts are cut from D's hosts in the middle of a transfer (dropped on the bridge: no FIN,
+  no RST; the router still reaches everyone). The request ends in transfer.on_failure's error
+  within transfer.timeout_s, P's lease frees its blocks, and after the heal requests succeed.
+- decode-1's host dies (link down, every process in it killed) while it streams. Its requests
+  end in 503 within the request channel's dead-peer bound, the survivors serve new requests,
+  and when the host rejoins Ray restarts decode-1 there and the router takes it back.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from e2e import assert_no_kv_in_use, free_port_run, tiny_model_dir, wait_until
+
+from pdcluster.cluster.channel_wire import DEAD_PEER_S
+from pdcluster.cluster.spec import parse_spec, read_yaml
+from pdcluster.router.timeline import load_run
+
+pytestmark = pytest.mark.e2e
+
+LAB_NAME, SUBNET = "pdcmf", "10.213.61.0/24"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "lab-p2d2-tiny-cpu.yaml"
+TIMEOUT_S, LEASE_S = 8.0, 12.0  # D's wait for KV; P's hold on blocks nobody released
+P_HOSTS, D_HOSTS = ("host1", "host2"), ("host3", "host4")
+# The tiny Qwen3's KV: 2 layers x (K, V) x 2 heads x 64 x fp32 = 2 KiB per token, so the
+# 7,000-token prompt's transfer is 14.3 MB: 5.7 s at 20 Mbit/s, and the cut at 2 s is mid-way.
+CUT_PROMPT_TOKENS, CUT_RATE, CUT_AFTER_S = 7000, "20mbit", 2.0
+
+
+@pytest.fixture(scope="module")
+def lab():
+    from pdcluster.cluster.lab import Lab
+
+    with Lab.up(hosts=4, name=LAB_NAME, subnet=SUBNET) as lab:
+        yield lab
+
+
+def lab_spec(ray_address: str):
+    """The shipped spec as a user runs it in the lab, on free ports and with short timeouts."""
+    data = read_yaml(DEPLOY, ValueError)
+    ports = free_port_run(3 * 4 + 1)
+    data["model"] = {"path": tiny_model_dir(), "name": "tiny-qwen3"}
+    data["ray_address"] = ray_address
+    data["transfer"] |= {"base_port": ports, "timeout_s": TIMEOUT_S, "lease_s": LEASE_S, "on_failure": "error"}
+    data["router"] |= {"port": ports + 12, "kv_events_port": ports + 4, "request_timeout_s": 120}
+    return parse_spec(data, str(DEPLOY))
+
+
+@pytest.fixture(scope="module")
+def cluster(lab):
+    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+
+    ray.init(address=lab.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        c = build_cluster(lab_spec(lab.ray_address))
+        try:
+            yield c
+        finally:
+            teardown(c)
+    finally:
+        ray.shutdown()  # before the lab goes
+
+
+def post(cluster, prompt, max_tokens: int = 3) -> tuple[httpx.Response, float]:
+    """(the response, its seconds)."""
+    t0 = time.monotonic()
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=180, json={"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True})
+    return r, time.monotonic() - t0
+
+
+def fresh_prompt(n: int) -> list[int]:
+    rng = random.Random()  # a new prefix every time: no cache anywhere holds it
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def health(cluster) -> dict[str, bool]:
+    return httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"]
+
+
+def in_flight(cluster, instance: str) -> float:
+    for line in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'pdc_in_flight{{instance="{instance}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def served_by(cluster, responses: list[httpx.Response]) -> set[str | None]:
+    """The decode instances that served these responses, from the run's timelines (a record is
+    written as its request ends, keyed by the response's id)."""
+    ids = {r.json()["id"] for r in responses}
+
+    def records():
+        got = {r.request_id: r.decode_instance for r in load_run(cluster.run_dir).records if r.request_id in ids}
+        return set(got.values()) if len(got) == len(ids) else None
+    return wait_until(records, 30, what="the requests' records")
+
+
+def in_parallel(calls) -> list:
+    out: list = [None] * len(calls)
+
+    def run(i, call):
+        out[i] = call()
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_the_shipped_p2d2_spec_puts_each_instance_on_its_host(lab, cluster):
+    hosts = {i.name: i.node_ip for i in cluster.infos}
+    assert hosts == {"prefill-0": lab.host("host1").address, "prefill-1": lab.host("host2").address,
+                     "decode-0": lab.host("host3").address, "decode-1": lab.host("host4").address}
+    r, _ = post(cluster, fresh_prompt(300))
+    assert r.status_code == 200, r.text
+
+
+def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab, cluster):
+    lab.shape(None, CUT_RATE)
+    try:
+        # Shaped and uncut, the prompt's transfer takes longer than the cut's delay: the cut is mid-way.
+        r, whole_s = post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))
+        assert r.status_code == 200 and r.json()["usage"]["pd"]["transferred_tokens"] == CUT_PROMPT_TOKENS, r.text
+        assert whole_s > CUT_AFTER_S * 2, f"the shaped transfer took only {whole_s:.1f} s"
+        threads, out = in_parallel([lambda: post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))])
+        time.sleep(CUT_AFTER_S)
+        for p in P_HOSTS:  # every P host from every D host: wherever the router sent it
+            for d in D_HOSTS:
+                lab.partition(p, d)
+        threads[0].join()
+        r, took_s = out[0]
+        print(f"shaped transfer {whole_s:.1f} s uncut; cut at {CUT_AFTER_S} s, the request ended at {took_s:.1f} s")
+        assert r.status_code == 502, r.text
+        error = r.json()["error"]
+        assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], error
+        # D's wait starts when it gets the request (with P's, in push mode): within timeout_s of it.
+        assert took_s < TIMEOUT_S + 2.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
+        # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
+        assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
+    finally:
+        for p in P_HOSTS:
+            for d in D_HOSTS:
+                lab.heal(p, d)
+        lab.shape(None, None)
+    # Healed: nothing restarted, every request goes through, with its KV transferred.
+    threads, out = in_parallel([lambda: post(cluster, fresh_prompt(1000)) for _ in range(4)])
+    for t in threads:
+        t.join()
+    for r, _ in out:
+        assert r.status_code == 200 and r.json()["usage"]["pd"]["transfer_error"] is None, r.text
+    assert all(health(cluster).values())
+
+
+def test_a_dead_decode_host_fails_its_requests_and_the_survivors_serve(lab, cluster):
+    # Long decodes, four at once, until decode-1 streams one of them.
+    calls = [lambda: post(cluster, fresh_prompt(300), max_tokens=1500) for _ in range(4)]
+    threads, out = in_parallel(calls)
+    wait_until(lambda: in_flight(cluster, "decode-1") > 0, 30, what="decode-1 streaming")
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    lab.kill_host("host4")
+    for t in threads:
+        t.join()
+    ended_s = time.monotonic() - killed_at
+    print(f"the dead host's requests ended {ended_s:.1f} s after the kill")
+    failed = [r for r, _ in out if r.status_code != 200]
+    assert failed, "no request was on decode-1"
+    for r in failed:  # as soon as the router knows, never a hang
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["type"] == "service_unavailable" and "decode-1" in error["message"], r.text
+    # The request channel's keepalive ends a silent connection within DEAD_PEER_S; Ray may say so
+    # sooner (the lab's health check declares a node dead in 4.5 s; Ray's default takes ~60 s).
+    assert ended_s < DEAD_PEER_S + 2.0, f"the dead host's requests ended {ended_s:.1f} s after the kill"
+    assert health(cluster)["decode-1"] is False
+    # The survivors serve everything new; nothing goes to the dead instance.
+    threads, out = in_parallel([lambda: post(cluster, fresh_prompt(300)) for _ in range(4)])
+    for t in threads:
+        t.join()
+    assert [r.status_code for r, _ in out] == [200] * 4, [r.text for r, _ in out]
+    assert served_by(cluster, [r for r, _ in out]) == {"decode-0"}
+    # P's blocks for the killed requests: D never released them, the lease does.
+    for inst in cluster.instances:
+        if inst.name != "decode-1":
+            wait_until(lambda: ray.get(inst.actor.load.remote()).kv_cache_usage == 0.0, LEASE_S + 10,
+                       what=f"{inst.name} KV usage back to 0")
+
+
+def test_the_host_rejoins_and_its_instance_comes_back_into_rotation(lab, cluster):
+    if health(cluster).get("decode-1", True):
+        pytest.skip("needs the dead host of the previous test")
+    lab.revive_host("host4")
+    t0 = time.monotonic()
+    wait_until(lambda: health(cluster)["decode-1"], 180, what="decode-1 back in the router")  # Ray restarts it
+    print(f"decode-1 back {time.monotonic() - t0:.0f} s after its host rejoined")
+    threads, out = in_parallel([lambda: post(cluster, fresh_prompt(300), max_tokens=64) for _ in range(6)])
+    for t in threads:
+        t.join()
+    assert [r.status_code for r, _ in out] == [200] * 6, [r.text for r, _ in out]
+    assert "decode-1" in served_by(cluster, [r for r, _ in out])
+    status = ray.get(cluster.router.kv_event_status.remote())
+    assert status["decode-1"].connected, status  # the feed redialed the restarted publisher
+    assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
