@@ -356,3 +356,31 @@ def test_bad_arguments():
         open_channel("x", local_store("x", 1.0), "gloo", 1.0, "x", HOST, KEY)
     with pytest.raises(ValueError, match="backend"):
         open_channel("d", local_store("y", 1.0), "mpi", 1.0, "y", HOST, KEY)
+
+
+def test_the_pool_replaces_a_channel_whose_peer_is_gone():
+    """E.g. its liveness connection timed out while the link to P was cut: the next transfer to that
+    P gets a new pair instead of failing on the dead one. In one process: P's KV service here."""
+    server = kv_service(5.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        pool = ChannelPool("d-test", 5.0, KEY)
+        first = pool.get(server.address, stub)
+        assert pool.get(server.address, stub) is first and first.unusable is None
+        server._channels.drop(server._channels.opened()[0])  # P's end goes: D's watcher sees it
+        deadline = time.monotonic() + 5
+        while first.unusable is None:
+            assert time.monotonic() < deadline, "D never noticed its peer leave"
+            time.sleep(0.01)
+        assert "P (rank 0) closed the channel" in first.unusable
+        second = pool.get(server.address, stub)
+        assert second is not first and second.name != first.name and first.unusable == "closed"
+        p_end = server._channels.get(server._channels.opened()[0])
+        got = torch.zeros(4)
+        pending = second.recv_async(got, 7)
+        p_end.send(torch.arange(4, dtype=torch.float32), 7)
+        pending.wait()
+        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        pool.close()
+    finally:
+        server.stop()

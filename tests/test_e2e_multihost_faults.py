@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, free_port_run, tiny_model_dir, wait_until
+from e2e import TRANSPORTS, assert_no_kv_in_use, free_port_run, tiny_model_dir, transfer_as, wait_until
 
 from pdcluster.cluster.channel_wire import DEAD_PEER_S
 from pdcluster.cluster.spec import parse_spec, read_yaml
@@ -125,39 +125,45 @@ def test_the_shipped_p2d2_spec_puts_each_instance_on_its_host(lab, cluster):
     assert r.status_code == 200, r.text
 
 
-def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab, cluster):
-    lab.shape(None, CUT_RATE)
-    try:
-        # Shaped and uncut, the prompt's transfer takes longer than the cut's delay: the cut is mid-way.
-        r, whole_s = post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))
-        assert r.status_code == 200 and r.json()["usage"]["pd"]["transferred_tokens"] == CUT_PROMPT_TOKENS, r.text
-        assert whole_s > CUT_AFTER_S * 2, f"the shaped transfer took only {whole_s:.1f} s"
-        threads, out = in_parallel([lambda: post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))])
-        time.sleep(CUT_AFTER_S)
-        for p in P_HOSTS:  # every P host from every D host: wherever the router sent it
-            for d in D_HOSTS:
-                lab.partition(p, d)
-        threads[0].join()
-        r, took_s = out[0]
-        print(f"shaped transfer {whole_s:.1f} s uncut; cut at {CUT_AFTER_S} s, the request ended at {took_s:.1f} s")
-        assert r.status_code == 502, r.text
-        error = r.json()["error"]
-        assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], error
-        # D's wait starts when it gets the request (with P's, in push mode): within timeout_s of it.
-        assert took_s < TIMEOUT_S + 2.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
-        # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
-        assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
-    finally:
-        for p in P_HOSTS:
-            for d in D_HOSTS:
-                lab.heal(p, d)
-        lab.shape(None, None)
-    # Healed: nothing restarted, every request goes through, with its KV transferred.
-    threads, out = in_parallel([lambda: post(cluster, fresh_prompt(1000)) for _ in range(4)])
-    for t in threads:
-        t.join()
-    for r, _ in out:
-        assert r.status_code == 200 and r.json()["usage"]["pd"]["transfer_error"] is None, r.text
+def cut_p_from_d(lab, cut: bool) -> None:
+    """Every P host from every D host (wherever the router sends a request), or healed."""
+    for p in P_HOSTS:
+        for d in D_HOSTS:
+            (lab.partition if cut else lab.heal)(p, d)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab, cluster, transport):
+    with transfer_as(cluster, transport=transport):
+        lab.shape(None, CUT_RATE)
+        try:
+            # Shaped and uncut, the prompt's transfer takes longer than the cut's delay: the cut is mid-way.
+            r, whole_s = post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))
+            assert r.status_code == 200 and r.json()["usage"]["pd"]["transferred_tokens"] == CUT_PROMPT_TOKENS, r.text
+            assert whole_s > CUT_AFTER_S * 2, f"the shaped transfer took only {whole_s:.1f} s"
+            threads, out = in_parallel([lambda: post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))])
+            time.sleep(CUT_AFTER_S)
+            cut_p_from_d(lab, True)
+            threads[0].join()
+            r, took_s = out[0]
+            print(f"{transport}: shaped transfer {whole_s:.1f} s uncut; cut at {CUT_AFTER_S} s, "
+                  f"the request ended at {took_s:.1f} s")
+            assert r.status_code == 502, r.text
+            error = r.json()["error"]
+            assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], error
+            # D's wait starts when it gets the request (with P's, in push mode): within timeout_s of it.
+            assert took_s < TIMEOUT_S + 2.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
+            # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
+            assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
+        finally:
+            cut_p_from_d(lab, False)
+            lab.shape(None, None)
+        # Healed: nothing restarted, every request goes through, its KV transferred.
+        threads, out = in_parallel([lambda: post(cluster, fresh_prompt(1000)) for _ in range(4)])
+        for t in threads:
+            t.join()
+        for r, _ in out:
+            assert r.status_code == 200 and r.json()["usage"]["pd"]["transfer_error"] is None, r.text
     assert all(health(cluster).values())
 
 
@@ -178,9 +184,10 @@ def test_a_dead_decode_host_fails_its_requests_and_the_survivors_serve(lab, clus
     for r in failed:  # as soon as the router knows, never a hang
         error = r.json()["error"]
         assert r.status_code == 503 and error["type"] == "service_unavailable" and "decode-1" in error["message"], r.text
-    # The request channel's keepalive ends a silent connection within DEAD_PEER_S; Ray may say so
-    # sooner (the lab's health check declares a node dead in 4.5 s; Ray's default takes ~60 s).
-    assert ended_s < DEAD_PEER_S + 2.0, f"the dead host's requests ended {ended_s:.1f} s after the kill"
+    # The request channel's keepalive and TCP_USER_TIMEOUT end a silent connection within DEAD_PEER_S;
+    # Ray may say so sooner (the lab's health check declares a node dead in 4.5 s; Ray's default
+    # takes ~60 s). Measured 6.0 and 11.5 s; the margin is for the router's loop under CI's load.
+    assert ended_s < DEAD_PEER_S + 3.0, f"the dead host's requests ended {ended_s:.1f} s after the kill"
     assert health(cluster)["decode-1"] is False
     # The survivors serve everything new; nothing goes to the dead instance.
     threads, out = in_parallel([lambda: post(cluster, fresh_prompt(300)) for _ in range(4)])

@@ -71,8 +71,8 @@ class ChannelHost:
         with self._lock:
             opening = self._opening.pop(name, None)
         self.stores.drop(name)
-        if opening is not None and opening.done() and opening.exception() is None:
-            opening.result().close()
+        if opening is not None:  # now, or once its open ends: one still opening must not live on
+            opening.add_done_callback(lambda f: f.exception() is None and f.result().close())
 
     def close(self) -> None:
         with self._lock:
@@ -95,6 +95,12 @@ class ChannelPool:
         """`stub`: an authenticated KvTransfer stub of the P at `address`."""
         with self._lock:
             ch = self._channels.get(address)
+            if ch is not None and (why := ch.unusable) is not None:
+                # E.g. its liveness connection timed out while the link to P was cut: a new pair.
+                log.info("data channel %s is unusable (%s): opening a new one", ch.name, why)
+                del self._channels[address]
+                ch.close()
+                ch = None
             if ch is not None:
                 return ch
             name = f"{address}/{self._engine_id}/{next(self._opens)}"

@@ -291,6 +291,13 @@ class TensorChannel:
         return f"TensorChannel({self.name!r}, {self.backend}, rank {self.rank})"
 
     @property
+    def unusable(self) -> str | None:
+        """Why no transfer can use this channel any more (closed, broken, its peer gone), else None."""
+        if self._closed:
+            return "closed"
+        return self._broken or self._gone
+
+    @property
     def _peer_name(self) -> str:
         return "D (rank 1)" if self.peer == 1 else "P (rank 0)"
 
