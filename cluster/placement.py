@@ -1,7 +1,8 @@
 """Where a cluster's actors go: Ray scheduling options from the spec's `placement:` fields,
 checked against the nodes Ray has before anything starts.
 
-An instance is pinned by Ray node labels (`label_selector`), never by node id: when its
+An instance is pinned by Ray node labels (`label_selector`, whose values may be `v`, `!v`,
+`in(a, b)` or `!in(a, b)`), never by node id: when its
 host dies, Ray restarts it (max_restarts=-1) on whichever node carries the same labels,
 so a host that rejoins gets its instances back. Routers go to the node `pdc up` runs on
 (its URL is then that host's), or to a node with `router.labels`.
@@ -36,8 +37,20 @@ def alive_nodes() -> list[NodeView]:
             for n in ray.nodes() if n.get("Alive")]
 
 
+def selects(value: str | None, selector: str) -> bool:
+    """Whether a node's label value (None: the node has no such label) satisfies one value of
+    a Ray label selector: `v`, `!v`, `in(a, b)` or `!in(a, b)`."""
+    negated = selector.startswith("!")
+    body = selector[1:] if negated else selector
+    if body.startswith("in(") and body.endswith(")"):
+        hit = value in body[3:-1].split(",")  # as Ray splits: the spec drops spaces after commas
+    else:
+        hit = value == body
+    return hit != negated
+
+
 def _matching(nodes: list[NodeView], labels: dict[str, str]) -> list[NodeView]:
-    return [n for n in nodes if all(n.labels.get(k) == v for k, v in labels.items())]
+    return [n for n in nodes if all(selects(n.labels.get(k), v) for k, v in labels.items())]
 
 
 def _describe(nodes: list[NodeView]) -> str:

@@ -8,6 +8,7 @@ one to one between them, so whatever shapes a block must agree.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,10 +106,16 @@ class PlacementSpec(_Strict):
     @field_validator("labels", "per_instance")
     @classmethod
     def _non_empty(cls, value: Any) -> Any:
+        from ray._private.label_utils import validate_label_selector_value
+
         for labels in ([value] if isinstance(value, dict) else value or []):
             for k, v in labels.items():
                 if not k or not v:
                     raise ValueError(f"label {k!r}: {v!r}: keys and values must be non-empty")
+                if error := validate_label_selector_value(v):  # as Ray would say at the actor's start
+                    raise ValueError(f"label {k!r}: {error}")
+                # Ray 2.60 accepts `in(a, b)` but keeps the space: " b" then matches no node.
+                labels[k] = re.sub(r",\s+", ",", v)
         return value
 
     def labels_of(self, index: int) -> dict[str, str]:

@@ -7,7 +7,14 @@ import pytest
 
 from pdcluster.cluster.launch import settle_spec
 from pdcluster.cluster.network import AddressError, InstanceAddress, choose_address, settle_mode
-from pdcluster.cluster.placement import NodeView, PlacementError, check_placement, engine_options, router_options
+from pdcluster.cluster.placement import (
+    NodeView,
+    PlacementError,
+    check_placement,
+    engine_options,
+    router_options,
+    selects,
+)
 from pdcluster.cluster.spec import SpecError, parse_spec
 
 IFACES = {"lo": ["127.0.0.1"], "eth0": ["192.168.1.5"], "ib0": ["10.10.0.7", "10.10.1.7"], "down0": []}
@@ -127,6 +134,28 @@ def test_a_host_ray_does_not_have_fails_naming_the_field_and_the_nodes():
     with pytest.raises(PlacementError, match=r"router.labels: no Ray node"):
         check_placement(spec(router={"labels": {"pdc-host": "host7"}}), NODES)
     check_placement(spec(decode={"placement": {"labels": {"pdc-host": "host2"}}}), NODES)  # fine
+
+
+@pytest.mark.parametrize("value, selector, hit", [
+    ("host1", "host1", True), ("host1", "host2", False), (None, "host1", False),
+    ("host1", "!host2", True), ("host2", "!host2", False), (None, "!host2", True),
+    ("host2", "in(host1,host2)", True), ("host3", "in(host1,host2)", False), (None, "in(host1)", False),
+    ("host3", "!in(host1,host2)", True), ("host1", "!in(host1,host2)", False),
+    ("host2", "in(host1, host2)", False),  # as Ray 2.60 reads it: " host2" (the spec drops the space)
+])
+def test_selects_reads_rays_label_selector_values(value, selector, hit):
+    assert selects(value, selector) is hit
+
+
+def test_a_selector_with_choices_places_on_any_of_them_and_bad_syntax_names_the_field():
+    s = spec(decode={"placement": {"labels": {"pdc-host": "in(host1, host2)"}}})
+    check_placement(s, NODES)
+    assert engine_options(s, "decode", 0) == {"label_selector": {"pdc-host": "in(host1,host2)"}}  # Ray's way
+    with pytest.raises(PlacementError, match=r"decode.placement.labels: no Ray node has labels"):
+        check_placement(spec(decode={"placement": {"labels": {"pdc-host": "in(host7, host8)"}}}), NODES)
+    with pytest.raises(SpecError, match=r"decode.placement.labels: .*label 'pdc-host': Invalid label selector "
+                                        r"value `in\(host1,`"):
+        spec(decode={"placement": {"labels": {"pdc-host": "in(host1,"}}})
 
 
 def test_routers_go_to_the_drivers_node_unless_labelled():
