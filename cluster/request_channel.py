@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -240,8 +241,12 @@ class EngineChannel:
     down (the actor died and is restarting), calls fail at once with EngineUnavailable.
     """
 
-    def __init__(self, name: str, actor, secret: str):
+    def __init__(self, name: str, actor, secret: str, before_up: Callable[[], Awaitable[None]] | None = None):
+        """`before_up`: awaited on every (re)connection before the channel takes calls (the
+        router refreshes what it knows of the instance there: a restarted actor may be on
+        another node, at other addresses); if it fails, the connection does too."""
         self.name, self.actor = name, actor
+        self._before_up = before_up
         self._key = channel_key(secret)
         self.address = ""
         self._ids = itertools.count()
@@ -273,6 +278,12 @@ class EngineChannel:
                 conn.close()
             raise EngineUnavailable(f"cannot connect to {self.name}'s request channel at {self.address}: "
                                     f"{err or type(err).__name__}") from None
+        if self._before_up is not None:
+            try:
+                await self._before_up()
+            except BaseException:
+                conn.close()
+                raise
         if self._stopped:  # closed while connecting
             conn.close()
             raise EngineUnavailable(self._down_reason)
@@ -353,6 +364,10 @@ class EngineChannel:
                 await asyncio.sleep(1.0)
             except EngineUnavailable as err:  # the restarted actor died again before we connected
                 self._down_reason = str(err)
+                await asyncio.sleep(1.0)
+            except Exception as err:  # e.g. before_up failed: stay down, and keep trying
+                log.exception("reopening the request channel to %s failed", self.name)
+                self._down_reason = f"reopening failed: {err}"
                 await asyncio.sleep(1.0)
 
 

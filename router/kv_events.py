@@ -115,7 +115,7 @@ class KvEventFeed:
         self._ctx: Any = None
         self._wake_tx: Any = None
         self._wake_lock = threading.Lock()  # the caller-side wake socket is shared by caller threads
-        self._commands: list[tuple[str, threading.Event]] = []
+        self._commands: list[tuple[str | tuple, threading.Event]] = []  # "catch_up" | ("redial", name, pub, replay)
         self._ready = threading.Event()
         self.failure: BaseException | None = None  # what ended the thread early, if anything
 
@@ -231,6 +231,20 @@ class KvEventFeed:
         if not done.wait(timeout):
             raise TimeoutError(f"the KV-event feed did not catch up within {timeout} s")
 
+    def redial(self, instance: str, publish: str, replay: str | None) -> threading.Event:
+        """Follow `instance` at these endpoints from now on (it restarted on another node): its
+        index starts over from the new engine's history, as on any new connection. Returns at
+        once (the router's loop calls it), with an event set once the feed's thread switched."""
+        st = self._get(instance)
+        done = threading.Event()
+        if (st.publish, st.replay_endpoint) == (publish, replay):
+            done.set()
+            return done
+        with self._wake_lock:
+            self._commands.append((("redial", instance, publish, replay), done))
+        self._wake()
+        return done
+
     # -- the thread --
 
     def _wake(self) -> None:
@@ -307,7 +321,18 @@ class KvEventFeed:
                 for st in self._inst.values():
                     if st.connected:
                         self._fill(st, st.index.next_seq or 0)
+            elif what[0] == "redial" and serve and not self._stopping:
+                self._redial(self._inst[what[1]], *what[2:])
             done.set()
+
+    def _redial(self, st: _Instance, publish: str, replay: str | None) -> None:
+        log.info("%s: KV events now from %s (was %s)", st.name, publish, st.publish)
+        st.sub.disconnect(st.publish)  # the monitor's DISCONNECTED (if it was up) empties the index
+        if st.dealer is not None:
+            st.dealer.close(linger=0)
+            st.dealer = None
+        st.publish, st.replay_endpoint = publish, replay
+        st.sub.connect(publish)  # its HANDSHAKE_SUCCEEDED rebuilds the index from the replay
 
     def _poll_ms(self) -> int:
         due = [st.probe_at for st in self._inst.values() if st.probe_at is not None]

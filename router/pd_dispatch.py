@@ -19,12 +19,19 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import ray
 
-from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.cluster.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    InstanceInfo,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+)
 from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.policies import Policy
@@ -66,6 +73,9 @@ class PDDispatcher(TokenBackend):
         self.clocks: dict[str, ClockOffset] = {}
         # Instance name -> its request channel (connect_channels; tests pass fakes).
         self.channels: dict[str, EngineChannel] = dict(channels or {})
+        # Instance name -> its InstanceInfo as of its channel's last (re)connection.
+        self.infos: dict[str, InstanceInfo] = {}
+        self.instance_listeners: list[Callable[[InstanceInfo], None]] = []  # hear every refreshed InstanceInfo
 
     def _channel_up(self, name: str) -> bool:
         channel = self.channels.get(name)
@@ -73,10 +83,32 @@ class PDDispatcher(TokenBackend):
 
     async def connect_channels(self, secret: str) -> None:
         """Open every instance's request channel (at the address each engine advertises;
-        both ends prove the cluster secret)."""
+        both ends prove the cluster secret). On every reconnection, before the instance is
+        back in rotation, what the router knows of it is refreshed (`refresh_instance`)."""
         insts = self.prefill + self.decode
-        channels = await asyncio.gather(*(EngineChannel(i.name, i.actor, secret).connect() for i in insts))
+        channels = await asyncio.gather(*(
+            EngineChannel(i.name, i.actor, secret, before_up=lambda name=i.name: self.refresh_instance(name)).connect()
+            for i in insts))
         self.channels = {i.name: c for i, c in zip(insts, channels)}
+
+    async def refresh_instance(self, name: str) -> None:
+        """Ask the instance for its InstanceInfo. Ray restarts a dead instance on any node its
+        placement allows: on another one, P's KV address (which push mode hands D) and the
+        instance's clock change, and the listeners (the KV-event feed) hear of it."""
+        role_list = self.prefill if any(i.name == name for i in self.prefill) else self.decode
+        k, inst = next((k, i) for k, i in enumerate(role_list) if i.name == name)
+        info = await inst.actor.info.remote()
+        before, self.infos[name] = self.infos.get(name), info
+        moved = dataclasses.replace(inst, engine_id=info.engine_id, kv_address=info.kv_address)
+        if moved != inst:
+            role_list[k] = moved
+            self.picker.replace(moved)
+        if before is not None and before.node_ip != info.node_ip:
+            log.warning("%s restarted on node %s (was %s): new addresses %s", name, info.node_ip, before.node_ip,
+                        info.planes)
+            self.clocks[name] = await self._measure_clock(moved, same_host=info.node_ip == ray.util.get_node_ip_address())
+        for listener in self.instance_listeners:
+            listener(info)
 
     def close_channels(self) -> None:
         for channel in self.channels.values():
@@ -91,17 +123,20 @@ class PDDispatcher(TokenBackend):
         """Offset and uncertainty per instance: exactly 0 for instances on this host
         (CLOCK_MONOTONIC is one clock per host), else the best of 3 round trips."""
         for inst in self.prefill + self.decode:
-            if inst.name in same_host:
-                self.clocks[inst.name] = ClockOffset(0, 0)
-                continue
-            best = None
-            for _ in range(3):
-                before = time.monotonic_ns()
-                instance_ns = await inst.actor.clock.remote()
-                offset = ClockOffset.measure(before, instance_ns, time.monotonic_ns())
-                best = offset if best is None or offset.uncertainty_ns < best.uncertainty_ns else best
-            self.clocks[inst.name] = best
+            self.clocks[inst.name] = await self._measure_clock(inst, inst.name in same_host)
         return dict(self.clocks)
+
+    @staticmethod
+    async def _measure_clock(inst: Instance, same_host: bool) -> ClockOffset:
+        if same_host:
+            return ClockOffset(0, 0)
+        best = None
+        for _ in range(3):
+            before = time.monotonic_ns()
+            instance_ns = await inst.actor.clock.remote()
+            offset = ClockOffset.measure(before, instance_ns, time.monotonic_ns())
+            best = offset if best is None or offset.uncertainty_ns < best.uncertainty_ns else best
+        return best
 
     def _clock(self, inst: Instance) -> ClockOffset:
         return self.clocks.get(inst.name, ClockOffset(0, 0))

@@ -80,6 +80,15 @@ class InstancePicker(Generic[I]):
         # prefilling()/decoding() entry and exit on it; both return to 0 when idle.
         self._load: dict[str, _Load] = {i.name: _Load() for i in [*prefill, *decode]}
 
+    def replace(self, instance: I) -> None:
+        """The instance of the same name, as it is now (e.g. restarted at another address)."""
+        for role in (self.prefill, self.decode):
+            for k, have in enumerate(role):
+                if have.name == instance.name:
+                    role[k] = instance
+                    return
+        raise KeyError(f"no instance {instance.name!r} to replace")
+
     def _up(self, role: str, instances: list[I]) -> list[I]:
         if self.is_up is None:
             return instances

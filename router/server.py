@@ -69,6 +69,9 @@ class RouterActor:
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events)
+        # An instance restarted on another node publishes its KV events there.
+        self.dispatcher.instance_listeners.append(
+            lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None

@@ -221,6 +221,35 @@ def test_a_restarted_engine_clears_the_index_and_numbering_starts_over(ports):
             second.close()
 
 
+def test_redial_follows_an_instance_restarted_elsewhere_and_drops_the_old_one(ports):
+    """Ray restarted the instance on another node: new endpoints. The old engine (here still
+    publishing, as a host cut off but alive would) is no longer heard."""
+    old, new_ports = Engine(*ports), (free_port(), free_port())
+    new = Engine(*new_ports)
+    with feed_for(ports) as feed:
+        try:
+            feed.wait_for(NAME, lambda s: s.connected)
+            for n in range(3):
+                old.store_root(10 * n, family(n))
+            old.wait_published()
+            feed.catch_up()
+            assert [matched(feed, family(n)) for n in range(3)] == [3, 3, 3]
+            new.store_root(50, family(5))
+            new.wait_published()
+            assert feed.redial(NAME, *(f"tcp://127.0.0.1:{p}" for p in new_ports)).wait(10)
+            feed.wait_for(NAME, lambda s: s.connected and s.connections == 2)
+            old.store_root(70, family(7))  # after the switch: not this instance's any more
+            old.wait_published()
+            feed.catch_up()
+            s = feed.status(NAME)
+            assert (s.applied_seq, s.stale, s.lost, s.blocks) == (0, False, 0, 3)
+            assert [matched(feed, family(n)) for n in (0, 1, 2, 5, 7)] == [0, 0, 0, 3, 0]
+            assert feed.redial(NAME, *(f"tcp://127.0.0.1:{p}" for p in new_ports)).is_set()  # same: nothing to do
+        finally:
+            old.close()
+            new.close()
+
+
 def test_a_numbering_that_goes_back_is_a_restart_even_on_one_connection():
     """Engines behind a broker (XSUB/XPUB): the feed's connection outlives the engine, so only
     the numbering says a new engine (empty cache) took over."""

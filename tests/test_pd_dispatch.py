@@ -500,3 +500,31 @@ def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
     assert (rec.policy, rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens) == ("prefix_aware", 4, 0)
     assert (rec.p_cached_tokens, rec.prefill_instance) == (4, "prefill-1")
     assert set(disp.in_flight.values()) == {0}
+
+
+def info_of(name: str, node_ip: str, kv_port: int | None, engine_id: str):
+    from pdcluster.cluster.messages import InstanceInfo, PlaneAddresses
+
+    role = name.split("-")[0]
+    return InstanceInfo(name=name, role=role, index=0, node_ip=node_ip, pid=1,
+                        kv_address=f"{node_ip}:{kv_port}" if kv_port else None, engine_id=engine_id, started_s=0.0,
+                        planes=PlaneAddresses(node_ip, f"{node_ip}:7000", f"tcp://{node_ip}:7001",
+                                              f"tcp://{node_ip}:7002"))
+
+
+def test_an_instance_restarted_on_another_node_is_dialled_at_its_new_addresses(cancelled):
+    """Ray restarted prefill-0 elsewhere: the refresh on its channel's reconnection gives push
+    mode P's new KV address, re-measures its clock and tells the listeners (the KV-event feed)."""
+    p, d = FakeEngine(), FakeEngine()
+    disp = make([p], [d], mode="push")
+    heard = []
+    disp.instance_listeners.append(heard.append)
+    p.clock = _Method(lambda: FakeRef(time.monotonic_ns() + 5_000_000_000))  # the new host's clock: +5 s
+    for info in (info_of("prefill-0", "10.0.0.1", 5000, "e-p0"), info_of("prefill-0", "10.0.0.7", 5000, "e-p0")):
+        p.info = _Method(lambda info=info: FakeRef(info))
+        run(disp.refresh_instance("prefill-0"))
+    assert [i.node_ip for i in heard] == ["10.0.0.1", "10.0.0.7"]
+    assert disp.prefill[0].kv_address == disp.picker.prefill[0].kv_address == "10.0.0.7:5000"
+    assert abs(disp.clocks["prefill-0"].offset_ns - 5_000_000_000) < 1_000_000_000
+    run(collect(disp))
+    assert TransferHandle.from_params(d.decode_calls[0].handle).address == "10.0.0.7:5000"

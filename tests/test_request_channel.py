@@ -5,6 +5,7 @@ methods in the same event loop, and can die and restart as Ray's actors do."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from e2e import evil_pickle
@@ -202,6 +203,43 @@ def test_a_dead_engine_fails_its_calls_then_the_channel_reopens_on_the_restarted
         return pre
 
     assert asyncio.run(main()).request_id == "after"
+
+
+def test_before_up_runs_on_every_connection_before_calls_and_a_failure_keeps_it_down():
+    """The router refreshes what it knows of the instance there (it may have moved); until that
+    succeeds the channel takes no call, and the reconnect loop keeps trying."""
+    refreshes: list[bool] = []
+    fail_next = [False]
+
+    async def main():
+        actor = LocalActor(Body(hang_after_first=True))
+        ch = EngineChannel("decode-0", actor, SECRET, before_up=None)
+
+        async def before_up():
+            refreshes.append(ch.connected)  # never up yet while it runs
+            if fail_next[0]:
+                fail_next[0] = False
+                raise RuntimeError("the refresh failed")
+        ch._before_up = before_up
+        await ch.connect()
+        fail_next[0] = True
+        actor.die(restart_as=Body())
+        for _ in range(100):
+            if not ch.connected:
+                break
+            await asyncio.sleep(0.01)
+        down_s = time.monotonic()
+        for _ in range(500):  # the first reopen's refresh fails; the next one, a second later, works
+            if ch.connected:
+                break
+            await asyncio.sleep(0.01)
+        up = ch.connected and time.monotonic() - down_s > 0.9
+        pre = await asyncio.wait_for(ch.call("prefill", prefill_req("after")).next(), 5)
+        ch.close()
+        return up, pre
+
+    up, pre = asyncio.run(main())
+    assert up and pre.request_id == "after" and refreshes == [False, False, False]
 
 
 def test_a_lost_connection_fails_calls_before_ray_says_the_actor_died():
