@@ -262,6 +262,10 @@ class RouterSpec(_Strict):
                                 description="instance i (P first, then D) publishes KV events on kv_events_port + "
                                             "2i and answers replay requests on kv_events_port + 2i + 1")
     request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
+    # router/pending_blocks.py: a prefix being prefilled counts as held where it was routed,
+    # so the requests of a new family arriving meanwhile go behind it and hit.
+    track_pending: bool = Field(True, description="count the blocks of routed requests as held before their KV "
+                                                  "events confirm them")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
     # One router process serves ~2,500-3,500 short requests/s here (bench/README.md); more

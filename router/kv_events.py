@@ -185,6 +185,12 @@ class KvEventFeed:
         with self._lock:
             return len(st.index)
 
+    def clears(self, instance: str) -> int:
+        """How many times the instance's index was emptied (router/prefix_index.py `clears`)."""
+        st = self._get(instance)
+        with self._lock:
+            return st.index.clears
+
     def applied_seq(self, instance: str) -> int | None:
         st = self._get(instance)
         with self._lock:

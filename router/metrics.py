@@ -31,7 +31,9 @@ def prediction_outcome(predicted: int, delivered: int) -> str:
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, in_flight: Callable[[], dict[str, int]]):
+    def __init__(self, in_flight: Callable[[], dict[str, int]],
+                 pending_blocks: Callable[[str], int] | None = None):
+        """`pending_blocks`: an instance's blocks pending in the router (router/pending_blocks.py)."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdc_requests", "requests finished, by outcome", ["outcome"], registry=r)
         self.phase = Histogram("pdc_ttft_phase_seconds", "TTFT critical-path parts (router/attribution.py)",
@@ -44,6 +46,9 @@ class RouterMetrics:
         self.predicted = Counter("pdc_predicted_cached_tokens",
                                  "prompt tokens the router's prefix index expected a prefix cache to hold",
                                  ["side"], registry=r)
+        self.predicted_pending = Counter("pdc_predicted_pending_tokens",
+                                         "of the predicted cached tokens, those only pending (routed, not yet "
+                                         "confirmed by KV events)", ["side"], registry=r)
         self.predictions = Counter("pdc_hit_predictions", "predicted vs delivered prefix hits, per request",
                                    ["side", "outcome"], registry=r)
         self.transferred_tokens = Counter("pdc_transferred_tokens", "prompt tokens whose KV moved P -> D",
@@ -55,11 +60,17 @@ class RouterMetrics:
         sides = ("prefill", "decode")
         self._cached = {side: self.cached.labels(side=side) for side in sides}
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
+        self._predicted_pending = {side: self.predicted_pending.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
         in_flight_gauge = Gauge("pdc_in_flight", "requests in flight per instance", ["instance"], registry=r)
         for name in in_flight():
             in_flight_gauge.labels(instance=name).set_function(lambda name=name: in_flight().get(name, 0))
+        if pending_blocks is not None:
+            pending_gauge = Gauge("pdc_pending_blocks", "prompt blocks routed to an instance and not yet confirmed "
+                                  "by its KV events", ["instance"], registry=r)
+            for name in in_flight():
+                pending_gauge.labels(instance=name).set_function(lambda name=name: pending_blocks(name))
 
     def observe(self, rec: RequestRecord) -> None:
         self._outcome["error" if rec.error else "ok"].inc()
@@ -73,10 +84,12 @@ class RouterMetrics:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self._cached["prefill"].inc(rec.p_cached_tokens)
         self._cached["decode"].inc(rec.d_cached_tokens)
-        for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
-                                           ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
+        for side, predicted, delivered, pending in (
+                ("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens, rec.predicted_p_pending_tokens),
+                ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens, rec.predicted_d_pending_tokens)):
             if predicted is not None and not rec.error:
                 self._predicted[side].inc(predicted)
+                self._predicted_pending[side].inc(pending or 0)
                 self._predictions[side, prediction_outcome(predicted, delivered)].inc()
         self.transferred_tokens.inc(rec.transferred_tokens)
         for g in rec.transfer_groups:

@@ -34,6 +34,7 @@ from pdcluster.cluster.messages import (
 )
 from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import Policy
 from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
 from pdcluster.router.routing import InstancePicker, NoInstanceUp, PrefixLookup, Route
@@ -55,7 +56,7 @@ class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
                  sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
-                 channels: dict[str, EngineChannel] | None = None):
+                 channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -67,7 +68,8 @@ class PDDispatcher(TokenBackend):
         self._timeout_s = request_timeout_s
         # Only instances whose channel is up get new requests: a dead host's are skipped from
         # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
-        self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up)
+        self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
+                                     pending=pending)
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
@@ -210,6 +212,7 @@ class PDDispatcher(TokenBackend):
                 p_task.cancel()
             if stream is not None:
                 stream.cancel()  # unless it finished: aborts the request inside D's engine
+            self.picker.ended(route)
 
     async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
         with self.picker.prefilling(route, len(req.prompt_token_ids)):

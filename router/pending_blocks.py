@@ -11,12 +11,17 @@ this module holds what is promised (pending), apart.
 Contract, per instance (a P or a D):
 - `add(instance, key, hashes)`: the router has just sent request `key` there; the
   prompt's hittable blocks (`hittable_hashes`) are pending on it at once.
-- `withdraw(instance, key)`: the request failed or was aborted; its blocks will not
-  come (those another pending request also promises stay pending).
+- `withdraw(instance, key)`: the request failed or was aborted before that instance
+  finished its part; its blocks will not come (those another pending request also
+  promises stay pending). A part already finished stands (P prefilled, then D failed:
+  P holds the blocks), so withdrawing everything a failed request touched is right.
 - `finished(instance, key, now)`: it ended well (P: its prefill; D: the request). Its
   events are about to confirm the blocks (an engine publishes a step's batch before
   that step's outputs leave it), so the promise is kept `grace_s` longer, then dropped
   by `expire(now)`; from then on only the events count, evictions included.
+- `cleared(instance, clears)`: the instance's cache was emptied since (a reset, a
+  restart: the index's `clears` count moved on): promises of finished parts are void
+  (their blocks are gone with the rest), running ones stand.
 - `pending_blocks(instance, hashes, start)`: how many of a prompt's blocks from
   `start` on are pending there (each block of a chain covers all before it, so a run).
 Time comes from the caller (`now`, monotonic seconds), so tests need no clock.
@@ -36,6 +41,7 @@ GRACE_S = 2.0  # after a request ended well, how long its blocks may wait for th
 class _Promise:
     hashes: tuple[RouterHash, ...]
     done_at: float | None = None  # when its request ended well; None: still running
+    clears: int = 0  # the instance's clears count when it finished
 
 
 @dataclass
@@ -95,13 +101,21 @@ class PendingBlocks:
 
     def withdraw(self, instance: str, key: Hashable) -> None:
         st = self._of(instance)
-        if st.drop(key):
+        promise = st._promises.get(key)
+        if promise is not None and promise.done_at is None and st.drop(key):
             st.withdrawn += 1
 
-    def finished(self, instance: str, key: Hashable, now: float) -> None:
+    def finished(self, instance: str, key: Hashable, now: float, clears: int = 0) -> None:
         promise = self._of(instance)._promises.get(key)
         if promise is not None and promise.done_at is None:
-            promise.done_at = now
+            promise.done_at, promise.clears = now, clears
+
+    def cleared(self, instance: str, clears: int) -> None:
+        st = self._of(instance)
+        void = [k for k, p in st._promises.items() if p.done_at is not None and p.clears < clears]
+        for key in void:
+            st.drop(key)
+            st.expired += 1
 
     def expire(self, now: float) -> None:
         """Drop the promises of requests that ended well more than grace_s ago."""

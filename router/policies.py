@@ -5,11 +5,17 @@ unit-tested without engines; router/routing.py feeds them.
 
 - round_robin: the next instance in turn, whatever it holds or does;
 - least_load: P with the fewest prefill tokens queued (ties: fewer requests);
-- prefix_aware: P minimising the prefill work it would start behind: the tokens
-  it would compute (prompt minus its cached prefix) plus what it has queued.
-  A P that holds most of a prompt wins unless its queue costs more than the
-  prefix saves; vllm-router's `cache_aware` weighs hit ratio against load the
-  same way, with a threshold instead of one cost. On a tie (a prefix no P
+- prefix_aware: P minimising what the request costs there: what it queues behind
+  (the prefill tokens the P has been given) plus the tokens it would compute
+  (prompt minus what the P holds or is promised, router/pending_blocks.py),
+  counted twice: once as this request's own wait, once as the P time it takes
+  from every request that will queue behind it. A P holding a prompt's prefix
+  wins unless its queue is longer than twice what the prefix saves; so a burst
+  of one new family queues behind the first of it on one P (and hits) instead
+  of prefilling it cold on every idle P, and the family is copied to a second
+  P only once the holder's queue exceeds two cold prefills (it arrives faster
+  than one P prefills it). vllm-router's `cache_aware` weighs hit ratio against
+  load the same way, with a threshold instead of one cost. On a tie (a prefix no P
   holds, idle instances) the P with fewer requests wins, then the next in
   turn, so new prefix families spread over the instances instead of piling
   onto the first. (Not the P holding the fewest blocks: vLLM publishes a
@@ -54,7 +60,8 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_token
     if policy == "least_load":
         return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     if policy == "prefix_aware":
-        return min(candidates, key=lambda c: (prompt_tokens - min(c.matched_tokens, prompt_tokens) + c.queued_tokens,
+        return min(candidates, key=lambda c: (2 * (prompt_tokens - min(c.matched_tokens, prompt_tokens))
+                                              + c.queued_tokens,
                                               -c.matched_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
 

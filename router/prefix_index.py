@@ -122,6 +122,7 @@ class InstanceIndex:
     stale: bool = False  # history was lost: the index may miss blocks the instance holds
     skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
     removed_blocks: int = 0  # blocks it held that the engine then evicted (BlockRemoved), in all
+    clears: int = 0  # times it was emptied (cache reset, restart, lost history): older promises are void
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
         """Apply batch `seq`. False if batches were missed before it: the index is then
@@ -182,6 +183,7 @@ class InstanceIndex:
     def clear(self) -> None:
         self._held.clear()
         self._count.clear()
+        self.clears += 1
 
     def lost_history(self) -> None:
         """Batches were lost for good: forget everything, say so until the cache is known again."""

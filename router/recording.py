@@ -25,6 +25,8 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     rec.prefill_instance, rec.decode_instance = route.prefill.name, route.decode.name
     rec.policy = policy
     rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
+    rec.predicted_p_pending_tokens = route.predicted_p_pending_tokens
+    rec.predicted_d_pending_tokens = route.predicted_d_pending_tokens
 
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:

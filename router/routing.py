@@ -14,6 +14,12 @@ Both counts are the router's own, updated as requests start and end, so they
 are never stale the way a polled engine gauge is between two polls; they
 count requests from this router only.
 
+With `pending` (router/pending_blocks.py), what an instance holds is what its events
+confirmed plus the blocks of requests routed to it and not yet confirmed: a request
+of a prefix still being prefilled is routed behind that prefill, as if it were there.
+`pick` marks the chosen P's and D's promises at once; `prefilling`/`decoding` mark a
+side's part finished when it ends well, and `ended` withdraws what was not.
+
 The predicted hits (P's and D's) go into the request's timeline beside what the
 engines then report, so a misprediction (an evicted block, a missed event) is
 visible per request and in the metrics.
@@ -23,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
 from pdcluster.router.prefix_index import RouterHash, hittable_hashes
 
@@ -34,6 +42,10 @@ from pdcluster.router.prefix_index import RouterHash, hittable_hashes
 class PrefixLookup(Protocol):
     def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         """How many leading blocks of a prompt (its chain hashes) `instance` holds; 0 if unknown."""
+
+    def clears(self, instance: str) -> int:
+        """How many times what `instance` holds was emptied (cache reset, restart): a promise of
+        blocks made before the last one is void."""
 
 
 class _Named(Protocol):
@@ -50,6 +62,10 @@ class Route(Generic[I]):
     # Tokens of the prompt the router expects each side's prefix cache to hold; None: no lookup.
     predicted_p_hit_tokens: int | None
     predicted_d_hit_tokens: int | None
+    # Of those, the tokens only pending there (routed, not yet confirmed by KV events).
+    predicted_p_pending_tokens: int | None = None
+    predicted_d_pending_tokens: int | None = None
+    key: int = -1  # this route's promises in the pending blocks (unique per picker)
 
 
 @dataclass
@@ -67,15 +83,22 @@ class InstancePicker(Generic[I]):
     None): a dead or cut-off instance gets no new request until it is back."""
 
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
-                 lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None):
+                 lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None,
+                 pending: PendingBlocks | None = None, clock: Callable[[], float] = time.monotonic):
+        """`pending`: the blocks of routed requests count as held from the moment they are
+        routed (router/pending_blocks.py); None: only what the lookup says."""
         assert policy != "prefix_aware" or lookup is not None, (
             "prefix_aware routing needs a prefix lookup (the KV-event feed)")
+        assert pending is None or lookup is not None, "pending blocks extend a prefix lookup: give one"
         self.policy = policy
         self.prefill, self.decode = list(prefill), list(decode)
         self.block_size = block_size
         self.lookup = lookup
         self.is_up = is_up
+        self.pending = pending
+        self._clock = clock
         self._turn = itertools.count()
+        self._keys = itertools.count()
         # Invariant: each instance's load is the sum over the requests between
         # prefilling()/decoding() entry and exit on it; both return to 0 when idle.
         self._load: dict[str, _Load] = {i.name: _Load() for i in [*prefill, *decode]}
@@ -102,11 +125,12 @@ class InstancePicker(Generic[I]):
         turn = next(self._turn)
         n = len(prompt_token_ids)
         prefill, decode = self._up("prefill", self.prefill), self._up("decode", self.decode)
-        matched_p = matched_d = None
+        matched_p = matched_d = pending_p = pending_d = None
+        hashes: list[RouterHash] = []
         if self.lookup is not None:
             hashes = hittable_hashes(prompt_token_ids, self.block_size)
-            matched_p = {p.name: self.lookup.matched_blocks(p.name, hashes) * self.block_size for p in prefill}
-            matched_d = {d.name: self.lookup.matched_blocks(d.name, hashes) * self.block_size for d in decode}
+            matched_p, pending_p = self._matched(prefill, hashes)
+            matched_d, pending_d = self._matched(decode, hashes)
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
                                self._load[p.name].requests) for p in prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
@@ -115,19 +139,53 @@ class InstancePicker(Generic[I]):
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
-        return Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None)
+        route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
+                      pending_p[p_name] if pending_p else None, pending_d[d_name] if pending_d else None,
+                      next(self._keys))
+        if self.pending is not None:  # at once: the next request of this prefix sees it here
+            self.pending.add(p.name, route.key, hashes)
+            self.pending.add(d.name, route.key, hashes)
+        return route
+
+    def _matched(self, instances: list[I], hashes: list[RouterHash]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per instance: the prompt tokens it holds or is promised, and of those the promised."""
+        held, promised = {}, {}
+        if self.pending is not None:
+            self.pending.expire(self._clock())
+        for i in instances:
+            confirmed = self.lookup.matched_blocks(i.name, hashes)
+            extra = 0
+            if self.pending is not None:
+                self.pending.cleared(i.name, self.lookup.clears(i.name))
+                extra = self.pending.pending_blocks(i.name, hashes, confirmed)
+            held[i.name], promised[i.name] = (confirmed + extra) * self.block_size, extra * self.block_size
+        return held, promised
+
+    def ended(self, route: Route[I]) -> None:
+        """The request is over, however it ended: a side that did not finish its part (prefilled,
+        or decoded to the end) withdraws its promise."""
+        if self.pending is not None:
+            self.pending.withdraw(route.prefill.name, route.key)
+            self.pending.withdraw(route.decode.name, route.key)
 
     @contextlib.contextmanager
     def prefilling(self, route: Route[I], prompt_tokens: int) -> Iterator[None]:
-        """P's load while it works on the request: the tokens it will compute."""
+        """P's load while it works on the request: the tokens it will compute. Once P is done,
+        its promise waits only for the events."""
         with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0)):
             yield
+        self._finished(route.prefill.name, route)
 
     @contextlib.contextmanager
     def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:
         """D's load while it holds the request: the KV it must keep."""
         with self._counted(route.decode.name, prompt_tokens + max_tokens):
             yield
+        self._finished(route.decode.name, route)
+
+    def _finished(self, instance: str, route: Route[I]) -> None:
+        if self.pending is not None:
+            self.pending.finished(instance, route.key, self._clock(), self.lookup.clears(instance))
 
     @contextlib.contextmanager
     def _counted(self, name: str, tokens: int) -> Iterator[None]:

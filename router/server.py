@@ -18,6 +18,7 @@ from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
 
 
@@ -68,11 +69,14 @@ class RouterActor:
         self.kv_events = KvEventFeed(feed_endpoints(infos), block_size, curve=curve_keys(spec.secret())).start()
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
-                                       policy=spec.router.policy, block_size=block_size, lookup=self.kv_events)
+                                       policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
+                                       pending=PendingBlocks() if spec.router.track_pending else None)
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))
-        self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight)
+        pending = self.dispatcher.picker.pending
+        self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight,
+                                     None if pending is None else lambda name: pending.counts(name).blocks)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path)

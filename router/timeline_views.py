@@ -103,20 +103,24 @@ class HitPrediction:
     exact: int  # requests whose prediction equalled the engine's count
     over: int  # predicted more (blocks evicted, or events not yet seen by a removal)
     under: int  # predicted less (blocks stored after the pick, or events missed)
+    pending_tokens: int = 0  # of predicted_tokens, those only pending (routed, not yet confirmed)
+    pending_requests: int = 0  # requests whose prediction counted pending blocks
 
     @classmethod
-    def of(cls, pairs: list[tuple[int, int, int]]) -> HitPrediction:
-        """pairs: (predicted, delivered, prompt tokens) per request."""
-        return cls(len(pairs), sum(p for p, _, _ in pairs), sum(d for _, d, _ in pairs), sum(n for *_, n in pairs),
-                   sum(p == d for p, d, _ in pairs), sum(p > d for p, d, _ in pairs), sum(p < d for p, d, _ in pairs))
+    def of(cls, pairs: list[tuple[int, int, int, int]]) -> HitPrediction:
+        """pairs: (predicted, delivered, prompt tokens, predicted of it pending) per request."""
+        return cls(len(pairs), sum(p[0] for p in pairs), sum(p[1] for p in pairs), sum(p[2] for p in pairs),
+                   sum(p[0] == p[1] for p in pairs), sum(p[0] > p[1] for p in pairs), sum(p[0] < p[1] for p in pairs),
+                   sum(p[3] for p in pairs), sum(p[3] > 0 for p in pairs))
 
 
 def _predictions(records: list[RequestRecord]) -> dict[str, HitPrediction]:
     ok = [r for r in records if not is_failed(r)]
     out = {}
-    for side, predicted, delivered in (("P", "predicted_p_hit_tokens", "p_cached_tokens"),
-                                       ("D", "predicted_d_hit_tokens", "d_cached_tokens")):
-        pairs = [(getattr(r, predicted), getattr(r, delivered), r.prompt_tokens) for r in ok
+    for side, predicted, delivered, pending in (
+            ("P", "predicted_p_hit_tokens", "p_cached_tokens", "predicted_p_pending_tokens"),
+            ("D", "predicted_d_hit_tokens", "d_cached_tokens", "predicted_d_pending_tokens")):
+        pairs = [(getattr(r, predicted), getattr(r, delivered), r.prompt_tokens, getattr(r, pending) or 0) for r in ok
                  if getattr(r, predicted) is not None]
         if pairs:
             out[side] = HitPrediction.of(pairs)
@@ -253,7 +257,9 @@ def _routing_lines(s: Summary) -> list[str]:
     lines = ["", f"routing: {', '.join(s.policies)}"]
     for side, h in s.predictions.items():
         share = h.prompt_tokens or 1
-        lines.append(f"  {side} hit predicted {_pct(h.predicted_tokens / share)}, delivered "
+        pending = (f" ({_pct(h.pending_tokens / share)} of it pending, in {h.pending_requests} requests)"
+                   if h.pending_requests else "")
+        lines.append(f"  {side} hit predicted {_pct(h.predicted_tokens / share)}{pending}, delivered "
                      f"{_pct(h.delivered_tokens / share)}; "
                      f"per request: {h.exact} exact, {h.over} over, {h.under} under (of {h.requests})")
     lines.append("  requests: " + ", ".join(f"{name} {n}" for name, n in s.requests_per_instance.items()))

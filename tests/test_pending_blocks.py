@@ -65,6 +65,17 @@ def test_a_finished_request_keeps_its_promise_for_the_grace_then_only_events_cou
     assert pending.counts("p").withdrawn == 0
 
 
+def test_a_finished_part_stands_when_the_request_fails_later():
+    pending = PendingBlocks()
+    h = hashes(family(1))
+    pending.add("prefill-0", "r1", h)
+    pending.add("decode-0", "r1", h)
+    pending.finished("prefill-0", "r1", now=1.0)  # P prefilled; then D failed
+    for instance in ("prefill-0", "decode-0"):
+        pending.withdraw(instance, "r1")
+    assert pending.pending_blocks("prefill-0", h) == 4 and pending.pending_blocks("decode-0", h) == 0
+
+
 def test_running_requests_never_expire():
     pending = PendingBlocks(grace_s=0.0)
     h = hashes(family(1))
@@ -83,3 +94,16 @@ def test_a_prompt_repeating_a_block_counts_it_once_and_a_key_is_promised_once():
         pending.add("p", "r1", h)
     pending.add("p", "r-empty", [])  # a prompt shorter than a block promises nothing
     assert pending.counts("p").requests == 1
+
+
+def test_a_cleared_cache_voids_finished_promises_made_before_it():
+    pending = PendingBlocks()
+    h = hashes(family(1))
+    pending.add("p", "done", h)
+    pending.finished("p", "done", now=1.0, clears=3)
+    pending.add("p", "running", hashes(family(2)))
+    pending.cleared("p", clears=3)  # no clear since: stands
+    assert pending.pending_blocks("p", h) == 4
+    pending.cleared("p", clears=4)
+    assert pending.pending_blocks("p", h) == 0 and pending.pending_blocks("p", hashes(family(2))) == 4
+    pending.check_integrity()

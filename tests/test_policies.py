@@ -19,11 +19,14 @@ def test_least_load_picks_the_shortest_queue():
 
 
 def test_prefix_aware_trades_cached_prefix_against_queue():
-    # p1: 100 to compute + 500 queued = 600 < p0's 1,000: the cache wins.
+    # p1: 2 x 100 to compute + 500 queued = 700 < p0's 2 x 1,000: the cache wins.
     assert pick_prefill("prefix_aware", P, 1_000, 0).name == "p1"
-    # A longer queue on p1 than the prefix saves: the idle P wins.
-    busy = [P[0], PrefillView("p1", matched_tokens=900, queued_tokens=950)]
+    # A queue on p1 longer than twice what the prefix saves (2 x 900): the idle P wins.
+    busy = [P[0], PrefillView("p1", matched_tokens=900, queued_tokens=1_801)]
     assert pick_prefill("prefix_aware", busy, 1_000, 0).name == "p0"
+    # Up to that, the request waits behind p1's queue and hits.
+    sticky = [P[0], PrefillView("p1", matched_tokens=900, queued_tokens=1_799)]
+    assert pick_prefill("prefix_aware", sticky, 1_000, 0).name == "p1"
 
 
 def test_prefix_aware_tie_goes_to_the_bigger_hit():

@@ -23,6 +23,7 @@ class HeldBlocks:
 
     def __init__(self):
         self.held: dict[str, set[bytes]] = {}
+        self.emptied: dict[str, int] = {}
 
     def store(self, instance: str, tokens: Sequence[int]) -> None:
         self.held.setdefault(instance, set()).update(chain_hashes(tokens, BS))
@@ -34,6 +35,13 @@ class HeldBlocks:
                 break
             n += 1
         return n
+
+    def clears(self, instance: str) -> int:
+        return self.emptied.get(instance, 0)
+
+    def reset(self, instance: str) -> None:
+        self.held.pop(instance, None)
+        self.emptied[instance] = self.emptied.get(instance, 0) + 1
 
 
 def family(f: int, n: int = 16, suffix: int = 0) -> list[int]:
@@ -115,3 +123,109 @@ def test_counts_return_to_zero_when_the_request_fails():
         with pk.prefilling(route, 16):
             raise RuntimeError("P died")
     assert pk.in_flight()["p0"] == 0 and pk.queued_tokens()["p0"] == 0
+
+
+# -- blocks in flight (router/pending_blocks.py)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pending_picker(held: HeldBlocks, n_p: int = 3, track: bool = True, clock: Clock | None = None) -> InstancePicker:
+    from pdcluster.router.pending_blocks import PendingBlocks
+
+    return InstancePicker("prefix_aware", [Inst(f"p{i}") for i in range(n_p)], [Inst("d0"), Inst("d1")], BS,
+                          held, pending=PendingBlocks(grace_s=2.0) if track else None, clock=clock or Clock())
+
+
+def burst(pk: InstancePicker, prompts: list[list[int]]):
+    """Route each prompt in turn while the earlier ones are still prefilling (a burst)."""
+    import contextlib
+
+    routes = []
+    with contextlib.ExitStack() as running:
+        for prompt in prompts:
+            routes.append(pk.pick(prompt, max_tokens=4))
+            running.enter_context(pk.prefilling(routes[-1], len(prompt)))
+    return routes
+
+
+def test_a_burst_of_a_new_family_queues_behind_its_first_prefill_on_one_p():
+    pk = pending_picker(HeldBlocks())
+    shared = list(range(700, 796))  # 24 blocks of history, then 4 tokens of each request's own
+    routes = burst(pk, [shared + [2000 + 4 * i + j for j in range(4)] for i in range(6)])
+    assert {r.prefill.name for r in routes} == {"p0"}
+    # Each later request is predicted to hit the history, all of it pending (no event yet).
+    assert [(r.predicted_p_hit_tokens, r.predicted_p_pending_tokens) for r in routes] == [(0, 0)] + [(96, 96)] * 5
+    pk.pending.check_integrity()
+
+
+def test_without_tracking_a_burst_of_a_new_family_prefills_it_cold_everywhere():
+    pk = pending_picker(HeldBlocks(), track=False)
+    shared = list(range(700, 796))
+    routes = burst(pk, [shared + [2000 + 4 * i + j for j in range(4)] for i in range(3)])
+    assert [r.prefill.name for r in routes] == ["p0", "p1", "p2"]
+    assert {r.predicted_p_hit_tokens for r in routes} == {0}
+
+
+def test_a_hot_family_is_copied_to_a_second_p_once_the_holders_queue_exceeds_two_cold_prefills():
+    # 100-token prompts whose first 96 are the family's: 4 tokens each to compute on the holder
+    # (charged 8) plus its queue, against 200 cold elsewhere. The holder's queue is 100 (the first,
+    # cold) + 4 per request behind it: it stays cheaper up to the 25th request.
+    same = [7] * 96
+    routes = burst(pending_picker(HeldBlocks()), [same + [1000 + 4 * i + j for j in range(4)] for i in range(27)])
+    names = [r.prefill.name for r in routes]
+    assert names[:25] == ["p0"] * 25 and names[25] == "p1" and routes[25].predicted_p_hit_tokens == 0
+    assert names[26] == "p1"  # p1 now holds it too (pending) and its queue is the shorter
+
+
+def probe(pk: InstancePicker, prompt: list[int]):
+    """The route a request would get, without leaving its own promise behind."""
+    route = pk.pick(prompt, 4)
+    pk.ended(route)
+    return route
+
+
+def test_a_failed_requests_promise_is_withdrawn_and_a_finished_one_expires_into_the_events():
+    held, clock = HeldBlocks(), Clock()
+    pk = pending_picker(held, clock=clock)
+    failed = pk.pick(family(3, n=40), max_tokens=4)
+    with pytest.raises(RuntimeError):
+        with pk.prefilling(failed, 40):
+            raise RuntimeError("P died")
+    pk.ended(failed)
+    assert probe(pk, family(3, n=40, suffix=1)).predicted_p_pending_tokens == 0  # nothing promised any more
+    # A request that prefills well: its promise stands until grace_s after, then the events rule.
+    ok = pk.pick(family(4, n=40), max_tokens=4)
+    with pk.prefilling(ok, 40):
+        pass
+    pk.ended(ok)  # D failed afterwards: P's finished part stands
+    clock.now = 1.9
+    assert probe(pk, family(4, n=40, suffix=2)).predicted_p_pending_tokens == 12
+    clock.now = 4.0
+    later = probe(pk, family(4, n=40, suffix=3))
+    assert (later.predicted_p_hit_tokens, later.predicted_p_pending_tokens) == (0, 0)  # the events never came
+    held.store(ok.prefill.name, family(4, n=40))
+    confirmed = probe(pk, family(4, n=40, suffix=4))
+    assert (confirmed.prefill.name, confirmed.predicted_p_hit_tokens, confirmed.predicted_p_pending_tokens) == (
+        ok.prefill.name, 12, 0)
+    pk.pending.check_integrity()
+    assert pk.pending.counts(ok.prefill.name).requests == 0
+
+
+def test_a_cache_reset_voids_the_promises_of_finished_requests_but_not_of_running_ones():
+    held = HeldBlocks()
+    pk = pending_picker(held)
+    done = pk.pick(family(5, n=40), 4)
+    with pk.prefilling(done, 40):
+        pass
+    running = pk.pick(family(6, n=40), 4)
+    held.reset(done.prefill.name)
+    held.reset(running.prefill.name)
+    assert probe(pk, family(5, n=40, suffix=1)).predicted_p_hit_tokens == 0
+    assert probe(pk, family(6, n=40, suffix=1)).predicted_p_pending_tokens == 12  # still being prefilled
