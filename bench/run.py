@@ -47,7 +47,7 @@ class BenchConfig:
     time_scale: float = 1.0
     closed_loop: bool = False  # trace: ignore its timestamps
     # load shape
-    num_requests: int = 40
+    num_requests: int | None = None  # None: the whole trace, or SYNTHETIC_REQUESTS of a synthetic load
     max_concurrency: int = 8
     request_rate: float | None = None  # requests/s cap; None: closed loop only
     burstiness: float = 1.0
@@ -74,6 +74,9 @@ class BenchConfig:
                     max_concurrency=p.max_concurrency, request_rate=p.request_rate, burstiness=p.burstiness,
                     warmup=p.warmup, preset=name)
         return cls(**{**base, **overrides})
+
+
+SYNTHETIC_REQUESTS = 40  # a synthetic load's size unless --num-requests says otherwise
 
 
 @dataclass
@@ -106,7 +109,8 @@ def build_workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
                                        seed=cfg.seed, limit=cfg.num_requests, time_scale=cfg.time_scale)
     else:
         formal = workloads.synthetic_shared_prefix(
-            cfg.num_requests, cfg.input_len, cfg.shared_prefix_ratio, cfg.output_len, cfg.num_prefixes,
+            cfg.num_requests or SYNTHETIC_REQUESTS, cfg.input_len, cfg.shared_prefix_ratio, cfg.output_len,
+            cfg.num_prefixes,
             cfg.engine_block_size, vocab_size=vocab_size, seed=cfg.seed, seeded=cfg.seed_phase)
         if cfg.seed_phase:
             prefixes = workloads.family_prefixes(cfg.num_prefixes, cfg.input_len, cfg.shared_prefix_ratio,
@@ -147,6 +151,7 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
         failed = sum(not r.ok for r in phase_results)
         log(f"phase {phase}: {len(phase_results)} requests in {time.monotonic() - t0:.1f} s, {failed} failed")
         results += phase_results
+    results = expected_after_failures(results, by_index, cfg.engine_block_size)
     mismatches = workloads.check_hits(
         (by_index[r.index], r.cached_tokens) for r in results if r.ok and r.phase in ("check", "formal"))
     summaries = summarize_phases(results, cfg.max_concurrency)
@@ -156,6 +161,26 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
               "hit_mismatches": mismatches}
     write_run(out, results, summaries.values(), config, timelines or None)
     return BenchRun(cfg, results, summaries, mismatches, timelines, out)
+
+
+def expected_after_failures(results: list[RequestResult], by_index: dict[int, BenchRequest],
+                            block_size: int) -> list[RequestResult]:
+    """The workload's expected hits assume every earlier request left its blocks in the cache;
+    a failed one did not. If any failed, each result's expected hit is worked out again, in the
+    order they were sent, from the requests that succeeded (the ones without an expectation keep
+    none)."""
+    if all(r.ok for r in results):
+        return results
+    sent = sorted(results, key=lambda r: r.start_s)
+    hits = workloads.prefix_hits_from_tokens((by_index[r.index].prompt_token_ids for r in sent), block_size,
+                                             stored=(r.ok for r in sent))
+    again = {r.index: hit for r, hit in zip(sent, hits)}
+    fixed = [r if r.expected_cached_tokens is None else dataclasses.replace(r, expected_cached_tokens=again[r.index])
+             for r in results]
+    for r in fixed:  # check_hits reads the requests' expectations
+        if r.expected_cached_tokens is not None:
+            by_index[r.index] = dataclasses.replace(by_index[r.index], expected_cached_tokens=r.expected_cached_tokens)
+    return fixed
 
 
 def report(run: BenchRun) -> str:

@@ -158,10 +158,14 @@ def check_hits(results: Iterable[tuple[BenchRequest, int | None]]) -> list[str]:
 
 # ---------------------------------------------------------------- prefix-cache simulation
 
-def prefix_hits_from_tokens(prompts: Iterable[Sequence[int]], block_size: int) -> Iterator[int]:
+def prefix_hits_from_tokens(prompts: Iterable[Sequence[int]], block_size: int,
+                            stored: Iterable[bool] | None = None) -> Iterator[int]:
     """Per prompt, the hit of an unlimited vLLM-like cache: sha256 chained over full
-    blocks, the longest leading run already cached, capped below the last token."""
+    blocks, the longest leading run already cached, capped below the last token.
+    `stored`: per prompt, whether its blocks then entered the cache (a failed request's
+    did not); default: every prompt's did."""
     cache: set[bytes] = set()
+    stored = iter(stored) if stored is not None else None
     for p in prompts:
         chain, parent = [], b""
         for end in range(block_size, len(p) + 1, block_size):
@@ -171,7 +175,8 @@ def prefix_hits_from_tokens(prompts: Iterable[Sequence[int]], block_size: int) -
         while run < len(chain) and chain[run] in cache:
             run += 1
         yield aligned_hit(run * block_size, len(p), block_size)
-        cache.update(chain)  # the engine caches every full block of the prompt
+        if stored is None or next(stored):
+            cache.update(chain)  # the engine caches every full block of the prompt
 
 
 def hit_ratio_from_tokens(prompts: Iterable[Sequence[int]], block_size: int) -> float:

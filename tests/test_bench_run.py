@@ -69,3 +69,33 @@ def test_cli_reports_an_unreachable_server(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "bench", "run", "--base-url",
                         "http://127.0.0.1:9", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pdc bench: error" in r.stderr
+
+
+def test_a_trace_replay_sends_the_whole_trace_unless_told_otherwise(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 600, "output_length": 2,
+                                         "hash_ids": [i % 3, 100 + i]}) + "\n" for i in range(45)))
+    whole = BenchConfig(trace=str(trace), out=str(tmp_path / "out"), progress=False)
+    assert len(build_workload(whole, vocab_size=1000)) == 45  # more than a synthetic load's 40
+    assert len(build_workload(dataclasses.replace(whole, num_requests=7), vocab_size=1000)) == 7
+    assert len(build_workload(BenchConfig(seed_phase=False, progress=False), vocab_size=1000)) == 40
+
+
+def test_expected_hits_do_not_count_blocks_of_requests_that_failed():
+    from pdcluster.bench.records import BenchRequest, RequestResult
+    from pdcluster.bench.run import expected_after_failures
+
+    prefix = list(range(1, 257))  # two 128-token blocks shared
+    reqs = {i: BenchRequest(i, tuple(prefix + [500 + i] * 10), 2, expected_cached_tokens=0 if i == 0 else 256)
+            for i in range(3)}
+
+    def result(i: int, ok: bool) -> RequestResult:
+        return RequestResult(i, "formal", 266, start_s=float(i), end_s=float(i) + 0.5,
+                             expected_cached_tokens=reqs[i].expected_cached_tokens, error=None if ok else "HTTP 500")
+
+    fixed = expected_after_failures([result(0, False), result(1, True), result(2, True)], reqs, 128)
+    # The first failed: the second found nothing cached; the third then found the second's blocks.
+    assert [r.expected_cached_tokens for r in fixed] == [0, 0, 256]
+    assert [reqs[i].expected_cached_tokens for i in range(3)] == [0, 0, 256]
+    untouched = [result(0, True), result(1, True)]
+    assert expected_after_failures(untouched, reqs, 128) is untouched
