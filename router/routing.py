@@ -14,11 +14,12 @@ Both counts are the router's own, updated as requests start and end, so they
 are never stale the way a polled engine gauge is between two polls; they
 count requests from this router only.
 
-With `pending` (router/pending_blocks.py), what an instance holds is what its events
-confirmed plus the blocks of requests routed to it and not yet confirmed: a request
-of a prefix still being prefilled is routed behind that prefill, as if it were there.
-`pick` marks the chosen P's and D's promises at once; `prefilling`/`decoding` mark a
-side's part finished when it ends well, and `ended` withdraws what was not.
+With `pending` (router/pending_blocks.py), what a P holds is what its events confirmed
+plus the blocks of requests routed to it and not yet confirmed: a request of a prefix
+still being prefilled is routed behind that prefill (P takes requests in order) and
+hits. `pick` marks the chosen P's promise at once, `prefilling` marks it finished when
+P is done, and `ended` withdraws it if P was not. D admits a request as it arrives,
+before blocks still on their way are there: on D only confirmed blocks count.
 
 The predicted hits (P's and D's) go into the request's timeline beside what the
 engines then report, so a misprediction (an evicted block, a missed event) is
@@ -129,8 +130,10 @@ class InstancePicker(Generic[I]):
         hashes: list[RouterHash] = []
         if self.lookup is not None:
             hashes = hittable_hashes(prompt_token_ids, self.block_size)
-            matched_p, pending_p = self._matched(prefill, hashes)
-            matched_d, pending_d = self._matched(decode, hashes)
+            matched_p, pending_p = self._matched(prefill, hashes, self.pending)
+            # D takes a request in as it arrives (in push mode, with P's), long before blocks another
+            # request is still receiving are there: only what D's events confirmed is a hit on D.
+            matched_d, pending_d = self._matched(decode, hashes, None)
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
                                self._load[p.name].requests) for p in prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
@@ -142,31 +145,30 @@ class InstancePicker(Generic[I]):
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
                       pending_p[p_name] if pending_p else None, pending_d[d_name] if pending_d else None,
                       next(self._keys))
-        if self.pending is not None:  # at once: the next request of this prefix sees it here
+        if self.pending is not None:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
-            self.pending.add(d.name, route.key, hashes)
         return route
 
-    def _matched(self, instances: list[I], hashes: list[RouterHash]) -> tuple[dict[str, int], dict[str, int]]:
+    def _matched(self, instances: list[I], hashes: list[RouterHash],
+                 pending: PendingBlocks | None) -> tuple[dict[str, int], dict[str, int]]:
         """Per instance: the prompt tokens it holds or is promised, and of those the promised."""
         held, promised = {}, {}
-        if self.pending is not None:
-            self.pending.expire(self._clock())
+        if pending is not None:
+            pending.expire(self._clock())
         for i in instances:
             confirmed = self.lookup.matched_blocks(i.name, hashes)
             extra = 0
-            if self.pending is not None:
-                self.pending.cleared(i.name, self.lookup.clears(i.name))
-                extra = self.pending.pending_blocks(i.name, hashes, confirmed)
+            if pending is not None:
+                pending.cleared(i.name, self.lookup.clears(i.name))
+                extra = pending.pending_blocks(i.name, hashes, confirmed)
             held[i.name], promised[i.name] = (confirmed + extra) * self.block_size, extra * self.block_size
         return held, promised
 
     def ended(self, route: Route[I]) -> None:
-        """The request is over, however it ended: a side that did not finish its part (prefilled,
-        or decoded to the end) withdraws its promise."""
+        """The request is over, however it ended: if P did not finish its prefill, its promise
+        is withdrawn."""
         if self.pending is not None:
             self.pending.withdraw(route.prefill.name, route.key)
-            self.pending.withdraw(route.decode.name, route.key)
 
     @contextlib.contextmanager
     def prefilling(self, route: Route[I], prompt_tokens: int) -> Iterator[None]:
@@ -181,7 +183,6 @@ class InstancePicker(Generic[I]):
         """D's load while it holds the request: the KV it must keep."""
         with self._counted(route.decode.name, prompt_tokens + max_tokens):
             yield
-        self._finished(route.decode.name, route)
 
     def _finished(self, instance: str, route: Route[I]) -> None:
         if self.pending is not None:
