@@ -528,3 +528,44 @@ def test_an_instance_restarted_on_another_node_is_dialled_at_its_new_addresses(c
     assert abs(disp.clocks["prefill-0"].offset_ns - 5_000_000_000) < 1_000_000_000
     run(collect(disp))
     assert TransferHandle.from_params(d.decode_calls[0].handle).address == "10.0.0.7:5000"
+
+
+class NothingHeld:
+    def matched_blocks(self, instance, hashes):
+        return 0
+
+    def clears(self, instance):
+        return 0
+
+
+def test_a_promise_stands_for_a_good_prefill_and_is_withdrawn_when_p_fails_or_the_client_leaves(cancelled):
+    from pdcluster.router.pending_blocks import PendingBlocks
+
+    prompt = list(range(1, 22))  # 5 full blocks of 4, hittable
+    ok_p, bad_p, hung_p = FakeEngine(), FakeEngine(prefill_outcome=DIED), FakeEngine(prefill_outcome=HANG)
+
+    def dispatcher(p):
+        pending = PendingBlocks()
+        return make([p], [FakeEngine()], policy="prefix_aware", block_size=4, lookup=NothingHeld(),
+                    pending=pending), pending
+
+    disp, pending = dispatcher(ok_p)
+    run(collect(disp))
+    assert pending.counts("prefill-0").requests == 1  # P finished: its promise waits for the events
+    disp, pending = dispatcher(bad_p)
+    run(expect_error(disp))
+    assert pending.counts("prefill-0").requests == 0 and pending.counts("prefill-0").withdrawn == 1
+
+    async def leave_early(disp):
+        gen = disp.generate("r-gone", prompt, SAMPLING)
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)  # P is prefilling (it never answers)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+
+    disp, pending = dispatcher(hung_p)
+    run(leave_early(disp))
+    assert pending.counts("prefill-0").requests == 0 and pending.counts("prefill-0").withdrawn == 1
+    pending.check_integrity()
