@@ -1,6 +1,7 @@
 """The KV-event feed: every instance's vLLM KV cache events, applied to its prefix index.
 
-What the engines publish, and how it decodes, is router/kv_event_wire.py.
+What the engines publish, and how it decodes, is router/kv_event_wire.py; how one
+instance's batches are put in order (gaps, replay, restarts), router/kv_event_order.py.
 
 `KvEventFeed` runs one thread that owns every socket (one SUB and one replay
 DEALER per instance, plus a monitor of each SUB's connection). Contract:
@@ -38,15 +39,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from pdcluster.cluster.auth import CurveKeys, zmq_secure_client
-from pdcluster.router.kv_event_wire import END_SEQ, KV_EVENTS_TOPIC, decode_batch
+from pdcluster.router.kv_event_order import REPLAY_TIMEOUT_S, InstanceFeed, OrderedBatches
+from pdcluster.router.kv_event_wire import KV_EVENTS_TOPIC
 from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 
 log = logging.getLogger(__name__)
 
-REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1 s
 QUIET_PROBE_S = 1.0  # this long after an instance's last batch (or connection), ask its replay once
 HANDSHAKE_FAILED = 0x800 | 0x2000 | 0x4000  # zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, _PROTOCOL, _AUTH
 
@@ -71,23 +70,7 @@ class FeedStatus:
     errors: int  # batches that failed to decode or apply (counted in `lost` too)
 
 
-class _Instance:
-    """Per-instance state; sockets are touched by the feed thread only."""
-
-    def __init__(self, name: str, publish: str, replay: str | None, block_size: int):
-        self.name, self.publish, self.replay_endpoint = name, publish, replay
-        self.index = InstanceIndex(block_size, next_seq=0)  # a new engine numbers from 0
-        self.last_sub_seq: int | None = None
-        self.connected = False
-        self.sub: Any = None
-        self.monitor: Any = None
-        self.dealer: Any = None
-        self.probe_at: float | None = None  # when to ask the replay buffer for what SUB may have lost
-        self.handshake_failed = False  # the last handshake with the publisher failed (logged once)
-        self.batches = self.replayed = self.lost = self.connections = self.unknown = self.errors = 0
-
-
-class KvEventFeed:
+class KvEventFeed(OrderedBatches):
     """Follows every instance's KV events into its prefix index; see the module docstring."""
 
     def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
@@ -107,7 +90,7 @@ class KvEventFeed:
         self._quiet_probe_s = quiet_probe_s
         self._drop = drop
         self._curve = curve
-        self._inst = {name: _Instance(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
+        self._inst = {name: InstanceFeed(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
         self._lock = threading.Lock()  # guards every index and counter
         self._changed = threading.Condition(self._lock)  # notified after every change of state
         self._thread: threading.Thread | None = None
@@ -163,7 +146,7 @@ class KvEventFeed:
     def instances(self) -> list[str]:
         return list(self._inst)
 
-    def _get(self, instance: str) -> _Instance:
+    def _get(self, instance: str) -> InstanceFeed:
         try:
             return self._inst[instance]
         except KeyError:
@@ -268,7 +251,7 @@ class KvEventFeed:
                 self._wake_tx.connect(f"inproc://kv-event-feed-wake-{id(self)}")
             poller = zmq.Poller()
             poller.register(wake_rx, zmq.POLLIN)
-            owner: dict[Any, tuple[str, _Instance]] = {}
+            owner: dict[Any, tuple[str, InstanceFeed]] = {}
             for st in self._inst.values():
                 st.sub = self._ctx.socket(zmq.SUB)
                 st.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -331,7 +314,7 @@ class KvEventFeed:
                 self._redial(self._inst[what[1]], *what[2:])
             done.set()
 
-    def _redial(self, st: _Instance, publish: str, replay: str | None) -> None:
+    def _redial(self, st: InstanceFeed, publish: str, replay: str | None) -> None:
         log.info("%s: KV events now from %s (was %s)", st.name, publish, st.publish)
         st.sub.disconnect(st.publish)  # the monitor's DISCONNECTED (if it was up) empties the index
         if st.dealer is not None:
@@ -354,7 +337,7 @@ class KvEventFeed:
                 if st.connected:
                     self._fill(st, st.index.next_seq or 0)
 
-    def _on_monitor(self, st: _Instance) -> None:
+    def _on_monitor(self, st: InstanceFeed) -> None:
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
@@ -390,107 +373,3 @@ class KvEventFeed:
                     st.connected = True
                     st.connections += 1
                     self._changed.notify_all()
-
-    def _on_sub(self, st: _Instance) -> None:
-        import zmq
-
-        for _ in range(1000):  # bounded, so other instances and commands get their turn
-            try:
-                frames = st.sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning("%s: a KV-event message of %d frames, not (topic, seq, batch): ignored",
-                            st.name, len(frames))
-                continue
-            _, seq_bytes, payload = frames
-            seq = int.from_bytes(seq_bytes, "big")
-            if self._drop is not None and self._drop(st.name, seq):
-                continue
-            if st.last_sub_seq is not None and seq <= st.last_sub_seq:
-                # The numbering went back: a new engine with an empty cache.
-                with self._lock:
-                    st.index.restarted()
-                    st.index.next_seq = 0
-            st.last_sub_seq = seq
-            st.probe_at = time.monotonic() + self._quiet_probe_s
-            expected = st.index.next_seq or 0
-            if seq < expected:
-                continue  # already applied from a replay
-            if seq == expected:
-                self._apply(st, seq, payload, replayed=False)
-            else:
-                self._fill(st, expected, held=(seq, payload))
-
-    def _fill(self, st: _Instance, start: int, held: tuple[int, bytes] | None = None) -> None:
-        """Apply batches from `start` on, from the instance's replay buffer (and `held`, a batch
-        already in hand); whatever the buffer lacks is lost, and the index says so."""
-        got = {seq: payload for seq, payload in self._replay(st, start) if seq >= start}
-        replayed = set(got)
-        if held is not None:
-            got.setdefault(held[0], held[1])
-        for seq in sorted(got):
-            if seq >= (st.index.next_seq or 0):
-                self._apply(st, seq, got[seq], replayed=seq in replayed)
-
-    def _replay(self, st: _Instance, start: int) -> list[tuple[int, bytes]]:
-        """Every buffered batch from `start` on ([] if the instance has no replay endpoint,
-        or it did not answer in time)."""
-        import zmq
-
-        if st.replay_endpoint is None:
-            return []
-        if st.dealer is None:
-            st.dealer = self._ctx.socket(zmq.DEALER)
-            if self._curve is not None:
-                zmq_secure_client(st.dealer, self._curve)
-            st.dealer.connect(st.replay_endpoint)
-        out: list[tuple[int, bytes]] = []
-        try:
-            st.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
-            while st.dealer.poll(self._replay_timeout_ms):
-                frames = st.dealer.recv_multipart()
-                if len(frames) != 4:
-                    continue
-                _, _, seq_bytes, payload = frames
-                if seq_bytes == END_SEQ:
-                    return out
-                out.append((int.from_bytes(seq_bytes, "big"), payload))
-        except zmq.Again:
-            pass
-        # No end marker in time: a later answer must not be mistaken for the next one's.
-        log.warning("%s: no replay answer from %s within %d ms", st.name, st.replay_endpoint,
-                    self._replay_timeout_ms)
-        st.dealer.close(linger=0)
-        st.dealer = None
-        return out
-
-    def _apply(self, st: _Instance, seq: int, payload: bytes, replayed: bool) -> None:
-        try:
-            events, unknown = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.error("%s: KV-event batch %d does not decode (%s): counted as lost", st.name, seq, e)
-            with self._lock:
-                st.errors += 1
-                st.lost += 1
-                st.index.lost_history()
-                st.index.next_seq = seq + 1
-                self._changed.notify_all()
-            return
-        with self._lock:
-            try:
-                contiguous = st.index.apply(seq, events)
-            except AssertionError as e:
-                log.error("%s: KV-event batch %d does not apply (%s): counted as lost", st.name, seq, e)
-                st.errors += 1
-                contiguous = False
-                st.index.lost_history()
-                st.index.next_seq = seq + 1
-            st.batches += 1
-            st.replayed += replayed
-            st.unknown += unknown
-            if not contiguous:
-                st.lost += 1
-                log.warning("%s: KV-event batches before %d are lost: its prefix index starts over (stale)",
-                            st.name, seq)
-            self._changed.notify_all()
