@@ -168,6 +168,11 @@ class KvEventFeed(OrderedBatches):
         with self._lock:
             return len(st.index)
 
+    def holds(self, instance: str, block: RouterHash) -> bool:
+        st = self._get(instance)
+        with self._lock:
+            return st.index.holds(block)
+
     def clears(self, instance: str) -> int:
         """How many times the instance's index was emptied (router/prefix_index.py `clears`)."""
         st = self._get(instance)

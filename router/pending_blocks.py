@@ -17,8 +17,10 @@ Contract, per instance (a P or a D):
   P holds the blocks), so withdrawing everything a failed request touched is right.
 - `finished(instance, key, now)`: it ended well (P: its prefill; D: the request). Its
   events are about to confirm the blocks (an engine publishes a step's batch before
-  that step's outputs leave it), so the promise is kept `grace_s` longer, then dropped
-  by `expire(now)`; from then on only the events count, evictions included.
+  that step's outputs leave it): `confirm(instance, holds)` drops the promise as soon
+  as the instance's index holds its last block (a chain's last block covers all before
+  it); one the events never confirm is dropped by `expire(now)` `grace_s` after. From
+  then on only the events count, evictions included.
 - `cleared(instance, clears)`: the instance's cache was emptied since (a reset, a
   restart: the index's `clears` count moved on): promises of finished parts are void
   (their blocks are gone with the rest), running ones stand.
@@ -29,7 +31,7 @@ Time comes from the caller (`now`, monotonic seconds), so tests need no clock.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.router.prefix_index import RouterHash
@@ -51,7 +53,8 @@ class PendingCounts:
     requests: int = 0  # requests whose blocks are pending
     blocks: int = 0  # distinct blocks pending
     withdrawn: int = 0  # promises withdrawn (failure or abort), in all
-    expired: int = 0  # promises dropped after their request ended well, in all
+    expired: int = 0  # promises dropped unconfirmed after their request ended well (or voided by a clear)
+    confirmed: int = 0  # promises the instance's events confirmed, in all
 
 
 @dataclass
@@ -62,6 +65,7 @@ class _InstancePending:
     _count: dict[RouterHash, int] = field(default_factory=dict)
     withdrawn: int = 0
     expired: int = 0
+    confirmed: int = 0
 
     def add(self, key: Hashable, hashes: Sequence[RouterHash]) -> None:
         assert key not in self._promises, f"request {key!r} promised twice on one instance: reuse of a route key"
@@ -117,6 +121,14 @@ class PendingBlocks:
             st.drop(key)
             st.expired += 1
 
+    def confirm(self, instance: str, holds: Callable[[RouterHash], bool]) -> None:
+        """Drop the finished promises whose last block the instance's index holds."""
+        st = self._of(instance)
+        done = [k for k, p in st._promises.items() if p.done_at is not None and holds(p.hashes[-1])]
+        for key in done:
+            st.drop(key)
+            st.confirmed += 1
+
     def expire(self, now: float) -> None:
         """Drop the promises of requests that ended well more than grace_s ago."""
         for st in self._inst.values():
@@ -134,7 +146,7 @@ class PendingBlocks:
 
     def counts(self, instance: str) -> PendingCounts:
         st = self._of(instance)
-        return PendingCounts(len(st._promises), len(st._count), st.withdrawn, st.expired)
+        return PendingCounts(len(st._promises), len(st._count), st.withdrawn, st.expired, st.confirmed)
 
     def check_integrity(self) -> None:
         """The invariant of every instance's counts (tests call it)."""

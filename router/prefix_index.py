@@ -205,5 +205,8 @@ class InstanceIndex:
             n += 1
         return n
 
+    def holds(self, block: RouterHash, group: int = 0) -> bool:
+        return (group, block) in self._count
+
     def __len__(self) -> int:
         return len(self._held)

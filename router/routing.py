@@ -48,6 +48,9 @@ class PrefixLookup(Protocol):
         """How many times what `instance` holds was emptied (cache reset, restart): a promise of
         blocks made before the last one is void."""
 
+    def holds(self, instance: str, block: RouterHash) -> bool:
+        """Whether `instance` holds this block (wherever it sits in a prompt's chain)."""
+
 
 class _Named(Protocol):
     name: str
@@ -160,6 +163,7 @@ class InstancePicker(Generic[I]):
             extra = 0
             if pending is not None:
                 pending.cleared(i.name, self.lookup.clears(i.name))
+                pending.confirm(i.name, lambda h, name=i.name: self.lookup.holds(name, h))
                 extra = pending.pending_blocks(i.name, hashes, confirmed)
             held[i.name], promised[i.name] = (confirmed + extra) * self.block_size, extra * self.block_size
         return held, promised

@@ -537,6 +537,9 @@ class NothingHeld:
     def clears(self, instance):
         return 0
 
+    def holds(self, instance, block):
+        return False
+
 
 def test_a_promise_stands_for_a_good_prefill_and_is_withdrawn_when_p_fails_or_the_client_leaves(cancelled):
     from pdcluster.router.pending_blocks import PendingBlocks

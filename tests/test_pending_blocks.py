@@ -107,3 +107,19 @@ def test_a_cleared_cache_voids_finished_promises_made_before_it():
     pending.cleared("p", clears=4)
     assert pending.pending_blocks("p", h) == 0 and pending.pending_blocks("p", hashes(family(2))) == 4
     pending.check_integrity()
+
+
+def test_the_events_confirm_a_finished_promise_and_from_then_on_evictions_count():
+    pending = PendingBlocks(grace_s=60.0)
+    h = hashes(family(1))
+    held: set[bytes] = set()
+    pending.add("p", "r1", h)
+    pending.confirm("p", held.__contains__)  # running: never confirmed early
+    pending.finished("p", "r1", now=1.0)
+    pending.confirm("p", held.__contains__)  # finished, the events not in yet: stands
+    assert pending.pending_blocks("p", h) == 4
+    held.update(h)  # the BlockStored events arrive
+    pending.confirm("p", held.__contains__)
+    assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=0, confirmed=1)
+    held.clear()  # then evicted: nothing pending claims them any more
+    assert pending.pending_blocks("p", h) == 0

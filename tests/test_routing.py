@@ -39,6 +39,9 @@ class HeldBlocks:
     def clears(self, instance: str) -> int:
         return self.emptied.get(instance, 0)
 
+    def holds(self, instance: str, block: bytes) -> bool:
+        return block in self.held.get(instance, set())
+
     def reset(self, instance: str) -> None:
         self.held.pop(instance, None)
         self.emptied[instance] = self.emptied.get(instance, 0) + 1
