@@ -88,12 +88,17 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
 
 @contextmanager
 def running_cluster(spec: ClusterSpec):
-    """A local Ray and a cluster on it for one test module; both gone afterwards, even on failure."""
+    """A Ray and a cluster on it for one test module; both gone afterwards, even on failure. The Ray
+    is a local one, or the one at the spec's ray_address (a lab's: this driver leaves it before the
+    lab goes, as a driver whose GCS vanishes exits its process later)."""
     import ray
 
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    if spec.ray_address:
+        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     try:
         cluster = build_cluster(spec)
         try:
@@ -102,6 +107,20 @@ def running_cluster(spec: ClusterSpec):
             teardown(cluster)
     finally:
         ray.shutdown()
+
+
+def placed(spec: ClusterSpec, **labels: dict[str, str]) -> ClusterSpec:
+    """`spec` with each named role's instances on Ray nodes with these labels (e.g. a lab's
+    `prefill={"pdc-host": "host1"}`)."""
+    from pdcluster.cluster.spec import PlacementSpec
+
+    return spec.model_copy(update={role: getattr(spec, role).model_copy(update={"placement": PlacementSpec(labels=want)})
+                                   for role, want in labels.items()})
+
+
+def health(cluster) -> dict[str, bool]:
+    """Each instance's health as the router's /health reports it."""
+    return httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"]
 
 
 def complete(url: str, prompt: list[int] | str, max_tokens: int = 16, timeout: float = 120,

@@ -13,7 +13,16 @@ import asyncio
 import httpx
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, evil_pickle, reset_caches, seed_prompts_000, tiny_model_dir
+from e2e import (
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    evil_pickle,
+    placed,
+    reset_caches,
+    running_cluster,
+    seed_prompts_000,
+    tiny_model_dir,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,22 +40,10 @@ def lab():
 
 @pytest.fixture(scope="module")
 def cluster(lab):
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-    from pdcluster.cluster.spec import PlacementSpec
-
     spec = cluster_spec_for("e2e-multihost", ray_address=lab.ray_address, auth={"api_keys": [API_KEY]})
-    spec = spec.model_copy(update={  # each role on its own host, by the lab's labels
-        role: getattr(spec, role).model_copy(update={"placement": PlacementSpec(labels={"pdc-host": host})})
-        for role, host in (("prefill", "host1"), ("decode", "host2"))})
-    ray.init(address=lab.ray_address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        c = build_cluster(spec)
-        try:
-            yield c
-        finally:
-            teardown(c)
-    finally:
-        ray.shutdown()  # before the lab goes: a driver whose GCS vanishes exits later
+    # Each role on its own host, by the lab's labels.
+    with running_cluster(placed(spec, prefill={"pdc-host": "host1"}, decode={"pdc-host": "host2"})) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,16 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
-from e2e import TRANSPORTS, assert_no_kv_in_use, free_port_run, tiny_model_dir, transfer_as, wait_until
+from e2e import (
+    TRANSPORTS,
+    assert_no_kv_in_use,
+    free_port_run,
+    health,
+    running_cluster,
+    tiny_model_dir,
+    transfer_as,
+    wait_until,
+)
 
 from pdcluster.cluster.channel_wire import DEAD_PEER_S
 from pdcluster.cluster.spec import parse_spec, read_yaml
@@ -58,17 +67,8 @@ def lab_spec(ray_address: str):
 
 @pytest.fixture(scope="module")
 def cluster(lab):
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-
-    ray.init(address=lab.ray_address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        c = build_cluster(lab_spec(lab.ray_address))
-        try:
-            yield c
-        finally:
-            teardown(c)
-    finally:
-        ray.shutdown()  # before the lab goes
+    with running_cluster(lab_spec(lab.ray_address)) as c:
+        yield c
 
 
 def post(cluster, prompt, max_tokens: int = 3) -> tuple[httpx.Response, float]:
@@ -82,10 +82,6 @@ def post(cluster, prompt, max_tokens: int = 3) -> tuple[httpx.Response, float]:
 def fresh_prompt(n: int) -> list[int]:
     rng = random.Random()  # a new prefix every time: no cache anywhere holds it
     return [rng.randrange(5, 1000) for _ in range(n)]
-
-
-def health(cluster) -> dict[str, bool]:
-    return httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"]
 
 
 def in_flight(cluster, instance: str) -> float:

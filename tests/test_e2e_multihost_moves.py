@@ -13,7 +13,7 @@ import random
 import httpx
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, wait_until
+from e2e import assert_no_kv_in_use, cluster_spec_for, health, placed, running_cluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -31,23 +31,10 @@ def lab():
 
 @pytest.fixture(scope="module")
 def cluster(lab):
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-    from pdcluster.cluster.spec import PlacementSpec
-
     spec = cluster_spec_for("e2e-moves", ray_address=lab.ray_address, transfer={"mode": "push", "lease_s": 15},
                             router={"policy": "prefix_aware"})
-    spec = spec.model_copy(update={
-        "prefill": spec.prefill.model_copy(update={"placement": PlacementSpec(labels={"pdc-host": "in(host1, host2)"})}),
-        "decode": spec.decode.model_copy(update={"placement": PlacementSpec(labels={"pdc-host": "host3"})})})
-    ray.init(address=lab.ray_address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        c = build_cluster(spec)
-        try:
-            yield c
-        finally:
-            teardown(c)
-    finally:
-        ray.shutdown()
+    with running_cluster(placed(spec, prefill={"pdc-host": "in(host1, host2)"}, decode={"pdc-host": "host3"})) as c:
+        yield c
 
 
 def post(cluster, prompt: list[int]) -> dict:
@@ -72,8 +59,7 @@ def test_p_restarted_on_another_host_is_followed_there(lab, cluster):
 
     lab.kill_host(host_of[before])
     # Ray declares the node dead, restarts P on the other host; the router's channel reopens there.
-    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"]["prefill-0"] is False,
-               30, what="prefill-0 down")
+    wait_until(lambda: health(cluster)["prefill-0"] is False, 30, what="prefill-0 down")
     wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,
                what="prefill-0 back, on the other host")
     after = p_node(cluster)
