@@ -47,8 +47,8 @@ class RouterMetrics:
                                  "prompt tokens the router's prefix index expected a prefix cache to hold",
                                  ["side"], registry=r)
         self.predicted_pending = Counter("pdc_predicted_pending_tokens",
-                                         "of the predicted cached tokens, those only pending (routed, not yet "
-                                         "confirmed by KV events)", ["side"], registry=r)
+                                         "of P's predicted cached tokens, those only pending (routed, not yet "
+                                         "confirmed by KV events)", registry=r)
         self.predictions = Counter("pdc_hit_predictions", "predicted vs delivered prefix hits, per request",
                                    ["side", "outcome"], registry=r)
         self.transferred_tokens = Counter("pdc_transferred_tokens", "prompt tokens whose KV moved P -> D",
@@ -60,7 +60,6 @@ class RouterMetrics:
         sides = ("prefill", "decode")
         self._cached = {side: self.cached.labels(side=side) for side in sides}
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
-        self._predicted_pending = {side: self.predicted_pending.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
         in_flight_gauge = Gauge("pdc_in_flight", "requests in flight per instance", ["instance"], registry=r)
@@ -84,13 +83,13 @@ class RouterMetrics:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self._cached["prefill"].inc(rec.p_cached_tokens)
         self._cached["decode"].inc(rec.d_cached_tokens)
-        for side, predicted, delivered, pending in (
-                ("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens, rec.predicted_p_pending_tokens),
-                ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens, rec.predicted_d_pending_tokens)):
+        for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
+                                           ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
             if predicted is not None and not rec.error:
                 self._predicted[side].inc(predicted)
-                self._predicted_pending[side].inc(pending or 0)
                 self._predictions[side, prediction_outcome(predicted, delivered)].inc()
+        if rec.predicted_p_pending_tokens and not rec.error:
+            self.predicted_pending.inc(rec.predicted_p_pending_tokens)
         self.transferred_tokens.inc(rec.transferred_tokens)
         for g in rec.transfer_groups:
             self.transfer_bytes.labels(group=str(g.group)).inc(g.bytes)

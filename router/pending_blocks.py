@@ -15,15 +15,15 @@ Contract, per instance (a P or a D):
   finished its part; its blocks will not come (those another pending request also
   promises stay pending). A part already finished stands (P prefilled, then D failed:
   P holds the blocks), so withdrawing everything a failed request touched is right.
-- `finished(instance, key, now)`: it ended well (P: its prefill; D: the request). Its
-  events are about to confirm the blocks (an engine publishes a step's batch before
-  that step's outputs leave it): `confirm(instance, holds)` drops the promise as soon
-  as the instance's index holds its last block (a chain's last block covers all before
-  it); one the events never confirm is dropped by `expire(now)` `grace_s` after. From
-  then on only the events count, evictions included.
-- `cleared(instance, clears)`: the instance's cache was emptied since (a reset, a
-  restart: the index's `clears` count moved on): promises of finished parts are void
-  (their blocks are gone with the rest), running ones stand.
+- `finished(instance, key, now)`: it ended well (P: its prefill). Its events are about
+  to confirm the blocks (an engine publishes a step's batch before that step's outputs
+  leave it). From then on, `settle(instance, now, clears, holds)` drops the promise:
+  - confirmed, as soon as the instance's index holds its last block (a chain's last
+    block covers all before it);
+  - void, once the instance's cache was emptied since (a reset, a restart: the
+    index's `clears` count moved on), its blocks gone with the rest;
+  - expired, `grace_s` after, if the events never confirmed it.
+  After that only the events count, evictions included. Running promises stand.
 - `pending_blocks(instance, hashes, start)`: how many of a prompt's blocks from
   `start` on are pending there (each block of a chain covers all before it, so a run).
 Time comes from the caller (`now`, monotonic seconds), so tests need no clock.
@@ -114,28 +114,21 @@ class PendingBlocks:
         if promise is not None and promise.done_at is None:
             promise.done_at, promise.clears = now, clears
 
-    def cleared(self, instance: str, clears: int) -> None:
+    def settle(self, instance: str, now: float, clears: int = 0,
+               holds: Callable[[RouterHash], bool] | None = None) -> None:
+        """Drop the instance's finished promises that are confirmed, void or past the grace.
+        `clears`: its index's clears count now; `holds`: whether its index holds a block."""
         st = self._of(instance)
-        void = [k for k, p in st._promises.items() if p.done_at is not None and p.clears < clears]
-        for key in void:
-            st.drop(key)
-            st.expired += 1
-
-    def confirm(self, instance: str, holds: Callable[[RouterHash], bool]) -> None:
-        """Drop the finished promises whose last block the instance's index holds."""
-        st = self._of(instance)
-        done = [k for k, p in st._promises.items() if p.done_at is not None and holds(p.hashes[-1])]
-        for key in done:
-            st.drop(key)
-            st.confirmed += 1
-
-    def expire(self, now: float) -> None:
-        """Drop the promises of requests that ended well more than grace_s ago."""
-        for st in self._inst.values():
-            due = [k for k, p in st._promises.items() if p.done_at is not None and now - p.done_at >= self.grace_s]
-            for key in due:
-                st.drop(key)
+        for key, p in list(st._promises.items()):
+            if p.done_at is None:
+                continue
+            if holds is not None and holds(p.hashes[-1]):
+                st.confirmed += 1
+            elif p.clears < clears or now - p.done_at >= self.grace_s:
                 st.expired += 1
+            else:
+                continue
+            st.drop(key)
 
     def pending_blocks(self, instance: str, hashes: Sequence[RouterHash], start: int = 0) -> int:
         count = self._inst[instance]._count if instance in self._inst else {}

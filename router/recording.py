@@ -26,7 +26,6 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     rec.policy = policy
     rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
     rec.predicted_p_pending_tokens = route.predicted_p_pending_tokens
-    rec.predicted_d_pending_tokens = route.predicted_d_pending_tokens
 
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:

@@ -66,9 +66,8 @@ class Route(Generic[I]):
     # Tokens of the prompt the router expects each side's prefix cache to hold; None: no lookup.
     predicted_p_hit_tokens: int | None
     predicted_d_hit_tokens: int | None
-    # Of those, the tokens only pending there (routed, not yet confirmed by KV events).
+    # Of P's, the tokens only pending there (routed, not yet confirmed by KV events).
     predicted_p_pending_tokens: int | None = None
-    predicted_d_pending_tokens: int | None = None
     key: int = -1  # this route's promises in the pending blocks (unique per picker)
 
 
@@ -129,14 +128,14 @@ class InstancePicker(Generic[I]):
         turn = next(self._turn)
         n = len(prompt_token_ids)
         prefill, decode = self._up("prefill", self.prefill), self._up("decode", self.decode)
-        matched_p = matched_d = pending_p = pending_d = None
+        matched_p = matched_d = pending_p = None
         hashes: list[RouterHash] = []
         if self.lookup is not None:
             hashes = hittable_hashes(prompt_token_ids, self.block_size)
             matched_p, pending_p = self._matched(prefill, hashes, self.pending)
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
-            matched_d, pending_d = self._matched(decode, hashes, None)
+            matched_d, _ = self._matched(decode, hashes, None)
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
                                self._load[p.name].requests) for p in prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
@@ -146,8 +145,7 @@ class InstancePicker(Generic[I]):
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
-                      pending_p[p_name] if pending_p else None, pending_d[d_name] if pending_d else None,
-                      next(self._keys))
+                      pending_p[p_name] if pending_p else None, next(self._keys))
         if self.pending is not None:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
@@ -156,14 +154,12 @@ class InstancePicker(Generic[I]):
                  pending: PendingBlocks | None) -> tuple[dict[str, int], dict[str, int]]:
         """Per instance: the prompt tokens it holds or is promised, and of those the promised."""
         held, promised = {}, {}
-        if pending is not None:
-            pending.expire(self._clock())
+        now = self._clock()
         for i in instances:
             confirmed = self.lookup.matched_blocks(i.name, hashes)
             extra = 0
             if pending is not None:
-                pending.cleared(i.name, self.lookup.clears(i.name))
-                pending.confirm(i.name, lambda h, name=i.name: self.lookup.holds(name, h))
+                pending.settle(i.name, now, self.lookup.clears(i.name), lambda h, name=i.name: self.lookup.holds(name, h))
                 extra = pending.pending_blocks(i.name, hashes, confirmed)
             held[i.name], promised[i.name] = (confirmed + extra) * self.block_size, extra * self.block_size
         return held, promised

@@ -92,9 +92,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None  # the request failed: what the client was told
     transfer_error: str | None = None  # the KV pull failed but D recomputed: the request still succeeded
-    # Of the predicted hits, the tokens only pending there (routed, not yet confirmed by events).
+    # Of P's predicted hit, the tokens only pending there (routed, not yet confirmed by events).
     predicted_p_pending_tokens: int | None = None
-    predicted_d_pending_tokens: int | None = None
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"

@@ -119,9 +119,9 @@ def _predictions(records: list[RequestRecord]) -> dict[str, HitPrediction]:
     out = {}
     for side, predicted, delivered, pending in (
             ("P", "predicted_p_hit_tokens", "p_cached_tokens", "predicted_p_pending_tokens"),
-            ("D", "predicted_d_hit_tokens", "d_cached_tokens", "predicted_d_pending_tokens")):
-        pairs = [(getattr(r, predicted), getattr(r, delivered), r.prompt_tokens, getattr(r, pending) or 0) for r in ok
-                 if getattr(r, predicted) is not None]
+            ("D", "predicted_d_hit_tokens", "d_cached_tokens", None)):  # D counts confirmed blocks only
+        pairs = [(getattr(r, predicted), getattr(r, delivered), r.prompt_tokens, pending and getattr(r, pending) or 0)
+                 for r in ok if getattr(r, predicted) is not None]
         if pairs:
             out[side] = HitPrediction.of(pairs)
     return out

@@ -55,10 +55,10 @@ def test_a_finished_request_keeps_its_promise_for_the_grace_then_only_events_cou
     h = hashes(family(1))
     pending.add("p", "r1", h)
     pending.finished("p", "r1", now=10.0)
-    pending.expire(now=11.9)
+    pending.settle("p", now=11.9)
     assert pending.pending_blocks("p", h) == 4
     pending.finished("p", "r1", now=11.95)  # a second word does not extend it
-    pending.expire(now=12.0)
+    pending.settle("p", now=12.0)
     assert pending.pending_blocks("p", h) == 0
     assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=1)
     pending.withdraw("p", "r1")  # after expiry: nothing left to withdraw
@@ -80,7 +80,7 @@ def test_running_requests_never_expire():
     pending = PendingBlocks(grace_s=0.0)
     h = hashes(family(1))
     pending.add("p", "r1", h)
-    pending.expire(now=1e9)
+    pending.settle("p", now=1e9)
     assert pending.pending_blocks("p", h) == 4
 
 
@@ -102,9 +102,9 @@ def test_a_cleared_cache_voids_finished_promises_made_before_it():
     pending.add("p", "done", h)
     pending.finished("p", "done", now=1.0, clears=3)
     pending.add("p", "running", hashes(family(2)))
-    pending.cleared("p", clears=3)  # no clear since: stands
+    pending.settle("p", now=1.0, clears=3)  # no clear since: stands
     assert pending.pending_blocks("p", h) == 4
-    pending.cleared("p", clears=4)
+    pending.settle("p", now=1.0, clears=4)
     assert pending.pending_blocks("p", h) == 0 and pending.pending_blocks("p", hashes(family(2))) == 4
     pending.check_integrity()
 
@@ -114,12 +114,12 @@ def test_the_events_confirm_a_finished_promise_and_from_then_on_evictions_count(
     h = hashes(family(1))
     held: set[bytes] = set()
     pending.add("p", "r1", h)
-    pending.confirm("p", held.__contains__)  # running: never confirmed early
+    pending.settle("p", now=0.5, holds=held.__contains__)  # running: never confirmed early
     pending.finished("p", "r1", now=1.0)
-    pending.confirm("p", held.__contains__)  # finished, the events not in yet: stands
+    pending.settle("p", now=1.0, holds=held.__contains__)  # finished, the events not in yet: stands
     assert pending.pending_blocks("p", h) == 4
     held.update(h)  # the BlockStored events arrive
-    pending.confirm("p", held.__contains__)
+    pending.settle("p", now=1.0, holds=held.__contains__)
     assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=0, confirmed=1)
     held.clear()  # then evicted: nothing pending claims them any more
     assert pending.pending_blocks("p", h) == 0
