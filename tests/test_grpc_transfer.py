@@ -704,6 +704,31 @@ def test_gloo_channel_transfer_broken_halfway_fails_then_the_next_one_works(gloo
     assert released(p.sources, {"break-1", "ok-1"}) == {"break-1", "ok-1"}
 
 
+def test_a_channel_only_p_saw_die_is_replaced_and_the_transfer_goes_through(gloo_pair):
+    """E.g. a cut link: P's keepalive declared the pair dead, D's had not yet. D's next transfer
+    must not fail on the stale pair: P says so before sending anything, and D retries on a new one."""
+    p, d = gloo_pair()
+    for tid in ("r1", "r2"):
+        offer(p, tid, (2, 5, 7, 9))
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="r1", transport="torch_dist"))
+    assert wait_results(d.fetcher, {"d-r1"}, timeout=15).failed == set()
+    host = p.server._channels
+    [name] = host.opened()
+    p_end = host.get(name)
+    p_end._alive.shutdown(socket.SHUT_RD)  # P's watcher sees its peer leave; nothing reaches D
+    wait_until_true(lambda: p_end.unusable is not None)
+    [d_end] = d.fetcher._channels._channels.values()
+    assert d_end.unusable is None
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="r2", transport="torch_dist"))
+    r = wait_results(d.fetcher, {"d-r2"}, timeout=15)
+    assert r.finished == {"d-r2"} and r.failed == set(), r
+    for name_ in LAYERS:
+        for pb_id, lb in zip((2, 5, 7, 9), (4, 5, 6, 7)):
+            assert torch.equal(d.caches[name_][lb], p.caches[name_][pb_id])
+    [new_name] = host.opened()
+    assert new_name != name
+
+
 def test_gloo_channel_push_streams_as_layers_become_ready(gloo_pair):
     p, d = gloo_pair()
     d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (3, 2, 1, 0), transport="torch_dist"))

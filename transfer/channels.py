@@ -29,6 +29,17 @@ from pdcluster.transfer.dist_channel import ChannelError, TensorChannel, local_a
 
 log = logging.getLogger(__name__)
 
+# P's answer to a ReadBlocks on a channel it already knows is dead (its liveness connection saw
+# the peer go, e.g. during a cut D's end has not noticed yet): nothing was sent, so D retries the
+# transfer once on a new pair instead of failing the request.
+STALE_CHANNEL = "stale data channel"
+
+
+def is_stale_channel(err: BaseException) -> bool:
+    """Whether a ReadBlocks call failed because P found its end of the channel dead before sending."""
+    return (isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+            and (err.details() or "").startswith(STALE_CHANNEL))
+
 
 class ChannelHost:
     """P's end: the channels D's have opened to it by name, and their stores.

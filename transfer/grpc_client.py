@@ -24,7 +24,7 @@ from pdcluster.cluster.auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.channels import ChannelPool
+from pdcluster.transfer.channels import ChannelPool, is_stale_channel
 from pdcluster.transfer.dist_channel import Pending, TensorChannel
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.handle import TransferHandle
@@ -183,20 +183,26 @@ class KvFetcher:
         # Every (layer, block) of the plan must arrive exactly once.
         expected = {layer.name: job.plan.groups[layer.group].num_blocks
                     for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
-        channel = None
-        if job.handle.transport == "torch_dist":
-            channel = self._channels.get(job.handle.address, stub)
-            request.channel = channel.name
-            # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
-            request.first_tag = channel.allocate_tags(sum(expected.values()))
-        try:
-            self._receive(stub, job, request, expected, channel, bytes_per_group, deadline)
-        except Exception:
-            # A transfer that failed midway may leave sends or receives posted: P drops its end
-            # too (grpc_server.ReadBlocks), and the next transfer opens a new pair.
-            if channel is not None:
-                self._channels.drop(job.handle.address, channel)
-            raise
+        for attempt in (1, 2):
+            channel = None
+            if job.handle.transport == "torch_dist":
+                channel = self._channels.get(job.handle.address, stub)
+                request.channel = channel.name
+                # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
+                request.first_tag = channel.allocate_tags(sum(expected.values()))
+            try:
+                self._receive(stub, job, request, expected, channel, bytes_per_group, deadline)
+                break
+            except Exception as err:
+                # A transfer that failed midway may leave sends or receives posted: P drops its end
+                # too (grpc_server.ReadBlocks), and the next transfer opens a new pair.
+                if channel is not None:
+                    self._channels.drop(job.handle.address, channel)
+                if attempt == 1 and is_stale_channel(err):  # P sent nothing: once more on a new pair
+                    log.info("P %s found channel %s dead before sending: %s on a new one",
+                             job.handle.address, channel.name, job.request_id)
+                    continue
+                raise
         log.info("received %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks,
                  sum(bytes_per_group) / 1e6, job.request_id, job.handle.address, (time.perf_counter() - t0) * 1e3)
 

@@ -32,7 +32,7 @@ from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channel_store import StoreError
-from pdcluster.transfer.channels import ChannelHost
+from pdcluster.transfer.channels import STALE_CHANNEL, ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
@@ -125,6 +125,9 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             wanted = {gb.group: list(gb.block_indices) for gb in request.groups if gb.block_indices}
             self._check(src, wanted, context)
             channel = self._channel(request, context)
+            if channel is not None and (why := channel.unusable) is not None:
+                self._channels.drop(request.channel)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{STALE_CHANNEL} {request.channel!r}: {why}")
             try:
                 yield from self._stream(src, wanted, context, channel, request.first_tag)
             except ChannelError as err:
@@ -145,8 +148,8 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"P {self._engine_id} has no data channels")
         try:
             return self._channels.get(request.channel)
-        except ChannelError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except ChannelError as err:  # dropped after a failure D has not seen, or never joined
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{STALE_CHANNEL}: {err}")
 
     def _check(self, src: Source, wanted: dict[int, list[int]], context) -> None:
         for group, indices in wanted.items():
