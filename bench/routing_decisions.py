@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.bench.presets import PRESETS
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
+from pdcluster.router.prefill_cost import FittedCost
 from pdcluster.router.prefix_index import BlockStored, InstanceIndex, RouterHash, chain_hashes, hittable_hashes
 
 C90 = PRESETS["c90"]
@@ -79,6 +80,8 @@ class Fleet:
     queued_tokens: dict[str, int] = field(default_factory=dict)  # P -> prefill tokens queued
     kv_tokens: dict[str, int] = field(default_factory=dict)  # D -> KV tokens its requests hold
     running: dict[str, int] = field(default_factory=dict)  # D -> requests decoding
+    # The router's default for real engines: fitted from P's reports; here none, so its linear prior.
+    cost: FittedCost = field(default_factory=FittedCost)
 
 
 def build_fleet(n_prefill: int = 8, n_decode: int = 8, families: int = C90.num_prefixes,
@@ -137,8 +140,10 @@ def decide(fleet: Fleet, policy: Policy, prompt: Sequence[int], turn: int) -> De
                for name, idx in (*fleet.prefill.items(), *fleet.decode.items())}
     t2 = time.perf_counter()
     p = pick_prefill(policy, [PrefillView(name=name, matched_tokens=matched[name],
-                                          queued_tokens=fleet.queued_tokens[name]) for name in fleet.prefill],
-                     len(prompt), turn)
+                                          queued_tokens=fleet.queued_tokens[name],
+                                          queued_s=fleet.cost.seconds(0, fleet.queued_tokens[name]),
+                                          prefill_s=fleet.cost.seconds(matched[name], len(prompt)))
+                              for name in fleet.prefill], turn)
     d = pick_decode(policy, [DecodeView(name=name, kv_tokens=fleet.kv_tokens[name], running=fleet.running[name],
                                         matched_tokens=matched[name]) for name in fleet.decode], turn)
     t3 = time.perf_counter()

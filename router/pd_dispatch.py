@@ -36,6 +36,7 @@ from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, E
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import Policy
+from pdcluster.router.prefill_cost import PrefillCost
 from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
 from pdcluster.router.routing import InstancePicker, NoInstanceUp, PrefixLookup, Route
 from pdcluster.router.timeline import ClockOffset, RequestRecord
@@ -56,7 +57,8 @@ class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,
                  sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
-                 channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None):
+                 channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None,
+                 cost: PrefillCost | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -69,7 +71,7 @@ class PDDispatcher(TokenBackend):
         # Only instances whose channel is up get new requests: a dead host's are skipped from
         # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
         self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
-                                     pending=pending)
+                                     pending=pending, cost=cost)
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
@@ -216,7 +218,12 @@ class PDDispatcher(TokenBackend):
 
     async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
         with self.picker.prefilling(route, len(req.prompt_token_ids)):
-            return await self._prefill(route.prefill, req, deadline)
+            pre = await self._prefill(route.prefill, req, deadline)
+        engine = pre.engine
+        if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
+            self.picker.prefilled(pre.p_cached_tokens, len(req.prompt_token_ids),
+                                  (engine.first_token_ns - engine.scheduled_ns) / 1e9)
+        return pre
 
     async def _next_delta_unless_p_fails(self, d: Instance, stream: PendingCall, deadline: float,
                                          p_task: asyncio.Future | None) -> DecodeDelta | None:

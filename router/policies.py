@@ -5,16 +5,19 @@ unit-tested without engines; router/routing.py feeds them.
 
 - round_robin: the next instance in turn, whatever it holds or does;
 - least_load: P with the fewest prefill tokens queued (ties: fewer requests);
-- prefix_aware: P minimising what the request costs there: what it queues behind
-  (the prefill tokens the P has been given) plus the tokens it would compute
-  (prompt minus what the P holds or is promised, router/pending_blocks.py),
-  counted twice: once as this request's own wait, once as the P time it takes
-  from every request that will queue behind it. A P holding a prompt's prefix
-  wins unless its queue is longer than twice what the prefix saves; so a burst
-  of one new family queues behind the first of it on one P (and hits) instead
-  of prefilling it cold on every idle P, and the family is copied to a second
-  P only once the holder's queue exceeds two cold prefills (it arrives faster
-  than one P prefills it). vllm-router's `cache_aware` weighs hit ratio against
+- prefix_aware: P minimising what the request costs there, in predicted time
+  (router/prefill_cost.py): the prefill time of what it queues behind, plus the
+  time of its own prefill there (over what the P holds or is promised,
+  router/pending_blocks.py), counted twice: once as this request's own wait,
+  once as the P time it takes from every request that will queue behind it.
+  A P holding a prompt's prefix wins unless its queue is longer than another's
+  by more than twice what the prefix saves there (cold minus warm prefill
+  time); so a burst of one new family queues behind the first of it on one P
+  (and hits) instead of prefilling it cold on every idle P, and the family is
+  copied to a second P only once the holder's queue exceeds the idle P's by
+  two cold-minus-warm prefills (it arrives faster than one P prefills it).
+  Time, not tokens: a warm remainder over a long history costs its attention
+  over that history, far more than its share of tokens. vllm-router's `cache_aware` weighs hit ratio against
   load the same way, with a threshold instead of one cost. On a tie (a prefix no P
   holds, idle instances) the P with fewer requests wins, then the next in
   turn, so new prefix families spread over the instances instead of piling
@@ -42,6 +45,8 @@ class PrefillView:
     matched_tokens: int  # the prompt's cached prefix on this P (its prefix index)
     queued_tokens: int  # prefill tokens waiting or running on it
     queued_requests: int = 0
+    queued_s: float = 0.0  # their predicted prefill time (router/prefill_cost.py)
+    prefill_s: float = 0.0  # this request's predicted prefill time on it (its hit there considered)
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class DecodeView:
     matched_tokens: int = 0  # the prompt's cached prefix on this D (what it need not receive)
 
 
-def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_tokens: int, turn: int) -> PrefillView:
+def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], turn: int) -> PrefillView:
     """`turn`: the request's sequence number (round_robin's position)."""
     assert candidates, "no prefill instance to pick from"
     if policy == "round_robin":
@@ -60,8 +65,7 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], prompt_token
     if policy == "least_load":
         return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     if policy == "prefix_aware":
-        return min(candidates, key=lambda c: (2 * (prompt_tokens - min(c.matched_tokens, prompt_tokens))
-                                              + c.queued_tokens,
+        return min(candidates, key=lambda c: (2 * c.prefill_s + c.queued_s,
                                               -c.matched_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
 

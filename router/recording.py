@@ -26,6 +26,7 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     rec.policy = policy
     rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
     rec.predicted_p_pending_tokens = route.predicted_p_pending_tokens
+    rec.predicted_p_prefill_s = route.predicted_p_prefill_s
 
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:

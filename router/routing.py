@@ -6,7 +6,8 @@ each instance holds, and applies the configured policy (router/policies.py) to
 what the router itself counts of each instance's load:
 
 - P: prefill tokens it has been given and not finished (prompt minus the hit
-  predicted when it was picked), and how many such requests;
+  predicted when it was picked), their predicted prefill time (router/prefill_cost.py),
+  and how many such requests;
 - D: KV tokens of the requests it holds (prompt + max_tokens each, what D's
   blocks must cover), and how many.
 
@@ -37,6 +38,7 @@ from typing import Generic, Protocol, TypeVar
 
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
+from pdcluster.router.prefill_cost import FittedCost, PrefillCost
 from pdcluster.router.prefix_index import RouterHash, hittable_hashes
 
 
@@ -69,12 +71,14 @@ class Route(Generic[I]):
     # Of P's, the tokens only pending there (routed, not yet confirmed by KV events).
     predicted_p_pending_tokens: int | None = None
     key: int = -1  # this route's promises in the pending blocks (unique per picker)
+    predicted_p_prefill_s: float = 0.0  # P's prefill of it, as the cost model predicts
 
 
 @dataclass
 class _Load:
     tokens: int = 0
     requests: int = 0
+    seconds: float = 0.0  # P: predicted prefill time of its requests (each as predicted when picked)
 
 
 class NoInstanceUp(Exception):
@@ -87,9 +91,11 @@ class InstancePicker(Generic[I]):
 
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
                  lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None,
-                 pending: PendingBlocks | None = None, clock: Callable[[], float] = time.monotonic):
+                 pending: PendingBlocks | None = None, clock: Callable[[], float] = time.monotonic,
+                 cost: PrefillCost | None = None):
         """`pending`: the blocks of routed requests count as held from the moment they are
-        routed (router/pending_blocks.py); None: only what the lookup says."""
+        routed (router/pending_blocks.py); None: only what the lookup says. `cost`: P's prefill
+        time (router/prefill_cost.py); by default fitted from the prefills P reports."""
         assert policy != "prefix_aware" or lookup is not None, (
             "prefix_aware routing needs a prefix lookup (the KV-event feed)")
         assert pending is None or lookup is not None, "pending blocks extend a prefix lookup: give one"
@@ -100,6 +106,7 @@ class InstancePicker(Generic[I]):
         self.is_up = is_up
         self.pending = pending
         self._clock = clock
+        self.cost = cost if cost is not None else FittedCost()
         self._turn = itertools.count()
         self._keys = itertools.count()
         # Invariant: each instance's load is the sum over the requests between
@@ -137,15 +144,17 @@ class InstancePicker(Generic[I]):
             # request is still receiving are there: only what D's events confirmed is a hit on D.
             matched_d, _ = self._matched(decode, hashes, None)
         p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
-                               self._load[p.name].requests) for p in prefill]
+                               self._load[p.name].requests, self._load[p.name].seconds,
+                               self.cost.seconds(matched_p[p.name] if matched_p else 0, n)) for p in prefill]
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                               matched_d[d.name] if matched_d else 0) for d in decode]
-        p_name = pick_prefill(self.policy, p_views, n, turn).name
+        p_name = pick_prefill(self.policy, p_views, turn).name
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
-                      pending_p[p_name] if pending_p else None, next(self._keys))
+                      pending_p[p_name] if pending_p else None, next(self._keys),
+                      next(v.prefill_s for v in p_views if v.name == p_name))
         if self.pending is not None:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
@@ -174,9 +183,14 @@ class InstancePicker(Generic[I]):
     def prefilling(self, route: Route[I], prompt_tokens: int) -> Iterator[None]:
         """P's load while it works on the request: the tokens it will compute. Once P is done,
         its promise waits only for the events."""
-        with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0)):
+        with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0),
+                           route.predicted_p_prefill_s):
             yield
         self._finished(route.prefill.name, route)
+
+    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """What a P's engine took for a prefill: the cost model learns from it."""
+        self.cost.observe(cached_tokens, prompt_tokens, seconds)
 
     @contextlib.contextmanager
     def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:
@@ -189,15 +203,17 @@ class InstancePicker(Generic[I]):
             self.pending.finished(instance, route.key, self._clock(), self.lookup.clears(instance))
 
     @contextlib.contextmanager
-    def _counted(self, name: str, tokens: int) -> Iterator[None]:
+    def _counted(self, name: str, tokens: int, seconds: float = 0.0) -> Iterator[None]:
         load = self._load[name]
         load.tokens += tokens
         load.requests += 1
+        load.seconds += seconds
         try:
             yield
         finally:
             load.tokens -= tokens
             load.requests -= 1
+            load.seconds = max(0.0, load.seconds - seconds) if load.requests else 0.0  # no float residue
 
     def in_flight(self) -> dict[str, int]:
         return {name: load.requests for name, load in self._load.items()}

@@ -19,7 +19,19 @@ from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
+from pdcluster.router.prefill_cost import FittedCost, ModelledCost, PrefillCost
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
+
+
+def prefill_cost(spec: ClusterSpec) -> PrefillCost:
+    """P's prefill time as the router predicts it: the simulated engine's own cost model, or one
+    fitted from what P's vLLM engines report (router/prefill_cost.py)."""
+    eng = spec.role_engine("prefill")
+    if eng.kind == "sim":
+        from pdcluster.cluster.sim.cost import CostModel, SimParams
+
+        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
+    return FittedCost()
 
 
 def model_card(spec: ClusterSpec) -> ModelCard:
@@ -70,7 +82,8 @@ class RouterActor:
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
-                                       pending=PendingBlocks() if spec.router.track_pending else None)
+                                       pending=PendingBlocks() if spec.router.track_pending else None,
+                                       cost=prefill_cost(spec))
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))

@@ -94,6 +94,8 @@ class RequestRecord:
     transfer_error: str | None = None  # the KV pull failed but D recomputed: the request still succeeded
     # Of P's predicted hit, the tokens only pending there (routed, not yet confirmed by events).
     predicted_p_pending_tokens: int | None = None
+    # P's prefill time as the router's cost model predicted it (router/prefill_cost.py).
+    predicted_p_prefill_s: float | None = None
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"

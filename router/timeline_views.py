@@ -81,6 +81,8 @@ class Summary:
     policies: tuple[str, ...] = ()  # routing policies the requests were picked by
     predictions: dict[str, HitPrediction] = field(default_factory=dict)  # "P" / "D"
     requests_per_instance: dict[str, int] = field(default_factory=dict)
+    # Per request, P's prefill time as predicted / as P's engine took it (p_scheduled to p_done).
+    prefill_time_ratio: Ratios | None = None
 
     @property
     def p_hit_ratio(self) -> float | None:
@@ -112,6 +114,30 @@ class HitPrediction:
         return cls(len(pairs), sum(p[0] for p in pairs), sum(p[1] for p in pairs), sum(p[2] for p in pairs),
                    sum(p[0] == p[1] for p in pairs), sum(p[0] > p[1] for p in pairs), sum(p[0] < p[1] for p in pairs),
                    sum(p[3] for p in pairs), sum(p[3] > 0 for p in pairs))
+
+
+@dataclass(frozen=True)
+class Ratios:
+    n: int
+    p10: float
+    p50: float
+    p90: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Ratios | None:
+        if not values:
+            return None
+        v = sorted(values)
+        return cls(len(v), v[len(v) // 10], v[len(v) // 2], v[min(len(v) - 1, len(v) * 9 // 10)])
+
+
+def _prefill_time_ratios(records: list[RequestRecord]) -> Ratios | None:
+    ratios = []
+    for r in records:
+        took_ns = r.events.get("p_done", 0) - r.events.get("p_scheduled", 0)
+        if r.predicted_p_prefill_s and "p_scheduled" in r.events and took_ns > 0 and not is_failed(r):
+            ratios.append(r.predicted_p_prefill_s * 1e9 / took_ns)
+    return Ratios.of(ratios)
 
 
 def _predictions(records: list[RequestRecord]) -> dict[str, HitPrediction]:
@@ -192,6 +218,7 @@ def summarize(run: Run) -> Summary:
         failure_kinds=[FailureKind(s, k, c) for (s, k), c in sorted(kinds.items(), key=lambda kv: -kv[1])],
         policies=tuple(sorted({r.policy for r in run.records if r.policy})),
         predictions=_predictions(run.records),
+        prefill_time_ratio=_prefill_time_ratios(run.records),
         requests_per_instance=dict(sorted(Counter(i for r in run.records
                                                   for i in (r.prefill_instance, r.decode_instance) if i).items())),
     )
@@ -262,6 +289,9 @@ def _routing_lines(s: Summary) -> list[str]:
         lines.append(f"  {side} hit predicted {_pct(h.predicted_tokens / share)}{pending}, delivered "
                      f"{_pct(h.delivered_tokens / share)}; "
                      f"per request: {h.exact} exact, {h.over} over, {h.under} under (of {h.requests})")
+    if r := s.prefill_time_ratio:
+        lines.append(f"  P prefill time predicted / taken: median {r.p50:.2f}x (p10 {r.p10:.2f}x, p90 {r.p90:.2f}x; "
+                     f"{r.n} requests)")
     lines.append("  requests: " + ", ".join(f"{name} {n}" for name, n in s.requests_per_instance.items()))
     return lines
 

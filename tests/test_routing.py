@@ -187,6 +187,38 @@ def test_a_hot_family_is_copied_to_a_second_p_once_the_holders_queue_exceeds_two
     assert names[26] == "p1"  # p1 now holds it too (pending) and its queue is the shorter
 
 
+class AttentionOnlyCost:
+    """A prefill's time is its attention pairs only: each new token over all tokens before it."""
+
+    def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
+        new = prompt_tokens - cached_tokens
+        return new * (cached_tokens + new / 2)
+
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_the_copy_rule_is_in_time_a_warm_remainder_over_long_history_costs_more_than_its_tokens():
+    # As above, but timed: cold 100 x 50 = 5,000; warm 4 x 98 = 392 (8% of the cold time for 4% of
+    # its tokens). The holder wins while 2 x 392 + 5,000 + 392 (k - 1) < 2 x 5,000: up to k = 11.
+    same = [7] * 96
+    pk = pending_picker(HeldBlocks())
+    pk.cost = AttentionOnlyCost()
+    routes = burst(pk, [same + [1000 + 4 * i + j for j in range(4)] for i in range(14)])
+    names = [r.prefill.name for r in routes]
+    assert names[:12] == ["p0"] * 12 and names[12] == "p1" and names[13] == "p1"
+    assert [r.predicted_p_prefill_s for r in routes[:2]] == [5000, 392]
+
+
+def test_the_picker_learns_p_s_prefill_times_from_what_p_reports():
+    pk = picker("least_load", HeldBlocks())
+    assert pk.cost.seconds(0, 1000) == pytest.approx(1000 * pk.cost.per_token_s)  # the prior: linear
+    for n in (1000, 2000, 4000):
+        pk.prefilled(0, n, 1e-3 * n + 1e-7 * n * n / 2)  # weights plus attention
+    assert pk.cost.seconds(0, 8000) == pytest.approx(8.0 + 3.2)
+    assert pk.cost.seconds(6000, 8000) == pytest.approx(2.0 + 1e-7 * 2000 * 7000)
+
+
 def probe(pk: InstancePicker, prompt: list[int]):
     """The route a request would get, without leaving its own promise behind."""
     route = pk.pick(prompt, 4)

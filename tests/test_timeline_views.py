@@ -18,7 +18,7 @@ from pdcluster.router.timeline import (
     load_run,
 )
 from pdcluster.router.timeline_cli import add_timeline_commands
-from pdcluster.router.timeline_views import FailureKind, format_summary, format_waterfall, summarize
+from pdcluster.router.timeline_views import FailureKind, Ratios, format_summary, format_waterfall, summarize
 
 MS = 1_000_000
 T = 5_000_000_000_000  # an arbitrary router-clock origin: everything below is T + whole ms
@@ -206,6 +206,18 @@ def test_summary_sets_predicted_hits_beside_delivered_ones(tmp_path):
     text = format_summary(s)
     assert "routing: prefix_aware" in text
     assert "P hit predicted 37.0%, delivered 30.0%; per request: 1 exact, 1 over, 0 under (of 2)" in text
+
+
+def test_summary_sets_the_predicted_prefill_time_beside_the_engines(tmp_path):
+    records = sample_records()
+    for r in records:
+        r.policy = "prefix_aware"
+    # P's engine took 20, 30 and 10 ms (p_scheduled to p_done); r4 failed and is not counted.
+    for r, predicted_s in zip(records, (0.02, 0.06, 0.005, 1.0)):
+        r.predicted_p_prefill_s = predicted_s
+    s = summarize(load_run(write_run(tmp_path / "run", records)))
+    assert s.prefill_time_ratio == Ratios(3, 0.5, 1.0, 2.0)
+    assert "P prefill time predicted / taken: median 1.00x (p10 0.50x, p90 2.00x; 3 requests)" in format_summary(s)
 
 
 def test_summary_without_routing_records_has_no_routing_lines(tmp_path):

@@ -298,6 +298,17 @@ class CostModel:
         assert chunks, "prefill_step_s: no chunks; a step with nothing to compute is not a step"
         return self._step_s(chunks, ())
 
+    def prefill_s(self, new_tokens: int, history_tokens: int, budget: int) -> float:
+        """A prompt's whole prefill alone on an instance: steps of at most `budget` new tokens
+        (max_num_batched_tokens, vLLM's chunked prefill), each over the history before it."""
+        assert budget > 0, f"prefill_s: budget {budget}"
+        total = 0.0
+        while new_tokens > 0:
+            step = min(new_tokens, budget)
+            total += self.prefill_step_s([(step, history_tokens)])
+            history_tokens, new_tokens = history_tokens + step, new_tokens - step
+        return total
+
     def decode_step_s(self, context_lens: Sequence[int]) -> float:
         """One decode step of a batch: one new token per running request, each over its context
         (with speculative decoding: one iteration / accept_length)."""

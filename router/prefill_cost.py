@@ -1,0 +1,106 @@
+"""How long a prefill takes on P: the unit `prefix_aware` weighs P's queues and a request's own
+work in (router/policies.py), so that a warm 12K-token remainder over 118K of history is not
+taken for a tenth of a cold 131K prefill (attention over the history is most of a long prompt's
+work; docs/sim.md: 1.09 s vs 8.43 s on the DeepSeek-V4 parameters).
+
+- `ModelledCost`: the simulated engine's own cost model (cluster/sim/cost.py), the steps its
+  scheduler will run: exact for that engine, by construction.
+- `FittedCost`: real engines. A least-squares fit of the prefill times P's engine reported
+  (vLLM's scheduled and first-token timestamps, on P's own clock) over its recent requests,
+      seconds = a * new + b * new * (cached + new / 2),
+  per-token work (weights) plus attention (each new token over the history before it and over
+  half the new ones). Both coefficients stay non-negative. Until the prefills seen span two
+  sizes, the attention term is unknown and the cost is linear in new tokens: the token rule
+  this replaces, scaled. A prefill that shared its steps with others is longer than alone; under
+  load the fit sees that too, which is what the queue will cost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdcluster.cluster.sim.cost import CostModel
+
+# Before the first observation: any positive scale does (every figure compared is in it).
+_PRIOR_S_PER_TOKEN = 1e-4
+_WINDOW = 256  # prefills kept for the fit: recent enough to follow the engine, enough to fit two terms
+
+
+class PrefillCost(Protocol):
+    def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
+        """Predicted time P takes to prefill a prompt of which `cached_tokens` are in its cache."""
+
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """A prefill P finished, as its engine timed it (a model that learns nothing ignores it)."""
+
+
+@dataclass(frozen=True)
+class ModelledCost:
+    model: CostModel
+    budget: int  # P's max_num_batched_tokens: its chunked prefill's step size
+
+    def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
+        new = prompt_tokens - min(cached_tokens, prompt_tokens)
+        return self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+        pass
+
+
+def _features(cached_tokens: int, prompt_tokens: int) -> tuple[float, float]:
+    new = prompt_tokens - min(cached_tokens, prompt_tokens)
+    return float(new), new * (prompt_tokens - new + new / 2)
+
+
+class FittedCost:
+    def __init__(self, window: int = _WINDOW):
+        # (new tokens, attention pairs, seconds) of the last `window` prefills P's engines reported.
+        self._seen: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._fitted = (_PRIOR_S_PER_TOKEN, 0.0)  # (a, b), as of the last fit
+        self._stale = False  # observations since the last fit
+
+    @property
+    def per_token_s(self) -> float:
+        return self._coefficients()[0]
+
+    @property
+    def per_pair_s(self) -> float:
+        return self._coefficients()[1]
+
+    def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
+        a, b = self._coefficients()
+        new, pairs = _features(cached_tokens, prompt_tokens)
+        return a * new + b * pairs
+
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+        new, pairs = _features(cached_tokens, prompt_tokens)
+        if new > 0 and seconds > 0:  # a full hit computes nothing: it says nothing of the cost
+            self._seen.append((new, pairs, seconds))
+            self._stale = True
+
+    def _coefficients(self) -> tuple[float, float]:
+        if self._stale:  # fitted when asked, not per observation: picks are rarer than reports
+            self._fitted, self._stale = _nonnegative_fit(self._seen), False
+        return self._fitted
+
+
+def _nonnegative_fit(seen: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of t = a x + b y with a, b >= 0: the unconstrained solution if it is
+    non-negative, else the better of the two with one coefficient at 0."""
+    xx = sum(x * x for x, _, _ in seen)
+    yy = sum(y * y for _, y, _ in seen)
+    xy = sum(x * y for x, y, _ in seen)
+    xt = sum(x * t for x, _, t in seen)
+    yt = sum(y * t for _, y, t in seen)
+    det = xx * yy - xy * xy
+    # One size seen (det ~ 0): the two columns are proportional, the split between them unknown.
+    if det <= 1e-9 * xx * yy:
+        return xt / xx, 0.0
+    a, b = (xt * yy - yt * xy) / det, (yt * xx - xt * xy) / det
+    if a >= 0 and b >= 0:
+        return a, b
+    return min(((xt / xx, 0.0), (0.0, yt / yy)),
+               key=lambda ab: sum((t - ab[0] * x - ab[1] * y) ** 2 for x, y, t in seen))

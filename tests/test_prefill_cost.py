@@ -1,0 +1,68 @@
+"""P's prefill time as the router predicts it (router/prefill_cost.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.cluster.sim.calibrate import load
+from pdcluster.cluster.sim.cost import CostModel
+from pdcluster.router.prefill_cost import FittedCost, ModelledCost
+
+
+def engine_s(cached: int, prompt: int, per_token: float = 2e-5, per_pair: float = 3e-10) -> float:
+    new = prompt - cached
+    return per_token * new + per_pair * new * (cached + new / 2)
+
+
+def test_before_any_prefill_the_cost_is_linear_in_the_tokens_to_compute():
+    cost = FittedCost()
+    assert cost.seconds(0, 2000) == pytest.approx(2 * cost.seconds(0, 1000))
+    assert cost.seconds(1000, 2000) == pytest.approx(cost.seconds(0, 1000))
+    assert cost.seconds(2000, 2000) == 0
+
+
+def test_the_fit_recovers_weights_and_attention_from_prefills_of_several_sizes():
+    cost = FittedCost()
+    for cached, prompt in ((0, 4096), (0, 16384), (12288, 16384), (0, 65536), (61440, 65536)):
+        cost.observe(cached, prompt, engine_s(cached, prompt))
+    assert cost.per_token_s == pytest.approx(2e-5, rel=1e-6) and cost.per_pair_s == pytest.approx(3e-10, rel=1e-6)
+    # A warm 12K remainder over 118K of history against a cold 131K prefill: far more than 1/10.
+    warm, cold = cost.seconds(118_000, 130_000), cost.seconds(0, 130_000)
+    assert warm / cold == pytest.approx(engine_s(118_000, 130_000) / engine_s(0, 130_000))
+    assert warm / cold > 1.3 * 12_000 / 130_000
+
+
+def test_one_size_seen_gives_the_linear_fit_and_a_full_hit_teaches_nothing():
+    cost = FittedCost()
+    for _ in range(3):
+        cost.observe(0, 4096, 0.5)
+    cost.observe(4096, 4096, 9.0)  # nothing computed: not an observation
+    assert cost.per_pair_s == 0 and cost.seconds(0, 4096) == pytest.approx(0.5)
+
+
+def test_the_coefficients_never_go_negative():
+    # Long prompts faster per token than short ones (say, a warm-up in the first): no negative attention.
+    cost = FittedCost()
+    for n, s in ((1000, 1.0), (2000, 1.2), (4000, 1.6)):
+        cost.observe(0, n, s)
+    assert cost.per_token_s >= 0 and cost.per_pair_s >= 0
+    assert cost.seconds(0, 2000) > 0
+
+
+def test_the_fit_follows_the_engine_over_its_window():
+    cost = FittedCost(window=8)
+    for n in (1000, 2000, 4000, 8000) * 2:
+        cost.observe(0, n, engine_s(0, n))
+    for n in (1000, 2000, 4000, 8000) * 2:  # the engine got twice as slow: only this is in the window
+        cost.observe(0, n, 2 * engine_s(0, n))
+    assert cost.seconds(0, 3000) == pytest.approx(2 * engine_s(0, 3000))
+
+
+def test_the_simulated_engine_is_predicted_by_its_own_cost_model():
+    model = CostModel(load("dsv4-flash-910c"), 128)
+    cost = ModelledCost(model, 8192)
+    assert cost.seconds(0, 131_072) == pytest.approx(model.prefill_s(131_072, 0, 8192))
+    assert cost.seconds(118_784, 131_072) == pytest.approx(model.prefill_s(12_288, 118_784, 8192))
+    assert cost.seconds(131_072, 131_072) == 0
+    # 9% of the tokens, well over 9% of the time: the history's attention.
+    assert cost.seconds(118_784, 131_072) / cost.seconds(0, 131_072) > 0.1
