@@ -124,7 +124,7 @@ def main() -> None:
     import uvloop
     from transformers import AutoTokenizer
 
-    from pdcluster.router import openai_api
+    from pdcluster.router import openai_api, text_codec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=131072)
@@ -138,30 +138,30 @@ def main() -> None:
     print("| tokenizing | long request ms | longest event-loop stall ms | short requests served meanwhile "
           "| short p50 ms | short max ms |")
     print("|---|---|---|---|---|---|")
-    inline_limit = openai_api.INLINE_TOKENIZE_CHARS
+    inline_limit = text_codec.INLINE_TOKENIZE_CHARS
     ids = tokenizer.encode(text)
     for way, limit, prompt in (("every prompt on the event loop", len(text), text),
                                ("long ones in a worker thread", inline_limit, text),
                                ("none: the same prompt as token ids", inline_limit, ids)):
-        openai_api.INLINE_TOKENIZE_CHARS = limit
+        text_codec.INLINE_TOKENIZE_CHARS = limit
         app = openai_api.build_app(InstantBackend(len(tokenizer)), args.model_dir)
         runs = sorted((uvloop.run(measure(app, prompt)) for _ in range(args.repeats)), key=lambda s: s.long_ms)
         s = runs[len(runs) // 2]
         print(f"| {way} | {s.long_ms:.0f} | {s.max_tick_gap_ms:.1f} | {s.short_served} | {s.short_p50_ms:.2f} "
               f"| {s.short_max_ms:.1f} |")
-    openai_api.INLINE_TOKENIZE_CHARS = inline_limit
+    text_codec.INLINE_TOKENIZE_CHARS = inline_limit
 
     texts = [f"{i} {text}" for i in range(args.burst)]  # distinct texts, so nothing could be shared
     print(f"\n{args.burst} such prompts at once ({os.cpu_count()} cores):")
     print("| tokenizer threads | all answered, s (median) | prompts/s |")
     print("|---|---|---|")
-    threads = openai_api.TOKENIZE_THREADS
+    threads = text_codec.TOKENIZE_THREADS
     for n in sorted({1, threads}):
-        openai_api.TOKENIZE_THREADS = n
+        text_codec.TOKENIZE_THREADS = n
         app = openai_api.build_app(InstantBackend(len(tokenizer)), args.model_dir)
         s = sorted(uvloop.run(burst(app, texts)) for _ in range(args.repeats))[args.repeats // 2]
         print(f"| {n} | {s:.2f} | {args.burst / s:.1f} |")
-    openai_api.TOKENIZE_THREADS = threads
+    text_codec.TOKENIZE_THREADS = threads
 
 
 if __name__ == "__main__":

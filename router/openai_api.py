@@ -10,20 +10,13 @@ Beyond OpenAI's fields, `usage.pd` reports the P/D cache and transfer counts:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, TypeVar
-
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
-from tokenizers.decoders import DecodeStream
+from typing import Any
 
 from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
@@ -36,103 +29,19 @@ from pdcluster.router.http_app import (
     error_body,
     json_response,
 )
+from pdcluster.router.openai_models import (
+    ApiError,
+    ChatCompletionRequest,
+    CommonRequest,
+    CompletionRequest,
+    PdUsage,
+    PromptTokensDetails,
+    Usage,
+    parse_body,
+)
+from pdcluster.router.text_codec import Detokenizer, PromptTokenizer
 
 log = logging.getLogger(__name__)
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None  # accepted and ignored
-    # vLLM's extension: the choice also carries prompt_token_ids and the generated token_ids.
-    return_token_ids: bool | None = None
-
-
-class CompletionRequest(_CommonRequest):
-    # Strict types: lax pydantic would turn `true` or "5" into token ids.
-    prompt: StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]]
-    echo: bool | None = None
-    logprobs: int | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatCompletionRequest(_CommonRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class PdUsage(BaseModel):
-    p_cached_tokens: int
-    d_cached_tokens: int
-    transferred_tokens: int
-    transfer_error: str | None = None  # set when the KV pull failed and D recomputed the prompt
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    pd: PdUsage
-
-
-class ApiError(Exception):
-    """A request the client got wrong; becomes an OpenAI-style error body."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _parse(request: HttpRequest, model: type[M]) -> M:
-    # Every malformed request is a 400 with an OpenAI body naming the field.
-    try:
-        obj = json.loads(request.body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise ApiError("the request body must be a JSON object")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
-        where = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "missing":
-            raise ApiError(f"'{where}' is a required field", param=param) from None
-        if param == "prompt":  # the union's own messages would list every member
-            raise ApiError("'prompt' must be a string, a list of token ids (ints), "
-                           "or a list holding one of those", param=param) from None
-        raise ApiError(f"invalid '{where}': {err['msg']}", param=param) from None
-
 
 @dataclass(frozen=True)
 class _Job:
@@ -161,93 +70,6 @@ class _Delta:
     token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
 
 
-class _Detokenizer:
-    """Text for generated ids as they come, a step per id (tokenizers' DecodeStream, as
-    vLLM v1's FastIncrementalDetokenizer): re-decoding every id so far for each delta cost
-    O(n) a delta, 96 ms of router CPU for a 1,024-token answer sent a token at a time.
-
-    A UTF-8 character split across tokens comes out with the token that completes it. At
-    the end, ids that never completed one are decoded as they are (U+FFFD), as a whole
-    decode would show them.
-    """
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer the stream steps
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self._held: list[int] = []  # ids whose text has not come out yet
-
-    def add(self, ids: list[int], final: bool = False) -> str:
-        pieces = []
-        for token_id in ids:
-            piece = self._step(token_id)
-            if piece is None:
-                self._held.append(token_id)
-            else:
-                self._held.clear()
-                pieces.append(piece)
-        if final and self._held:
-            pieces.append(self._tokenizer.decode(self._held, skip_special_tokens=True))
-            self._held.clear()
-        return "".join(pieces)
-
-    def _step(self, token_id: int) -> str | None:
-        try:
-            return self._stream.step(self._backend, token_id)
-        except Exception as err:
-            # tokenizers can fail a step when a decode is not an extension of the previous
-            # one (vLLM issue 17448); vLLM starts a new stream then, and so do we.
-            if "Invalid prefix" not in str(err):
-                raise
-        self._stream = DecodeStream(skip_special_tokens=True)
-        return self._stream.step(self._backend, token_id)
-
-
-INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in worker threads (~2K tokens: ~2 ms here)
-# One 128K-token prompt is ~0.3 s of one core: at C90's 6 req/s one thread would be ~2/3 busy,
-# and a burst would queue behind it. Threads run their encodes in parallel (no GIL held).
-TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-class _PromptTokenizer:
-    """Prompts to token ids, off the event loop when they are long.
-
-    A 128K-token text prompt takes the Rust tokenizer ~300 ms here; on the event loop,
-    every other request (streams included) would wait that long. Long prompts go to a few
-    worker threads instead, where `encode_batch` runs without the GIL (a single `encode`
-    holds it), so several long prompts are tokenized on several cores at once, as vLLM's
-    API server tokenizes in a thread pool. Short ones stay inline: a thread handoff costs
-    more than their encode.
-
-    Both paths call the Rust tokenizer directly (HF's wrapper took ~9 of ~20 us a short
-    prompt) with special tokens added, as `tokenizer.encode` does. One HF encode at start
-    leaves truncation, padding and special-token splitting as HF's calls set them, so no
-    later HF call changes the Rust tokenizer while the worker reads it (tokenizers fails
-    such a call with "Already borrowed").
-    """
-
-    def __init__(self, tokenizer: Any, threads: int | None = None):
-        tokenizer.encode("")
-        self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
-        self._workers = ThreadPoolExecutor(threads or TOKENIZE_THREADS, thread_name_prefix="tokenize")
-
-    async def text(self, text: str) -> list[int]:
-        return await self._run(len(text), partial(self._encode, text))
-
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(await self._run(sum(len(m["content"]) for m in messages),
-                                    partial(self._tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)))
-
-    async def _run(self, chars: int, tokenize: Callable[[], list[int]]) -> list[int]:
-        if chars <= INLINE_TOKENIZE_CHARS:
-            return tokenize()
-        return await asyncio.get_running_loop().run_in_executor(self._workers, tokenize)
-
-    def _encode(self, text: str) -> list[int]:
-        return self._backend.encode_batch([text])[0].ids
-
-
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     hits = [i for s in stops if (i := text.find(s, start)) >= 0]
     return min(hits) if hits else None
@@ -265,7 +87,7 @@ def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> U
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:
     """The one generation path: backend chunks -> text deltas, stop strings applied."""
     gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns)
-    detok = _Detokenizer(tokenizer)
+    detok = Detokenizer(tokenizer)
     # Streamed text keeps the last len(longest stop)-1 characters back, so a
     # stop string split across tokens never reaches the client.
     hold = max((len(s) for s in job.stops), default=1) - 1
@@ -306,13 +128,13 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if getattr(tokenizer, "backend_tokenizer", None) is None:  # _Detokenizer steps the Rust tokenizer
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # Detokenizer steps the Rust tokenizer
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
-    prompts = _PromptTokenizer(tokenizer)
+    prompts = PromptTokenizer(tokenizer)
     app = HttpApp()
 
-    def make_job(req: _CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
+    def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> _Job:
         card: ModelCard = backend.model_card()
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
@@ -355,7 +177,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
                     return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
 
-    def check_model(req: _CommonRequest) -> None:
+    def check_model(req: CommonRequest) -> None:
         name = backend.model_card().name
         if req.model is not None and req.model != name:
             raise ApiError(f"The model `{req.model}` does not exist; this server serves `{name}`",
@@ -398,7 +220,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
 
     async def completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
-        req = _parse(request, CompletionRequest)
+        req = parse_body(request, CompletionRequest)
         check_model(req)
         if req.echo:
             raise ApiError("echo is not supported", param="echo")
@@ -416,7 +238,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
 
     async def chat_completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
-        req = _parse(request, ChatCompletionRequest)
+        req = parse_body(request, ChatCompletionRequest)
         check_model(req)
         if req.logprobs:
             raise ApiError("logprobs is not supported", param="logprobs")

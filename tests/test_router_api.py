@@ -417,7 +417,7 @@ def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
-    from pdcluster.router.openai_api import _Detokenizer
+    from pdcluster.router.text_codec import Detokenizer as _Detokenizer
 
     rng = random.Random(seed)
     # Random ids split UTF-8 characters across tokens, and may end inside one.
@@ -433,7 +433,7 @@ def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_prompt_tokenizer_equals_the_tokenizers_encode(tok, seed):
-    from pdcluster.router.openai_api import _PromptTokenizer
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
 
     prompts = _PromptTokenizer(tok)
     rng = random.Random(seed)
@@ -448,7 +448,8 @@ def test_prompt_tokenizer_equals_the_tokenizers_encode(tok, seed):
 def test_long_prompts_are_tokenized_off_the_event_loop(tok):
     import threading
 
-    from pdcluster.router.openai_api import INLINE_TOKENIZE_CHARS, _PromptTokenizer
+    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
 
     prompts = _PromptTokenizer(tok)
     threads = []
@@ -472,7 +473,8 @@ def test_long_prompts_in_flight_together_are_tokenized_at_once(tok):
     barrier that opens only when both are inside, so one thread at a time would time out."""
     import threading
 
-    from pdcluster.router.openai_api import INLINE_TOKENIZE_CHARS, _PromptTokenizer
+    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
 
     prompts = _PromptTokenizer(tok, threads=2)
     both_inside = threading.Barrier(2, timeout=10)
