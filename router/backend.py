@@ -31,6 +31,8 @@ class GenerationChunk:
     d_cached_tokens: int = 0  # prompt tokens D's prefix cache held
     transferred_tokens: int = 0  # prompt tokens whose KV moved P -> D
     transfer_error: str | None = None  # the pull failed and D recomputed (on_failure: recompute)
+    prefill_instance: str | None = None  # where the prompt was prefilled: a P, or D itself
+    local_prefill: bool = False  # D prefilled it (router/local_prefill.py): no P, no transfer
 
 
 class BackendError(Exception):

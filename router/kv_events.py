@@ -173,6 +173,11 @@ class KvEventFeed(OrderedBatches):
         with self._lock:
             return st.index.holds(block)
 
+    def stale(self, instance: str) -> bool:
+        st = self._get(instance)
+        with self._lock:
+            return st.index.stale
+
     def clears(self, instance: str) -> int:
         """How many times the instance's index was emptied (router/prefix_index.py `clears`)."""
         st = self._get(instance)

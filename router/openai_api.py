@@ -5,7 +5,8 @@ backend sees only token ids, and generated ids are detokenized here. Stop
 strings are matched on the detokenized text, so they are handled here too.
 
 Beyond OpenAI's fields, `usage.pd` reports the P/D cache and transfer counts:
-`{"p_cached_tokens", "d_cached_tokens", "transferred_tokens"}`.
+`{"p_cached_tokens", "d_cached_tokens", "transferred_tokens", "transfer_error", "prefill_instance",
+"local_prefill"}` (the last two: where the prompt was prefilled, a P or the D itself).
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> U
     last = last or GenerationChunk([])
     return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion_tokens,
                  total_tokens=len(job.prompt_ids) + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=last.p_cached_tokens),
+                 # The hit of the cache that served the prefill: P's, or D's own when D prefilled it.
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=last.d_cached_tokens if last.local_prefill else last.p_cached_tokens),
                  pd=PdUsage(p_cached_tokens=last.p_cached_tokens, d_cached_tokens=last.d_cached_tokens,
-                            transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error))
+                            transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error,
+                            prefill_instance=last.prefill_instance, local_prefill=last.local_prefill))
 
 
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:

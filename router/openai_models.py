@@ -65,6 +65,8 @@ class PdUsage(BaseModel):
     d_cached_tokens: int
     transferred_tokens: int
     transfer_error: str | None = None  # set when the KV pull failed and D recomputed the prompt
+    prefill_instance: str | None = None  # the instance that prefilled the prompt: a P, or the D itself
+    local_prefill: bool = False  # D prefilled it itself: no P, no transfer
 
 
 class Usage(BaseModel):

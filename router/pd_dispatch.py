@@ -15,6 +15,7 @@ sinks when it ends, however it ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -34,6 +35,7 @@ from pdcluster.cluster.messages import (
 )
 from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.local_prefill import LocalPrefillSpec
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import Policy
 from pdcluster.router.prefill_cost import PrefillCost
@@ -58,7 +60,7 @@ class PDDispatcher(TokenBackend):
                  sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
                  channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None,
-                 cost: PrefillCost | None = None):
+                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -71,7 +73,7 @@ class PDDispatcher(TokenBackend):
         # Only instances whose channel is up get new requests: a dead host's are skipped from
         # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
         self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
-                                     pending=pending, cost=cost)
+                                     pending=pending, cost=cost, local=local)
         self.sinks: list[RecordSink] = list(sinks or [])
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
@@ -181,8 +183,12 @@ class PDDispatcher(TokenBackend):
         prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=transfer_id)
         stream, p_task, pre = None, None, None
         finished = False
+        local_slot = contextlib.ExitStack()  # D's local prefill slot, held until the first token
         try:
-            if self.transfer_mode == "push":
+            if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
+                local_slot.enter_context(self.picker.prefilling_locally(route))
+                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling, None))
+            elif self.transfer_mode == "push":
                 # D first, with the handle the router can name in advance: D allocates its
                 # blocks and asks P for them while P computes them. D's tokens need not wait
                 # for P's answer: once D has every layer's KV, P's last layer's MLP, sampling
@@ -202,14 +208,17 @@ class PDDispatcher(TokenBackend):
                     if delta is None:
                         raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
                     self._record_tokens(rec, delta, self._clock(d))
+                    if delta.new_token_ids:
+                        local_slot.close()
                     finished = delta.finish_reason is not None
                     if finished:
                         record_decode_end(rec, delta, self._clock(d))
-                        if pre is None:  # push: P's answer, for its hit and its timeline
+                        if p_task is not None:  # push: P's answer, for its hit and its timeline
                             pre = await p_task
                             record_prefill(rec, pre, self._clock(p))
-                    yield self._chunk(pre.p_cached_tokens if pre else 0, delta, p, d)
+                    yield self._chunk(route, pre.p_cached_tokens if pre else 0, delta)
         finally:
+            local_slot.close()
             if p_task is not None and not p_task.done():
                 p_task.cancel()
             if stream is not None:
@@ -304,17 +313,25 @@ class PDDispatcher(TokenBackend):
             raise BackendError(f"decode on {d.name} failed: {err}", 500) from None
 
     @staticmethod
-    def _chunk(p_cached_tokens: int, delta: DecodeDelta, p: Instance, d: Instance) -> GenerationChunk:
+    def _chunk(route: Route[Instance], p_cached_tokens: int, delta: DecodeDelta) -> GenerationChunk:
+        p, d = route.prefill, route.decode
         if delta.finish_reason in ("error", "abort"):
+            if route.local_prefill:
+                raise BackendError(f"decode on {d.name} ended with {delta.finish_reason!r}: D's own prefill of "
+                                   f"the request failed or D aborted it", 502)
             raise BackendError(f"decode on {d.name} ended with {delta.finish_reason!r}: the KV transfer from "
                                f"{p.name} failed or D aborted the request", 502, "kv_transfer_error")
         t = delta.transfer
+        final = delta.finish_reason is not None
         return GenerationChunk(
             new_token_ids=delta.new_token_ids, finish_reason=delta.finish_reason,
             p_cached_tokens=p_cached_tokens,
-            d_cached_tokens=t.d_cached_tokens if t else 0,
+            # D prefilled it: D's own hit is all it had (the engine's count, on the last delta).
+            d_cached_tokens=t.d_cached_tokens if t else (delta.num_cached_tokens if route.local_prefill and final else 0),
             transferred_tokens=t.transferred_tokens if t else 0,
             transfer_error=t.error if t else None,
+            prefill_instance=(d.name if route.local_prefill else p.name) if final else None,
+            local_prefill=route.local_prefill,
         )
 
     async def health(self) -> dict[str, bool]:

@@ -27,6 +27,11 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
     rec.predicted_p_pending_tokens = route.predicted_p_pending_tokens
     rec.predicted_p_prefill_s = route.predicted_p_prefill_s
+    if route.local is not None:
+        rec.prefill_reason = route.local.reason
+    if route.local_prefill:  # no P in it: nothing predicted there
+        rec.local_prefill, rec.prefill_instance = True, None
+        rec.predicted_p_hit_tokens = rec.predicted_p_pending_tokens = rec.predicted_p_prefill_s = None
 
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
@@ -43,6 +48,8 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset)
         _mark(rec, "d_scheduled", last.engine.scheduled_ns, clock)
         _mark(rec, "d_first_token", last.engine.first_token_ns, clock)
     t = last.transfer
+    if rec.local_prefill and last.finish_reason is not None:  # D's own hit: all the cache it had
+        rec.d_cached_tokens = last.num_cached_tokens
     if t is not None:
         rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
         rec.transfer_groups = [GroupTransfer(g, blocks, nbytes) for g, (blocks, nbytes)

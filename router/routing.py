@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from pdcluster.router.local_prefill import LocalDecision, LocalPrefillSpec, LocalView, decide
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
@@ -52,6 +53,9 @@ class PrefixLookup(Protocol):
 
     def holds(self, instance: str, block: RouterHash) -> bool:
         """Whether `instance` holds this block (wherever it sits in a prompt's chain)."""
+
+    def stale(self, instance: str) -> bool:
+        """Whether `instance`'s index lost events: it may miss blocks the instance holds."""
 
 
 class _Named(Protocol):
@@ -72,6 +76,12 @@ class Route(Generic[I]):
     predicted_p_pending_tokens: int | None = None
     key: int = -1  # this route's promises in the pending blocks (unique per picker)
     predicted_p_prefill_s: float = 0.0  # P's prefill of it, as the cost model predicts
+    # Whether D prefills it itself (router/local_prefill.py), and why; None: not decided (never).
+    local: LocalDecision | None = None
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.local is not None and self.local.local
 
 
 @dataclass
@@ -79,6 +89,7 @@ class _Load:
     tokens: int = 0
     requests: int = 0
     seconds: float = 0.0  # P: predicted prefill time of its requests (each as predicted when picked)
+    local: int = 0  # D: requests it prefills itself, until their first token
 
 
 class NoInstanceUp(Exception):
@@ -92,13 +103,16 @@ class InstancePicker(Generic[I]):
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
                  lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None,
                  pending: PendingBlocks | None = None, clock: Callable[[], float] = time.monotonic,
-                 cost: PrefillCost | None = None):
+                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None):
         """`pending`: the blocks of routed requests count as held from the moment they are
         routed (router/pending_blocks.py); None: only what the lookup says. `cost`: P's prefill
-        time (router/prefill_cost.py); by default fitted from the prefills P reports."""
+        time (router/prefill_cost.py); by default fitted from the prefills P reports. `local`:
+        when D prefills a request itself (router/local_prefill.py); None: never."""
         assert policy != "prefix_aware" or lookup is not None, (
             "prefix_aware routing needs a prefix lookup (the KV-event feed)")
         assert pending is None or lookup is not None, "pending blocks extend a prefix lookup: give one"
+        assert local is None or local.policy == "never" or lookup is not None, (
+            "local prefill decides on D's prefix hit: it needs a prefix lookup (the KV-event feed)")
         self.policy = policy
         self.prefill, self.decode = list(prefill), list(decode)
         self.block_size = block_size
@@ -107,6 +121,7 @@ class InstancePicker(Generic[I]):
         self.pending = pending
         self._clock = clock
         self.cost = cost if cost is not None else FittedCost()
+        self.local = local if local is not None and local.policy != "never" else None
         self._turn = itertools.count()
         self._keys = itertools.count()
         # Invariant: each instance's load is the sum over the requests between
@@ -152,10 +167,14 @@ class InstancePicker(Generic[I]):
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
+        local = None
+        if self.local is not None:
+            local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
+                                                 self._load[d_name].local, self._load[p_name].seconds))
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
                       pending_p[p_name] if pending_p else None, next(self._keys),
-                      next(v.prefill_s for v in p_views if v.name == p_name))
-        if self.pending is not None:  # at once: the next request of this prefix sees it on this P
+                      next(v.prefill_s for v in p_views if v.name == p_name), local)
+        if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
 
@@ -191,6 +210,17 @@ class InstancePicker(Generic[I]):
     def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         """What a P's engine took for a prefill: the cost model learns from it."""
         self.cost.observe(cached_tokens, prompt_tokens, seconds)
+
+    @contextlib.contextmanager
+    def prefilling_locally(self, route: Route[I]) -> Iterator[None]:
+        """D prefilling the request itself, until its first token: one of D's local slots."""
+        assert route.local_prefill, "prefilling_locally: the route sends the prefill to P"
+        load = self._load[route.decode.name]
+        load.local += 1
+        try:
+            yield
+        finally:
+            load.local -= 1
 
     @contextlib.contextmanager
     def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:

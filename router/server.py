@@ -83,7 +83,7 @@ class RouterActor:
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
                                        pending=PendingBlocks() if spec.router.track_pending else None,
-                                       cost=prefill_cost(spec))
+                                       cost=prefill_cost(spec), local=spec.router.local_prefill)
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))

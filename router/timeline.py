@@ -96,6 +96,10 @@ class RequestRecord:
     predicted_p_pending_tokens: int | None = None
     # P's prefill time as the router's cost model predicted it (router/prefill_cost.py).
     predicted_p_prefill_s: float | None = None
+    # D prefilled it itself (router/local_prefill.py): no P events, no transfer; and the
+    # decision's reason either way (None: local prefill off).
+    local_prefill: bool = False
+    prefill_reason: str | None = None
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"

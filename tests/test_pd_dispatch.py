@@ -540,6 +540,9 @@ class NothingHeld:
     def holds(self, instance, block):
         return False
 
+    def stale(self, instance):
+        return False
+
 
 def test_a_promise_stands_for_a_good_prefill_and_is_withdrawn_when_p_fails_or_the_client_leaves(cancelled):
     from pdcluster.router.pending_blocks import PendingBlocks
@@ -572,3 +575,63 @@ def test_a_promise_stands_for_a_good_prefill_and_is_withdrawn_when_p_fails_or_th
     run(leave_early(disp))
     assert pending.counts("prefill-0").requests == 0 and pending.counts("prefill-0").withdrawn == 1
     pending.check_integrity()
+
+
+class AllHeld(NothingHeld):
+    """Every instance holds every block."""
+
+    def matched_blocks(self, instance, hashes):
+        return len(hashes)
+
+
+def local_dispatcher(p: FakeEngine, d: FakeEngine, **kw) -> PDDispatcher:
+    from pdcluster.router.local_prefill import LocalPrefillSpec
+
+    return make([p], [d], policy="prefix_aware", block_size=4, lookup=AllHeld(),
+                local=LocalPrefillSpec(policy="short_remainder", max_tokens=2), **kw)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_short_remainder_is_served_by_d_alone_and_usage_says_so(cancelled, mode):
+    p = FakeEngine()
+    d = FakeEngine(decode_script=[DecodeDelta([10]), DecodeDelta([11], finish_reason="length", num_cached_tokens=4)])
+    records = []
+    disp = local_dispatcher(p, d, mode=mode, sinks=[records.append])
+    chunks = run(collect(disp, "r-local"))
+    assert p.prefill_calls == []  # P never sees it
+    (dreq,) = d.decode_calls
+    assert dreq.handle is None and dreq.prompt_token_ids == PROMPT
+    last = chunks[-1]
+    assert (last.local_prefill, last.prefill_instance, last.d_cached_tokens, last.p_cached_tokens,
+            last.transferred_tokens) == (True, "decode-0", 4, 0, 0)
+    (rec,) = records
+    assert rec.local_prefill and rec.prefill_reason == "short_remainder" and rec.prefill_instance is None
+    assert rec.d_cached_tokens == 4 and rec.predicted_p_hit_tokens is None
+    assert disp.picker.in_flight() == {"prefill-0": 0, "decode-0": 0} and disp.picker._load["decode-0"].local == 0
+
+
+def test_d_s_local_slot_frees_at_the_first_token(cancelled):
+    p, d = FakeEngine(), FakeEngine(decode_script=[DecodeDelta([10]), HANG])
+    disp = local_dispatcher(p, d, timeout=0.3)
+
+    async def main():
+        first = disp.generate("r1", PROMPT, SAMPLING)
+        assert (await first.__anext__()).new_token_ids == [10]
+        assert disp.picker._load["decode-0"].local == 0  # decoding now: the slot is free
+        await first.aclose()
+
+    run(main())
+    assert p.prefill_calls == []
+
+
+def test_a_failed_local_prefill_is_an_error_naming_d_and_nothing_stays_counted(cancelled):
+    p = FakeEngine()
+    d = FakeEngine(decode_script=[DecodeDelta([], finish_reason="error")])
+    disp = local_dispatcher(p, d)
+    err, _ = run(expect_error(disp))
+    assert err.status == 502 and "decode-0" in str(err) and "D's own prefill" in str(err)
+    dead = local_dispatcher(FakeEngine(), FakeEngine(decode_script=[DIED]))
+    err, _ = run(expect_error(dead))
+    assert err.status == 503 and "decode-0" in str(err)
+    for disp_ in (disp, dead):
+        assert disp_.picker._load["decode-0"].local == 0 and disp_.picker.in_flight()["decode-0"] == 0

@@ -49,7 +49,7 @@ class FakeBackend(TokenBackend):
                 await asyncio.sleep(self.delay)
                 yield GenerationChunk([t])
             yield GenerationChunk(self.final, finish_reason=self.finish, p_cached_tokens=3,
-                                  d_cached_tokens=1, transferred_tokens=5)
+                                  d_cached_tokens=1, transferred_tokens=5, prefill_instance="prefill-0")
             done = True
         finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
             if not done and self.error is None:
@@ -110,7 +110,7 @@ def test_completion_text_prompt(make, tok):
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n_out,
                              "total_tokens": len(ids) + n_out, "prompt_tokens_details": {"cached_tokens": 3},
                              "pd": {"p_cached_tokens": 3, "d_cached_tokens": 1, "transferred_tokens": 5,
-                                    "transfer_error": None}}
+                                    "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False}}
     assert backend.closed_early == []
 
 

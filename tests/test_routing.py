@@ -24,6 +24,7 @@ class HeldBlocks:
     def __init__(self):
         self.held: dict[str, set[bytes]] = {}
         self.emptied: dict[str, int] = {}
+        self.stale_instances: set[str] = set()
 
     def store(self, instance: str, tokens: Sequence[int]) -> None:
         self.held.setdefault(instance, set()).update(chain_hashes(tokens, BS))
@@ -41,6 +42,9 @@ class HeldBlocks:
 
     def holds(self, instance: str, block: bytes) -> bool:
         return block in self.held.get(instance, set())
+
+    def stale(self, instance: str) -> bool:
+        return instance in self.stale_instances
 
     def reset(self, instance: str) -> None:
         self.held.pop(instance, None)
@@ -264,3 +268,52 @@ def test_a_cache_reset_voids_the_promises_of_finished_requests_but_not_of_runnin
     held.reset(running.prefill.name)
     assert probe(pk, family(5, n=40, suffix=1)).predicted_p_hit_tokens == 0
     assert probe(pk, family(6, n=40, suffix=1)).predicted_p_pending_tokens == 12  # still being prefilled
+
+
+def local_picker(held: HeldBlocks, max_tokens: int = 8, n_d: int = 1) -> InstancePicker:
+    from pdcluster.router.local_prefill import LocalPrefillSpec
+    from pdcluster.router.pending_blocks import PendingBlocks
+
+    return InstancePicker("prefix_aware", [Inst("p0"), Inst("p1")], [Inst(f"d{i}") for i in range(n_d)], BS, held,
+                          pending=PendingBlocks(), clock=Clock(),
+                          local=LocalPrefillSpec(policy="short_remainder", max_tokens=max_tokens))
+
+
+def test_d_holding_the_prompt_prefills_a_short_remainder_itself_and_p_is_promised_nothing():
+    held = HeldBlocks()
+    prompt = family(1, n=24)  # 6 blocks of 4
+    held.store("d0", prompt[:16])  # D holds 4 of them: 8 tokens left, the threshold
+    pk = local_picker(held)
+    route = pk.pick(prompt, 4)
+    assert route.local_prefill and route.local.reason == "short_remainder" and route.local.remainder_tokens == 8
+    assert route.predicted_d_hit_tokens == 16
+    assert pk.pending.counts("p0").requests == pk.pending.counts("p1").requests == 0
+    with pk.prefilling_locally(route):
+        # One local prefill at a time on D: the next goes through P, and P is promised its blocks.
+        second = pk.pick(prompt, 4)
+        assert not second.local_prefill and second.local.reason == "d_busy"
+        assert pk.pending.counts(second.prefill.name).requests == 1
+    assert pk.pick(prompt, 4).local_prefill  # the slot is free again
+    pk.pending.check_integrity()
+
+
+def test_over_the_threshold_or_on_a_stale_index_the_prefill_goes_to_p():
+    held = HeldBlocks()
+    prompt = family(1, n=24)
+    held.store("d0", prompt[:12])  # 12 tokens left: over 8
+    assert local_picker(held).pick(prompt, 4).local.reason == "long_remainder"
+    held.store("d0", prompt)
+    held.stale_instances.add("d0")
+    route = local_picker(held).pick(prompt, 4)
+    assert not route.local_prefill and route.local.reason == "stale_index"
+
+
+def test_local_prefill_never_is_todays_routing():
+    from pdcluster.router.local_prefill import LocalPrefillSpec
+
+    held = HeldBlocks()
+    prompt = family(1, n=24)
+    held.store("d0", prompt)
+    pk = InstancePicker("prefix_aware", [Inst("p0")], [Inst("d0")], BS, held, local=LocalPrefillSpec())
+    route = pk.pick(prompt, 4)
+    assert route.local is None and not route.local_prefill

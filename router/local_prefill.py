@@ -1,0 +1,78 @@
+"""Whether D prefills a request itself (conditional disaggregation, as NVIDIA Dynamo's
+disaggregated router decides it): no P, no transfer, D's engine computes the remainder its
+own prefix cache does not hold, in its normal steps beside the requests it decodes.
+
+A pure function over what the router knows when it routes, so every threshold is unit-tested
+without engines; router/routing.py calls it on the D the policy picked.
+
+The rule, in order (`LocalPrefillSpec`, spec field `router.local_prefill`):
+- `policy: never`: always P (today's path, exactly);
+- D's prefix index is stale (it lost events, router/kv_events.py): its hit is not known, P;
+- the remainder on D (prompt minus what D's events confirmed) is over `max_tokens` and P is
+  not busy: P ("long_remainder"). P is busy when the P the policy picked has at least
+  `p_busy_s` of predicted prefill queued (router/prefill_cost.py; Dynamo's
+  max_prefill_queue_size, in time): then D prefills even a long remainder ("p_busy");
+- D already runs `max_in_flight` local prefills: P ("d_busy"), so D's decode steps carry
+  at most that many prompt chunks (each slows every request D decodes in that step);
+- else D ("short_remainder" or "p_busy").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LocalPolicy = Literal["never", "short_remainder"]
+Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy"]
+LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy"})
+
+# See bench/README.md "D prefills short remainders": the threshold measured on the tiny model
+# and swept on the simulated P8+D8.
+DEFAULT_MAX_TOKENS = 1024
+
+
+class LocalPrefillSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: LocalPolicy = Field("never", description="never: every prefill on P; short_remainder: D prefills "
+                                                     "what its own cache lacks when that is short")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1,
+                            description="D prefills a request itself when at most this many prompt tokens are "
+                                        "not in its prefix cache")
+    max_in_flight: int = Field(1, ge=1, description="local prefills one D runs at once")
+    p_busy_s: float | None = Field(None, gt=0, description="D prefills whatever the remainder when the picked P "
+                                                           "has this much predicted prefill queued (off: null)")
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """What the router knows of the request and the D (and P) it picked."""
+
+    prompt_tokens: int
+    d_matched_tokens: int  # the prompt's prefix D's KV events confirmed
+    d_index_stale: bool  # D's prefix index lost events: it may miss what D holds
+    d_local_in_flight: int  # local prefills D runs now (the router's count)
+    p_queued_s: float  # predicted prefill time queued on the P the policy picked
+
+
+@dataclass(frozen=True)
+class LocalDecision:
+    local: bool
+    reason: Reason
+    remainder_tokens: int  # prompt tokens D would compute
+
+
+def decide(spec: LocalPrefillSpec, view: LocalView) -> LocalDecision:
+    remainder = view.prompt_tokens - min(view.d_matched_tokens, view.prompt_tokens)
+    if spec.policy == "never":
+        return LocalDecision(False, "never", remainder)
+    if view.d_index_stale:
+        return LocalDecision(False, "stale_index", remainder)
+    p_busy = spec.p_busy_s is not None and view.p_queued_s >= spec.p_busy_s
+    if remainder > spec.max_tokens and not p_busy:
+        return LocalDecision(False, "long_remainder", remainder)
+    if view.d_local_in_flight >= spec.max_in_flight:
+        return LocalDecision(False, "d_busy", remainder)
+    return LocalDecision(True, "short_remainder" if remainder <= spec.max_tokens else "p_busy", remainder)
