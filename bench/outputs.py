@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pdcluster.bench.metrics import LATENCY_METRICS, METRICS, UNITS, PhaseSummary, Stats, per_request
 from pdcluster.bench.records import RequestResult
-from pdcluster.router.attribution import CRITICAL_PATH, attribute
+from pdcluster.router.attribution import attribute, critical_path
 from pdcluster.router.timeline import RequestRecord
 
 CSV_HEADER = ["Performance Parameters", "Stage", "Average", "Min", "Max", "Median", "P75", "P90", "P99", "N", "Unit"]
@@ -170,7 +170,7 @@ def format_phase_breakdown(records: Iterable[RequestRecord]) -> str:
     done = [a for a in attrs if a.complete]
     if not done:
         return f"Server-side TTFT breakdown: no complete timelines ({len(attrs)} joined)"
-    means = {p: sum(a.parts_ns[p] for a in done) / len(done) / _NS_PER_MS for p in CRITICAL_PATH}
+    means = {p: sum(a.parts_ns.get(p, 0) for a in done) / len(done) / _NS_PER_MS for p in critical_path(done)}
     total = sum(means.values())
     rows = [[p, _fmt(ms, 3), _pct(ms / total if total else None)] for p, ms in means.items()]
     rows.append(["TTFT (server)", _fmt(total, 3), _pct(1.0 if total else None)])

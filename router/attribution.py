@@ -16,18 +16,37 @@ critical path, at boundaries that every request crosses in order:
   D's queue, D's scheduler noticing the KV;
 - first_decode: D's first step (the last prompt token) and the token's way back.
 
-By construction the five parts sum to first_token - arrival exactly; against
+A request D prefilled itself (router/local_prefill.py; no P, no transfer) has one more:
+
+    arrival --queue-- d_scheduled --local_prefill-- first_token
+
+- queue: the router and D's scheduler queue;
+- local_prefill: D computing what its cache lacked, in steps beside the requests it decodes,
+  and the first token's way back; every other part is 0 (and a remote prefill has no
+  local_prefill part: read it as 0).
+
+By construction the six parts sum to first_token - arrival exactly; against
 a client's own TTFT they differ by the HTTP hop and the clock offsets' stated
 uncertainty.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
 
-CRITICAL_PATH = ("queue", "prefill", "transfer", "d_wait", "first_decode")
+CRITICAL_PATH = ("queue", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
+
+
+
+def critical_path(atts: Iterable[Attribution]) -> tuple[str, ...]:
+    """The parts to show for these requests: local_prefill only if one of them has it."""
+    if any("local_prefill" in a.parts_ns for a in atts):
+        return CRITICAL_PATH
+    return tuple(n for n in CRITICAL_PATH if n != "local_prefill")
+
 
 # Every interval worth drawing: (name, start event, end event, where it runs).
 INTERVALS: tuple[tuple[str, str, str, str], ...] = (
@@ -39,6 +58,7 @@ INTERVALS: tuple[tuple[str, str, str, str], ...] = (
     ("transfer", "transfer_start", "transfer_end", "transfer"),
     ("d_kv_wait", "transfer_end", "d_scheduled", "decode"),
     ("first_decode", "d_scheduled", "d_first_token", "decode"),
+    ("local_prefill", "d_scheduled", "d_first_token", "decode"),  # the same events, D having prefilled
     ("return", "d_first_token", "first_token", "router"),
     ("decode", "first_token", "last_token", "decode"),
 )
@@ -72,15 +92,17 @@ class Attribution:
 
     @property
     def complete(self) -> bool:
-        return self.ttft_ns is not None and len(self.parts_ns) == len(CRITICAL_PATH)
+        """Every part recorded (a remote prefill has no local_prefill part: it counts as 0)."""
+        return self.ttft_ns is not None and all(n in self.parts_ns for n in CRITICAL_PATH if n != "local_prefill")
 
 
 def intervals(rec: RequestRecord) -> list[Interval]:
     """Every phase interval whose two events were recorded (they may overlap; a negative
     one is a recording bug, except those a push reverses, which are left out)."""
     ev = rec.events
+    skip = "first_decode" if rec.local_prefill else "local_prefill"
     return [Interval(name, where, ev[a], ev[b]) for name, a, b, where in INTERVALS
-            if a in ev and b in ev and not (name in PUSH_REVERSED and ev[b] < ev[a])]
+            if a in ev and b in ev and name != skip and not (name in PUSH_REVERSED and ev[b] < ev[a])]
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
@@ -88,6 +110,8 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
 
 
 def attribute(rec: RequestRecord) -> Attribution:
+    if rec.local_prefill:
+        return _attribute_local(rec)
     ev = rec.events
     parts: dict[str, int] = {}
     if "arrival" in ev and "p_scheduled" in ev:
@@ -109,9 +133,26 @@ def attribute(rec: RequestRecord) -> Attribution:
     hidden = None
     if all(e in ev for e in ("transfer_start", "transfer_end", "p_scheduled", "p_done")):
         hidden = _overlap(ev["transfer_start"], ev["transfer_end"], ev["p_scheduled"], ev["p_done"])
-    ttft = ev["first_token"] - ev["arrival"] if "arrival" in ev and "first_token" in ev else None
-    stopped = None
-    if "first_token" not in ev:
-        reached = [e for e in EVENT_ORDER if e in ev and e != "finish"]
-        stopped = reached[-1] if reached else None
-    return Attribution(parts, ttft, stopped, rec.error, hidden)
+    return Attribution(parts, _ttft(ev), _stopped_after(ev), rec.error, hidden)
+
+
+def _attribute_local(rec: RequestRecord) -> Attribution:
+    ev = rec.events
+    parts: dict[str, int] = {"prefill": 0, "transfer": 0, "d_wait": 0, "first_decode": 0}
+    if "arrival" in ev and "d_scheduled" in ev:
+        parts["queue"] = ev["d_scheduled"] - ev["arrival"]
+    if "d_scheduled" in ev and "first_token" in ev:
+        parts["local_prefill"] = ev["first_token"] - ev["d_scheduled"]
+    return Attribution(parts, _ttft(ev), _stopped_after(ev), rec.error)
+
+
+def _ttft(ev: dict[str, int]) -> int | None:
+    return ev["first_token"] - ev["arrival"] if "arrival" in ev and "first_token" in ev else None
+
+
+def _stopped_after(ev: dict[str, int]) -> str | None:
+    """The last event reached, when the request did not reach first_token."""
+    if "first_token" in ev:
+        return None
+    reached = [e for e in EVENT_ORDER if e in ev and e != "finish"]
+    return reached[-1] if reached else None

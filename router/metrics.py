@@ -54,6 +54,9 @@ class RouterMetrics:
         self.transferred_tokens = Counter("pdc_transferred_tokens", "prompt tokens whose KV moved P -> D",
                                           registry=r)
         self.transfer_bytes = Counter("pdc_transfer_bytes", "KV bytes moved P -> D", ["group"], registry=r)
+        self.prefills = Counter("pdc_prefills", "requests' prefills by where they ran (local: on their D, "
+                                "router/local_prefill.py) and the decision's reason, per D",
+                                ["decode", "where", "reason"], registry=r)
         # Each labels() call takes a lock and a dict lookup (~1.3 us); a request touches ~15 children.
         self._outcome = {o: self.requests.labels(outcome=o) for o in ("ok", "error")}
         self._phase = {name: self.phase.labels(phase=name) for name in CRITICAL_PATH}
@@ -90,6 +93,9 @@ class RouterMetrics:
                 self._predictions[side, prediction_outcome(predicted, delivered)].inc()
         if rec.predicted_p_pending_tokens and not rec.error:
             self.predicted_pending.inc(rec.predicted_p_pending_tokens)
+        if rec.prefill_reason is not None and rec.decode_instance:
+            self.prefills.labels(decode=rec.decode_instance, where="local" if rec.local_prefill else "remote",
+                                 reason=rec.prefill_reason).inc()
         self.transferred_tokens.inc(rec.transferred_tokens)
         for g in rec.transfer_groups:
             self.transfer_bytes.labels(group=str(g.group)).inc(g.bytes)

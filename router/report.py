@@ -17,10 +17,10 @@ from pdcluster.router.timeline import Run
 from pdcluster.router.timeline_views import NS_PER_MS, Stats, Summary, is_failed, last_event, run_origin_ns, summarize
 
 PART_COLORS = {"queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",
-               "first_decode": "#2ca02c", "ttft": "#222222"}
+               "first_decode": "#2ca02c", "local_prefill": "#d62728", "ttft": "#222222"}
 INTERVAL_COLORS = {"router": "#bdbdbd", "p_queue": "#aec7e8", "prefill": "#1f77b4", "handoff": "#8c8c8c",
                    "d_queue": "#c5b0d5", "transfer": "#ff7f0e", "d_kv_wait": "#9467bd", "first_decode": "#2ca02c",
-                   "return": "#636363", "decode": "#98df8a"}
+                   "return": "#636363", "decode": "#98df8a", "local_prefill": "#d62728"}
 MAX_ROWS = 300  # beyond this a per-request chart is unreadable anyway: show the first ones by arrival
 LABEL_W, ROW_H, AXIS_H = 130, 16, 44
 
@@ -197,7 +197,7 @@ def _summary_html(s: Summary) -> str:
         ("P hit ratio", _pct(s.p_hit_ratio), False), ("D hit ratio", _pct(s.d_hit_ratio), False),
         ("tokens transferred", s.transferred_tokens, False)))
     crit = [head.format("TTFT part", "<th>share of TTFT</th>")]
-    for name in (*CRITICAL_PATH, "ttft"):
+    for name in (*_shown(s), "ttft"):
         share = "100%" if name == "ttft" and s.shares else _pct(s.shares.get(name))
         crit.append(f'<tr><td><i style="color:{PART_COLORS[name]}">■</i> {"TTFT" if name == "ttft" else name}</td>'
                     f"{_stats_cells(s.phases.get(name))}<td>{share}</td></tr>")
@@ -215,6 +215,15 @@ def _summary_html(s: Summary) -> str:
             f"<p>Prompt tokens {s.prompt_tokens:,}: P cached {s.p_cached_tokens:,}, D cached {s.d_cached_tokens:,}, "
             f"transferred {s.transferred_tokens:,}. KV bytes transferred: {groups}."
             + (f" KV pull failed and D recomputed: {s.recomputed} requests." if s.recomputed else "") + "</p>"]
+    if (loc := s.local) is not None:
+        rows = [("TTFT, D alone", loc.ttft_local), ("TTFT, through P", loc.ttft_remote),
+                ("others' ITL on D, during a local prefill", loc.itl_during_local),
+                ("others' ITL on D, without one", loc.itl_without_local)]
+        reasons = ", ".join(f"{escape(k)} {n}" for k, n in loc.reasons.items())
+        html.append(f'<p id="local-prefill">Local prefill: {loc.local} of {loc.local + loc.remote} completed requests '
+                    f"prefilled on their D alone ({_pct(loc.local_share)}); decisions: {reasons}.</p>"
+                    f'<table>{head.format("local prefill", "")}'
+                    + "".join(f"<tr><td>{n}</td>{_stats_cells(st)}</tr>" for n, st in rows) + "</table>")
     if s.failures:
         kinds = "".join(f"<tr><td>{k.count}</td><td>{escape(k.stopped_after or '(nothing)')}</td>"
                         f"<td>{escape(k.kind)}</td></tr>" for k in s.failure_kinds)
@@ -227,12 +236,17 @@ def _summary_html(s: Summary) -> str:
     return "".join(html)
 
 
+def _shown(s: Summary) -> tuple[str, ...]:
+    """The critical path's parts, local_prefill only if some request was prefilled on its D."""
+    return tuple(n for n in CRITICAL_PATH if n != "local_prefill" or n in s.phases)
+
+
 def render_report(run: Run) -> str:
     s = summarize(run)
     t0 = run_origin_ns(run)
     atts = [attribute(r) for r in run.records]
     cdfs = [_cdf(n, [a.parts_ns[n] for a in atts if n in a.parts_ns], s.phases.get(n), PART_COLORS[n])
-            for n in CRITICAL_PATH]
+            for n in _shown(s)]
     cdfs.append(_cdf("TTFT", [a.ttft_ns for a in atts if a.ttft_ns is not None], s.phases.get("ttft"), "#222"))
     started = dt.datetime.fromtimestamp(run.meta.started_wall_ns / 1e9, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     # The wall time of the plots' zero: the router clock anchor mapped forward to the first arrival.
@@ -251,7 +265,7 @@ instances: {insts}<br>{vers}</div>
 <p class="muted">One row per request; the KV pull is the outlined lower-half bar. ✕ marks where a failed request
 stopped. Hover a segment for its numbers.</p></section>
 <section id="attribution"><h2>TTFT attribution per request{shown}</h2>
-{_legend({n: PART_COLORS[n] for n in CRITICAL_PATH})}{_attribution_bars(run)}</section>
+{_legend({n: PART_COLORS[n] for n in _shown(s)})}{_attribution_bars(run)}</section>
 <section id="cdf"><h2>Distribution of each part (CDF over requests)</h2>
 <div class="cdfs">{"".join(cdfs)}</div></section>
 </body></html>

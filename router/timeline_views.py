@@ -10,34 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, Attribution, attribute, intervals
+from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, Attribution, attribute, critical_path, intervals
+from pdcluster.router.local_views import LocalSummary, format_local, local_summary
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord, Run
-
-NS_PER_MS = 1_000_000
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Distribution of one duration over requests, in ms; percentiles are nearest-rank."""
-
-    n: int
-    mean_ms: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-
-    @classmethod
-    def of_ns(cls, values: list[int]) -> Stats | None:
-        if not values:
-            return None
-        v = sorted(values)
-        return cls(len(v), sum(v) / len(v) / NS_PER_MS, *(percentile(v, p) / NS_PER_MS for p in (50, 90, 99)))
-
-
-def percentile(sorted_values: list[int], p: int) -> int:
-    """Nearest-rank: the smallest value with at least p% of values <= it (integer math: no float ranks)."""
-    rank = max(1, (p * len(sorted_values) + 99) // 100)
-    return sorted_values[rank - 1]
+from pdcluster.router.timeline_stats import NS_PER_MS, Ratios, Stats, percentile  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -83,6 +59,7 @@ class Summary:
     requests_per_instance: dict[str, int] = field(default_factory=dict)
     # Per request, P's prefill time as predicted / as P's engine took it (p_scheduled to p_done).
     prefill_time_ratio: Ratios | None = None
+    local: LocalSummary | None = None  # router/local_views.py; None: no local-prefill decisions
 
     @property
     def p_hit_ratio(self) -> float | None:
@@ -114,21 +91,6 @@ class HitPrediction:
         return cls(len(pairs), sum(p[0] for p in pairs), sum(p[1] for p in pairs), sum(p[2] for p in pairs),
                    sum(p[0] == p[1] for p in pairs), sum(p[0] > p[1] for p in pairs), sum(p[0] < p[1] for p in pairs),
                    sum(p[3] for p in pairs), sum(p[3] > 0 for p in pairs))
-
-
-@dataclass(frozen=True)
-class Ratios:
-    n: int
-    p10: float
-    p50: float
-    p90: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Ratios | None:
-        if not values:
-            return None
-        v = sorted(values)
-        return cls(len(v), v[len(v) // 10], v[len(v) // 2], v[min(len(v) - 1, len(v) * 9 // 10)])
 
 
 def _prefill_time_ratios(records: list[RequestRecord]) -> Ratios | None:
@@ -180,14 +142,15 @@ def error_kind(rec: RequestRecord) -> str:
 def summarize(run: Run) -> Summary:
     atts: list[tuple[RequestRecord, Attribution]] = [(r, attribute(r)) for r in run.records]
     phases: dict[str, Stats] = {}
-    for name in CRITICAL_PATH:
+    path = critical_path(a for _, a in atts)
+    for name in path:
         if s := Stats.of_ns([a.parts_ns[name] for _, a in atts if name in a.parts_ns]):
             phases[name] = s
     if s := Stats.of_ns([a.ttft_ns for _, a in atts if a.ttft_ns is not None]):
         phases["ttft"] = s
     complete = [a for _, a in atts if a.complete]
     ttft_sum = sum(a.ttft_ns for a in complete)
-    shares = {n: sum(a.parts_ns[n] for a in complete) / ttft_sum for n in CRITICAL_PATH} if ttft_sum else {}
+    shares = {n: sum(a.parts_ns.get(n, 0) for a in complete) / ttft_sum for n in path} if ttft_sum else {}
     by_interval: dict[str, list[int]] = {name: [] for name, *_ in INTERVALS}
     for r in run.records:
         for iv in intervals(r):
@@ -219,6 +182,7 @@ def summarize(run: Run) -> Summary:
         policies=tuple(sorted({r.policy for r in run.records if r.policy})),
         predictions=_predictions(run.records),
         prefill_time_ratio=_prefill_time_ratios(run.records),
+        local=local_summary(run.records),
         requests_per_instance=dict(sorted(Counter(i for r in run.records
                                                   for i in (r.prefill_instance, r.decode_instance) if i).items())),
     )
@@ -244,7 +208,8 @@ def format_summary(s: Summary) -> str:
     head = f"{head_no_share}{'share':>8}"
     lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed", "",
              f"TTFT critical path (shares over {s.attributed} complete requests)", head]
-    lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH]
+    lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH
+              if n != "local_prefill" or n in s.phases]
     lines += [_stats_row("TTFT", s.phases.get("ttft"), "100.0%" if s.shares else "-"), "",
               "phase intervals (they may overlap)", head_no_share]
     lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
@@ -260,6 +225,8 @@ def format_summary(s: Summary) -> str:
     if s.recomputed:
         lines.append(f"KV pull failed, D recomputed: {s.recomputed} requests")
     lines += _routing_lines(s)
+    if s.local is not None:
+        lines += format_local(s.local)
     if s.failures:
         lines += ["", f"failed requests: {s.failed}", f"  {'count':>5}  {'stopped after':<16}error"]
         lines += [f"  {k.count:>5}  {k.stopped_after or '(nothing)':<16}{k.kind}" for k in s.failure_kinds]
@@ -316,7 +283,7 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
                          f"{iv.duration_ns / NS_PER_MS:>10.3f}  {_bar(iv.start_ns, iv.end_ns, t0, span, bar_w)}")
     ttft = f"{att.ttft_ns / NS_PER_MS:.3f} ms" if att.ttft_ns is not None else "not reached"
     lines += ["", f"TTFT {ttft}; critical path:"]
-    for name in CRITICAL_PATH:
+    for name in critical_path([att]):
         if name in att.parts_ns:
             share = f"{100 * att.parts_ns[name] / att.ttft_ns:6.1f}%" if att.ttft_ns else ""
             lines.append(f"  {name:<13}{att.parts_ns[name] / NS_PER_MS:>10.3f} ms {share}".rstrip())

@@ -24,7 +24,24 @@ def test_plain_request():
                           "first_decode": 2_700}
     assert a.ttft_ns == 18_700 == sum(a.parts_ns.values())
     assert (a.stopped_after, a.error, a.complete) == (None, None, True)
-    assert list(a.parts_ns) == list(CRITICAL_PATH)
+    assert list(a.parts_ns) == [n for n in CRITICAL_PATH if n != "local_prefill"]
+
+
+LOCAL = {"arrival": 0, "dispatch": 100, "d_queued": 400, "d_scheduled": 900, "d_first_token": 4_000,
+         "first_token": 4_600, "last_token": 9_000, "finish": 9_100}
+
+
+def test_a_request_d_prefilled_itself_has_its_own_phase_and_still_sums_to_ttft():
+    r = rec(**LOCAL)
+    r.local_prefill = True
+    a = attribute(r)
+    assert a.parts_ns == {"queue": 900, "prefill": 0, "transfer": 0, "d_wait": 0, "first_decode": 0,
+                          "local_prefill": 3_700}
+    assert a.ttft_ns == 4_600 == sum(a.parts_ns.values()) and a.complete
+    ivs = {iv.name: iv for iv in intervals(r)}
+    assert "first_decode" not in ivs and ivs["local_prefill"] == Interval("local_prefill", "decode", T + 900, T + 4_000)
+    # The same events on a remote prefill's record: D's first decode step, not a prefill.
+    assert "local_prefill" not in {iv.name for iv in intervals(rec(**LOCAL))}
 
 
 def test_plain_intervals():

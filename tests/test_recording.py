@@ -97,6 +97,27 @@ def test_metrics_count_what_records_report():
     assert _metric(m.render().decode(), 'pdc_in_flight{instance="prefill-0"}') == 0
 
 
+def test_metrics_count_local_and_remote_prefills_per_d_with_the_reason():
+    m = RouterMetrics(lambda: {})
+    for rid, local, reason in (("a", True, "short_remainder"), ("b", True, "short_remainder"), ("c", False, "d_busy"),
+                               ("d", False, "long_remainder")):
+        rec = RequestRecord(rid, decode_instance="decode-1", local_prefill=local, prefill_reason=reason)
+        rec.mark("arrival", 0)
+        m.observe(rec)
+    m.observe(RequestRecord("off", decode_instance="decode-1"))  # local prefill off: no decision, not counted
+    text = m.render().decode()
+    assert _metric(text, 'pdc_prefills_total{decode="decode-1",reason="short_remainder",where="local"}') == 2
+    assert _metric(text, 'pdc_prefills_total{decode="decode-1",reason="d_busy",where="remote"}') == 1
+    assert _metric(text, 'pdc_prefills_total{decode="decode-1",reason="long_remainder",where="remote"}') == 1
+
+
+def test_a_local_prefills_record_takes_d_s_own_hit_from_its_last_delta():
+    rec = RequestRecord("r", local_prefill=True)
+    record_decode_end(rec, DecodeDelta([7], finish_reason="length", num_cached_tokens=896,
+                                       engine=EngineTimes(54 * MS, 62 * MS, 65 * MS)), ClockOffset(0, 0))
+    assert (rec.d_cached_tokens, rec.transferred_tokens, rec.events["d_scheduled"]) == (896, 0, 62 * MS)
+
+
 def test_a_record_round_trips_through_its_json_line():
     from dataclasses import asdict
 
