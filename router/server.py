@@ -214,6 +214,14 @@ class RouterActor:
         assert policy in POLICIES, f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}"
         self.dispatcher.picker.policy = policy
 
+    def set_local_prefill(self, fields: dict) -> None:
+        """router.local_prefill as given (a LocalPrefillSpec's fields), from the next request on:
+        to compare D prefilling short remainders with every prefill on P, on one cluster."""
+        from pdcluster.router.local_prefill import LocalPrefillSpec
+
+        spec = LocalPrefillSpec.model_validate(fields)
+        self.dispatcher.picker.local = spec if spec.policy != "never" else None
+
     def catch_up_kv_events(self, timeout_s: float = 10.0) -> None:
         """Return once every KV event each instance had published is in the router's index
         (a barrier for tests and tools; routing never waits for it)."""

@@ -179,6 +179,18 @@ def transfer_as(cluster, mode: str | None = None, transport: str | None = None):
         cluster.each_router("set_transfer_mode", spec.mode, spec.backend)
 
 
+@contextmanager
+def local_prefill_as(cluster, **fields):
+    """The routers decide local prefills by these router.local_prefill fields until the block
+    ends, then go back to the spec's."""
+    spec = cluster.spec.router.local_prefill
+    cluster.each_router("set_local_prefill", spec.model_copy(update=fields).model_dump())
+    try:
+        yield
+    finally:
+        cluster.each_router("set_local_prefill", spec.model_dump())
+
+
 def serve_over_each_transport(cluster, prompts: list[list[int]], wants: list[list[int]], max_tokens: int = 8,
                               timeout: float = 120) -> list[tuple[list[int], dict, list[int]]]:
     """(prompt, response body, reference tokens) for every prompt over each transport, from empty caches."""

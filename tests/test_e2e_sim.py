@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import ray
-from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
+from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, local_prefill_as, running_cluster
 from routing_checks import records_of
 
 from pdcluster.router.attribution import attribute
@@ -135,6 +135,36 @@ def test_a_client_gone_mid_stream_ends_its_request_on_d(cluster, family_run):
     assert_no_kv_in_use(cluster, 10)
     (rec,) = records_of(cluster, ["cmpl-gone-mid-stream"])
     assert rec.error and "client went away" in rec.error and rec.output_tokens < 2000
+
+
+def test_local_prefills_slow_the_decodes_they_share_steps_with_and_the_summary_measures_it(cluster, family_run):
+    """D prefills short cold prompts itself (router.local_prefill, threshold 2,048) while it
+    decodes long requests: those steps are mixed (qwen3-0.6b-1dev: 38 ms with a 2,000-token
+    chunk vs 33 ms decoding alone), and the summary's ITL during local prefills shows it."""
+    import threading
+
+    from pdcluster.router.local_views import local_summary
+    from pdcluster.router.timeline_views import format_summary, summarize
+
+    with local_prefill_as(cluster, policy="short_remainder", max_tokens=2048):
+        long = [threading.Thread(target=served, args=(cluster, [family(40 + i, 2100)], 300)) for i in range(4)]
+        for t in long:
+            t.start()
+        time.sleep(1.0)  # all four decoding (2,100 > 2,048: through P)
+        local_bodies = served(cluster, [family(60 + i, 2000) for i in range(20)], max_tokens=1)
+        for t in long:
+            t.join()
+    assert all(b["usage"]["pd"]["local_prefill"] for b in local_bodies)
+    s = local_summary(load_run(cluster.run_dir).records)
+    assert s.local == 20 and s.reasons["short_remainder"] == 20 and s.remote >= 4
+    during, without = s.itl_during_local, s.itl_without_local
+    assert during.n >= 20 and without.n >= 100
+    ratio = during.mean_ms / without.mean_ms
+    print(f"ITL during local prefills {during.mean_ms:.1f} ms ({during.n}), without {without.mean_ms:.1f} ms "
+          f"({without.n}): {ratio:.2f}x")
+    assert 1.05 < ratio < 1.6, f"ITL during local prefills {during.mean_ms:.1f} ms vs {without.mean_ms:.1f} ms"
+    text = format_summary(summarize(load_run(cluster.run_dir)))
+    assert "local prefill: 20 of" in text and "during a local prefill:" in text
 
 
 def test_every_block_is_free_at_the_end(cluster, family_run):

@@ -1,0 +1,154 @@
+"""End to end on real engines: D prefills short remainders itself (router/local_prefill.py).
+
+P1D1 (tiny Qwen3, block 128) with router.local_prefill on (max_tokens 256) and prefix_aware
+routing. A prompt D already holds most of is served by D alone: P's engine never runs a step
+for it, nothing is transferred, and the tokens equal a single engine's (prefix caching off).
+Over the threshold it goes through P as before. The fault test comes last: it kills D.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from e2e import (
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    complete,
+    local_prefill_as,
+    reset_caches,
+    running_cluster,
+    tiny_model_dir,
+    wait_until,
+)
+
+from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.router.attribution import attribute
+from pdcluster.router.timeline import load_run
+from pdcluster.router.timeline_views import format_summary, summarize
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 256  # router.local_prefill.max_tokens here
+HISTORY = 1024  # 8 blocks D will hold
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = cluster_spec_for("e2e-local", router={
+        "policy": "prefix_aware", "local_prefill": {"policy": "short_remainder", "max_tokens": MAX_TOKENS}})
+    with running_cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+
+
+def tokens(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def run(cluster, prompt, max_tokens=16):
+    r = complete(cluster.url, prompt, max_tokens)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["id"], body["choices"][0]["token_ids"], body["usage"]
+
+
+def engine_steps(cluster, name: str) -> int:
+    inst = next(i for i in cluster.instances if i.name == name)
+    return ray.get(inst.actor.load.remote()).steps
+
+
+def d_holds_history(cluster, history: list[int]) -> None:
+    """Through P once (D holds nothing of it: over the threshold), so D then holds its blocks."""
+    rng = random.Random(len(history))
+    _, _, usage = run(cluster, history + tokens(MAX_TOKENS + 50, rng), 4)
+    assert usage["pd"]["local_prefill"] is False and usage["pd"]["prefill_instance"] == "prefill-0", usage
+    cluster.each_router("catch_up_kv_events")
+
+
+def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(cluster, reference):
+    rng = random.Random(1)
+    reset_caches(cluster)
+    history = tokens(HISTORY, rng)
+    d_holds_history(cluster, history)
+    assert_no_kv_in_use(cluster)  # P's lease ended (its last step for the request is behind it)
+    p_steps = engine_steps(cluster, "prefill-0")
+    prompt = history + tokens(MAX_TOKENS - 1, rng)  # 1,279 tokens: D lacks 255 (its last block's and the rest)
+    rid, got, usage = run(cluster, prompt)
+    assert usage["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": HISTORY, "transferred_tokens": 0,
+                           "transfer_error": None, "prefill_instance": "decode-0", "local_prefill": True}
+    assert usage["prompt_tokens_details"]["cached_tokens"] == HISTORY  # D's own cache served it
+    assert engine_steps(cluster, "prefill-0") == p_steps, "P's engine ran a step for a request D served alone"
+    assert got == ray.get(reference.greedy.remote(prompt, 16))
+    assert_no_kv_in_use(cluster)
+    rec = load_run(cluster.run_dir).record(rid)
+    assert rec.local_prefill and rec.prefill_reason == "short_remainder" and rec.prefill_instance is None
+    assert not any(e.startswith("p_") or e.startswith("transfer") for e in rec.events)
+    a = attribute(rec)
+    assert a.complete and a.parts_ns["local_prefill"] > 0 and sum(a.parts_ns.values()) == a.ttft_ns
+
+
+def test_over_the_threshold_the_prefill_goes_through_p(cluster, reference):
+    rng = random.Random(2)
+    reset_caches(cluster)
+    history = tokens(HISTORY, rng)
+    d_holds_history(cluster, history)
+    assert_no_kv_in_use(cluster)  # P's lease ended (its last step for the request is behind it)
+    p_steps = engine_steps(cluster, "prefill-0")
+    prompt = history + tokens(MAX_TOKENS + 1, rng)
+    _, got, usage = run(cluster, prompt)
+    pd = usage["pd"]
+    assert (pd["local_prefill"], pd["prefill_instance"], pd["d_cached_tokens"]) == (False, "prefill-0", HISTORY)
+    assert pd["transferred_tokens"] == MAX_TOKENS + 1  # D pulls only what it lacks
+    assert engine_steps(cluster, "prefill-0") > p_steps
+    assert got == ray.get(reference.greedy.remote(prompt, 16))
+    assert_no_kv_in_use(cluster)
+
+
+def test_metrics_and_the_summary_count_local_prefills(cluster):
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    local = [line for line in text.splitlines() if line.startswith("pdc_prefills_total{") and 'where="local"' in line]
+    assert local and float(local[0].split()[-1]) >= 1, local
+    summary = format_summary(summarize(load_run(cluster.run_dir)))
+    assert "local prefill: " in summary and "TTFT on D alone: mean" in summary, summary
+
+
+def test_d_killed_mid_local_prefill_ends_in_an_error_and_d_comes_back(cluster):
+    """Last: it kills D (Ray restarts it). A long cold prompt D prefills alone (threshold raised)
+    is streamed; D dies before its first token."""
+    rng = random.Random(3)
+    reset_caches(cluster)
+    d = next(i for i in cluster.instances if i.name == "decode-0")
+    with local_prefill_as(cluster, max_tokens=8000):
+        out: dict = {}
+
+        def stream():
+            t0 = time.monotonic()
+            body = {"model": "tiny-qwen3", "prompt": tokens(8000, rng), "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
+                out["status"], out["body"] = r.status_code, r.read().decode()
+            out["took_s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.15)  # the router has sent it; D is in its prefill (about a second for 8,000 tokens here)
+        ray.kill(d.actor, no_restart=False)
+        t.join(timeout=90)
+    assert not t.is_alive(), "the request hung after D died"
+    # A stream answers its headers with the first token: an error status means none came (mid-prefill).
+    assert out["status"] == 503, f"D answered before it died (not mid-prefill), or another error: {out}"
+    assert "decode-0" in out["body"] and "service_unavailable" in out["body"], out
+    assert out["took_s"] < cluster.spec.router.request_timeout_s, out
+    # Ray restarts D; the cluster serves again, locally too.
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"].get("decode-0"), 120,
+               what="decode-0 back")
+    _, _, usage = run(cluster, tokens(100, rng), 4)
+    assert usage["pd"]["local_prefill"] is True
