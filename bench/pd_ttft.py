@@ -17,7 +17,7 @@ what the seed timed on one device.
 
 usage: python -m pdcluster.bench.pd_ttft [--sizes 1024,4096,8192,16384] [--trials 3] [--dtype bfloat16]
                                          [--connector pdc|nixl] [--transports grpc,torch_dist] [--out FILE.json]
-                                         [--sim qwen3-0.6b-1dev]
+                                         [--sim qwen3-0.6b-1dev] [--local-prefill off,on]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Row:
     after_p_ms: float | None  # first D token - P's prefill end (cluster only)
     p_cached: int
     d_cached: int
+    local: bool = False  # D prefilled it itself (router.local_prefill)
 
 
 def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict]:
@@ -100,6 +101,9 @@ def cluster_rows(cluster, setup: str, sizes: list[int], trials: int, rng: random
             continue
         n, cache, got = timed[rec.request_id]
         ev = rec.events
+        if rec.local_prefill:  # D alone: no P in it
+            rows.append(Row(n, setup, cache, got["ttft"], None, 0, rec.d_cached_tokens, local=True))
+            continue
         rows.append(Row(n, setup, cache, got["ttft"], (ev["d_first_token"] - ev["p_done"]) / 1e6,
                         rec.p_cached_tokens, rec.d_cached_tokens))
         # P's engine alone, queued to its first token: what the seed timed on one device.
@@ -142,6 +146,15 @@ def table(rows: list[Row], sizes: list[int]) -> str:
     return "\n".join(out)
 
 
+def local_prefill_fields(which: str, max_tokens: int | None) -> dict:
+    from pdcluster.router.local_prefill import LocalPrefillSpec
+
+    if which not in ("off", "on"):
+        raise SystemExit(f"--local-prefill: 'off', 'on' or 'off,on', not {which!r}")
+    spec = LocalPrefillSpec(policy="short_remainder" if which == "on" else "never")
+    return spec.model_copy(update={"max_tokens": max_tokens} if max_tokens else {}).model_dump()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1024,4096,8192,16384")
@@ -154,6 +167,10 @@ def main() -> None:
     ap.add_argument("--sim", default=None, metavar="PARAMS",
                     help="simulated engines with this cost-model parameter file (e.g. qwen3-0.6b-1dev): "
                          "the seed's protocol against the sim; implies --no-single")
+    ap.add_argument("--local-prefill", default="off", metavar="off,on",
+                    help="router.local_prefill per pass: off (every prefill on P), on (short_remainder, "
+                         "--local-max-tokens), or both for each setup")
+    ap.add_argument("--local-max-tokens", type=int, default=None, help="router.local_prefill.max_tokens when on")
     ap.add_argument("--out", default=None, help="write every row as JSON")
     a = ap.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -185,10 +202,13 @@ def main() -> None:
         setups = ([(m, t) for t in a.transports.split(",") for m in ("push", "pull")] if a.connector == "pdc"
                   else [("pull", "grpc")])
         for mode, transport in setups:
-            cluster.each_router("set_transfer_mode", mode, transport if a.connector == "pdc" else None)
-            name = ("sim " if a.sim else "") + f"{a.connector} {mode}" + (f" {transport}" if a.connector == "pdc" else "")
-            rows += cluster_rows(cluster, name, sizes, a.trials, rng)
-            print(table(rows, sizes), "\n", flush=True)
+            for local in a.local_prefill.split(","):
+                cluster.each_router("set_transfer_mode", mode, transport if a.connector == "pdc" else None)
+                cluster.each_router("set_local_prefill", local_prefill_fields(local, a.local_max_tokens))
+                name = (("sim " if a.sim else "") + f"{a.connector} {mode}"
+                        + (f" {transport}" if a.connector == "pdc" else "") + (", local prefill" if local == "on" else ""))
+                rows += cluster_rows(cluster, name, sizes, a.trials, rng)
+                print(table(rows, sizes), "\n", flush=True)
     finally:
         teardown(cluster)
     if not a.no_single:
