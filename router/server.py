@@ -87,9 +87,12 @@ class RouterActor:
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))
-        pending = self.dispatcher.picker.pending
+        def pending_blocks(name: str) -> int:  # whatever index the picker has now (set_track_pending)
+            pending = self.dispatcher.picker.pending
+            return 0 if pending is None else pending.counts(name).blocks
+
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight,
-                                     None if pending is None else lambda name: pending.counts(name).blocks)
+                                     pending_blocks if spec.router.track_pending else None)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path)
@@ -213,6 +216,10 @@ class RouterActor:
 
         assert policy in POLICIES, f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}"
         self.dispatcher.picker.policy = policy
+
+    def set_track_pending(self, on: bool) -> None:
+        """router.track_pending from the next request on (a fresh, empty pending index when on)."""
+        self.dispatcher.picker.pending = PendingBlocks() if on else None
 
     def set_local_prefill(self, fields: dict) -> None:
         """router.local_prefill as given (a LocalPrefillSpec's fields), from the next request on:

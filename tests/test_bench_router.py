@@ -272,3 +272,15 @@ def test_router_floor_instant_decode_answers_max_tokens_of_the_prompt():
     assert asyncio.run(call.next()) is None
     streamed = InstantChannel().call("decode", DecodeRequest("r", [5, 6], SamplingSpec(max_tokens=3), None))
     assert streamed.has_reply and len(streamed.items) == 3  # one delta a token otherwise
+
+
+def test_router_passes_parse_what_each_pass_sets():
+    from pdcluster.bench.router_passes import Pass
+
+    p = Pass.parse("local:1024+pending:off")
+    assert (p.local.policy, p.local.max_tokens, p.track_pending) == ("short_remainder", 1024, False)
+    assert Pass.parse("local:off").local.policy == "never" and Pass.parse("local:off").track_pending is None
+    assert Pass.parse("pending:on").local is None
+    for bad in ("local:0", "local:on", "pending:maybe", "fast"):
+        with pytest.raises(SystemExit, match="--passes"):
+            Pass.parse(bad)

@@ -1,14 +1,17 @@
-"""D prefilling short remainders (router.local_prefill) on and off, on one cluster, in one run.
+"""The same load through one cluster, once per pass of router settings, in one run.
 
-Starts the spec's cluster on a local Ray, then replays the same load (a preset or a trace) once
-per pass: `off` (every prefill on P), then `on:N` (short_remainder, max_tokens N) for each N
-given; every prefix cache is emptied between passes. Per pass: the formal window's TTFT and TPOT
-(mean, p90), the hit ratio, how many requests D served alone, and the interference the run's
-timelines measured (other requests' ITL on a D during its local prefills vs without).
+Starts the spec's cluster on a local Ray, then replays the load (a preset or a trace) once per
+pass, every prefix cache emptied between passes. A pass sets, on every router:
+  local:off | local:N   router.local_prefill: every prefill on P, or D prefills remainders <= N
+  pending:on | pending:off   router.track_pending (prefixes in flight)
+joined with '+' (e.g. local:off+pending:off); a setting a pass leaves out stays as the spec says.
+Per pass: the formal window's TTFT and TPOT (mean, p90), P's hit beside what the load could hit
+at most, how many requests D served alone, and the interference the timelines measured (other
+requests' ITL on a D during its local prefills vs without).
 
-usage: python -m pdcluster.bench.local_prefill SPEC --preset c90-tiny [--passes off,on:1024]
-       python -m pdcluster.bench.local_prefill deploy/p8d8-sim.yaml --preset c90 --passes off,on:1024,on:4096
-       python -m pdcluster.bench.local_prefill deploy/p8d8-sim.yaml --trace T.jsonl --max-concurrency 90
+usage: python -m pdcluster.bench.router_passes SPEC --preset c90-tiny --passes local:off,local:1024
+       python -m pdcluster.bench.router_passes deploy/p8d8-sim.yaml --trace T.jsonl --max-concurrency 90 \
+           --passes pending:on,pending:off
 """
 
 from __future__ import annotations
@@ -20,27 +23,35 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdcluster.router.local_prefill import LocalPrefillSpec
+
 
 @dataclass(frozen=True)
 class Pass:
-    name: str  # "off" | "on:1024"
-    max_tokens: int | None  # None: off
+    name: str  # as given, e.g. "local:1024+pending:off"
+    local: LocalPrefillSpec | None = None  # None: as the spec says
+    track_pending: bool | None = None  # None: as the spec says
 
     @classmethod
     def parse(cls, text: str) -> Pass:
-        if text == "off":
-            return cls(text, None)
-        head, _, n = text.partition(":")
-        if head != "on" or not n.isdigit() or int(n) < 1:
-            raise SystemExit(f"--passes: 'off' or 'on:MAX_TOKENS' (e.g. on:1024), not {text!r}")
-        return cls(text, int(n))
+        local, pending = None, None
+        for part in text.split("+"):
+            key, _, value = part.partition(":")
+            if key == "local" and value == "off":
+                local = LocalPrefillSpec(policy="never")
+            elif key == "local" and value.isdigit() and int(value) >= 1:
+                local = LocalPrefillSpec(policy="short_remainder", max_tokens=int(value))
+            elif key == "pending" and value in ("on", "off"):
+                pending = value == "on"
+            else:
+                raise SystemExit(f"--passes: {part!r} is none of local:off, local:N, pending:on, pending:off")
+        return cls(text, local, pending)
 
-    def fields(self) -> dict:
-        from pdcluster.router.local_prefill import LocalPrefillSpec
-
-        if self.max_tokens is None:
-            return LocalPrefillSpec(policy="never").model_dump()
-        return LocalPrefillSpec(policy="short_remainder", max_tokens=self.max_tokens).model_dump()
+    def apply(self, cluster) -> None:
+        if self.local is not None:
+            cluster.each_router("set_local_prefill", self.local.model_dump())
+        if self.track_pending is not None:
+            cluster.each_router("set_track_pending", self.track_pending)
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class PassResult:
     tpot_mean_ms: float
     tpot_p90_ms: float
     hit_ratio: float | None
+    expected_hit_ratio: float | None  # what the load could hit at most (its structure, failed requests out)
+    exact_hits: int  # requests whose P hit the router predicted exactly
     local: int  # formal requests D prefilled itself
     itl_during_local_ms: float | None
     itl_without_local_ms: float | None
@@ -64,7 +77,7 @@ def run_pass(cluster, cfg, p: Pass) -> PassResult:
     from pdcluster.bench.run import run_bench
     from pdcluster.router.local_views import local_summary
 
-    cluster.each_router("set_local_prefill", p.fields())
+    p.apply(cluster)
     for inst in cluster.instances:
         deadline = time.monotonic() + 120  # a lease may pin blocks a moment longer
         while not ray.get(inst.actor.reset_prefix_cache.remote()):
@@ -86,12 +99,13 @@ def run_pass(cluster, cfg, p: Pass) -> PassResult:
 
 def table(results: list[PassResult]) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    rows = ["| pass | requests (failed) | TTFT mean s | TTFT p90 s | TPOT mean ms | TPOT p90 ms | P/D hit | "
-            "on D alone | ITL during / without local ms |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| pass | requests (failed) | TTFT mean s | TTFT p90 s | TPOT mean ms | TPOT p90 ms | hit (max) | "
+            "P hit predicted exactly | on D alone | ITL during / without local ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rows.append(f"| {r.name} | {r.requests} ({r.failed}) | {r.ttft_mean_s:.3f} | {r.ttft_p90_s:.3f} | "
-                    f"{r.tpot_mean_ms:.2f} | {r.tpot_p90_ms:.2f} | {f(r.hit_ratio and 100 * r.hit_ratio, '.1f')}% | "
-                    f"{r.local} | {f(r.itl_during_local_ms, '.2f')} / {f(r.itl_without_local_ms, '.2f')} |")
+                    f"{r.tpot_mean_ms:.2f} | {r.tpot_p90_ms:.2f} | {f(r.hit_ratio and 100 * r.hit_ratio, '.1f')}% "
+                    f"({f(r.expected_hit_ratio and 100 * r.expected_hit_ratio, '.1f')}%) | {r.exact_hits} | {r.local} | {f(r.itl_during_local_ms, '.2f')} / {f(r.itl_without_local_ms, '.2f')} |")
     return "\n".join(rows)
 
 
@@ -101,7 +115,9 @@ def main() -> None:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--trace", default=None, help="a Mooncake-format trace instead of a preset")
     ap.add_argument("--max-concurrency", type=int, default=None)
-    ap.add_argument("--passes", default="off,on:1024", help="comma-separated: off, on:MAX_TOKENS")
+    ap.add_argument("--passes", default="local:off,local:1024", help="comma-separated passes (see above)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="trace: timestamps x this (0.5: twice the rate)")
+    ap.add_argument("--num-requests", type=int, default=None, help="trace: its first N requests")
     ap.add_argument("--out", default=None, help="write the passes as JSON")
     a = ap.parse_args()
     passes = [Pass.parse(t) for t in a.passes.split(",")]
@@ -115,7 +131,7 @@ def main() -> None:
     spec = load_spec(a.spec)
     overrides = {"max_concurrency": a.max_concurrency} if a.max_concurrency else {}
     cfg = (BenchConfig.from_preset(a.preset, **overrides) if a.preset
-           else BenchConfig(trace=a.trace, **overrides))
+           else BenchConfig(trace=a.trace, time_scale=a.time_scale, num_requests=a.num_requests, **overrides))
     ray.init(num_cpus=None if spec.ray_address else 2, include_dashboard=False, namespace=NAMESPACE,
              log_to_driver=False)
     cluster = build_cluster(spec)
