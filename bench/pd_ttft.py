@@ -45,14 +45,27 @@ class Row:
     local: bool = False  # D prefilled it itself (router.local_prefill)
 
 
-def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict]:
-    import httpx
+_CLIENT = None
 
+
+def _client():
+    """One HTTP client for the whole run, its connection kept open, as a serving client does:
+    a new httpx client per request costs ~24 ms before the request leaves (measured here),
+    more than the router's whole path (arrival to first token of a warm 1K request: ~12 ms)."""
+    global _CLIENT
+    if _CLIENT is None:
+        import httpx
+
+        _CLIENT = httpx.Client(timeout=600)
+    return _CLIENT
+
+
+def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict]:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, rid, usage = None, None, {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with _client().stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
