@@ -90,11 +90,15 @@ def run_pass(cluster, cfg, p: Pass) -> PassResult:
     local = local_summary(records)
     st = formal.stats
     return PassResult(
-        p.name, formal.total_requests, formal.failed_requests, st["TTFT"].avg, st["TTFT"].p90,
-        st["TPOT"].avg * 1e3, st["TPOT"].p90 * 1e3, formal.measured_hit_ratio,
-        sum(r.local_prefill for r in records),
-        local.itl_during_local.mean_ms if local and local.itl_during_local else None,
-        local.itl_without_local.mean_ms if local and local.itl_without_local else None)
+        name=p.name, requests=formal.total_requests, failed=formal.failed_requests,
+        ttft_mean_s=st["TTFT"].avg, ttft_p90_s=st["TTFT"].p90,
+        tpot_mean_ms=st["TPOT"].avg * 1e3, tpot_p90_ms=st["TPOT"].p90 * 1e3,
+        hit_ratio=formal.measured_hit_ratio, expected_hit_ratio=formal.expected_hit_ratio,
+        exact_hits=sum(r.predicted_p_hit_tokens == r.p_cached_tokens for r in records
+                       if r.predicted_p_hit_tokens is not None and not r.local_prefill),
+        local=sum(r.local_prefill for r in records),
+        itl_during_local_ms=local.itl_during_local.mean_ms if local and local.itl_during_local else None,
+        itl_without_local_ms=local.itl_without_local.mean_ms if local and local.itl_without_local else None)
 
 
 def table(results: list[PassResult]) -> str:
