@@ -70,20 +70,22 @@ def engine_steps(cluster, name: str) -> int:
     return ray.get(inst.actor.load.remote()).steps
 
 
-def d_holds_history(cluster, history: list[int]) -> None:
-    """Through P once (D holds nothing of it: over the threshold), so D then holds its blocks."""
-    rng = random.Random(len(history))
-    _, _, usage = run(cluster, history + tokens(MAX_TOKENS + 50, rng), 4)
+def d_holds_history(cluster, rng: random.Random) -> list[int]:
+    """Caches emptied, then a fresh history through P once (D holds nothing of it: over the
+    threshold), so D then holds its blocks; returns once P's lease has ended too (its last step
+    for the request is behind it)."""
+    reset_caches(cluster)
+    history = tokens(HISTORY, rng)
+    _, _, usage = run(cluster, history + tokens(MAX_TOKENS + 50, random.Random(len(history))), 4)
     assert usage["pd"]["local_prefill"] is False and usage["pd"]["prefill_instance"] == "prefill-0", usage
     cluster.each_router("catch_up_kv_events")
+    assert_no_kv_in_use(cluster)
+    return history
 
 
 def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(cluster, reference):
     rng = random.Random(1)
-    reset_caches(cluster)
-    history = tokens(HISTORY, rng)
-    d_holds_history(cluster, history)
-    assert_no_kv_in_use(cluster)  # P's lease ended (its last step for the request is behind it)
+    history = d_holds_history(cluster, rng)
     p_steps = engine_steps(cluster, "prefill-0")
     prompt = history + tokens(MAX_TOKENS - 1, rng)  # 1,279 tokens: D lacks 255 (its last block's and the rest)
     rid, got, usage = run(cluster, prompt)
@@ -102,10 +104,7 @@ def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(clust
 
 def test_over_the_threshold_the_prefill_goes_through_p(cluster, reference):
     rng = random.Random(2)
-    reset_caches(cluster)
-    history = tokens(HISTORY, rng)
-    d_holds_history(cluster, history)
-    assert_no_kv_in_use(cluster)  # P's lease ended (its last step for the request is behind it)
+    history = d_holds_history(cluster, rng)
     p_steps = engine_steps(cluster, "prefill-0")
     prompt = history + tokens(MAX_TOKENS + 1, rng)
     _, got, usage = run(cluster, prompt)
