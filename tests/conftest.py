@@ -1,3 +1,4 @@
+from router_fakes import fake_router, tok, tok_dir  # noqa: F401  (fixtures of the router's unit tests)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,98 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-from starlette.testclient import TestClient
+from router_fakes import MAX_LEN, MODEL, TEXT, FakeBackend, bad_request, serve_in_thread, sse_events
 
 from pdcluster.cluster.messages import SamplingSpec
-from pdcluster.cluster.tiny_model import make_tiny_model
-from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.backend import BackendError
 from pdcluster.router.openai_api import build_app
 
-MODEL = "tiny"
-MAX_LEN = 64
-TEXT = "Hello world, héllo 你好 the end."
 
-
-class FakeBackend(TokenBackend):
-    """Yields `script` (token ids, one chunk each) then a final chunk; records calls and early closes."""
-
-    def __init__(self, vocab_size: int, script: list[int], final: list[int], finish: str = "stop",
-                 error: Exception | None = None, error_after: int = 0, delay: float = 0.0):
-        self.card = ModelCard(name=MODEL, max_model_len=MAX_LEN, vocab_size=vocab_size)
-        self.script, self.final, self.finish = script, final, finish
-        self.error, self.error_after, self.delay = error, error_after, delay
-        self.calls: list[tuple[str, list[int], SamplingSpec]] = []
-        self.closed_early: list[str] = []  # request ids whose iterator was closed before the end
-        self.instances = {"prefill-0": True, "decode-0": True}
-
-    def model_card(self) -> ModelCard:
-        return self.card
-
-    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None):
-        self.calls.append((request_id, list(prompt_token_ids), sampling))
-        done = False
-        try:
-            for i, t in enumerate(self.script):
-                if self.error is not None and i == self.error_after:
-                    raise self.error
-                await asyncio.sleep(self.delay)
-                yield GenerationChunk([t])
-            yield GenerationChunk(self.final, finish_reason=self.finish, p_cached_tokens=3,
-                                  d_cached_tokens=1, transferred_tokens=5, prefill_instance="prefill-0")
-            done = True
-        finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
-            if not done and self.error is None:
-                self.closed_early.append(request_id)
-
-    async def health(self):
-        return dict(self.instances)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture
-def make(tok, tok_dir):
-    """make(**backend kwargs) -> (TestClient, FakeBackend); by default it generates TEXT then eos."""
-
-    def _make(**kw):
-        kw.setdefault("script", tok.encode(TEXT))
-        kw.setdefault("final", [tok.eos_token_id])
-        backend = FakeBackend(len(tok), **kw)
-        return TestClient(build_app(backend, tok_dir)), backend
-
-    return _make
-
-
-def sse_events(resp) -> list:
-    """Parses an SSE body; returns the JSON payloads and checks it ends in exactly one [DONE]."""
-    assert resp.headers["content-type"].startswith("text/event-stream")
-    frames = resp.text.split("\n\n")
-    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
-    assert all(f.startswith("data: ") for f in frames[:-1])
-    return [json.loads(f[len("data: "):]) for f in frames[:-2]]
-
-
-def test_completion_text_prompt(make, tok):
-    client, backend = make()
+def test_completion_text_prompt(fake_router, tok):
+    client, backend = fake_router()
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 20,
                                              "temperature": 0, "top_k": -1, "seed": 7, "user": "u",
                                              "stop_token_ids": [5], "ignore_eos": True, "unknown_x": 1})
@@ -115,8 +36,8 @@ def test_completion_text_prompt(make, tok):
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
-def test_completion_token_id_prompt(make, prompt):
-    client, backend = make(finish="length", final=[])
+def test_completion_token_id_prompt(fake_router, prompt):
+    client, backend = fake_router(finish="length", final=[])
     r = client.post("/v1/completions", json={"prompt": prompt})
     assert r.status_code == 200, r.text
     assert backend.calls[0][1] == [5, 6, 7]
@@ -125,15 +46,15 @@ def test_completion_token_id_prompt(make, prompt):
     assert r.json()["usage"]["prompt_tokens"] == 3
 
 
-def test_single_string_in_list(make, tok):
-    client, backend = make()
+def test_single_string_in_list(fake_router, tok):
+    client, backend = fake_router()
     assert client.post("/v1/completions", json={"prompt": ["abc"]}).status_code == 200
     assert backend.calls[0][1] == tok.encode("abc")
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
-def test_stream_equals_non_stream(make, include_usage):
-    client, backend = make()
+def test_stream_equals_non_stream(fake_router, include_usage):
+    client, backend = fake_router()
     full = client.post("/v1/completions", json={"prompt": "x"}).json()
     r = client.post("/v1/completions", json={"prompt": "x", "stream": True,
                                              "stream_options": {"include_usage": include_usage}})
@@ -154,8 +75,8 @@ def test_stream_equals_non_stream(make, include_usage):
     assert [sampling.final_only for _, _, sampling in backend.calls] == [True, False]
 
 
-def test_chat(make, tok):
-    client, backend = make()
+def test_chat(fake_router, tok):
+    client, backend = fake_router()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
                                                   "max_completion_tokens": 30, "top_p": 0.5})
@@ -173,8 +94,8 @@ def test_chat(make, tok):
     assert backend.calls[1][2].max_tokens == MAX_LEN - len(expected)
 
 
-def test_chat_stream(make):
-    client, _ = make()
+def test_chat_stream(fake_router):
+    client, _ = fake_router()
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "stream": True,
                                                   "max_tokens": 40, "stream_options": {"include_usage": True}})
     *events, usage = sse_events(r)
@@ -187,8 +108,8 @@ def test_chat_stream(make):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("stop", ["world", ["zzz", "héllo"], [" 你好"]])
-def test_stop_string(make, stream, stop):
-    client, backend = make()
+def test_stop_string(fake_router, stream, stop):
+    client, backend = fake_router()
     first = stop if isinstance(stop, str) else stop[-1]
     r = client.post("/v1/completions", json={"prompt": "x", "stop": stop, "stream": stream})
     assert r.status_code == 200
@@ -203,19 +124,12 @@ def test_stop_string(make, stream, stop):
     assert not backend.calls[0][2].final_only  # the router needs the tokens as they come to stop early
 
 
-def test_stop_string_never_streamed_in_part(make, tok):
+def test_stop_string_never_streamed_in_part(fake_router, tok):
     # "ld, h" spans several tokens: no streamed piece may carry its beginning.
-    client, _ = make()
+    client, _ = fake_router()
     events = sse_events(client.post("/v1/completions", json={"prompt": "x", "stop": "ld, h", "stream": True}))
     assert "".join(e["choices"][0]["text"] for e in events) == "Hello wor"
 
-
-def _bad(client, path, body, status=400):
-    r = client.post(path, **({"content": body} if isinstance(body, (str, bytes)) else {"json": body}))
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] is None
-    return err
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -243,9 +157,9 @@ def _bad(client, path, body, status=400):
     ({"prompt": "a", "stop": 3}, "stop", ["stop"]),
     ({"prompt": "a", "stream": "yes please"}, "stream", ["stream"]),
 ])
-def test_completion_400(make, body, param, words):
-    client, backend = make()
-    err = _bad(client, "/v1/completions", body)
+def test_completion_400(fake_router, body, param, words):
+    client, backend = fake_router()
+    err = bad_request(client, "/v1/completions", body)
     assert err["param"] == param
     assert all(w in err["message"] for w in words), err["message"]
     assert backend.calls == []
@@ -259,21 +173,21 @@ def test_completion_400(make, body, param, words):
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens", ["max_completion_tokens must be at least 1"]),
 ])
-def test_chat_400(make, body, param, words):
-    client, backend = make()
-    err = _bad(client, "/v1/chat/completions", body)
+def test_chat_400(fake_router, body, param, words):
+    client, backend = fake_router()
+    err = bad_request(client, "/v1/chat/completions", body)
     assert err["param"] == param
     assert all(w in err["message"] for w in words), err["message"]
     assert backend.calls == []
 
 
-def test_context_length(make):
-    client, backend = make()
-    err = _bad(client, "/v1/completions", {"prompt": list(range(10)), "max_tokens": MAX_LEN - 9})
+def test_context_length(fake_router):
+    client, backend = fake_router()
+    err = bad_request(client, "/v1/completions", {"prompt": list(range(10)), "max_tokens": MAX_LEN - 9})
     assert err["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. However, "
                                      f"you requested {MAX_LEN + 1} tokens (10 in the prompt, {MAX_LEN - 9} "
                                      "for the completion)")
-    err = _bad(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * MAX_LEN}]})
+    err = bad_request(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * MAX_LEN}]})
     assert "in the messages" in err["message"]
     assert client.post("/v1/completions", json={"prompt": list(range(10)),
                                                 "max_tokens": MAX_LEN - 10}).status_code == 200
@@ -282,14 +196,14 @@ def test_context_length(make):
 
 @pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "a"}),
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})])
-def test_unknown_model_404(make, path, body):
-    client, _ = make()
-    err = _bad(client, path, {**body, "model": "gpt-9"}, status=404)
+def test_unknown_model_404(fake_router, path, body):
+    client, _ = fake_router()
+    err = bad_request(client, path, {**body, "model": "gpt-9"}, status=404)
     assert err["param"] == "model" and "gpt-9" in err["message"] and MODEL in err["message"]
 
 
-def test_backend_error_status(make):
-    client, _ = make(error=BackendError("no decode instance is healthy", status=503, kind="service_unavailable"))
+def test_backend_error_status(fake_router):
+    client, _ = fake_router(error=BackendError("no decode instance is healthy", status=503, kind="service_unavailable"))
     for stream in (False, True):  # before the first chunk the status survives in streaming too
         r = client.post("/v1/completions", json={"prompt": "a", "stream": stream})
         assert r.status_code == 503
@@ -297,8 +211,8 @@ def test_backend_error_status(make):
                                       "param": None, "code": None}}
 
 
-def test_backend_error_mid_stream(make):
-    client, backend = make(error=BackendError("decode-0 died", status=502, kind="server_error"), error_after=3)
+def test_backend_error_mid_stream(fake_router):
+    client, backend = fake_router(error=BackendError("decode-0 died", status=502, kind="server_error"), error_after=3)
     r = client.post("/v1/completions", json={"prompt": "a", "stream": True})
     assert r.status_code == 200
     events = sse_events(r)
@@ -306,18 +220,18 @@ def test_backend_error_mid_stream(make):
     assert all("choices" in e for e in events[:-1]) and len(events) > 1
 
 
-def test_unexpected_error_is_500(make):
-    client, _ = make(error=RuntimeError("boom"))
+def test_unexpected_error_is_500(fake_router):
+    client, _ = fake_router(error=RuntimeError("boom"))
     r = client.post("/v1/completions", json={"prompt": "a"})
     assert r.status_code == 500
     assert "boom" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
-    events = sse_events(make(error=RuntimeError("boom"), error_after=2)[0].post(
+    events = sse_events(fake_router(error=RuntimeError("boom"), error_after=2)[0].post(
         "/v1/completions", json={"prompt": "a", "stream": True}))
     assert "boom" in events[-1]["error"]["message"]
 
 
-def test_health_and_models(make):
-    client, backend = make()
+def test_health_and_models(fake_router):
+    client, backend = fake_router()
     r = client.get("/health")
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "instances": {"prefill-0": True, "decode-0": True}}
@@ -326,28 +240,6 @@ def test_health_and_models(make):
     assert r.status_code == 503 and r.json()["instances"]["decode-0"] is False
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["object"] == "list"
-
-
-@contextmanager
-def serve_in_thread(app):
-    """Runs `app` under uvicorn on a free 127.0.0.1 port; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def test_openai_client(tok, tok_dir):
@@ -389,16 +281,16 @@ def test_client_disconnect_closes_backend(tok, tok_dir):
                                                 ("/v1/chat/completions", {"messages": [{"role": "user",
                                                                                          "content": "hi"}]},
                                                  "chatcmpl-")])
-def test_client_request_id_header(make, path, body, prefix):
-    client, backend = make()
+def test_client_request_id_header(fake_router, path, body, prefix):
+    client, backend = fake_router()
     r = client.post(path, json=body, headers={"X-Request-Id": "job-42"})
     assert r.status_code == 200, r.text
     assert backend.calls[0][0] == r.json()["id"] == prefix + "job-42"
 
 
 @pytest.mark.parametrize("value", ["x" * 129, "tab\there"])
-def test_bad_request_id_header_is_400(make, value):
-    client, backend = make()
+def test_bad_request_id_header_is_400(fake_router, value):
+    client, backend = fake_router()
     r = client.post("/v1/completions", json={"prompt": [5]}, headers={"X-Request-Id": value})
     assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
     assert backend.calls == []
@@ -413,94 +305,3 @@ def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
     line = _event({"choices": [{"text": text}]})
     assert line.isascii() and line.endswith("\n\n") and line.count("\n") == 2
     assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
-    from pdcluster.router.text_codec import Detokenizer as _Detokenizer
-
-    rng = random.Random(seed)
-    # Random ids split UTF-8 characters across tokens, and may end inside one.
-    ids = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 80))]
-    detok, text, i = _Detokenizer(tok), "", 0
-    while i < len(ids):
-        n = rng.randrange(1, 5)
-        text += detok.add(ids[i:i + n], final=i + n >= len(ids))
-        assert not text.endswith("\ufffd") or i + n >= len(ids), "a split character came out early"
-        i += n
-    assert text == tok.decode(ids, skip_special_tokens=True)
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_prompt_tokenizer_equals_the_tokenizers_encode(tok, seed):
-    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
-
-    prompts = _PromptTokenizer(tok)
-    rng = random.Random(seed)
-    pieces = ["Hello", " world", "\n\n", "  ", "é", "你好", "\u2028", "<|endoftext|>", "<|im_start|>", "user",
-              "123", "!?", "\t", tok.decode(rng.randrange(3, len(tok)))]
-    text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 40)))
-    assert asyncio.run(prompts.text(text)) == tok.encode(text)
-    tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)  # HF calls between ours
-    assert asyncio.run(prompts.text(text)) == tok.encode(text)
-
-
-def test_long_prompts_are_tokenized_off_the_event_loop(tok):
-    import threading
-
-    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
-    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
-
-    prompts = _PromptTokenizer(tok)
-    threads = []
-    encode = prompts._encode
-    prompts._encode = lambda text: threads.append(threading.current_thread().name) or encode(text)
-    short, long = "Once upon a time", "Once upon a time, " * (INLINE_TOKENIZE_CHARS // 10)
-    messages = [{"role": "user", "content": long}]
-
-    async def main():
-        return await prompts.text(short), await prompts.text(long), await prompts.chat(messages)
-
-    got_short, got_long, got_chat = asyncio.run(main())
-    assert got_short == tok.encode(short) and got_long == tok.encode(long)
-    assert got_chat == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
-    assert threads[0] == threading.current_thread().name and threads[1].startswith("tokenize")
-
-
-def test_long_prompts_in_flight_together_are_tokenized_at_once(tok):
-    """Two long prompts are encoded in two threads at the same time: each encode waits at a
-    barrier that opens only when both are inside, so one thread at a time would time out."""
-    import threading
-
-    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
-    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
-
-    prompts = _PromptTokenizer(tok, threads=2)
-    both_inside = threading.Barrier(2, timeout=10)
-    encode = prompts._encode
-
-    def encode_when_both_inside(text: str) -> list[int]:
-        both_inside.wait()
-        return encode(text)
-
-    prompts._encode = encode_when_both_inside
-    texts = [f"Prompt {i}: " + "once upon a time, " * (INLINE_TOKENIZE_CHARS // 10) for i in range(2)]
-
-    async def main():
-        return await asyncio.gather(*(prompts.text(t) for t in texts))
-
-    assert asyncio.run(main()) == [tok.encode(t) for t in texts]
-
-
-def test_tokenize_stall_bench_runs(tok_dir, tok):
-    import uvloop
-
-    from pdcluster.bench.tokenize_stall import InstantBackend, burst, long_prompt, measure
-
-    text, n_tokens = long_prompt(tok, 8000)
-    assert abs(n_tokens - 8000) < 200
-    app = build_app(InstantBackend(len(tok)), tok_dir)
-    stall = uvloop.run(measure(app, text))
-    assert stall.long_ms > 0 and stall.short_served > 0 and stall.short_p50_ms <= stall.short_max_ms
-    assert uvloop.run(burst(app, [f"{i} {text}" for i in range(3)])) > 0
