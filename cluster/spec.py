@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdcluster.cluster.devices import DEVICES
+from pdcluster.router.http_app import HttpLimits
 from pdcluster.router.local_prefill import LocalPrefillSpec
 from pdcluster.router.policies import Policy
 
@@ -263,6 +264,12 @@ class RouterSpec(_Strict):
                                 description="instance i (P first, then D) publishes KV events on kv_events_port + "
                                             "2i and answers replay requests on kv_events_port + 2i + 1")
     request_timeout_s: float = Field(300.0, gt=0, description="a request still unfinished after this gets an error")
+    # What one client may cost (router/http_app.py HttpLimits, whose defaults these are).
+    max_body_bytes: int = Field(HttpLimits.max_body_bytes, ge=1024, description="a request body over this many bytes gets a 413")
+    body_timeout_s: float = Field(HttpLimits.body_timeout_s, gt=0, description="a request body not complete this long after its "
+                                                          "headers gets a 408")
+    client_stall_s: float = Field(HttpLimits.stall_s, gt=0, description="a streaming client that takes nothing for this long "
+                                                          "has its request ended, as if it had gone")
     # router/pending_blocks.py: a prefix being prefilled counts as held where it was routed,
     # so the requests of a new family arriving meanwhile go behind it and hit.
     track_pending: bool = Field(True, description="count the blocks of routed requests as held before their KV "

@@ -5,26 +5,44 @@ stack, dependency solving and request objects added ~250 us to it (bench/README.
 overhead), so the router speaks ASGI directly. Only what the router needs is here:
 - routes by method and exact path; an unknown path is a 404, a known path with another
   method a 405, both with OpenAI's error body;
-- a request's body read whole before its handler runs;
+- a request's body read whole before its handler runs, within `HttpLimits`: over
+  `max_body_bytes` it is a 413 (from Content-Length, before any of it is read), not
+  complete within `body_timeout_s` a 408;
 - a handler returns `BytesResponse` (JSON via `json_response`) or `StreamResponse`;
 - optional API keys (`require_api_keys`): a request to an /v1 path without
   `Authorization: Bearer <a key>` gets a 401 before its body is read (as vLLM's
   `--api-key`; /health and the router's own pages stay open).
 
 A `StreamResponse` closes its chunk iterator when it ends, however it ends (done, failed,
-or the client went away): closing runs the iterator's `finally`, which is where the
-backend's request is aborted.
+the client went away, or it stopped reading for `stall_s`): closing runs the iterator's
+`finally`, which is where the backend's request is aborted and its record written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may cost the router (spec: router.max_body_bytes, body_timeout_s, client_stall_s)."""
+
+    # A 128K-token prompt is ~0.9 MB as JSON token ids, ~0.5-0.7 MB as text: 4x headroom.
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0  # from the headers to the body's last byte
+    # A streaming client whose socket takes nothing for this long has stopped reading: its
+    # request is aborted, as if it had gone (else it would hold its D slot and KV forever).
+    stall_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class StreamResponse:
     chunks: AsyncIterator[str]
     media_type: str = "text/event-stream"
     headers: dict[str, str] = field(default_factory=dict)
+    stall_s: float = HttpLimits.stall_s  # HttpApp sets its own limit
 
     async def send(self, send: Callable, receive: Callable) -> None:
         try:
@@ -81,8 +100,15 @@ class StreamResponse:
             await aclose(self.chunks)
 
     async def _pump(self, send: Callable) -> None:
-        async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        # uvicorn's send waits while the client's socket takes nothing (flow control); past
+        # stall_s the pump ends, and with it the request.
+        try:
+            async for chunk in self.chunks:
+                async with asyncio.timeout(self.stall_s):
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        except TimeoutError:
+            log.warning("a streaming client took nothing for %.0f s: its request is ended", self.stall_s)
+            return  # send's finally closes the chunks: the backend aborts and records it
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -109,21 +135,40 @@ def error_body(message: str, kind: str, param: str | None = None) -> dict[str, A
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-async def _read_body(receive: Callable) -> bytes:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ConnectionError("the client went away while sending its request")
-        parts.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+class BodyRefused(Exception):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+async def _read_body(receive: Callable, limits: HttpLimits) -> bytes:
+    parts, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ConnectionError("the client went away while sending its request")
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > limits.max_body_bytes:  # chunked, or a Content-Length that lied
+                    raise BodyRefused(f"the request body is over {limits.max_body_bytes} bytes", 413)
+                if not message.get("more_body"):
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+    except TimeoutError:
+        raise BodyRefused(f"the request body did not arrive within {limits.body_timeout_s:g} s", 408) from None
+
+
+def _declared_length(scope: dict) -> int | None:
+    value = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+    return int(value) if value is not None and value.isdigit() and len(value) < 20 else None
 
 
 class HttpApp:
     """An ASGI app: `add(method, path, handler)`, then serve it with uvicorn."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: HttpLimits = HttpLimits()) -> None:
+        self.limits = limits
         self.routes: dict[tuple[str, str], Handler] = {}
         self._api_keys: tuple[bytes, ...] = ()  # empty: no key asked for
 
@@ -164,12 +209,21 @@ class HttpApp:
                 response = json_response(error_body(f"no route {path}", "not_found_error"), 404)
             await response.send(send, receive)
             return
+        declared = _declared_length(scope)
         try:
-            body = await _read_body(receive)
+            if declared is not None and declared > self.limits.max_body_bytes:  # refused unread
+                raise BodyRefused(f"the request body is {declared} bytes, over the limit of "
+                                  f"{self.limits.max_body_bytes}", 413)
+            body = await _read_body(receive, self.limits)
         except ConnectionError:
+            return
+        except BodyRefused as e:
+            await json_response(error_body(str(e), "invalid_request_error"), e.status).send(send, receive)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         response = await handler(HttpRequest(method, path, headers, body))
+        if isinstance(response, StreamResponse):
+            response = dataclasses.replace(response, stall_s=self.limits.stall_s)
         await response.send(send, receive)
 
 

@@ -23,6 +23,7 @@ from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.http_app import (
     HttpApp,
+    HttpLimits,
     HttpRequest,
     Response,
     StreamResponse,
@@ -31,6 +32,8 @@ from pdcluster.router.http_app import (
     json_response,
 )
 from pdcluster.router.openai_models import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     ApiError,
     ChatCompletionRequest,
     CommonRequest,
@@ -39,6 +42,7 @@ from pdcluster.router.openai_models import (
     PromptTokensDetails,
     Usage,
     parse_body,
+    refuse_unsupported,
 )
 from pdcluster.router.text_codec import Detokenizer, PromptTokenizer
 
@@ -128,7 +132,7 @@ async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterato
         await aclose(gen)
 
 
-def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
+def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = HttpLimits()) -> HttpApp:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -136,7 +140,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
     prompts = PromptTokenizer(tokenizer)
-    app = HttpApp()
+    app = HttpApp(limits)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> _Job:
@@ -160,16 +164,29 @@ def build_app(backend: TokenBackend, tokenizer_dir: str) -> HttpApp:
             raise ApiError(f"This model's maximum context length is {card.max_model_len} tokens. However, you "
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {what}, "
                            f"{max_tokens} for the completion). Please reduce the length of the {what} or completion.")
+        refuse_unsupported(req)
         temperature = 1.0 if req.temperature is None else req.temperature
-        if not temperature >= 0:  # written so that NaN fails too
-            raise ApiError(f"temperature must be >= 0, got {temperature}", param="temperature")
+        if not 0 <= temperature <= 2:  # OpenAI's range; written so that NaN fails too (1e400 parses as inf)
+            raise ApiError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
         top_p = 1.0 if req.top_p is None else req.top_p
         if not 0 < top_p <= 1:
             raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         top_k = 0 if req.top_k in (None, -1) else req.top_k  # vLLM's -1 is our 0: off
         if top_k < 0:
             raise ApiError(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
+        if top_k >= card.vocab_size:  # every token: the same as off (and no int too big for the wire)
+            top_k = 0
+        if req.seed is not None and not -2**63 <= req.seed < 2**63:  # vLLM's range (torch's manual_seed)
+            raise ApiError(f"seed must be a 64-bit signed integer, got {str(req.seed)[:40]}", param="seed")
+        for t in req.stop_token_ids or ():
+            if not 0 <= t < card.vocab_size:
+                raise ApiError(f"stop_token_ids: token id {t} is out of range [0, {card.vocab_size})",
+                               param="stop_token_ids")
         stops = tuple(s for s in ((req.stop,) if isinstance(req.stop, str) else req.stop or ()) if s)
+        if len(stops) > MAX_STOP_STRINGS or sum(map(len, stops)) > MAX_STOP_CHARS:
+            # Every delta is searched for every stop string: a long list costs the router's loop.
+            raise ApiError(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all, "
+                           f"got {len(stops)} of {sum(map(len, stops))}", param="stop")
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),

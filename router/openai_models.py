@@ -1,13 +1,21 @@
 """The OpenAI API's request and response bodies, and how a request body is parsed.
 
 Every malformed request becomes an `ApiError`: HTTP 400 (unless it says otherwise)
-with an OpenAI-style body naming the field.
+with an OpenAI-style body naming the field. The JSON must be strict JSON (no NaN or
+Infinity), valid UTF-8, with no number a float or a 64-bit integer cannot hold (msgspec's
+decoder, ~2.5x faster than json's: 0.33 vs 0.80 ms for a 16K-token prompt).
+
+Parameters (README "OpenAI API"): those in `CommonRequest` and the endpoint's model are
+served; `UNSUPPORTED` lists the OpenAI parameters that would change the output and that the
+router cannot honour: a request setting one to anything but its no-op value is refused
+(400 naming it), never silently served without it; any other field is ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
-import json
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import msgspec
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
@@ -36,6 +44,51 @@ class CommonRequest(BaseModel):
     user: str | None = None  # accepted and ignored
     # vLLM's extension: the choice also carries prompt_token_ids and the generated token_ids.
     return_token_ids: bool | None = None
+    # Refused unless unset or at their no-op value (UNSUPPORTED); typed loosely so that the
+    # refusal, not a type error, is what the client reads.
+    best_of: Any = None
+    logit_bias: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    suffix: Any = None
+    top_logprobs: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+# Stop strings: OpenAI allows 4, vLLM any number; the router searches each delta's text for
+# each one, so a list of thousands (a 140 KB list cost 3.5 s of the loop for one 3K-token
+# answer) would stall every other request. These bounds keep that search to microseconds.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 2048
+
+# OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def refuse_unsupported(req: CommonRequest) -> None:
+    for name, off in UNSUPPORTED.items():
+        value = getattr(req, name)
+        # Same type and value (True == 1, but true is not best_of 1).
+        if not any(type(value) is type(o) and value == o for o in off):
+            shown = f" (got {value!r:.60})" if isinstance(value, (int, float, str)) else ""
+            raise ApiError(f"'{name}' is not supported by this server{shown}", param=name)
 
 
 class CompletionRequest(CommonRequest):
@@ -89,11 +142,16 @@ class ApiError(Exception):
 M = TypeVar("M", bound=BaseModel)
 
 
+_decode_json = msgspec.json.Decoder().decode
+
+
 def parse_body(request: HttpRequest, model: type[M]) -> M:
     # Every malformed request is a 400 with an OpenAI body naming the field.
     try:
-        obj = json.loads(request.body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj = _decode_json(request.body)
+    except RecursionError:  # msgspec's decoder recurses per level
+        raise ApiError("the JSON body nests too deeply") from None
+    except msgspec.DecodeError as e:  # not JSON, NaN, bad UTF-8, a number out of range
         raise ApiError(f"malformed JSON body: {e}") from None
     if not isinstance(obj, dict):
         raise ApiError("the request body must be a JSON object")

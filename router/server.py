@@ -65,6 +65,7 @@ class RouterActor:
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
                  index: int = 0):
         from pdcluster.cluster.auth import curve_keys
+        from pdcluster.router.http_app import HttpLimits
         from pdcluster.router.kv_event_wire import feed_endpoints
         from pdcluster.router.kv_events import KvEventFeed
         from pdcluster.router.metrics import RouterMetrics
@@ -95,7 +96,8 @@ class RouterActor:
                                      pending_blocks if spec.router.track_pending else None)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.store: RunStore | None = None
-        self.app = build_app(self.dispatcher, spec.model.path)
+        self.app = build_app(self.dispatcher, spec.model.path, HttpLimits(
+            spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))
         if spec.auth.api_keys:
             self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys])
         self.app.add("GET", "/metrics", self._metrics_page)

@@ -147,7 +147,7 @@ def test_stop_string_never_streamed_in_part(fake_router, tok):
     ({"prompt": [1, -1]}, "prompt", ["token id -1 at index 1"]),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens", ["max_tokens", "at least 1"]),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens", ["max_tokens"]),
-    ({"prompt": "a", "temperature": -0.1}, "temperature", ["temperature", ">= 0"]),
+    ({"prompt": "a", "temperature": -0.1}, "temperature", ["temperature", "[0, 2]"]),
     ({"prompt": "a", "top_p": 0}, "top_p", ["top_p", "(0, 1]"]),
     ({"prompt": "a", "top_p": 1.5}, "top_p", ["top_p"]),
     ({"prompt": "a", "top_k": -2}, "top_k", ["top_k"]),
