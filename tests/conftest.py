@@ -1,3 +1,4 @@
+from dispatch_fakes import cancelled  # noqa: F401  (a fixture of the dispatcher's unit tests)
 from router_fakes import fake_router, tok, tok_dir  # noqa: F401  (fixtures of the router's unit tests)
 
 
