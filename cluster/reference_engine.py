@@ -31,18 +31,22 @@ class ReferenceEngine:
             model=model, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
             max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype, enforce_eager=True))
 
-    async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, dict[str, float]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
-        t0 = time.perf_counter()
-        ttft, out = None, None
+        t0 = time.monotonic()  # vLLM's request timestamps are on this clock
+        ttft, out, parts = None, None, {}
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt), sp,
                                            request_id=f"ref-{time.monotonic_ns()}"):
             if ttft is None and out.outputs[0].token_ids:
-                ttft = time.perf_counter() - t0
-        return list(out.outputs[0].token_ids), ttft
+                ttft = time.monotonic() - t0
+                m = out.metrics  # RequestStateStats: queued and scheduled in the core, first token's step
+                if m is not None and m.queued_ts and m.first_token_ts:
+                    parts = {"submit_to_queued": m.queued_ts - t0, "queued_to_first": m.first_token_ts - m.queued_ts,
+                             "first_to_caller": ttft - (m.first_token_ts - t0)}
+        return list(out.outputs[0].token_ids), ttft, parts
 
     async def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Greedy output tokens (EOS ignored)."""
@@ -51,6 +55,13 @@ class ReferenceEngine:
     async def ttft(self, prompt: list[int]) -> float:
         """Seconds from submission to the first token."""
         return (await self._run(prompt, 1))[1]
+
+    async def ttft_parts(self, prompt: list[int]) -> tuple[float, dict[str, float]]:
+        """TTFT in seconds and its parts (seconds): submission to queued in the engine core
+        (input processing, IPC), queued to the first token's step end, and that token's way
+        back to this caller."""
+        _, ttft, parts = await self._run(prompt, 1)
+        return ttft, parts
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes (with enable_prefix_caching): for cold-vs-warm benchmarks."""
