@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -231,12 +232,19 @@ def load_run(path: str | Path) -> Run:
     files = RunStore.requests_files(path)
     records = []
     for requests in files:
-        for n, line in enumerate(requests.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(RequestRecord.from_dict(json.loads(line)))
-                except (json.JSONDecodeError, TypeError) as err:
-                    raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+        text = requests.read_text()
+        lines = text.split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(RequestRecord.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as err:
+                if n == len(lines):  # no newline after it: the writer died mid-line (a crash, a kill)
+                    warnings.warn(f"{requests}:{n}: a torn last line (the router stopped while writing it) "
+                                  f"is skipped: {len(line)} bytes", RuntimeWarning, stacklevel=2)
+                    continue
+                raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
     if len(files) > 1:  # several routers: one list in the order they finished, as one router appends
         records.sort(key=lambda r: r.events.get("finish", 0))
     return Run(meta, records)

@@ -242,3 +242,17 @@ def test_a_run_written_by_several_routers_loads_as_one_in_finish_order(tmp_path)
 def test_only_the_first_router_of_a_run_writes_its_meta(tmp_path):
     with pytest.raises(AssertionError, match="writer 0"):
         RunStore(tmp_path / "run", None, writer=0)
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_a_torn_middle_is_an_error(tmp_path):
+    path = write_run(tmp_path / "run")
+    requests = path / "requests.jsonl"
+    whole = requests.read_text()
+    requests.write_text(whole + whole.splitlines()[0][:40])  # a router killed while writing a record
+    with pytest.warns(RuntimeWarning, match="torn last line"):
+        run = load_run(path)
+    assert [r.request_id for r in run.records] == [r.request_id for r in sample_records()]
+    lines = whole.splitlines()
+    requests.write_text("\n".join([lines[0][:40], *lines[1:]]) + "\n")  # not a crash: corruption
+    with pytest.raises(ValueError, match="requests.jsonl:1: not a request record"):
+        load_run(path)
