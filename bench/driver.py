@@ -35,6 +35,9 @@ class DriveConfig:
     seed: int = 0
     progress: bool = True
     api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer <key>`
+    # A 429 (the server's admission control) is resent after its Retry-After, at most this
+    # many times; 0: it ends the request (counted as rejected, apart from failures).
+    retries_after_429: int = 0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -55,14 +58,24 @@ async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchReques
     res = RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
                         start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens)
     try:
-        async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body, timeout=cfg.timeout_s) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {_error_message(text)}"
-                return res
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    _take_event(res, json.loads(line[6:]), time.monotonic())
+        while True:  # once, or again after each 429 while retries are left
+            async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body,
+                                     timeout=cfg.timeout_s) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    res.error = f"HTTP {r.status_code}: {_error_message(text)}"
+                    if r.status_code == 429:
+                        res.rejections += 1
+                        if res.rejections <= cfg.retries_after_429:
+                            await asyncio.sleep(_retry_after_s(r.headers.get("retry-after")))
+                            res.error = None
+                            continue
+                        res.rejected = True
+                    return res
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        _take_event(res, json.loads(line[6:]), time.monotonic())
+            break
         if res.error is None and res.output_tokens == 0:
             res.error = "the stream ended without any output token"
     except (httpx.HTTPError, json.JSONDecodeError) as err:
@@ -70,6 +83,14 @@ async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchReques
     finally:
         res.end_s = time.monotonic()
     return res
+
+
+def _retry_after_s(header: str | None) -> float:
+    """Retry-After in seconds (the router sends whole seconds); 1 if absent or unreadable."""
+    try:
+        return max(0.0, float(header)) if header is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 def _error_message(text: str) -> str:

@@ -66,8 +66,10 @@ class Failure(NamedTuple):
 class PhaseSummary:
     phase: str
     total_requests: int
-    failed_requests: int
+    failed_requests: int  # not counting the rejected
     success_requests: int
+    rejected_requests: int  # ended with a 429 (admission control)
+    rejections: int  # every 429 received, retried ones included
     benchmark_duration_s: float
     concurrency: float | None  # average requests in flight
     max_concurrency: int | None  # the configured limit, as passed in
@@ -172,8 +174,10 @@ def summarize(results: Iterable[RequestResult], phase: str, max_concurrency: int
     return PhaseSummary(
         phase=phase,
         total_requests=len(rs),
-        failed_requests=len(rs) - len(ok),
+        failed_requests=sum(1 for r in rs if not r.ok and not r.rejected),
         success_requests=len(ok),
+        rejected_requests=sum(1 for r in rs if r.rejected),
+        rejections=sum(r.rejections for r in rs),
         benchmark_duration_s=duration,
         # Concurrency (average) = sum(E2EL of successful requests) / duration.
         concurrency=_ratio(sum(p.e2el_s for p in per), duration),
@@ -193,7 +197,7 @@ def summarize(results: Iterable[RequestResult], phase: str, max_concurrency: int
                                   sum(r.prompt_tokens for r in expected)),
         expected_hit_requests=len(expected),
         cache_mismatches=mismatches,
-        failures=[Failure(r.index, r.request_id, r.error) for r in rs if not r.ok],
+        failures=[Failure(r.index, r.request_id, r.error) for r in rs if not r.ok and not r.rejected],
     )
 
 

@@ -136,6 +136,7 @@ def format_summary(s: PhaseSummary) -> str:
         ("Total Requests", s.total_requests),
         ("Failed Requests", s.failed_requests),
         ("Success Requests", s.success_requests),
+        ("Rejected Requests (429)", f"{s.rejected_requests} ({s.rejections} 429s in all)"),
         ("Concurrency", _fmt(s.concurrency)),
         ("Max Concurrency", _fmt(s.max_concurrency)),
         ("Request Throughput", f"{_fmt(s.request_throughput_per_s)} req/s"),

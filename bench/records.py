@@ -42,6 +42,10 @@ class RequestResult:
     expected_cached_tokens: int | None = None
     pd: dict[str, int | str | None] | None = None  # usage.pd from a pdcluster router
     error: str | None = None  # None: success
+    # 429s (router admission control) this request got; `rejected`: it ended with one (not
+    # retried, or out of retries), counted apart from failures.
+    rejections: int = 0
+    rejected: bool = False
 
     @property
     def ok(self) -> bool:

@@ -58,6 +58,7 @@ class BenchConfig:
     vocab_size: int | None = None  # default: the server's /v1/models `vocab_size`
     seed: int = 0
     timeout_s: float = 600.0
+    retries_after_429: int = 0  # resend a request refused with 429 after its Retry-After, this many times
     out: str | None = None
     # The router's API key, if it asks for one (router auth.api_keys): --api-key or PDC_API_KEY.
     api_key: str | None = dataclasses.field(default=None, repr=False)
@@ -136,7 +137,8 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
     drive = DriveConfig(base_url=cfg.base_url, model=cfg.model, max_concurrency=cfg.max_concurrency,
                         request_rate=cfg.request_rate, burstiness=cfg.burstiness, duration_s=cfg.duration_s,
                         follow_timestamps=bool(cfg.trace) and not cfg.closed_loop, timeout_s=cfg.timeout_s,
-                        seed=cfg.seed, progress=cfg.progress, api_key=cfg.api_key)
+                        seed=cfg.seed, progress=cfg.progress, api_key=cfg.api_key,
+                        retries_after_429=cfg.retries_after_429)
     results: list[RequestResult] = []
     by_index = {r.index: r for r in requests}
     for phase in PHASE_ORDER:
@@ -236,6 +238,8 @@ def add_bench_commands(subparsers) -> None:
     r.add_argument("--engine-block-size", type=int)
     r.add_argument("--seed", type=int)
     r.add_argument("--timeout", dest="timeout_s", type=float)
+    r.add_argument("--retries-after-429", type=int, help="resend a request refused with 429 after its "
+                                                         "Retry-After, at most this many times (default 0)")
     r.add_argument("--out", help="output directory (default .pdcluster/bench/<preset>-<time>)")
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     r.add_argument("--api-key", default=os.environ.get("PDC_API_KEY"),

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pdcluster.cluster.devices import DEVICES
+from pdcluster.router.admission import AdmissionSpec
 from pdcluster.router.http_app import HttpLimits
 from pdcluster.router.local_prefill import LocalPrefillSpec
 from pdcluster.router.policies import Policy
@@ -276,6 +277,8 @@ class RouterSpec(_Strict):
                                                   "events confirm them")
     # router/local_prefill.py: D prefills a request itself when what its cache lacks is short.
     local_prefill: LocalPrefillSpec = LocalPrefillSpec()
+    # router/admission.py: past these bounds a request gets a 429 at once, not a timeout.
+    admission: AdmissionSpec = AdmissionSpec()
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
     # One router process serves ~2,500-3,500 short requests/s here (bench/README.md); more

@@ -38,10 +38,11 @@ class GenerationChunk:
 class BackendError(Exception):
     """Generation failed; `status` is the HTTP status the client should see."""
 
-    def __init__(self, message: str, status: int = 500, kind: str = "server_error"):
+    def __init__(self, message: str, status: int = 500, kind: str = "server_error", retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.retry_after_s = retry_after_s  # a 429's Retry-After header
 
 
 class TokenBackend(abc.ABC):

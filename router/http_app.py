@@ -58,18 +58,20 @@ class BytesResponse:
     body: bytes
     status: int = 200
     media_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
 
     async def send(self, send: Callable, receive: Callable) -> None:
         await send({"type": "http.response.start", "status": self.status,
                     "headers": [(b"content-type", self.media_type.encode("latin-1")),
-                                (b"content-length", str(len(self.body)).encode("latin-1"))]})
+                                (b"content-length", str(len(self.body)).encode("latin-1")),
+                                *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items())]})
         await send({"type": "http.response.body", "body": self.body})
 
 
-def json_response(obj: Any, status: int = 200) -> BytesResponse:
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> BytesResponse:
     # As Starlette's JSONResponse: compact, UTF-8; NaN is not JSON and fails here, not in a client.
     return BytesResponse(json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
-                         status)
+                         status, headers=headers or {})
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ class RouterMetrics:
         self.prefills = Counter("pdc_prefills", "requests' prefills by where they ran (local: on their D, "
                                 "router/local_prefill.py) and the decision's reason, per D",
                                 ["decode", "where", "reason"], registry=r)
+        self.rejected = Counter("pdc_rejected", "requests refused with a 429 (router/admission.py), by reason",
+                                ["reason"], registry=r)
+        for reason in ("in_flight", "queue"):
+            self.rejected.labels(reason=reason)  # every reason shows, at 0 until one happens
         # Each labels() call takes a lock and a dict lookup (~1.3 us); a request touches ~15 children.
         self._outcome = {o: self.requests.labels(outcome=o) for o in ("ok", "error")}
         self._phase = {name: self.phase.labels(phase=name) for name in CRITICAL_PATH}
@@ -73,6 +77,9 @@ class RouterMetrics:
                                   "by its KV events", ["instance"], registry=r)
             for name in in_flight():
                 pending_gauge.labels(instance=name).set_function(lambda name=name: pending_blocks(name))
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def observe(self, rec: RequestRecord) -> None:
         self._outcome["error" if rec.error else "ok"].inc()

@@ -234,7 +234,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = Ht
         except ApiError as e:
             return json_response(error_body(str(e), e.kind, e.param), e.status)
         except BackendError as e:
-            return json_response(error_body(str(e), e.kind), e.status)
+            retry = {"retry-after": str(e.retry_after_s)} if e.retry_after_s is not None else None
+            return json_response(error_body(str(e), e.kind), e.status, headers=retry)
         except Exception as e:  # a bug or a broken backend: answer, never hang
             log.exception("request failed")
             return json_response(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)

@@ -34,6 +34,7 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
 )
 from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
+from pdcluster.router.admission import AdmissionLimits, admit
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.local_prefill import LocalPrefillSpec
 from pdcluster.router.pending_blocks import PendingBlocks
@@ -60,7 +61,8 @@ class PDDispatcher(TokenBackend):
                  sinks: list[RecordSink] | None = None, transfer_mode: str = "pull", transport: str = "grpc",
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
                  channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None,
-                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None):
+                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None,
+                 admission: AdmissionLimits | None = None):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -75,6 +77,11 @@ class PDDispatcher(TokenBackend):
         self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
                                      pending=pending, cost=cost, local=local)
         self.sinks: list[RecordSink] = list(sinks or [])
+        # router/admission.py (None: every request is taken in); each refusal's reason goes to
+        # the listeners (the metrics).
+        self.admission = admission
+        self.accepted_in_flight = 0  # requests taken in and not finished
+        self.rejection_listeners: list[Callable[[str], None]] = []
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
         # Instance name -> its request channel (connect_channels; tests pass fakes).
@@ -152,6 +159,22 @@ class PDDispatcher(TokenBackend):
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
                        arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
+        # Before anything is recorded or routed: a refused request costs nothing more.
+        if self.admission is not None:
+            rejection = admit(self.admission, self.accepted_in_flight, self.picker.least_queued_s())
+            if rejection is not None:
+                for listener in self.rejection_listeners:
+                    listener(rejection.reason)
+                raise BackendError(rejection.message, 429, "rate_limit_exceeded", rejection.retry_after_s)
+        self.accepted_in_flight += 1
+        try:
+            async for chunk in self._recorded(request_id, prompt_token_ids, sampling, arrival_ns):
+                yield chunk
+        finally:
+            self.accepted_in_flight -= 1
+
+    async def _recorded(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
+                        arrival_ns: int | None) -> AsyncIterator[GenerationChunk]:
         rec = RequestRecord(request_id, prompt_tokens=len(prompt_token_ids))
         rec.mark("arrival", arrival_ns)
         try:

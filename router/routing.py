@@ -145,6 +145,11 @@ class InstancePicker(Generic[I]):
             raise NoInstanceUp(f"no {role} instance is up ({', '.join(i.name for i in instances)} all down)")
         return up
 
+    def least_queued_s(self) -> float:
+        """The predicted prefill time queued on the least-loaded live P (0 if none is up)."""
+        return min((self._load[p.name].seconds for p in self.prefill if self.is_up is None or self.is_up(p.name)),
+                   default=0.0)
+
     def pick(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Route[I]:
         """Raises NoInstanceUp if a role has no instance up."""
         turn = next(self._turn)

@@ -65,6 +65,7 @@ class RouterActor:
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
                  index: int = 0):
         from pdcluster.cluster.auth import curve_keys
+        from pdcluster.router.admission import AdmissionLimits
         from pdcluster.router.http_app import HttpLimits
         from pdcluster.router.kv_event_wire import feed_endpoints
         from pdcluster.router.kv_events import KvEventFeed
@@ -84,7 +85,11 @@ class RouterActor:
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
                                        pending=PendingBlocks() if spec.router.track_pending else None,
-                                       cost=prefill_cost(spec), local=spec.router.local_prefill)
+                                       cost=prefill_cost(spec), local=spec.router.local_prefill,
+                                       admission=AdmissionLimits.settle(
+                                           spec.router.admission,
+                                           decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,
+                                           request_timeout_s=spec.router.request_timeout_s))
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))
@@ -95,6 +100,7 @@ class RouterActor:
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight,
                                      pending_blocks if spec.router.track_pending else None)
         self.dispatcher.sinks.append(self.metrics.observe)
+        self.dispatcher.rejection_listeners.append(self.metrics.reject)
         self.store: RunStore | None = None
         self.app = build_app(self.dispatcher, spec.model.path, HttpLimits(
             spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))

@@ -2,7 +2,8 @@
 
 Streams `max_tokens` token ids one chunk each after `delay_s`, reports usage with
 `cached_tokens`, tracks requests in flight, and fails the requests whose index
-(the first prompt token) is in `fail`: HTTP 500, or an error event mid-stream.
+(the first prompt token) is in `fail`: HTTP 500, or an error event mid-stream; answers
+429 (Retry-After: 0) as many times as `reject` says for a request before serving it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class FakeServerState:
     delay_s: float = 0.005
     fail_http: set[int] = field(default_factory=set)
     fail_midstream: set[int] = field(default_factory=set)
+    reject: dict[int, int] = field(default_factory=dict)  # first prompt token -> 429s to answer before serving it
     cached_tokens: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
@@ -42,6 +44,10 @@ def build_fake_app(state: FakeServerState) -> FastAPI:
         body = await request.json()
         key = body["prompt"][0]
         state.starts[key] = time.monotonic()
+        if state.reject.get(key, 0) > 0:
+            state.reject[key] -= 1
+            return JSONResponse({"error": {"message": f"request {key}: too many in flight",
+                                           "type": "rate_limit_exceeded"}}, 429, headers={"Retry-After": "0"})
         if key in state.fail_http:
             return JSONResponse({"error": {"message": f"request {key} refused", "type": "server_error"}}, 500)
         n = body["max_tokens"]

@@ -70,3 +70,20 @@ def test_time_bounded_run_stops_sending():
 def test_unreachable_server_is_an_error_per_request():
     results = drive("http://127.0.0.1:9", requests(3), max_concurrency=2, timeout_s=5)
     assert len(results) == 3 and all(r.error and "ConnectError" in r.error for r in results)
+
+
+def test_429s_are_counted_apart_from_failures_and_retried_when_asked():
+    from pdcluster.bench.metrics import summarize
+
+    with serve_fake(FakeServerState(reject={1: 1, 3: 5}, fail_http={4})) as url:
+        results = drive(url, requests(6), max_concurrency=6)
+    by = {r.index: r for r in results}
+    assert by[1].rejected and by[1].rejections == 1 and by[1].error == "HTTP 429: request 1: too many in flight"
+    summary = summarize(results, "formal")
+    assert (summary.failed_requests, summary.rejected_requests, summary.rejections) == (1, 2, 2)
+    assert [f.index for f in summary.failures] == [4]
+    with serve_fake(FakeServerState(reject={1: 1, 3: 5})) as url:
+        results = drive(url, requests(6), max_concurrency=6, retries_after_429=2)
+    by = {r.index: r for r in results}
+    assert by[1].ok and by[1].rejections == 1 and by[1].output_tokens == 4  # served on its second try
+    assert by[3].rejected and by[3].rejections == 3  # two retries, then the third 429 ends it
