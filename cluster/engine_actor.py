@@ -9,9 +9,11 @@ functions below, so it is unit-tested without an engine.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,14 @@ from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_caus
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 from pdcluster.router.kv_event_wire import engine_kv_events_config
 
+log = logging.getLogger(__name__)
+
 CONNECTOR_MODULE = "pdcluster.transfer.connector"
+# How often an actor checks that its vLLM engine core lives. vLLM's client learns of the
+# core's death at once (it watches the process); this adds at most this long before the
+# actor exits and the router's channel to it closes.
+ENGINE_WATCH_S = 0.5
+ENGINE_DEAD_EXIT = 70  # the actor's exit status when its engine core died (a crash to Ray: it restarts it)
 DELTA_INTERVAL_NS = 50_000_000  # D sends a request's new tokens at most this often (the first at once)
 CONNECTOR_CLASS = "PdcConnector"
 
@@ -163,6 +172,12 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
     )
 
 
+async def until_engine_dead(errored: Callable[[], bool], every_s: float) -> None:
+    """Returns once `errored()` (vLLM's AsyncLLM.errored) is true, checking every `every_s`."""
+    while not errored():
+        await asyncio.sleep(every_s)
+
+
 class EngineActor(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
@@ -208,6 +223,17 @@ class EngineActor(ServesRequestChannel):
             raise RuntimeError(f"vLLM's engine core failed to start: {cause}") from err
         self.started_s = time.time() - t0
         self._warmed = False
+        self._engine_watch: asyncio.Task | None = None
+
+    async def _exit_when_engine_dies(self) -> None:
+        """An engine core that died (killed, out of memory, a fatal error) leaves AsyncLLM
+        failing every call while this actor lives on, and the router, whose channel is still
+        up, would keep sending here. The actor exits instead, as a crash: Ray restarts it
+        (max_restarts=-1), the router's channel closes at once, so it is skipped until back."""
+        await until_engine_dead(lambda: self.llm.errored, ENGINE_WATCH_S)
+        log.error("%s: vLLM's engine core died; exiting so that Ray restarts this instance", self.name)
+        logging.shutdown()
+        os._exit(ENGINE_DEAD_EXIT)
 
     async def _warm_up(self) -> None:
         """One forward of a few tokens before D serves anything (`info` is the launcher's and the
@@ -226,6 +252,8 @@ class EngineActor(ServesRequestChannel):
         import ray
 
         p = self.plan
+        if self._engine_watch is None:  # the launcher's first call: from now on a dead core ends the actor
+            self._engine_watch = asyncio.create_task(self._exit_when_engine_dies())
         if p.role == "decode" and not self._warmed:
             await self._warm_up()
         planes = instance_planes(p.address, await self.open_channel(), self.spec.kv_event_ports(p.role, p.index))

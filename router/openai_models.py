@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from pdcluster.router.http_app import HttpRequest

@@ -217,6 +217,37 @@ def test_killed_prefill_errors_then_recovers(cluster):
     assert len(tokens) == 16 and usage["pd"]["p_cached_tokens"] == 0
 
 
+def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, reference):
+    """vLLM's engine core dies under a live actor (killed here; a fatal engine error or the OOM
+    killer alike): the actor used to live on, answering every request with an error while the
+    router kept sending there. Now it exits, Ray restarts it, the router skips it meanwhile."""
+    import psutil
+
+    d = cluster.decode[0]
+    before = ray.get(d.actor.info.remote()).pid
+    cores = [p for p in psutil.Process(before).children(recursive=True) if "EngineCore" in p.name()]
+    assert cores, f"no EngineCore process under decode-0's actor {before}"
+    for core in cores:
+        core.kill()
+    t0 = time.monotonic()
+
+    def restarted():
+        try:
+            return ray.get(d.actor.info.remote(), timeout=5).pid != before
+        except (ray.exceptions.RayError, TimeoutError):  # dead, restarting
+            return False
+
+    wait_until(restarted, 120, interval=0.5, what="decode-0's actor restarted after its engine core died")
+    # The router skips it from its exit on: nothing in between was sent to a dead engine.
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 120, interval=1,
+               what="cluster healthy after D's restart")
+    assert time.monotonic() - t0 < 120
+    prompt = [random.Random(5).randrange(3, 1000) for _ in range(300)]
+    tokens, _ = run(cluster, prompt)
+    assert tokens == ref_tokens(reference, prompt)
+    assert_no_kv_in_use(cluster)
+
+
 def kill_process_tree(pid: int) -> None:
     import psutil
 
