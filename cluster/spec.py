@@ -19,6 +19,7 @@ from pdcluster.cluster.devices import DEVICES
 from pdcluster.router.admission import AdmissionSpec
 from pdcluster.router.http_app import HttpLimits
 from pdcluster.router.local_prefill import LocalPrefillSpec
+from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT
 from pdcluster.router.policies import Policy
 
 
@@ -279,6 +280,8 @@ class RouterSpec(_Strict):
     local_prefill: LocalPrefillSpec = LocalPrefillSpec()
     # router/admission.py: past these bounds a request gets a 429 at once, not a timeout.
     admission: AdmissionSpec = AdmissionSpec()
+    migration_limit: int = Field(DEFAULT_MIGRATION_LIMIT, ge=0, description="times a request may be moved off an "
+                                 "instance lost under it (router/migration.py); 0: never")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
     # One router process serves ~2,500-3,500 short requests/s here (bench/README.md); more

@@ -25,7 +25,15 @@ A request D prefilled itself (router/local_prefill.py; no P, no transfer) has on
   and the first token's way back; every other part is 0 (and a remote prefill has no
   local_prefill part: read it as 0).
 
-By construction the six parts sum to first_token - arrival exactly; against
+A request moved off a lost instance before its first token (router/migration.py) starts its
+path with the time lost to the failed attempts:
+
+    arrival --migration-- the last such move --queue-- ...
+
+(a move after the first token leaves TTFT alone: it shows in the record's migrations and as
+a gap between its tokens).
+
+By construction the parts sum to first_token - arrival exactly; against
 a client's own TTFT they differ by the HTTP hop and the clock offsets' stated
 uncertainty.
 """
@@ -37,15 +45,14 @@ from dataclasses import dataclass
 
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
 
-CRITICAL_PATH = ("queue", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
-
+CRITICAL_PATH = ("migration", "queue", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
+OPTIONAL_PARTS = frozenset({"migration", "local_prefill"})  # most requests have none: read as 0
 
 
 def critical_path(atts: Iterable[Attribution]) -> tuple[str, ...]:
-    """The parts to show for these requests: local_prefill only if one of them has it."""
-    if any("local_prefill" in a.parts_ns for a in atts):
-        return CRITICAL_PATH
-    return tuple(n for n in CRITICAL_PATH if n != "local_prefill")
+    """The parts to show for these requests: an optional one only if one of them has it."""
+    atts = list(atts)
+    return tuple(n for n in CRITICAL_PATH if n not in OPTIONAL_PARTS or any(n in a.parts_ns for a in atts))
 
 
 # Every interval worth drawing: (name, start event, end event, where it runs).
@@ -92,8 +99,8 @@ class Attribution:
 
     @property
     def complete(self) -> bool:
-        """Every part recorded (a remote prefill has no local_prefill part: it counts as 0)."""
-        return self.ttft_ns is not None and all(n in self.parts_ns for n in CRITICAL_PATH if n != "local_prefill")
+        """Every part recorded (an optional part a request lacks counts as 0)."""
+        return self.ttft_ns is not None and all(n in self.parts_ns for n in CRITICAL_PATH if n not in OPTIONAL_PARTS)
 
 
 def intervals(rec: RequestRecord) -> list[Interval]:
@@ -109,13 +116,27 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
     return max(0, min(a1, b1) - max(a0, b0))
 
 
+def _path_start(rec: RequestRecord, parts: dict[str, int]) -> int | None:
+    """Where the queue part starts: arrival, or the last move before the first token (the
+    time before it is the migration part)."""
+    ev = rec.events
+    if "arrival" not in ev:
+        return None
+    before = [m.at_ns for m in rec.migrations if "first_token" not in ev or m.at_ns < ev["first_token"]]
+    if not before:
+        return ev["arrival"]
+    parts["migration"] = max(before) - ev["arrival"]
+    return max(before)
+
+
 def attribute(rec: RequestRecord) -> Attribution:
     if rec.local_prefill:
         return _attribute_local(rec)
     ev = rec.events
     parts: dict[str, int] = {}
-    if "arrival" in ev and "p_scheduled" in ev:
-        parts["queue"] = ev["p_scheduled"] - ev["arrival"]
+    start = _path_start(rec, parts)
+    if start is not None and "p_scheduled" in ev:
+        parts["queue"] = ev["p_scheduled"] - start
     # P stamps p_done when its output leaves the engine; with a layer-wise push D
     # can hold all the KV, and even be scheduled, a moment before that.
     p_end = min(ev["p_done"], ev["d_scheduled"]) if "p_done" in ev and "d_scheduled" in ev else ev.get("p_done")
@@ -139,8 +160,9 @@ def attribute(rec: RequestRecord) -> Attribution:
 def _attribute_local(rec: RequestRecord) -> Attribution:
     ev = rec.events
     parts: dict[str, int] = {"prefill": 0, "transfer": 0, "d_wait": 0, "first_decode": 0}
-    if "arrival" in ev and "d_scheduled" in ev:
-        parts["queue"] = ev["d_scheduled"] - ev["arrival"]
+    start = _path_start(rec, parts)
+    if start is not None and "d_scheduled" in ev:
+        parts["queue"] = ev["d_scheduled"] - start
     if "d_scheduled" in ev and "first_token" in ev:
         parts["local_prefill"] = ev["first_token"] - ev["d_scheduled"]
     return Attribution(parts, _ttft(ev), _stopped_after(ev), rec.error)

@@ -33,6 +33,7 @@ class GenerationChunk:
     transfer_error: str | None = None  # the pull failed and D recomputed (on_failure: recompute)
     prefill_instance: str | None = None  # where the prompt was prefilled: a P, or D itself
     local_prefill: bool = False  # D prefilled it (router/local_prefill.py): no P, no transfer
+    migrations: int = 0  # moves off a lost instance (router/migration.py), on the last chunk
 
 
 class BackendError(Exception):

@@ -59,6 +59,8 @@ class RouterMetrics:
                                 ["decode", "where", "reason"], registry=r)
         self.rejected = Counter("pdc_rejected", "requests refused with a 429 (router/admission.py), by reason",
                                 ["reason"], registry=r)
+        self.migrations = Counter("pdc_migrations", "requests moved off an instance lost under them "
+                                  "(router/migration.py), by the lost instance's role", ["role"], registry=r)
         for reason in ("in_flight", "queue"):
             self.rejected.labels(reason=reason)  # every reason shows, at 0 until one happens
         # Each labels() call takes a lock and a dict lookup (~1.3 us); a request touches ~15 children.
@@ -104,6 +106,8 @@ class RouterMetrics:
             self.prefills.labels(decode=rec.decode_instance, where="local" if rec.local_prefill else "remote",
                                  reason=rec.prefill_reason).inc()
         self.transferred_tokens.inc(rec.transferred_tokens)
+        for m in rec.migrations:
+            self.migrations.labels(role=m.role).inc()
         for g in rec.transfer_groups:
             self.transfer_bytes.labels(group=str(g.group)).inc(g.bytes)
 

@@ -89,7 +89,8 @@ def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> U
                      cached_tokens=last.d_cached_tokens if last.local_prefill else last.p_cached_tokens),
                  pd=PdUsage(p_cached_tokens=last.p_cached_tokens, d_cached_tokens=last.d_cached_tokens,
                             transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error,
-                            prefill_instance=last.prefill_instance, local_prefill=last.local_prefill))
+                            prefill_instance=last.prefill_instance, local_prefill=last.local_prefill,
+                            migrations=last.migrations))
 
 
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:

@@ -37,12 +37,13 @@ from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, E
 from pdcluster.router.admission import AdmissionLimits, admit
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.local_prefill import LocalPrefillSpec
+from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT, InstanceLost, continuation
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import Policy
 from pdcluster.router.prefill_cost import PrefillCost
-from pdcluster.router.recording import RecordSink, record_decode_end, record_prefill, record_route
+from pdcluster.router.recording import RecordSink, forget_attempt, record_decode_end, record_prefill, record_route
 from pdcluster.router.routing import InstancePicker, NoInstanceUp, PrefixLookup, Route
-from pdcluster.router.timeline import ClockOffset, RequestRecord
+from pdcluster.router.timeline import ClockOffset, Migration, RequestRecord
 from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class PDDispatcher(TokenBackend):
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
                  channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None,
                  cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None,
-                 admission: AdmissionLimits | None = None):
+                 admission: AdmissionLimits | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -81,6 +82,7 @@ class PDDispatcher(TokenBackend):
         # the listeners (the metrics).
         self.admission = admission
         self.accepted_in_flight = 0  # requests taken in and not finished
+        self.migration_limit = migration_limit  # moves per request off lost instances (router/migration.py)
         self.rejection_listeners: list[Callable[[str], None]] = []
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
@@ -191,21 +193,55 @@ class PDDispatcher(TokenBackend):
             for sink in self.sinks:
                 sink(rec)
 
-    async def _generate(self, rec: RequestRecord, prompt_token_ids: list[int],
-                        sampling: SamplingSpec) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, rec: RequestRecord, prompt: list[int], sampling: SamplingSpec
+                        ) -> AsyncIterator[GenerationChunk]:
+        """Attempts until one finishes: a lost instance moves the request on (router/migration.py)."""
         deadline = time.monotonic() + self._timeout_s
+        sent: list[int] = []  # output tokens the consumer has
+        avoid: set[str] = set()  # instances lost under this request
+        while True:
+            if len(sent) >= sampling.max_tokens:  # lost after its last token came: nothing left to do
+                yield GenerationChunk([], finish_reason="length", migrations=len(rec.migrations))
+                return
+            attempt_prompt, attempt_sampling = continuation(prompt, sampling, sent) if sent else (prompt, sampling)
+            try:
+                async for chunk in self._attempt(rec, attempt_prompt, attempt_sampling, deadline,
+                                                 first=not sent, avoid=frozenset(avoid)):
+                    sent += chunk.new_token_ids
+                    yield dataclasses.replace(chunk, migrations=len(rec.migrations)) if rec.migrations else chunk
+                return
+            except InstanceLost as lost:
+                if len(rec.migrations) >= self.migration_limit:
+                    moved = f" (off {', '.join(m.lost for m in rec.migrations)})" if rec.migrations else ""
+                    raise BackendError(f"{lost}; the request was already moved {len(rec.migrations)} times{moved}: "
+                                       f"router.migration_limit", 503, "service_unavailable") from None
+                log.warning("%s: %s; moving it on with %d tokens sent", rec.request_id, lost, len(sent))
+                avoid.add(lost.instance)
+                rec.migrations.append(Migration(time.monotonic_ns(), lost.role, lost.instance, len(sent), str(lost)))
+                if not sent:  # the record tells the attempt that produces the first token
+                    forget_attempt(rec)
+
+    async def _attempt(self, rec: RequestRecord, prompt_token_ids: list[int], sampling: SamplingSpec,
+                       deadline: float, first: bool, avoid: frozenset[str]) -> AsyncIterator[GenerationChunk]:
+        """One route, one P (or none), one D. `first`: no token sent yet, so this attempt's events
+        are the record's; after a migration past the first token only its tokens are."""
         try:
-            route = self.picker.pick(prompt_token_ids, sampling.max_tokens)
+            route = self.picker.pick(prompt_token_ids, sampling.max_tokens, avoid)
         except NoInstanceUp as err:
             raise BackendError(str(err), 503, "service_unavailable") from None
         p, d = route.prefill, route.decode
-        record_route(rec, route, self.picker.policy)
-        rec.mark("dispatch")
+        if rec.migrations:
+            rec.migrations[-1].to = p.name if rec.migrations[-1].role == "prefill" and not route.local_prefill else d.name
+        if first:
+            record_route(rec, route, self.picker.policy)
+            rec.mark("dispatch")
+        else:
+            rec.decode_instance = d.name
         # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
         transfer_id = f"{rec.request_id}-{next(self._transfer_seq)}"
         prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=transfer_id)
         stream, p_task, pre = None, None, None
-        finished = False
+        finished = got_token = False
         local_slot = contextlib.ExitStack()  # D's local prefill slot, held until the first token
         try:
             if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
@@ -222,23 +258,30 @@ class PDDispatcher(TokenBackend):
                 p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline))
             else:
                 pre = await self._prefill_busy(route, prefill, deadline)
-                record_prefill(rec, pre, self._clock(p))
+                if first:
+                    record_prefill(rec, pre, self._clock(p))
                 stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling,
                                                                self._with_transport(pre.handle)))
             with self.picker.decoding(route, len(prompt_token_ids), sampling.max_tokens):
                 while not finished:
-                    delta = await self._next_delta_unless_p_fails(d, stream, deadline, p_task)
+                    # Once D has produced a token it holds every layer's KV: P's fate no longer matters.
+                    delta = await self._next_delta_unless_p_fails(d, stream, deadline,
+                                                                  None if got_token else p_task)
                     if delta is None:
                         raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
                     self._record_tokens(rec, delta, self._clock(d))
                     if delta.new_token_ids:
+                        got_token = True
                         local_slot.close()
                     finished = delta.finish_reason is not None
                     if finished:
-                        record_decode_end(rec, delta, self._clock(d))
-                        if p_task is not None:  # push: P's answer, for its hit and its timeline
-                            pre = await p_task
-                            record_prefill(rec, pre, self._clock(p))
+                        if first:
+                            record_decode_end(rec, delta, self._clock(d))
+                        rec.finish_reason = delta.finish_reason
+                        if p_task is not None and first:  # push: P's answer, for its hit and its timeline
+                            pre = await self._p_answer(p_task)
+                            if pre is not None:
+                                record_prefill(rec, pre, self._clock(p))
                     yield self._chunk(route, pre.p_cached_tokens if pre else 0, delta)
         finally:
             local_slot.close()
@@ -247,6 +290,15 @@ class PDDispatcher(TokenBackend):
             if stream is not None:
                 stream.cancel()  # unless it finished: aborts the request inside D's engine
             self.picker.ended(route)
+
+    @staticmethod
+    async def _p_answer(p_task: asyncio.Future) -> PrefillResult | None:
+        """P's reply to a push, or None if P failed after D had its KV (D finished without it)."""
+        try:
+            return await p_task
+        except BackendError as err:
+            log.warning("P failed after D had every layer's KV (the request finished): %s", err)
+            return None
 
     async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
         with self.picker.prefilling(route, len(req.prompt_token_ids)):
@@ -284,7 +336,7 @@ class PDDispatcher(TokenBackend):
         try:
             return self.channels[inst.name].call(method, req)
         except EngineUnavailable as err:
-            raise _unavailable(method, inst, err) from None
+            raise InstanceLost(method, inst.name, str(err)) from None
 
     @staticmethod
     def _record_tokens(rec: RequestRecord, delta: DecodeDelta, clock: ClockOffset) -> None:
@@ -312,7 +364,7 @@ class PDDispatcher(TokenBackend):
             raise BackendError(f"prefill of {req.request_id} on {p.name} timed out after {self._timeout_s:.0f} s", 504,
                                "timeout") from None
         except EngineUnavailable as err:
-            raise _unavailable("prefill", p, err) from None
+            raise InstanceLost("prefill", p.name, str(err)) from None
         except EngineCallFailed as err:
             raise BackendError(f"prefill on {p.name} failed: {err}", 500) from None
         finally:
@@ -331,8 +383,10 @@ class PDDispatcher(TokenBackend):
         except TimeoutError:
             raise BackendError(f"decode on {d.name} timed out after {self._timeout_s:.0f} s", 504, "timeout") from None
         except EngineUnavailable as err:
-            raise _unavailable("decode", d, err) from None
+            raise InstanceLost("decode", d.name, str(err)) from None
         except EngineCallFailed as err:
+            if str(err).startswith("EngineDeadError"):  # its vLLM core died: the actor is exiting
+                raise InstanceLost("decode", d.name, str(err)) from None
             raise BackendError(f"decode on {d.name} failed: {err}", 500) from None
 
     @staticmethod
@@ -369,6 +423,3 @@ class PDDispatcher(TokenBackend):
         insts = self.prefill + self.decode
         return dict(zip([i.name for i in insts], await asyncio.gather(*(one(i) for i in insts))))
 
-
-def _unavailable(role: str, inst: Instance, err: EngineUnavailable) -> BackendError:
-    return BackendError(f"{role} instance {inst.name} is unavailable: {err}", 503, "service_unavailable")

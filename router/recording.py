@@ -34,6 +34,20 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
         rec.predicted_p_hit_tokens = rec.predicted_p_pending_tokens = rec.predicted_p_prefill_s = None
 
 
+# What one attempt at a request records; a migration before the first token drops them,
+# so that the record tells the attempt that produced the first token (router/migration.py).
+_ATTEMPT_EVENTS = ("dispatch", "p_queued", "p_scheduled", "p_done", "d_queued", "transfer_start", "transfer_end",
+                   "d_kv_ready", "d_scheduled", "d_first_token")
+
+
+def forget_attempt(rec: RequestRecord) -> None:
+    for event in _ATTEMPT_EVENTS:
+        rec.events.pop(event, None)
+    rec.local_prefill, rec.prefill_reason = False, None
+    rec.p_cached_tokens = rec.d_cached_tokens = rec.transferred_tokens = 0
+    rec.transfer_groups, rec.transfer_error = [], None
+
+
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
     rec.p_cached_tokens = pre.p_cached_tokens
     _mark(rec, "p_queued", pre.engine.queued_ns, clock)

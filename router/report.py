@@ -12,11 +12,11 @@ import math
 from html import escape
 from pathlib import Path
 
-from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, attribute, intervals
+from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, OPTIONAL_PARTS, attribute, intervals
 from pdcluster.router.timeline import Run
 from pdcluster.router.timeline_views import NS_PER_MS, Stats, Summary, is_failed, last_event, run_origin_ns, summarize
 
-PART_COLORS = {"queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",
+PART_COLORS = {"migration": "#8c564b", "queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",
                "first_decode": "#2ca02c", "local_prefill": "#d62728", "ttft": "#222222"}
 INTERVAL_COLORS = {"router": "#bdbdbd", "p_queue": "#aec7e8", "prefill": "#1f77b4", "handoff": "#8c8c8c",
                    "d_queue": "#c5b0d5", "transfer": "#ff7f0e", "d_kv_wait": "#9467bd", "first_decode": "#2ca02c",
@@ -237,8 +237,8 @@ def _summary_html(s: Summary) -> str:
 
 
 def _shown(s: Summary) -> tuple[str, ...]:
-    """The critical path's parts, local_prefill only if some request was prefilled on its D."""
-    return tuple(n for n in CRITICAL_PATH if n != "local_prefill" or n in s.phases)
+    """The critical path's parts, an optional one (local_prefill, migration) only if some request has it."""
+    return tuple(n for n in CRITICAL_PATH if n not in OPTIONAL_PARTS or n in s.phases)
 
 
 def render_report(run: Run) -> str:

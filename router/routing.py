@@ -137,12 +137,12 @@ class InstancePicker(Generic[I]):
                     return
         raise KeyError(f"no instance {instance.name!r} to replace")
 
-    def _up(self, role: str, instances: list[I]) -> list[I]:
-        if self.is_up is None:
-            return instances
-        up = [i for i in instances if self.is_up(i.name)]
+    def _up(self, role: str, instances: list[I], avoid: frozenset[str] = frozenset()) -> list[I]:
+        up = [i for i in instances if i.name not in avoid and (self.is_up is None or self.is_up(i.name))]
         if not up:
-            raise NoInstanceUp(f"no {role} instance is up ({', '.join(i.name for i in instances)} all down)")
+            lost = [i.name for i in instances if i.name in avoid]
+            raise NoInstanceUp(f"no {role} instance is up ({', '.join(i.name for i in instances)} all down"
+                               + (f"; lost under this request: {', '.join(lost)})" if lost else ")"))
         return up
 
     def least_queued_s(self) -> float:
@@ -150,11 +150,12 @@ class InstancePicker(Generic[I]):
         return min((self._load[p.name].seconds for p in self.prefill if self.is_up is None or self.is_up(p.name)),
                    default=0.0)
 
-    def pick(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Route[I]:
-        """Raises NoInstanceUp if a role has no instance up."""
+    def pick(self, prompt_token_ids: Sequence[int], max_tokens: int, avoid: frozenset[str] = frozenset()) -> Route[I]:
+        """Raises NoInstanceUp if a role has no instance up. `avoid`: instances lost under this
+        request (router/migration.py), not picked even if their channel still looks up."""
         turn = next(self._turn)
         n = len(prompt_token_ids)
-        prefill, decode = self._up("prefill", self.prefill), self._up("decode", self.decode)
+        prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
         matched_p = matched_d = pending_p = None
         hashes: list[RouterHash] = []
         if self.lookup is not None:

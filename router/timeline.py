@@ -73,6 +73,18 @@ class GroupTransfer:
 
 
 @dataclass
+class Migration:
+    """The request moved off an instance lost under it (router/migration.py)."""
+
+    at_ns: int  # router clock: when the router learned of the loss
+    role: str  # "decode" | "prefill"
+    lost: str  # the instance that died or was cut off
+    tokens_sent: int  # output tokens the client had received by then
+    reason: str
+    to: str | None = None  # the instance that took the request on (None: none was left)
+
+
+@dataclass
 class RequestRecord:
     request_id: str
     prompt_tokens: int = 0
@@ -101,6 +113,9 @@ class RequestRecord:
     # decision's reason either way (None: local prefill off).
     local_prefill: bool = False
     prefill_reason: str | None = None
+    # Each move off a lost instance, in order. Before the first token the record's events are
+    # the last attempt's (the lost ones dropped); after it they stay the first token's.
+    migrations: list[Migration] = field(default_factory=list)
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"
@@ -111,12 +126,14 @@ class RequestRecord:
         # same dict in ~6.
         d = dict(self.__dict__)
         d["transfer_groups"] = [dict(g.__dict__) for g in self.transfer_groups]
+        d["migrations"] = [dict(m.__dict__) for m in self.migrations]
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestRecord:
         d = dict(d)
         d["transfer_groups"] = [GroupTransfer(**g) for g in d.get("transfer_groups", [])]
+        d["migrations"] = [Migration(**m) for m in d.get("migrations", [])]
         return cls(**d)
 
     def out_of_order(self) -> list[tuple[str, str]]:

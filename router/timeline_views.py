@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, Attribution, attribute, critical_path, intervals
+from pdcluster.router.attribution import (
+    CRITICAL_PATH,
+    INTERVALS,
+    OPTIONAL_PARTS,
+    Attribution,
+    attribute,
+    critical_path,
+    intervals,
+)
 from pdcluster.router.local_views import LocalSummary, format_local, local_summary
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord, Run
 from pdcluster.router.timeline_stats import NS_PER_MS, Ratios, Stats, percentile  # noqa: F401  (re-exported)
@@ -48,6 +56,9 @@ class Summary:
     transferred_tokens: int
     bytes_per_group: dict[int, int]  # KV-cache group -> bytes pulled, summed over requests
     recomputed: int  # requests whose KV pull failed and D recomputed the prompt
+    # Requests moved off a lost instance (router/migration.py), and the moves, per lost role.
+    migrated: int = 0
+    migrations: dict[str, int] = field(default_factory=dict)
     # KV transfer time under P's prefill vs on the critical path, summed over requests
     # that recorded both (push mode hides the first; pull mode has none).
     transfer_hidden_ns: int = 0
@@ -175,6 +186,8 @@ def summarize(run: Run) -> Summary:
         transferred_tokens=sum(r.transferred_tokens for r in run.records),
         bytes_per_group=dict(sorted(groups.items())),
         recomputed=sum(1 for r in run.records if r.transfer_error),
+        migrated=sum(1 for r in run.records if r.migrations),
+        migrations=dict(sorted(Counter(m.role for r in run.records for m in r.migrations).items())),
         transfer_hidden_ns=sum(a.transfer_hidden_ns for _, a in atts if _has_transfer_split(a)),
         transfer_exposed_ns=sum(a.parts_ns["transfer"] for _, a in atts if _has_transfer_split(a)),
         failures=[Failure(r.request_id, last_event(r), r.error) for r in failed],
@@ -209,7 +222,7 @@ def format_summary(s: Summary) -> str:
     lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed", "",
              f"TTFT critical path (shares over {s.attributed} complete requests)", head]
     lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH
-              if n != "local_prefill" or n in s.phases]
+              if n not in OPTIONAL_PARTS or n in s.phases]
     lines += [_stats_row("TTFT", s.phases.get("ttft"), "100.0%" if s.shares else "-"), "",
               "phase intervals (they may overlap)", head_no_share]
     lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
@@ -224,6 +237,9 @@ def format_summary(s: Summary) -> str:
                      f"({_pct(s.transfer_hidden_ns / moved)}), {s.transfer_exposed_ns / 1e6:.1f} ms on the critical path")
     if s.recomputed:
         lines.append(f"KV pull failed, D recomputed: {s.recomputed} requests")
+    if s.migrated:
+        moves = ", ".join(f"{n} off a lost {role}" for role, n in s.migrations.items())
+        lines.append(f"moved off a lost instance: {s.migrated} requests ({moves})")
     lines += _routing_lines(s)
     if s.local is not None:
         lines += format_local(s.local)

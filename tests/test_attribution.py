@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdcluster.router.attribution import CRITICAL_PATH, Interval, attribute, intervals
+from pdcluster.router.attribution import CRITICAL_PATH, OPTIONAL_PARTS, Interval, attribute, intervals
 from pdcluster.router.timeline import ClockOffset, RequestRecord
 
 T = 7_000_000_000  # an arbitrary router-clock origin; all times below are T + explicit ns
@@ -24,7 +24,7 @@ def test_plain_request():
                           "first_decode": 2_700}
     assert a.ttft_ns == 18_700 == sum(a.parts_ns.values())
     assert (a.stopped_after, a.error, a.complete) == (None, None, True)
-    assert list(a.parts_ns) == [n for n in CRITICAL_PATH if n != "local_prefill"]
+    assert list(a.parts_ns) == [n for n in CRITICAL_PATH if n not in OPTIONAL_PARTS]
 
 
 LOCAL = {"arrival": 0, "dispatch": 100, "d_queued": 400, "d_scheduled": 900, "d_first_token": 4_000,
