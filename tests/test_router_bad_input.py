@@ -155,3 +155,16 @@ def test_the_openai_client_reads_the_refusals(tok, tok_dir):
         with pytest.raises(openai.BadRequestError, match="best_of"):
             client.completions.create(model=MODEL, prompt="Once", best_of=3)
     assert backend.calls == []
+
+
+def test_a_client_that_goes_away_halfway_through_its_body_costs_nothing(tok, tok_dir):
+    backend = FakeBackend(len(tok), [300], [tok.eos_token_id])
+    with serve_in_thread(build_app(backend, tok_dir)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(20):
+            with socket.create_connection((host, int(port)), timeout=5) as gone:
+                gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"prompt\": \"a")
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"prompt": "a"}).status_code == 200
+    assert len(backend.calls) == 1  # only the whole request reached the backend
