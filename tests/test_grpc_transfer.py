@@ -1,209 +1,49 @@
-"""P -> D block transfer over real gRPC on 127.0.0.1, with real torch KV tensors.
-
-P: KvServer over source tensors + a SourceTable. D: KvFetcher over zeroed
-destination tensors. No vLLM, no Ray. `offer` plays P's connector: a finished
-prefill (every layer ready) or, step by step, a running one (push).
-"""
+"""P -> D block transfer over real gRPC on 127.0.0.1, with real torch KV tensors: the paged layouts,
+D pulling and P pushing, the service's checks and faults. The P and D ends and their fixtures
+are in tests/transfer_fakes.py; the torch.distributed data plane's tests in test_dist_transfer.py."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import time
-from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
+from transfer_fakes import (
+    BLOCK_SIZE,
+    D_BLOCKS,
+    GROUPS,
+    LAYERS,
+    LAYOUTS,
+    P_BLOCKS,
+    SECRET,
+    TIMEOUT_S,
+    assert_zero_except,
+    block,
+    cpu_shape,
+    flash_shape,
+    free_port,
+    make_handle,
+    make_job,
+    make_plan,
+    offer,
+    released,
+    source_caches,
+    wait_results,
+    wait_until_true,
+    zero_caches,
+)
 
-from pdcluster.cluster.auth import GrpcAuth, grpc_authenticated_channel
+from pdcluster.cluster.auth import GrpcAuth
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
-from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults, TransferError
+from pdcluster.transfer.grpc_client import LoadJob, LoadResults, TransferError
 from pdcluster.transfer.grpc_server import KvServer, chunk_runs
-from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
 from pdcluster.transfer.sources import SourceTable
-
-SECRET = "grpc-transfer-test-secret-01"
-
-P_BLOCKS = 12  # P's and D's caches differ in size; only the block layout must match
-D_BLOCKS = 16
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-GROUPS = dict.fromkeys(LAYERS, 0)
-SOURCE_WAIT_S = 0.3  # P's wait for a transfer it has not heard of, when D sets no deadline
-TIMEOUT_S = 2.0  # D's per-RPC timeout
-BLOCK_SIZE = 16
-
-
-# ---------------------------------------------------------------- layouts and tensors
-
-
-def cpu_shape(num_blocks, block_shape=(2, 16, 32)):  # vLLM CPU backend: block dim first
-    return (num_blocks, *block_shape)
-
-
-def flash_shape(num_blocks):  # flash-attn: [2 (K/V), num_blocks, ...]
-    return (2, num_blocks, 8, 4)
-
-
-LAYOUTS = {"cpu": (cpu_shape, 0), "flash": (flash_shape, 1)}  # shape fn, block dim
-
-
-def source_caches(shape, seed=0, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """One tensor per layer, all values distinct (and non-zero) across layers."""
-    numel = torch.Size(shape).numel()
-    g = torch.Generator().manual_seed(seed)
-    values = (torch.randperm(numel * len(LAYERS), generator=g) + 1).to(dtype)
-    return {name: values[i * numel:(i + 1) * numel].view(shape).clone() for i, name in enumerate(LAYERS)}
-
-
-def zero_caches(shape, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(shape, dtype=dtype) for name in LAYERS}
-
-
-def block(t: torch.Tensor, block_dim: int, b: int) -> torch.Tensor:
-    return t.select(block_dim, b)
-
-
-def assert_zero_except(caches, block_dim, num_blocks, written=()):
-    for name, t in caches.items():
-        for b in set(range(num_blocks)) - set(written):
-            assert not block(t, block_dim, b).any(), f"{name}: block {b} was written"
-
-
-# ---------------------------------------------------------------- factories
-
-
-def make_plan(remote, local, d_cached_tokens=0) -> TransferPlan:
-    """remote: indices into P's block table."""
-    return TransferPlan((GroupPlan(0, "full_attention", tuple(remote), tuple(local)),),
-                        d_cached_tokens=d_cached_tokens, transferred_tokens=len(remote) * BLOCK_SIZE)
-
-
-def make_handle(address, transfer_id="r1", num_blocks=4) -> TransferHandle:
-    return TransferHandle(engine_id="p0", address=address, transfer_id=transfer_id,
-                          num_tokens=num_blocks * BLOCK_SIZE)
-
-
-def make_job(address, remote, local, transfer_id="r1", d_request_id=None, num_blocks=4,
-             transport="grpc") -> LoadJob:
-    handle = TransferHandle("p0", address, transfer_id, num_blocks * BLOCK_SIZE, transport)
-    return LoadJob(d_request_id or f"d-{transfer_id}", handle, make_plan(remote, local))
-
-
-def offer(p, transfer_id, block_ids, lease_s=60.0, ready_tokens=None):
-    """P's connector for one prefill in block_ids: every layer ready up to ready_tokens
-    (default: the whole prompt, then finished under a lease). P's request id == transfer id."""
-    num_tokens = len(block_ids) * BLOCK_SIZE
-    p.sources.step(transfer_id, transfer_id, num_tokens, (tuple(block_ids),),
-                   num_tokens if ready_tokens is None else ready_tokens)
-    p.sources.step_done()
-    if ready_tokens is None:
-        p.sources.finish(transfer_id, lease_s)
-
-
-def released(sources, want: set[str], timeout=5.0) -> set[str]:
-    """P's released transfers once `want` are among them (or at the deadline), then one more look:
-    after a failed load D releases after it reports, so the release may come a moment later."""
-    got: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while not want <= got and time.monotonic() < deadline:
-        got |= sources.take_finished()
-        time.sleep(0.02)
-    return got | sources.take_finished()
-
-
-def wait_results(fetcher: KvFetcher, ids, timeout=TIMEOUT_S + 1.0) -> LoadResults:
-    """Accumulate take_results() until all of ids finished, or the deadline."""
-    acc = LoadResults()
-    deadline = time.monotonic() + timeout
-    while True:
-        r = fetcher.take_results()
-        acc.finished |= r.finished
-        acc.failed |= r.failed
-        if set(ids) <= acc.finished or time.monotonic() > deadline:
-            return acc
-        time.sleep(0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------- fixtures
-
-
-@dataclass
-class P:
-    caches: dict[str, torch.Tensor]
-    kv: PagedKv
-    sources: SourceTable
-    server: KvServer
-    block_dim: int
-
-
-@dataclass
-class D:
-    caches: dict[str, torch.Tensor]
-    kv: PagedKv
-    fetcher: KvFetcher
-    block_dim: int
-
-
-@pytest.fixture
-def make_p():
-    servers = []
-
-    def make(layout="cpu", chunk_bytes=1 << 20) -> P:
-        shape_fn, block_dim = LAYOUTS[layout]
-        caches = source_caches(shape_fn(P_BLOCKS))
-        kv = PagedKv(caches, GROUPS, P_BLOCKS)
-        sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=SOURCE_WAIT_S)
-        servers.append(server)
-        return P(caches, kv, sources, server, block_dim)
-
-    yield make
-    for s in servers:
-        s.stop()
-
-
-@pytest.fixture
-def make_d():
-    fetchers = []
-
-    def make(layout="cpu", caches=None, timeout_s=TIMEOUT_S, max_workers=4) -> D:
-        shape_fn, block_dim = LAYOUTS[layout]
-        caches = caches if caches is not None else zero_caches(shape_fn(D_BLOCKS))
-        kv = PagedKv(caches, GROUPS, D_BLOCKS)
-        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers, secret=SECRET)
-        fetchers.append(fetcher)
-        return D(caches, kv, fetcher, block_dim)
-
-    yield make
-    for f in fetchers:
-        f.stop()
-
-
-@pytest.fixture
-def stub_to():
-    channels = []
-
-    def make(address, secret: str | None = SECRET) -> pb_grpc.KvTransferStub:
-        ch = grpc.insecure_channel(address)
-        channels.append(ch)
-        # as D calls P (ReadBlocks yields Frames), proving the cluster secret (None: not)
-        return frames.framed_stub(ch if secret is None else grpc_authenticated_channel(ch, GrpcAuth(secret)))
-
-    yield make
-    for ch in channels:
-        ch.close()
-
 
 # ---------------------------------------------------------------- PagedKv
 
@@ -472,13 +312,6 @@ def test_preemption_waits_for_a_copy_then_resets_progress(make_p):
     p.sources.unpin(src)
 
 
-def wait_until_true(cond, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
-
-
 # ---------------------------------------------------------------- the service, through the stub
 
 
@@ -640,110 +473,6 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
         assert sum(reads) == 64
     finally:
         server.stop()
-
-
-# ---------------------------------------------------------------- the torch.distributed data plane
-
-
-@pytest.fixture
-def gloo_pair(make_d):
-    """P's server with gloo data channels, D's fetcher using them (both in this process)."""
-    made = []
-
-    def make(layout="cpu", chunk_bytes=1 << 20, break_prefix=None):
-        shape_fn, block_dim = LAYOUTS[layout]
-        caches = source_caches(shape_fn(P_BLOCKS))
-        kv = PagedKv(caches, GROUPS, P_BLOCKS)
-        sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=5.0,
-                          break_prefix=break_prefix, channel_backend="gloo")
-        dst = zero_caches(shape_fn(D_BLOCKS))
-        d_kv = PagedKv(dst, GROUPS, D_BLOCKS)
-        fetcher = KvFetcher("d0", d_kv, timeout_s=10.0, secret=SECRET)
-        made.append((server, fetcher))
-        return P(caches, kv, sources, server, block_dim), D(dst, d_kv, fetcher, block_dim)
-
-    yield make
-    for server, fetcher in made:
-        fetcher.stop()
-        server.stop()
-
-
-@pytest.mark.parametrize("layout", ["cpu", "flash"])
-def test_gloo_channel_moves_the_planned_blocks_exactly(gloo_pair, layout):
-    block_bytes = 2 * 16 * 32 * 4 if layout == "cpu" else 2 * 8 * 4 * 4
-    p, d = gloo_pair(layout, chunk_bytes=2 * block_bytes)  # several chunks per layer
-    table = (2, 5, 7, 9, 10)
-    for tid in ("r1", "r2"):
-        offer(p, tid, table)
-    # r1 into scattered D blocks (staged), r2 into consecutive ones (straight into the cache).
-    for tid, local in (("r1", (0, 15, 4, 3, 8)), ("r2", (10, 11, 12, 13, 14))):
-        d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3, 4), local, transfer_id=tid, num_blocks=5,
-                                  transport="torch_dist"))
-        r = wait_results(d.fetcher, {f"d-{tid}"}, timeout=15)
-        assert r.finished == {f"d-{tid}"} and r.failed == set(), r
-        for name in LAYERS:
-            for pb_id, lb in zip(table, local):
-                assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, pb_id))
-    assert p.sources.take_finished() == {"r1", "r2"}
-
-
-def test_gloo_channel_transfer_broken_halfway_fails_then_the_next_one_works(gloo_pair):
-    p, d = gloo_pair(break_prefix="break-")
-    offer(p, "break-1", (2, 5, 7, 9))
-    offer(p, "ok-1", (2, 5, 7, 9))
-    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="break-1",
-                              transport="torch_dist"))
-    r = wait_results(d.fetcher, {"d-break-1"}, timeout=15)
-    assert r.failed == {"d-break-1"}
-    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="ok-1",
-                              transport="torch_dist"))
-    r = wait_results(d.fetcher, {"d-ok-1"}, timeout=15)
-    assert r.finished == {"d-ok-1"} and r.failed == set()
-    assert torch.equal(d.caches[LAYERS[1]][7], p.caches[LAYERS[1]][9])
-    assert released(p.sources, {"break-1", "ok-1"}) == {"break-1", "ok-1"}
-
-
-def test_a_channel_only_p_saw_die_is_replaced_and_the_transfer_goes_through(gloo_pair):
-    """E.g. a cut link: P's keepalive declared the pair dead, D's had not yet. D's next transfer
-    must not fail on the stale pair: P says so before sending anything, and D retries on a new one."""
-    p, d = gloo_pair()
-    for tid in ("r1", "r2"):
-        offer(p, tid, (2, 5, 7, 9))
-    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="r1", transport="torch_dist"))
-    assert wait_results(d.fetcher, {"d-r1"}, timeout=15).failed == set()
-    host = p.server._channels
-    [name] = host.opened()
-    p_end = host.get(name)
-    p_end._alive.shutdown(socket.SHUT_RD)  # P's watcher sees its peer leave; nothing reaches D
-    wait_until_true(lambda: p_end.unusable is not None)
-    [d_end] = d.fetcher._channels._channels.values()
-    assert d_end.unusable is None
-    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="r2", transport="torch_dist"))
-    r = wait_results(d.fetcher, {"d-r2"}, timeout=15)
-    assert r.finished == {"d-r2"} and r.failed == set(), r
-    for name_ in LAYERS:
-        for pb_id, lb in zip((2, 5, 7, 9), (4, 5, 6, 7)):
-            assert torch.equal(d.caches[name_][lb], p.caches[name_][pb_id])
-    [new_name] = host.opened()
-    assert new_name != name
-
-
-def test_gloo_channel_push_streams_as_layers_become_ready(gloo_pair):
-    p, d = gloo_pair()
-    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (3, 2, 1, 0), transport="torch_dist"))
-    time.sleep(0.2)
-    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7),), 3 * BLOCK_SIZE)
-    p.sources.layer_done(LAYERS[0])
-    p.sources.step_done()
-    p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7, 9),), 4 * BLOCK_SIZE)
-    p.sources.step_done()
-    p.sources.finish("r1", 60)
-    r = wait_results(d.fetcher, {"d-r1"}, timeout=15)
-    assert r.finished == {"d-r1"} and r.failed == set()
-    for name in LAYERS:
-        for pb_id, lb in zip((2, 5, 7, 9), (3, 2, 1, 0)):
-            assert torch.equal(d.caches[name][lb], p.caches[name][pb_id])
 
 
 def test_p_without_channels_refuses_a_channel_open(make_p, stub_to):
