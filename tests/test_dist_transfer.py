@@ -95,3 +95,25 @@ def test_gloo_channel_push_streams_as_layers_become_ready(gloo_pair):
     for name in LAYERS:
         for pb_id, lb in zip((2, 5, 7, 9), (3, 2, 1, 0)):
             assert torch.equal(d.caches[name][lb], p.caches[name][pb_id])
+
+
+def test_on_a_backend_that_matches_by_posting_order_concurrent_transfers_take_turns(gloo_pair, monkeypatch):
+    """NCCL and HCCL ignore tags: two transfers at once on one pair would pair one request's sends
+    with the other's receives. Gloo told to behave so (tag 0 on the wire, as they do): each
+    request's blocks must land where that request planned them, whatever the interleaving."""
+    from pdcluster.transfer import dist_channel
+
+    monkeypatch.setattr(dist_channel, "TAGGED_BACKENDS", ())
+    p, d = gloo_pair(chunk_bytes=2 * 16 * 32 * 4)  # one block per chunk: many posts to interleave
+    tables = {f"r{i}": tuple(range(1 + i, 12, 2))[:4] for i in range(4)}
+    for tid, table in tables.items():
+        offer(p, tid, table)
+    locals_ = {f"r{i}": tuple(range(4 * i, 4 * i + 4)) for i in range(4)}
+    for tid in tables:
+        d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), locals_[tid], transfer_id=tid, transport="torch_dist"))
+    r = wait_results(d.fetcher, {f"d-{t}" for t in tables}, timeout=30)
+    assert r.finished == {f"d-{t}" for t in tables} and r.failed == set(), r
+    for tid, table in tables.items():
+        for name in LAYERS:
+            for pb_id, lb in zip(table, locals_[tid]):
+                assert torch.equal(d.caches[name][lb], p.caches[name][pb_id]), (tid, name, pb_id, lb)

@@ -37,8 +37,10 @@ convention the receiver (D) allocates a request's tags (`allocate_tags(n)`) and
 sends the first one to P in its gRPC request; P sends chunk k under first + k.
 Two requests get disjoint ranges unless 2**30 tags are in flight at once.
 Only gloo matches by tag. NCCL and HCCL ignore tags and match sends to receives
-in posting order, so on those backends a pair must run one transfer at a time,
-both sides posting chunks in the same order (send_blocks/recv_blocks do).
+in posting order, so on those backends a pair runs one transfer at a time (D holds
+`transfer()` for the whole of each), both sides posting chunks in the same order;
+two at once would put one request's blocks into another's. On such a backend the
+wire carries tag 0 whatever the chunk's tag (as gloo then behaves, which the tests use).
 
 Staging. Gloo moves host memory: a non-CPU tensor on a gloo channel goes through
 a pinned host buffer. NCCL and HCCL send device tensors directly, no staging.
@@ -46,6 +48,7 @@ a pinned host buffer. NCCL and HCCL send device tensors directly, no staging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -53,7 +56,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import torch
@@ -257,6 +260,10 @@ def _watch(alive: socket.socket, state: _PeerState, peer: str) -> None:
         state.gone = f"{peer} {why}"
 
 
+class PairBusy(TimeoutError):
+    """Another transfer held an untagged pair for longer than this one could wait (the pair is fine)."""
+
+
 class TensorChannel:
     """One end of a P/D pair: tagged, bounded sends and receives of whole tensors."""
 
@@ -271,6 +278,7 @@ class TensorChannel:
         self.tags_matched = backend in TAGGED_BACKENDS
         self._store = store  # kept alive as long as the channel
         self._lock = threading.Lock()
+        self._one_transfer = threading.Lock()  # untagged backends: held by the transfer using the pair
         self._tags = itertools.count()
         self._broken: str | None = None
         self._peer = _PeerState()  # set by the liveness watcher
@@ -313,6 +321,25 @@ class TensorChannel:
             self._tags = itertools.count(first + n)
         return (self.rank << TAG_SPACE_BITS) + first
 
+    @contextlib.contextmanager
+    def transfer(self, wait_s: float) -> Iterator[None]:
+        """Hold the pair for one whole transfer where the backend matches by posting order
+        (a no-op where it matches by tag). Raises PairBusy if another transfer holds it for
+        more than `wait_s`."""
+        if self.tags_matched:
+            yield
+            return
+        if not self._one_transfer.acquire(timeout=max(0.0, wait_s)):
+            raise PairBusy(f"channel {self.name!r} ({self.backend}): another transfer held the pair for over "
+                               f"{wait_s:.1f} s (one at a time: {self.backend} matches by posting order)")
+        try:
+            yield
+        finally:
+            self._one_transfer.release()
+
+    def _wire_tag(self, tag: int) -> int:
+        return tag if self.tags_matched else 0
+
     def _failed(self, message: str) -> ChannelError:
         full = f"channel {self.name!r} ({self.backend}, rank {self.rank}), peer {self._peer_name}: {message}"
         with self._lock:
@@ -346,7 +373,7 @@ class TensorChannel:
             buf.copy_(tensor)
         src = tensor if buf is None else buf
         try:
-            work = self._pg.send([src], self.peer, tag)
+            work = self._pg.send([src], self.peer, self._wire_tag(tag))
         except Exception as err:
             raise self._failed(f"{what} could not be posted: {err}") from err
         return Pending(self, work, what, [], (src,))
@@ -358,7 +385,7 @@ class TensorChannel:
         buf = self._staged(tensor)
         dst = tensor if buf is None else buf
         try:
-            work = self._pg.recv([dst], self.peer, tag)
+            work = self._pg.recv([dst], self.peer, self._wire_tag(tag))
         except Exception as err:
             raise self._failed(f"{what} could not be posted: {err}") from err
         return Pending(self, work, what, [] if buf is None else [lambda: tensor.copy_(buf)], (dst,))

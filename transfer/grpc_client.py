@@ -10,6 +10,7 @@ A job ends in exactly one of `finished` or `failed` (reported once via
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channels import ChannelPool, is_stale_channel
-from pdcluster.transfer.dist_channel import Pending, TensorChannel
+from pdcluster.transfer.dist_channel import PairBusy, Pending, TensorChannel
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
@@ -190,9 +191,14 @@ class KvFetcher:
                 request.channel = channel.name
                 # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
                 request.first_tag = channel.allocate_tags(sum(expected.values()))
+            # NCCL and HCCL match by posting order: the pair carries one transfer at a time.
+            holding = contextlib.nullcontext() if channel is None else channel.transfer(deadline - time.monotonic())
             try:
-                self._receive(stub, job, request, expected, channel, bytes_per_group, deadline)
+                with holding:
+                    self._receive(stub, job, request, expected, channel, bytes_per_group, deadline)
                 break
+            except PairBusy as err:  # the pair stayed busy: this transfer's time is up, the pair is fine
+                raise TransferError(str(err)) from None
             except Exception as err:
                 # A transfer that failed midway may leave sends or receives posted: P drops its end
                 # too (grpc_server.ReadBlocks), and the next transfer opens a new pair.
