@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 # 2 min, so a P restarted by Ray would stay unreachable long after it is back),
 # and a job waits up to CONNECT_S for its P to accept a connection.
 CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+MAX_WAITING_LOADS = 256  # loads queued for D's fetch threads before a new one fails at once
 CONNECT_S = 5.0
 RELEASE_S = 5.0  # D's word to P that a lease may end
 RELEASE_AFTER_FAILURE_S = 1.0  # P may be cut off; its lease ends on its own
@@ -81,7 +82,12 @@ class KvFetcher:
     torch.distributed pair channel to its P (opened on first use), which the gRPC
     stream then only announces; otherwise the bytes come inside the stream."""
 
-    def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4, *, secret: str):
+    def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4, *, secret: str,
+                 max_waiting: int = MAX_WAITING_LOADS):
+        """A load waits for one of `max_workers` threads; past `max_waiting` loads waiting, a new
+        one fails at once (its request recomputes or fails, per transfer.on_failure) rather than
+        join a queue it would only leave after its time is up. Each load has `timeout_s` from
+        its submission, its wait for a thread included."""
         from pdcluster.transfer.dist_channel import channel_liveness_key
 
         self._engine_id = engine_id
@@ -90,6 +96,9 @@ class KvFetcher:
         self._kv = kv
         self._timeout_s = timeout_s
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdc-kv-fetch")
+        self._max_waiting = max_waiting
+        self._waiting = 0  # loads submitted whose thread has not started them
+        self._releases = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdc-kv-release")
         self._lock = threading.Lock()
         self._results = LoadResults()
         # address -> (channel, stub); filled from pool threads, hence the lock.
@@ -101,8 +110,20 @@ class KvFetcher:
 
     def submit(self, job: LoadJob) -> None:
         with self._lock:
-            self._calls[job.request_id] = None
-        self._pool.submit(self._run, job)
+            if job.plan.num_blocks and self._waiting >= self._max_waiting:
+                log.error("KV load of %s from %s refused: %d loads already wait for D's %d fetch threads",
+                          job.request_id, job.handle.address, self._waiting, self._pool._max_workers)
+                self._results.finished.add(job.request_id)
+                self._results.failed.add(job.request_id)
+                refused = True
+            else:
+                self._calls[job.request_id] = None
+                self._waiting += 1
+                refused = False
+        if refused:  # P's lease ends now, not after lease_s (and not behind the loads it could not join)
+            self._releases.submit(self._release, job, RELEASE_AFTER_FAILURE_S)
+            return
+        self._pool.submit(self._run, job, time.monotonic() + self._timeout_s)
 
     def cancel(self, request_id: str) -> None:
         """Stop a load whose request D no longer wants; it still reports (as failed)."""
@@ -143,12 +164,17 @@ class KvFetcher:
                                 f"{self._engine_id}: different model, dtype or block size")
         self._checked_peers.add(handle.address)
 
-    def _run(self, job: LoadJob) -> None:
+    def _run(self, job: LoadJob, deadline: float) -> None:
+        """`deadline`: the whole job's, from its submission: its wait for a thread, connect, layout
+        check, stream."""
+        with self._lock:
+            self._waiting -= 1
         ok = False
         start_ns = time.monotonic_ns()
-        deadline = time.monotonic() + self._timeout_s  # the whole job: connect, layout check, stream
         bytes_per_group = [0] * len(job.plan.groups)
         try:
+            if time.monotonic() >= deadline:
+                raise TransferError(f"waited for a fetch thread past its {self._timeout_s:.0f} s")
             stub = self._stub(job.handle.address)
             if job.plan.num_blocks:
                 self._check_peer(stub, job.handle, deadline)
@@ -266,6 +292,7 @@ class KvFetcher:
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._releases.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
         with self._lock:
             for channel, _ in self._stubs.values():

@@ -20,6 +20,7 @@ plus the transport's window is buffered per stream, whatever the transfer size.
 from __future__ import annotations
 
 import logging
+import threading
 from bisect import bisect_left
 from collections import deque
 from concurrent import futures
@@ -80,10 +81,20 @@ SEND_WINDOW = 8
 CHANNEL_CHUNK_BYTES = 16 << 20
 
 
+# A ReadBlocks stream holds a server thread from its call to its last chunk (push: through P's
+# queue and its whole prefill). Streams get MAX_STREAMS threads; the unary calls (GetLayout,
+# Release, OpenChannel) UNARY_THREADS more, so that however many D wait on P, a lease is
+# always released at once. A stream past MAX_STREAMS is refused (RESOURCE_EXHAUSTED), not queued.
+MAX_STREAMS = 64
+UNARY_THREADS = 4
+
+
 class KvTransferService(pb_grpc.KvTransferServicer):
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float,
                  break_prefix: str | None = None, channels: ChannelHost | None = None,
-                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES):
+                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES, max_streams: int = MAX_STREAMS):
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
         self._engine_id = engine_id
         self._channel_chunk_bytes = channel_chunk_bytes
         self._channels = channels  # data channels D's opened (transfer.backend: torch_dist)
@@ -114,6 +125,15 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(err))
 
     def ReadBlocks(self, request: pb.ReadBlocksRequest, context):
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"P {self._engine_id} is serving its "
+                          f"{self._max_streams} transfer streams: transfer {request.transfer_id} refused")
+        try:
+            yield from self._read_blocks(request, context)
+        finally:
+            self._streams.release()
+
+    def _read_blocks(self, request: pb.ReadBlocksRequest, context):
         # Answer before D's deadline, so D learns why rather than just "deadline exceeded".
         remaining = context.time_remaining()
         wait_s = self._wait_s if remaining is None else max(0.0, remaining - _ANSWER_MARGIN_S)
@@ -246,12 +266,10 @@ class KvServer:
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
                  *, secret: str, wait_s: float = 30.0, break_prefix: str | None = None,
                  channel_backend: str | None = None, channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES,
-                 max_workers: int = 8, advertise: str | None = None):
+                 max_streams: int = MAX_STREAMS, advertise: str | None = None):
         from pdcluster.transfer.dist_channel import channel_liveness_key
 
-        # A ReadBlocks call holds a thread while its source is not ready (push mode: through P's
-        # queue); calls past max_workers, GetLayout included, wait for one to end.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + UNARY_THREADS,
                                                               thread_name_prefix="pdc-kv-server"),
                                    options=SERVER_OPTIONS,
                                    interceptors=[grpc_server_interceptor(GrpcAuth(secret), f"KV service of {engine_id}")])
@@ -259,7 +277,7 @@ class KvServer:
         self._channels = (ChannelHost(advertise or host, channel_backend, wait_s, channel_liveness_key(secret))
                           if channel_backend else None)
         service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels,
-                                    channel_chunk_bytes)
+                                    channel_chunk_bytes, max_streams)
         self._server.add_generic_rpc_handlers((_handlers(service),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
