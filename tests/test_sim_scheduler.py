@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdcluster.cluster.sim.block_pool import BlockPool
-from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SchedulerConfig, SimRequest, Status, pseudo_token
+from pdcluster.cluster.sim.request import SimRequest, Status, pseudo_token
+from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SchedulerConfig
 
 BS = 16
 VOCAB = 1000

@@ -48,7 +48,8 @@ from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch
 from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
-from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig, SimRequest
+from pdcluster.cluster.sim.request import SimRequest
+from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
 from pdcluster.transfer.handle import TransferHandle

@@ -1,0 +1,99 @@
+"""A simulated engine's request: what it asks for, where the scheduler has it, and its tokens.
+
+Tokens are pseudo-random ids from (prompt, position) within the vocabulary (`pseudo_token`),
+so the same prompt gives the same output on every instance. The scheduler (scheduler.py)
+moves a request through `Status`; its outgoing tokens leave in batches (`Delta`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcluster.cluster.sim.block_pool import Block
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    LOADING = "loading"  # blocks allocated, KV arriving from elsewhere
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    token_ns: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    external_tokens: int = 0  # leading prompt tokens whose KV comes from elsewhere (D: from P)
+    # --- state
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_blocks: int = 0  # leading blocks of `blocks` already in the prefix cache
+    num_cached_tokens: int = -1  # prefix hit when first scheduled (vLLM's num_cached_tokens); -1: not yet
+    hit_tokens: int = 0  # the latest admission's hit
+    finish_reason: str | None = None
+    error: str | None = None
+    queued_ns: int = 0
+    scheduled_ns: int = 0
+    first_token_ns: int = 0
+    kv_ready_ns: int = 0  # D: the load ended (seen by the scheduler)
+    held_for_transfer: bool = False  # finished, blocks kept until KvHooks releases them
+    preemptions: int = 0
+    # --- outgoing tokens
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _pending: list[int] = field(default_factory=list)
+    _pending_ns: list[int] = field(default_factory=list)
+    _last_flush: float = 0.0
+    _seed: int = 0
+    _id_range: tuple[int, int] = (0, 0)
+
+    def __post_init__(self):
+        # One pass over the prompt as an array: its id range (checked on admission) and the
+        # output's seed (the whole prompt, hashed).
+        ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        self._id_range = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        self._seed = int.from_bytes(hashlib.sha256(ids.tobytes()).digest()[:8], "little")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        p = self.num_prompt_tokens
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:p] + self.output_token_ids[max(0, start - p):end - p]
+
+
+def pseudo_token(seed: int, position: int, vocab_size: int) -> int:
+    """splitmix64 of (seed, position): deterministic, uniform over the vocabulary."""
+    m = (1 << 64) - 1
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) % vocab_size
