@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pdcluster.cluster.sim import payload
 from pdcluster.cluster.sim.cost import Component
 from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
-from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SimRequest
+from pdcluster.cluster.sim.request import SimRequest
+from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
 from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
@@ -73,9 +74,9 @@ class _NotifyingFetcher(KvFetcher):
         super().__init__(*args, **kwargs)
         self._on_done = on_done
 
-    def _run(self, job: LoadJob) -> None:
+    def _run(self, job: LoadJob, deadline: float) -> None:
         try:
-            super()._run(job)
+            super()._run(job, deadline)
         finally:
             self._on_done(job.request_id)
 

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 from pdcluster.cluster.sim import payload
 from pdcluster.cluster.sim.cost import Component
-from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SimRequest
+from pdcluster.cluster.sim.request import SimRequest
+from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler
 from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.sources import SourceTable
-
-# Pulls served at once per P. In push mode every D asks as soon as it has the request, so a
-# P with a queue has a pull waiting per queued request (C90 on P8+D8: over 8 on a busy P, where
-# KvServer's default 8 threads made the next D's GetLayout time out and its request fail).
-SERVER_THREADS = 64
 
 
 class ProducerSide(KvHooks):
@@ -34,8 +30,7 @@ class ProducerSide(KvHooks):
         self.lease_s = lease_s
         self.sources = SourceTable({c.name: i for i, c in enumerate(components)}, (block_size,) * len(components))
         self.server = KvServer(engine_id, kv, self.sources, host, port, chunk_bytes, secret=secret, wait_s=timeout_s,
-                               break_prefix=break_prefix, channel_backend=channel_backend,
-                               max_workers=SERVER_THREADS, advertise=advertise)
+                               break_prefix=break_prefix, channel_backend=channel_backend, advertise=advertise)
         self.scheduler: Scheduler | None = None
         self.transfer_ids: dict[str, str] = {}  # request id -> the transfer it produces
         self._ran: set[str] = set()  # requests a step has computed (the source exists)
