@@ -215,8 +215,11 @@ class PDDispatcher(TokenBackend):
                     moved = f" (off {', '.join(m.lost for m in rec.migrations)})" if rec.migrations else ""
                     raise BackendError(f"{lost}; the request was already moved {len(rec.migrations)} times{moved}: "
                                        f"router.migration_limit", 503, "service_unavailable") from None
-                log.warning("%s: %s; moving it on with %d tokens sent", rec.request_id, lost, len(sent))
                 avoid.add(lost.instance)
+                if not self.picker.any_up(lost.role, avoid):
+                    raise BackendError(f"{lost}; no other {lost.role} instance is up to take the request on", 503,
+                                       "service_unavailable") from None
+                log.warning("%s: %s; moving it on with %d tokens sent", rec.request_id, lost, len(sent))
                 rec.migrations.append(Migration(time.monotonic_ns(), lost.role, lost.instance, len(sent), str(lost)))
                 if not sent:  # the record tells the attempt that produces the first token
                     forget_attempt(rec)

@@ -145,6 +145,11 @@ class InstancePicker(Generic[I]):
                                + (f"; lost under this request: {', '.join(lost)})" if lost else ")"))
         return up
 
+    def any_up(self, role: str, avoid: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether an instance of the role is up, leaving out `avoid`."""
+        return any(i.name not in avoid and (self.is_up is None or self.is_up(i.name))
+                   for i in (self.prefill if role == "prefill" else self.decode))
+
     def least_queued_s(self) -> float:
         """The predicted prefill time queued on the least-loaded live P (0 if none is up)."""
         return min((self._load[p.name].seconds for p in self.prefill if self.is_up is None or self.is_up(p.name)),

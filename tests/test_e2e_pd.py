@@ -73,7 +73,8 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     cold_tokens, cold = run(cluster, b, 3)
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0
     assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038,
-                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False}
+                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
+                          "migrations": 0}
 
     reset_caches(cluster, 10)
     run(cluster, a, 3)
@@ -81,7 +82,8 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     assert warm["prompt_tokens_details"]["cached_tokens"] == 1024
     # D got A's KV from P, so it holds the shared 1,024 tokens too and pulls only the tail.
     assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14,
-                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False}
+                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
+                          "migrations": 0}
 
     reset_caches(cluster, 10)
     run(cluster, a, 3)
@@ -125,7 +127,8 @@ def test_repeat_fetches_no_prefix_blocks(cluster):
     assert first["pd"]["transferred_tokens"] == 1000 - first["pd"]["d_cached_tokens"]
     # The second time D holds every full block (896 tokens) and pulls only the partial tail block.
     assert second["pd"] == {"p_cached_tokens": 896, "d_cached_tokens": 896, "transferred_tokens": 104,
-                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False}
+                          "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
+                          "migrations": 0}
     assert second_tokens == first_tokens
 
 

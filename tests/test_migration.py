@@ -121,7 +121,8 @@ def test_the_limit_ends_it_with_an_error_naming_the_lost_instances(cancelled):
 def test_with_no_decode_left_the_error_names_the_lost_one(cancelled):
     disp = make([FakeEngine()], [FakeEngine(decode_script=[DecodeDelta([10]), DIED])])
     err, got = run(expect_error(disp))
-    assert err.status == 503 and "no decode instance is up" in str(err) and "lost under this request: decode-0" in str(err)
+    assert err.status == 503 and str(err).startswith("decode instance decode-0 is unavailable")
+    assert "no other decode instance is up" in str(err)
     assert tokens(got) == [10]
 
 

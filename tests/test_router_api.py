@@ -31,7 +31,8 @@ def test_completion_text_prompt(fake_router, tok):
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n_out,
                              "total_tokens": len(ids) + n_out, "prompt_tokens_details": {"cached_tokens": 3},
                              "pd": {"p_cached_tokens": 3, "d_cached_tokens": 1, "transferred_tokens": 5,
-                                    "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False}}
+                                    "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
+                                    "migrations": 0}}
     assert backend.closed_early == []
 
 

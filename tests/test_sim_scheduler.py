@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pdcluster.cluster.sim.block_pool import BlockPool
-from pdcluster.cluster.sim.request import SimRequest, Status, pseudo_token
+from pdcluster.cluster.sim.request import SimRequest, Status, context_token
 from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler, SchedulerConfig
 
 BS = 16
@@ -237,8 +237,8 @@ def test_out_of_blocks_preempts_the_latest_and_everything_still_finishes():
     out = asyncio.run(serve(sched, reqs))
     assert all(len(tokens_of(out[r.request_id])) == 40 for r in reqs)
     assert sum(r.preemptions for r in reqs) > 0
-    # A preempted request's output is the same as without preemption (same seed, same positions).
-    assert tokens_of(out["2"]) == [pseudo_token(reqs[2]._seed, 30 + i, VOCAB) for i in range(40)]
+    # A preempted request's output is the same as without preemption (same contexts, same positions).
+    assert tokens_of(out["2"]) == expected_output(reqs[2].prompt_token_ids, 40)
     sched.pool.check_integrity()
     assert sched.pool.num_held == 0
 
@@ -255,8 +255,7 @@ def test_a_prompt_that_can_never_fit_fails_at_once():
 
 def test_stop_rules_eos_stop_ids_and_determinism():
     probe = request("x", 10, max_tokens=1)
-    first = pseudo_token(probe._seed, 10, VOCAB)
-    second = pseudo_token(probe._seed, 11, VOCAB)
+    first, second = expected_output(probe.prompt_token_ids, 2)
     # EOS ends the request unless ignore_eos; a stop id ends it too; the stop token is in the output.
     sched, _ = make(eos_token_id=first)
     out = asyncio.run(serve(sched, [request("a", 10, max_tokens=5)]))
@@ -305,3 +304,21 @@ def test_a_failing_loop_ends_every_request_instead_of_leaving_it_waiting():
     reqs, deltas = asyncio.run(run())
     assert [d.finish_reason for d in deltas] == ["error", "error"]
     assert all("cost model bug" in r.error for r in reqs)
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(context_token(prompt + out, len(prompt) + len(out), VOCAB))
+    return out
+
+
+def test_a_request_sent_again_with_the_tokens_it_had_goes_on_with_the_same_tokens():
+    """What a migration relies on (router/migration.py): prompt + first k tokens, asked for the
+    rest, gives the rest of the uninterrupted output, as a greedy model would."""
+    prompt = request("p", 40).prompt_token_ids
+    whole = asyncio.run(serve(make()[0], [request("w", 40, max_tokens=30)]))["w"]
+    assert tokens_of(whole) == expected_output(prompt, 30)
+    head = tokens_of(whole)[:12]
+    rest = asyncio.run(serve(make()[0], [SimRequest("r", prompt + head, 18)]))["r"]
+    assert head + tokens_of(rest) == tokens_of(whole)

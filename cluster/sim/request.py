@@ -1,7 +1,10 @@
 """A simulated engine's request: what it asks for, where the scheduler has it, and its tokens.
 
-Tokens are pseudo-random ids from (prompt, position) within the vocabulary (`pseudo_token`),
-so the same prompt gives the same output on every instance. The scheduler (scheduler.py)
+Tokens are pseudo-random ids within the vocabulary from the context before them: the last
+`CONTEXT_TOKENS` tokens and the position (`context_token`), as a greedy model's next token
+follows from its context. So the same prompt gives the same output on every instance, and a
+request sent again as its prompt plus the tokens it had produced (router/migration.py) goes
+on with exactly the tokens it would have produced. The scheduler (scheduler.py)
 moves a request through `Status`; its outgoing tokens leave in batches (`Delta`).
 """
 
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,15 +63,17 @@ class SimRequest:
     _pending: list[int] = field(default_factory=list)
     _pending_ns: list[int] = field(default_factory=list)
     _last_flush: float = 0.0
-    _seed: int = 0
     _id_range: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
-        # One pass over the prompt as an array: its id range (checked on admission) and the
-        # output's seed (the whole prompt, hashed).
+        # One pass over the prompt as an array: its id range (checked on admission).
         ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
         self._id_range = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        self._seed = int.from_bytes(hashlib.sha256(ids.tobytes()).digest()[:8], "little")
+
+    def next_token(self, vocab_size: int) -> int:
+        """The token at position num_tokens: from the context before it."""
+        n = self.num_tokens
+        return context_token(self.tokens(max(0, n - CONTEXT_TOKENS), n), n, vocab_size)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +92,18 @@ class SimRequest:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:p] + self.output_token_ids[max(0, start - p):end - p]
+
+
+CONTEXT_TOKENS = 16  # how far back a token's context reaches
+
+
+def context_token(context: list[int], position: int, vocab_size: int) -> int:
+    """Pure: the token after `context` (its last CONTEXT_TOKENS count) at `position`."""
+    m = (1 << 64) - 1
+    seed = 0xCBF29CE484222325  # FNV-1a over the context's ids
+    for t in context[-CONTEXT_TOKENS:]:
+        seed = ((seed ^ t) * 0x100000001B3) & m
+    return pseudo_token(seed, position, vocab_size)
 
 
 def pseudo_token(seed: int, position: int, vocab_size: int) -> int:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdcluster.cluster.sim.block_pool import BlockPool, OutOfBlocks, hash_blocks
-from pdcluster.cluster.sim.request import Delta, SimRequest, Status, pseudo_token
+from pdcluster.cluster.sim.request import Delta, SimRequest, Status
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ class Scheduler:
                 prompt_steps = True
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk short of the end: nothing sampled yet
-            token = pseudo_token(req._seed, req.num_tokens, c.vocab_size)
+            token = req.next_token(c.vocab_size)
             req.output_token_ids.append(token)
             if not req.first_token_ns:
                 req.first_token_ns = now_ns
