@@ -253,6 +253,9 @@ class EngineChannel:
         self._calls: dict[int, PendingCall] = {}
         self._conn: FramedConnection | None = None
         self._down_reason = "not connected yet"
+        # Connections made so far: a change means the instance went away and came back (a new
+        # process: whatever the old one held, leases and KV, is gone).
+        self.connections = 0
         self._tasks: list[asyncio.Task] = []
         self._stopped = False
 
@@ -288,6 +291,7 @@ class EngineChannel:
             conn.close()
             raise EngineUnavailable(self._down_reason)
         self._conn = conn
+        self.connections += 1
         self._tasks = [asyncio.create_task(self._watch(self.actor.channel_closed.remote()))]
         return self
 

@@ -48,6 +48,10 @@ from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
 
+# How long a failed KV load waits to learn whether its P was lost (then the request moves to
+# another P) or the transfer alone failed (a 502): the channel's FIN comes with P's death.
+LOST_GRACE_S = 1.0
+
 
 @dataclass(frozen=True)
 class Instance:
@@ -233,6 +237,7 @@ class PDDispatcher(TokenBackend):
         except NoInstanceUp as err:
             raise BackendError(str(err), 503, "service_unavailable") from None
         p, d = route.prefill, route.decode
+        p_connection = self._connection(p)  # P's channel now: another one later means P was replaced
         if rec.migrations:
             rec.migrations[-1].to = p.name if rec.migrations[-1].role == "prefill" and not route.local_prefill else d.name
         if first:
@@ -272,6 +277,10 @@ class PDDispatcher(TokenBackend):
                                                                   None if got_token else p_task)
                     if delta is None:
                         raise BackendError(f"decode instance {d.name} ended {rec.request_id} without a finish", 502)
+                    if delta.finish_reason in ("error", "abort") and not got_token and not route.local_prefill \
+                            and await self._lost_soon(p, p_connection):
+                        # D's KV load failed because P went away: a lost P before the first token.
+                        raise InstanceLost("prefill", p.name, "it was lost while D loaded its KV")
                     self._record_tokens(rec, delta, self._clock(d))
                     if delta.new_token_ids:
                         got_token = True
@@ -293,6 +302,20 @@ class PDDispatcher(TokenBackend):
             if stream is not None:
                 stream.cancel()  # unless it finished: aborts the request inside D's engine
             self.picker.ended(route)
+
+    def _connection(self, inst: Instance) -> int:
+        return getattr(self.channels.get(inst.name), "connections", 0)  # tests' fake channels: 0
+
+    async def _lost_soon(self, inst: Instance, connection: int, within_s: float = LOST_GRACE_S) -> bool:
+        """Whether the instance was lost since its channel's `connection`-th connection: it is down,
+        goes down within `within_s` (a D reports a failed load from a killed P at about the moment
+        the router's channel to P closes), or is already back as a new process."""
+        deadline = time.monotonic() + within_s
+        while self._channel_up(inst.name) and self._connection(inst) == connection:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     @staticmethod
     async def _p_answer(p_task: asyncio.Future) -> PrefillResult | None:

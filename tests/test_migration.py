@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from dispatch_fakes import DIED, PROMPT, SAMPLING, FakeEngine, collect, expect_error, make, run
 
 from pdcluster.cluster.messages import DecodeDelta
 from pdcluster.router.attribution import attribute
+from pdcluster.router.pd_dispatch import LOST_GRACE_S
 from pdcluster.router.timeline import Migration, RequestRecord
 
 
@@ -158,3 +160,38 @@ def test_the_summary_and_the_metrics_count_the_moves(tmp_path):
     metrics = RouterMetrics(lambda: {})
     metrics.observe(moved)
     assert 'pdc_migrations_total{role="decode"} 1.0' in metrics.render().decode()
+
+
+class ScriptsInTurn(FakeEngine):
+    """A D whose n-th decode call plays scripts[n]; `on_decode` runs as each call is made."""
+
+    def __init__(self, scripts: list[list], on_decode=lambda: None):
+        super().__init__()
+        self.scripts, self.on_decode = scripts, on_decode
+
+    def call(self, method, req):
+        if method == "decode":
+            self.decode_script = self.scripts[len(self.decode_calls)]
+            self.on_decode()
+        return super().call(method, req)
+
+
+def test_a_kv_load_that_failed_because_p_was_lost_moves_to_another_p(cancelled):
+    p0, p1 = FakeEngine(), FakeEngine()
+    # P0 answers its prefill, then dies while D loads the KV: D ends the request with 'error'.
+    d = ScriptsInTurn([[DecodeDelta([], finish_reason="error")], [DecodeDelta([10]), finish([11])]],
+                      on_decode=lambda: setattr(p0, "connected", False) if not d.decode_calls else None)
+    disp = make([p0, p1], [d])
+    records = recorded(disp)
+    assert tokens(run(collect(disp))) == [10, 11]
+    [m] = records[0].migrations
+    assert (m.role, m.lost, m.to) == ("prefill", "prefill-0", "prefill-1") and "while D loaded its KV" in m.reason
+
+
+def test_a_kv_load_that_failed_with_p_alive_is_a_502_not_a_move(cancelled):
+    d = FakeEngine(decode_script=[DecodeDelta([], finish_reason="error")])
+    disp = make([FakeEngine(), FakeEngine()], [d])
+    disp_start = time.monotonic()
+    err, _ = run(expect_error(disp))
+    assert err.status == 502 and err.kind == "kv_transfer_error" and len(d.decode_calls) == 1
+    assert time.monotonic() - disp_start >= LOST_GRACE_S  # it waited to learn whether P was lost
