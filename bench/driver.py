@@ -15,6 +15,7 @@ import asyncio
 import json
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -44,6 +45,9 @@ class DriveConfig:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+RUN_TOKEN = uuid.uuid4().hex[:8]  # this process's request ids, apart from another driver's
+
+
 def _inter_arrival(rng: random.Random, rate: float, burstiness: float) -> float:
     if burstiness == 0:
         return 1.0 / rate
@@ -55,12 +59,16 @@ async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchReques
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if cfg.model:
         body["model"] = cfg.model
+    # Named by the client (X-Request-Id, as vLLM's server takes it): a request that fails before
+    # its stream starts is still found in the router's timeline.
+    client_id = f"bench-{RUN_TOKEN}-{req.phase}-{req.index}"
     res = RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
-                        start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens)
+                        start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens,
+                        request_id=f"cmpl-{client_id}")
     try:
         while True:  # once, or again after each 429 while retries are left
-            async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body,
-                                     timeout=cfg.timeout_s) as r:
+            async with client.stream("POST", f"{cfg.base_url}/v1/completions", json=body, timeout=cfg.timeout_s,
+                                     headers={"X-Request-Id": client_id}) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")
                     res.error = f"HTTP {r.status_code}: {_error_message(text)}"
@@ -104,10 +112,12 @@ def _take_event(res: RequestResult, event: dict, now: float) -> None:
     if "error" in event:  # an error after the stream started (OpenAI/vLLM style)
         res.error = f"stream error: {event['error'].get('message', event['error'])}"
         return
-    res.request_id = res.request_id or event.get("id")
+    res.request_id = event.get("id") or res.request_id  # the server's own id, when it names one
     for choice in event.get("choices") or []:
         ids = choice.get("token_ids")
         n = len(ids) if ids is not None else (1 if choice.get("text") else 0)  # servers without token ids
+        if ids:
+            res.token_ids.extend(ids)
         if n:
             res.chunk_s.append(now)
             res.chunk_tokens.append(n)

@@ -38,6 +38,7 @@ class RequestResult:
     output_tokens: int = 0
     chunk_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
+    token_ids: list[int] = field(default_factory=list)  # the streamed ids, in order (servers that send them)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     expected_cached_tokens: int | None = None
     pd: dict[str, int | str | None] | None = None  # usage.pd from a pdcluster router

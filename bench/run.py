@@ -88,6 +88,7 @@ class BenchRun:
     hit_mismatches: list[str]  # the cache-check (and formal) requests whose hit was not the expected one
     timelines: dict[str, RequestRecord]
     out_dir: Path
+    requests: list[BenchRequest] = dataclasses.field(default_factory=list)  # what was sent, by index
 
 
 def server_info(base_url: str, api_key: str | None = None) -> tuple[int | None, str | None]:
@@ -162,7 +163,7 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
     config = {**dataclasses.asdict(cfg), "vocab_size": vocab, "timeline_run_dir": run_dir,
               "hit_mismatches": mismatches}
     write_run(out, results, summaries.values(), config, timelines or None)
-    return BenchRun(cfg, results, summaries, mismatches, timelines, out)
+    return BenchRun(cfg, results, summaries, mismatches, timelines, out, requests)
 
 
 def expected_after_failures(results: list[RequestResult], by_index: dict[int, BenchRequest],

@@ -1,0 +1,220 @@
+"""A chaos soak: a replay through a cluster while its instances are killed and restarted.
+
+Starts the spec's cluster (the simulated engine: its output is a pure function of each
+request's context, so every stream can be checked token by token), replays a load (a preset,
+shortened with --num-requests), and meanwhile kills a random P or D every --kill-every seconds
+with ray.kill (Ray restarts it; one instance of each role is always left alive). Then it waits
+for every instance to be back and every KV block to be free, and reports:
+
+- requests sent, succeeded, migrated (moved off a lost D), retried (moved off a lost P), refused
+  with a 429, failed with a clear error (an HTTP status or an error event naming the problem),
+  and lost (no answer at all: a connection error, a timeout, an empty stream): must be 0;
+- streams whose tokens are not exactly the undisturbed output (a token twice, missing or
+  wrong): must be 0;
+- KV blocks in use on each instance once idle: must be 0;
+- timeline records written vs requests answered (a 429 writes none).
+
+usage: python -m pdcluster.bench.chaos deploy/p8d8-sim.yaml --preset c90 [--num-requests 200]
+                                       [--kill-every 20] [--seed 0] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.sim.request import CONTEXT_TOKENS, context_token
+
+
+@dataclass(frozen=True)
+class Kill:
+    at_s: float  # since the replay started
+    instance: str
+
+
+@dataclass
+class ChaosReport:
+    sent: int = 0
+    succeeded: int = 0
+    migrated: int = 0  # requests moved off a lost decode instance
+    retried: int = 0  # requests moved off a lost prefill instance
+    rejected: int = 0  # 429 (admission control)
+    failed: int = 0  # ended with an error that names the problem
+    lost: int = 0  # no answer at all
+    wrong_streams: int = 0  # succeeded, but not exactly the undisturbed output
+    kills: list[Kill] = field(default_factory=list)
+    blocks_in_use: dict[str, float] = field(default_factory=dict)  # instance -> KV cache usage once idle
+    records: int = 0  # timeline records of the answered requests
+    answered: int = 0  # requests that got an HTTP answer other than 429
+    errors: list[str] = field(default_factory=list)  # the failed and lost, first few
+
+    @property
+    def ok(self) -> bool:
+        return (self.lost == 0 and self.wrong_streams == 0 and not any(self.blocks_in_use.values())
+                and self.records == self.answered)
+
+
+def expected_output(prompt, n: int, vocab_size: int) -> list[int]:
+    """What the simulated engine generates for `prompt`, undisturbed (cluster/sim/request.py):
+    each token from the CONTEXT_TOKENS before it."""
+    context, out = list(prompt[-CONTEXT_TOKENS:]), []
+    for i in range(n):
+        token = context_token(context, len(prompt) + i, vocab_size)
+        out.append(token)
+        context = context[1:] + [token] if len(context) == CONTEXT_TOKENS else context + [token]
+    return out
+
+
+def is_lost(r: RequestResult) -> bool:
+    """No answer at all: neither an HTTP status nor an error event that says what went wrong."""
+    return not r.ok and not (r.error.startswith("HTTP ") or r.error.startswith("stream error: "))
+
+
+def chaos_loop(cluster, stop: threading.Event, every_s: float, rng: random.Random, t0: float,
+               kills: list[Kill]) -> None:
+    """Kill a random live instance every `every_s`, never the last live one of its role."""
+    import httpx
+    import ray
+
+    while not stop.wait(every_s):
+        try:
+            up = httpx.get(f"{cluster.url}/health", timeout=5).json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            continue
+        alive = {role: [i for i in insts if up.get(i.name)]
+                 for role, insts in (("prefill", cluster.prefill), ("decode", cluster.decode))}
+        candidates = [i for insts in alive.values() if len(insts) > 1 for i in insts]
+        if not candidates:
+            continue
+        victim = rng.choice(candidates)
+        ray.kill(victim.actor, no_restart=False)  # Ray restarts it
+        kills.append(Kill(time.monotonic() - t0, victim.name))
+
+
+def wait_idle(cluster, timeout_s: float) -> dict[str, float]:
+    """Every instance back (the router's /health) and its KV cache empty; what each still holds."""
+    import httpx
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    usage: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        usage = {i.name: ray.get(i.actor.load.remote(), timeout=10).kv_cache_usage for i in cluster.instances}
+        if not any(usage.values()):
+            break
+        time.sleep(1)  # a P's lease for a request whose D died ends by itself (transfer.lease_s)
+    return usage
+
+
+def soak(cluster, cfg, every_s: float, seed: int, log=print) -> ChaosReport:
+    from pdcluster.bench.run import run_bench, server_info
+    from pdcluster.router.timeline import load_run
+
+    vocab, run_dir = server_info(cfg.base_url)
+    stop, kills = threading.Event(), []
+    t0 = time.monotonic()
+    killer = threading.Thread(target=chaos_loop, args=(cluster, stop, every_s, random.Random(seed), t0, kills),
+                              daemon=True)
+    killer.start()
+    try:
+        run = run_bench(cfg, log=log)
+    finally:
+        stop.set()
+        killer.join()
+    usage = wait_idle(cluster, cluster.spec.transfer.lease_s + 120)
+    results = run.results
+    by_index = {r.index: r for r in results}
+    prompts = {req.index: req.prompt_token_ids for req in run.requests}
+    report = ChaosReport(sent=len(results), kills=kills, blocks_in_use=usage)
+    records = {rec.request_id: rec for rec in load_run(run_dir).records} if run_dir else {}
+    for r in results:
+        if r.ok:
+            report.succeeded += 1
+            if r.token_ids != expected_output(prompts[r.index], r.output_tokens, vocab) or \
+                    len(r.token_ids) != r.output_tokens:
+                report.wrong_streams += 1
+                report.errors.append(f"#{r.index} {r.request_id}: its tokens differ from the undisturbed output")
+        elif r.rejected:
+            report.rejected += 1
+        elif is_lost(r):
+            report.lost += 1
+            report.errors.append(f"#{r.index} lost: {r.error}")
+        else:
+            report.failed += 1
+            report.errors.append(f"#{r.index} {r.request_id}: {r.error}")
+        rec = records.get(r.request_id) if r.request_id else None
+        if rec is not None:
+            roles = {m.role for m in rec.migrations}
+            report.migrated += "decode" in roles
+            report.retried += "prefill" in roles
+    answered = [r for r in by_index.values() if not r.rejected and not is_lost(r)]
+    report.answered = len(answered)
+    report.records = sum(1 for r in answered if r.request_id in records)
+    return report
+
+
+def format_report(rep: ChaosReport) -> str:
+    lines = [f"sent {rep.sent}: succeeded {rep.succeeded} (migrated {rep.migrated}, retried {rep.retried}), "
+             f"refused with 429 {rep.rejected}, failed with an error {rep.failed}, lost {rep.lost}",
+             f"kills: {len(rep.kills)} ({', '.join(f'{k.instance}@{k.at_s:.0f}s' for k in rep.kills[:12])}"
+             f"{' ...' if len(rep.kills) > 12 else ''})",
+             f"streams not exactly the undisturbed output: {rep.wrong_streams}",
+             f"KV blocks in use once idle: {sum(1 for v in rep.blocks_in_use.values() if v)} instances "
+             f"({', '.join(f'{k} {v:.1%}' for k, v in rep.blocks_in_use.items() if v) or 'none'})",
+             f"records written: {rep.records} of {rep.answered} answered requests",
+             "OK" if rep.ok else "NOT OK"]
+    lines += [f"  {e}" for e in rep.errors[:10]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("spec")
+    ap.add_argument("--preset", default="c90")
+    ap.add_argument("--num-requests", type=int, default=None, help="the formal window's requests (default: the preset's)")
+    ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the report as JSON")
+    a = ap.parse_args()
+
+    import ray
+
+    from pdcluster.bench.run import BenchConfig
+    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.spec import load_spec
+
+    spec = load_spec(a.spec)
+    assert spec.engine.kind == "sim", "the soak checks every stream against the simulated engine's output"
+    ray.init(num_cpus=None if spec.ray_address else 2, include_dashboard=False, namespace=NAMESPACE,
+             log_to_driver=False)
+    cluster = build_cluster(spec)
+    try:
+        cfg = BenchConfig.from_preset(a.preset, **({"num_requests": a.num_requests} if a.num_requests else {}))
+        cfg = dataclasses.replace(cfg, base_url=cluster.url, engine_block_size=spec.role_engine("prefill").block_size,
+                                  progress=False)
+        rep = soak(cluster, cfg, a.kill_every, a.seed)
+    finally:
+        teardown(cluster)
+        ray.shutdown()
+    print(format_report(rep))
+    if a.out:
+        Path(a.out).write_text(json.dumps(dataclasses.asdict(rep), indent=1))
+    raise SystemExit(0 if rep.ok else 1)
+
+
+if __name__ == "__main__":
+    main()
