@@ -309,7 +309,7 @@ class ClusterSpec(_Strict):
     def secret(self) -> str:
         """The cluster secret (build_cluster settles it before any actor starts)."""
         assert self.auth.secret is not None, ("no cluster secret in the spec: build_cluster sets one "
-                                              "(with_secret); a component made from an unsettled spec is a bug")
+                                              "(launch.settle_spec); a component made from an unsettled spec is a bug")
         return self.auth.secret.get_secret_value()
 
     @field_validator("engine", mode="before")
