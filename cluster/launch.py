@@ -28,6 +28,7 @@ from pdcluster.cluster.placement import router_options as router_placement
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.router.pd_dispatch import Instance
 from pdcluster.router.server import RouterActor
+from pdcluster.router.timeline import new_run_id
 
 log = logging.getLogger(__name__)
 
@@ -181,17 +182,20 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     routers: list[ray.actor.ActorHandle] = []
-    url, run_dir, node = "", None, None
+    url, node = "", None
+    # Named before any router starts: a router Ray restarts after a crash writes into it again.
+    run_dir = str(Path(spec.router.runs_dir) / new_run_id(spec.name)) if spec.router.record_timeline else None
     for k in range(spec.router.processes):
+        # A crashed router comes back (Ray restarts it) and serves by itself (RouterActor.resume).
         opts: dict = dict(name=actor_name(spec, router_name(k)), namespace=NAMESPACE, num_cpus=0,
-                          max_concurrency=1000)
+                          max_concurrency=1000, max_restarts=-1)
         if detached:
             opts["lifetime"] = "detached"
         if node is None:  # router 0: the driver's node, or one with router.labels
             opts.update(router_placement(spec, ray.get_runtime_context().get_node_id()))
         else:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k)
+        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k, run_dir)
         started.append((router_name(k), router))
         routers.append(router)
         try:
@@ -199,7 +203,7 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
         except Exception as err:
             raise ClusterStartError(f"{router_name(k)} failed to start: {_root_cause(err)}") from None
         if k == 0:
-            run_dir, node = ray.get([router.run_dir.remote(), router.node_id.remote()])
+            run_dir, node = ray.get([router.run_dir.remote(), router.node_id.remote()])  # as router 0 made it
     if len(routers) > 1:
         ray.get([r.set_peers.remote({router_name(j): p for j, p in enumerate(routers) if p is not r}) for r in routers])
     return routers, url, run_dir

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +22,9 @@ from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, js
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import FittedCost, ModelledCost, PrefillCost
-from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, versions
+from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, new_run_id, versions
+
+log = logging.getLogger(__name__)
 
 
 def prefill_cost(spec: ClusterSpec) -> PrefillCost:
@@ -63,7 +67,10 @@ class RouterActor:
     """
 
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
-                 index: int = 0):
+                 index: int = 0, run_dir: str | None = None):
+        """`run_dir`: the run's directory (the launcher names it before router 0 starts), so that
+        a router Ray restarts after a crash writes into the same run; it then starts serving by
+        itself, with the others as its peers (max_restarts=-1, cluster/launch.py)."""
         from pdcluster.cluster.auth import curve_keys
         from pdcluster.router.admission import AdmissionLimits
         from pdcluster.router.http_app import HttpLimits
@@ -74,6 +81,10 @@ class RouterActor:
 
         assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
         self.spec, self.index = spec, index
+        self._run_dir = run_dir
+        import ray
+
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.peers: dict = {}  # the other routers' actor handles by name (router.processes > 1)
         block_size = spec.role_engine("prefill").block_size
         self.infos = infos
@@ -111,6 +122,9 @@ class RouterActor:
         self.app.add("GET", "/pdc/run", self._run_page)
         self._server = None
         self._task: asyncio.Task | None = None
+        if self.restarted:  # nobody else will call start: ask this actor itself, once __init__ returns
+            me = ray.get_runtime_context().current_actor
+            threading.Thread(target=lambda: ray.get(me.resume.remote()), name="pdc-router-resume", daemon=True).start()
 
     async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
         page = self.metrics.render()
@@ -136,6 +150,19 @@ class RouterActor:
         """The other routers of this cluster: actor name -> handle."""
         self.peers = peers
 
+    async def resume(self) -> str:
+        """After Ray restarted this router (its process crashed): serve again, as before, with the
+        other routers of the cluster as its peers. Called by the router itself (the launcher is long gone)."""
+        import ray
+
+        from pdcluster.cluster.launch import NAMESPACE, actor_name, router_name
+
+        url = await self.start()
+        self.peers = {router_name(j): ray.get_actor(actor_name(self.spec, router_name(j)), namespace=NAMESPACE)
+                      for j in range(self.spec.router.processes) if j != self.index}
+        log.warning("router %d restarted after a crash; serving again at %s", self.index, url)
+        return url
+
     def node_id(self) -> str:
         import ray
 
@@ -147,31 +174,35 @@ class RouterActor:
 
     async def _open_run(self, infos: list[InstanceInfo], run_dir: str | None) -> RunStore:
         """Measure each instance's clock, then start this run's directory (router 0), or
-        join the one router 0 started (run_dir)."""
+        join the one router 0 started (run_dir); a restarted router joins as a new writer."""
         import ray
 
         here = ray.util.get_node_ip_address()
         clocks = await self.dispatcher.measure_clocks({i.name for i in infos if i.node_ip == here})
+        if self.restarted:
+            assert run_dir is not None, "a restarted router writes into its run: the launcher names it"
+            return RunStore(run_dir, None, writer=RunStore.new_writer(Path(run_dir), self.spec.router.processes))
         if self.index > 0:
             assert run_dir is not None, f"router {self.index} writes into router 0's run directory: none given"
             return RunStore(run_dir, None, writer=self.index)
         started_mono, started_wall = time.monotonic_ns(), time.time_ns()
-        run_id = f"{self.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        meta = RunMeta(run_id=run_id, started_wall_ns=started_wall, started_mono_ns=started_mono,
+        path = Path(run_dir) if run_dir else Path(self.spec.router.runs_dir) / new_run_id(self.spec.name)
+        meta = RunMeta(run_id=path.name, started_wall_ns=started_wall, started_mono_ns=started_mono,
                        spec=self.spec.model_dump(mode="json"), versions=versions(),
                        instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
-        return RunStore(Path(self.spec.router.runs_dir) / run_id, meta)
+        return RunStore(path, meta)
 
     async def start(self, run_dir: str | None = None) -> str:
         """Serve on router.host:port; return the base URL once it accepts connections.
-        run_dir: router 0's run directory, for routers 1.. to write into."""
+        run_dir: the run's directory (default: the one the launcher named)."""
         import uvicorn
 
+        run_dir = run_dir or self._run_dir
         if self.spec.router.record_timeline:
             self.store = await self._open_run(self.infos, run_dir)
             self.dispatcher.sinks.append(self.store.append)
         r = self.spec.router
-        if self.index == 0:
+        if self.index == 0 and not self.restarted:  # (restarted: its peers may hold the port, rightly)
             # uvicorn would sys.exit() inside this actor instead. Checked without SO_REUSEPORT
             # even for several routers: a stale cluster's routers would share the port otherwise.
             _check_port_free(r.host, r.port)

@@ -10,6 +10,7 @@ offsets, clock anchor) and `requests.jsonl` (append-only, one record a line).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -173,6 +174,11 @@ class RunMeta:
         return cls(**d)
 
 
+def new_run_id(cluster_name: str) -> str:
+    """A run's directory name: the cluster's and the local time it started."""
+    return f"{cluster_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
     import platform
@@ -206,6 +212,12 @@ class RunStore:
         self._lock = threading.Lock()
         # Line-buffered append: a crash loses at most the record being written.
         self._file = open(self.path / self.requests_file(writer), "a", buffering=1)
+
+    @classmethod
+    def new_writer(cls, path: Path, first: int) -> int:
+        """A writer number no file of the run has yet, from `first` on (a restarted router's)."""
+        taken = {int(f.stem.split("-")[1]) for f in path.glob(cls.LATER_REQUESTS.format("*"))}
+        return next(w for w in itertools.count(first) if w not in taken)
 
     @classmethod
     def requests_file(cls, writer: int) -> str:

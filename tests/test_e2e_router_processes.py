@@ -68,6 +68,32 @@ def test_either_routers_metrics_count_every_request(cluster, served):
         assert float(line.split()[-1]) == REQUESTS
 
 
+def test_a_crashed_router_comes_back_by_itself_and_records_into_the_same_run(cluster, served):
+    import ray
+
+    def router0_pid():
+        try:
+            return ray.get(cluster.routers[0].__ray_call__.remote(lambda router: os.getpid()), timeout=5)
+        except (ray.exceptions.RayError, TimeoutError):  # dead, restarting
+            return None
+
+    before = router0_pid()
+    psutil.Process(before).kill()  # a crash (not ray.kill): Ray restarts the actor
+    deadline = time.monotonic() + 90
+    while router0_pid() in (None, before) or not ray.get(
+            cluster.routers[0].__ray_call__.remote(lambda router: bool(router._server and router._server.started))):
+        assert time.monotonic() < deadline, "router 0 did not come back serving within 90 s"
+        time.sleep(0.5)
+    ids = []
+    for i in range(8):  # new connections: some reach the restarted router
+        res = complete(cluster.url, [9 + i] * 300, max_tokens=4, request_id=f"after-crash-{i}")
+        assert res.status_code == 200, res.text
+        ids.append(res.json()["id"])
+    records = {r.request_id for r in load_run(cluster.run_dir).records}
+    assert set(ids) <= records  # one run, written by both routers and the restarted one
+    assert any(f.name not in ("requests.jsonl", "requests-1.jsonl") for f in Path(cluster.run_dir).glob("requests*"))
+
+
 def test_with_one_router_dead_the_other_serves_and_metrics_name_the_dead_one(cluster, served):
     """Last in this module: it kills router-1."""
     import ray
