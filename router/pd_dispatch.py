@@ -247,14 +247,17 @@ class PDDispatcher(TokenBackend):
             rec.decode_instance = d.name
         # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
         transfer_id = f"{rec.request_id}-{next(self._transfer_seq)}"
-        prefill = PrefillRequest(rec.request_id, prompt_token_ids, sampling, transfer_id=transfer_id)
+        # Each attempt is a new request to the engines: an aborted earlier one may still be
+        # leaving P's engine, and two requests of one id there would take each other's blocks.
+        engine_rid = rec.request_id if not rec.migrations else f"{rec.request_id}-moved-{len(rec.migrations)}"
+        prefill = PrefillRequest(engine_rid, prompt_token_ids, sampling, transfer_id=transfer_id)
         stream, p_task, pre = None, None, None
         finished = got_token = False
         local_slot = contextlib.ExitStack()  # D's local prefill slot, held until the first token
         try:
             if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
                 local_slot.enter_context(self.picker.prefilling_locally(route))
-                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling, None))
+                stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling, None))
             elif self.transfer_mode == "push":
                 # D first, with the handle the router can name in advance: D allocates its
                 # blocks and asks P for them while P computes them. D's tokens need not wait
@@ -262,13 +265,13 @@ class PDDispatcher(TokenBackend):
                 # and reply are no business of D's.
                 handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
                                         self.transport).to_params()
-                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling, handle))
+                stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling, handle))
                 p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline))
             else:
                 pre = await self._prefill_busy(route, prefill, deadline)
                 if first:
                     record_prefill(rec, pre, self._clock(p))
-                stream = self._call(d, "decode", DecodeRequest(rec.request_id, prompt_token_ids, sampling,
+                stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling,
                                                                self._with_transport(pre.handle)))
             with self.picker.decoding(route, len(prompt_token_ids), sampling.max_tokens):
                 while not finished:

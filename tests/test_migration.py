@@ -195,3 +195,16 @@ def test_a_kv_load_that_failed_with_p_alive_is_a_502_not_a_move(cancelled):
     err, _ = run(expect_error(disp))
     assert err.status == 502 and err.kind == "kv_transfer_error" and len(d.decode_calls) == 1
     assert time.monotonic() - disp_start >= LOST_GRACE_S  # it waited to learn whether P was lost
+
+
+def test_each_attempt_is_a_new_request_to_the_engines(cancelled):
+    """In push mode the first attempt's prefill is aborted on P as the second starts: under one
+    request id P's engine would mix their blocks (found by the C90 chaos soak: D's check of the
+    KV it received failed, 5 of 41 moved requests)."""
+    p = FakeEngine()
+    d0 = FakeEngine(decode_script=[DIED])
+    disp = make([p], [d0, FakeEngine()], mode="push")
+    run(collect(disp, "r9"))
+    first, second = p.prefill_calls
+    assert first.request_id == "r9" and second.request_id == "r9-moved-1"
+    assert first.transfer_id != second.transfer_id
