@@ -322,3 +322,21 @@ def test_a_request_sent_again_with_the_tokens_it_had_goes_on_with_the_same_token
     head = tokens_of(whole)[:12]
     rest = asyncio.run(serve(make()[0], [SimRequest("r", prompt + head, 18)]))["r"]
     assert head + tokens_of(rest) == tokens_of(whole)
+
+
+def test_an_abort_during_a_step_ends_the_request_after_it_as_vllm_does():
+    """The step's blocks are hittable from its schedule on (and on P, wanted by D): an abort that
+    came while it ran must not free them before the step's chunk is reported computed (the C90
+    chaos soak found a later request hitting such blocks with their content never written)."""
+    hooks = HoldForTransfer()
+    sched, _ = make(cost=RecordingCost(step_s=0.2), hooks=hooks)
+    p = request("p", 100, max_tokens=1)
+
+    async def abort_mid_step():
+        await asyncio.sleep(0.1)  # the first chunk (0..64) is being computed
+        sched.abort("p")
+
+    out = asyncio.run(serve(sched, [p], during=abort_mid_step))
+    assert out["p"][-1].finish_reason == "abort"
+    assert hooks.computed_ranges == [("p", 0, 64)]  # the step it was in finished first, and said so
+    sched.pool.check_integrity()

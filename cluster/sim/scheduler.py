@@ -120,6 +120,8 @@ class Scheduler:
         self.lag_resets = 0
         self._wake = asyncio.Event()
         self._stopped = False
+        self._in_step = False  # a step is being computed (between its schedule and its end)
+        self._aborts: set[str] = set()  # aborts that came during the step: applied after it
         self._last_end: float | None = None  # the modelled clock: when the previous step ended
 
     # ------------------------------------------------------------------ requests in and out
@@ -152,7 +154,15 @@ class Scheduler:
         return req
 
     def abort(self, request_id: str) -> None:
-        """The caller no longer wants `request_id` (client gone): end it, free what it holds."""
+        """The caller no longer wants `request_id` (client gone): end it, free what it holds.
+        As in vLLM, between steps: a request in the step being computed ends after it, since
+        the blocks that step fills are already hittable by others (and, on P, wanted by D)."""
+        if self._in_step:
+            self._aborts.add(request_id)
+            return
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return
@@ -235,8 +245,15 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            await self._sleep(self._step_s(batch))
-            self._after_step(batch)
+            self._in_step = True
+            try:
+                await self._sleep(self._step_s(batch))
+                self._after_step(batch)
+            finally:
+                self._in_step = False
+            for request_id in self._aborts:
+                self._abort_now(request_id)
+            self._aborts.clear()
             self.steps += 1
             self._publish_events()
             await asyncio.sleep(0)  # let the actor's calls in even when steps cost 0 s
