@@ -158,7 +158,7 @@ def _planes(info) -> str:
 def cmd_down(a) -> None:
     import ray
 
-    from pdcluster.cluster.launch import find_actors
+    from pdcluster.cluster.launch import find_actors, is_router, stop_routers
 
     states = _states(a.name)
     if not states:
@@ -166,7 +166,9 @@ def cmd_down(a) -> None:
     for st in states:
         try:
             _join_ray(st)
-            for full, handle in find_actors(st["name"]).items():
+            actors = find_actors(st["name"])
+            stop_routers({full: h for full, h in actors.items() if is_router(full.split(":", 1)[1])})
+            for full, handle in actors.items():
                 ray.kill(handle, no_restart=True)
                 print(f"stopped {full}")
         except (ConnectionError, RuntimeError) as err:

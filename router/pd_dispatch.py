@@ -82,6 +82,8 @@ class PDDispatcher(TokenBackend):
         self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
                                      pending=pending, cost=cost, local=local)
         self.sinks: list[RecordSink] = list(sinks or [])
+        self.begin_sinks: list[RecordSink] = []  # hear each record as its request comes in (the run's journal)
+        self.stopping = False  # the router is stopping: requests still running are ended by it
         # router/admission.py (None: every request is taken in); each refusal's reason goes to
         # the listeners (the metrics).
         self.admission = admission
@@ -183,6 +185,8 @@ class PDDispatcher(TokenBackend):
                         arrival_ns: int | None) -> AsyncIterator[GenerationChunk]:
         rec = RequestRecord(request_id, prompt_tokens=len(prompt_token_ids))
         rec.mark("arrival", arrival_ns)
+        for sink in self.begin_sinks:
+            sink(rec)
         try:
             async for chunk in self._generate(rec, prompt_token_ids, sampling):
                 yield chunk
@@ -190,7 +194,8 @@ class PDDispatcher(TokenBackend):
             rec.error = str(err)
             raise
         except (GeneratorExit, asyncio.CancelledError):
-            rec.error = "cancelled: the client went away or stopped reading"
+            rec.error = ("cancelled: the router stopped" if self.stopping
+                         else "cancelled: the client went away or stopped reading")
             raise
         finally:
             rec.mark("finish")

@@ -45,6 +45,7 @@ def model_card(spec: ClusterSpec) -> ModelCard:
 
 
 PEER_TIMEOUT_S = 10.0  # another router's /metrics share; a live router answers in milliseconds
+STOP_RECORDS_S = 2.0  # at stop, how long cancelled requests get to write their records
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -201,6 +202,7 @@ class RouterActor:
         if self.spec.router.record_timeline:
             self.store = await self._open_run(self.infos, run_dir)
             self.dispatcher.sinks.append(self.store.append)
+            self.dispatcher.begin_sinks.append(self.store.begin)
         r = self.spec.router
         if self.index == 0 and not self.restarted:  # (restarted: its peers may hold the port, rightly)
             # uvicorn would sys.exit() inside this actor instead. Checked without SO_REUSEPORT
@@ -238,6 +240,7 @@ class RouterActor:
     def set_recording(self, on: bool) -> None:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
         self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])) if on else []
+        self.dispatcher.begin_sinks = [self.store.begin] if on and self.store else []
 
     def set_transfer_mode(self, mode: str, transport: str | None = None) -> None:
         """push or pull, over grpc or torch_dist, from the next request on (the pdc connector
@@ -282,11 +285,20 @@ class RouterActor:
         return str(self.store.path) if self.store else None
 
     async def stop(self) -> None:
-        self.kv_events.stop()
-        self.dispatcher.close_channels()
-        if self._server is not None:
-            self._server.should_exit = True
-            await asyncio.wait_for(self._task, timeout=10)
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        """Stop serving: requests still running after uvicorn's graceful second are ended (and
+        recorded as ended by the stop); then the run's file is flushed and fsynced."""
+        self.dispatcher.stopping = True
+        try:
+            if self._server is not None:
+                self._server.should_exit = True
+                await asyncio.wait_for(self._task, timeout=10)
+            # uvicorn cancelled what still ran: let each one's record be written.
+            deadline = time.monotonic() + STOP_RECORDS_S
+            while self.dispatcher.accepted_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            self.kv_events.stop()
+            self.dispatcher.close_channels()
+            if self.store is not None:
+                self.store.close()
+                self.store = None

@@ -5,7 +5,9 @@ ONE clock: the router's `time.monotonic_ns()`. Events measured in other
 processes (vLLM's engine stats, D's KV pull) are mapped onto it with the
 per-instance offset measured when the router registered that instance
 (`ClockOffset`). A run is a directory: `meta.json` (spec, versions, instances,
-offsets, clock anchor) and `requests.jsonl` (append-only, one record a line).
+offsets, clock anchor) and `requests.jsonl` (append-only, one record a line,
+after a short `{"begun": id}` line when the request came in: a request whose router
+died before it ended is then still counted, as unfinished).
 """
 
 from __future__ import annotations
@@ -229,6 +231,12 @@ class RunStore:
         others = sorted(path.glob(cls.LATER_REQUESTS.format("*")), key=lambda f: int(f.stem.split("-")[1]))
         return [f for f in [path / cls.REQUESTS, *others] if f.exists()]
 
+    def begin(self, record: RequestRecord) -> None:
+        """A request came in: its line says so until its record follows (a crash in between)."""
+        line = json.dumps({BEGUN: record.request_id, "arrival": record.events.get("arrival")})
+        with self._lock:
+            self._file.write(line + "\n")
+
     def append(self, record: RequestRecord) -> None:
         line = record.to_json()
         with self._lock:
@@ -241,10 +249,22 @@ class RunStore:
             self._file.close()
 
 
+BEGUN = "begun"  # the key of a "request came in" line (a record has request_id instead)
+
+
+@dataclass(frozen=True)
+class UnfinishedRequest:
+    """A request that came in and has no record: its router stopped before it ended (a crash)."""
+    request_id: str
+    arrival_ns: int | None
+    file: str  # the requests file of the router that had it
+
+
 @dataclass
 class Run:
     meta: RunMeta
     records: list[RequestRecord]
+    unfinished: list[UnfinishedRequest] = field(default_factory=list)
 
     def record(self, request_id: str) -> RequestRecord:
         for r in self.records:
@@ -259,21 +279,38 @@ def load_run(path: str | Path) -> Run:
         raise FileNotFoundError(f"{path} is not a run directory (no {RunStore.META})")
     meta = RunMeta.from_dict(json.loads((path / RunStore.META).read_text()))
     files = RunStore.requests_files(path)
-    records = []
+    records, unfinished = [], []
     for requests in files:
-        text = requests.read_text()
-        lines = text.split("\n")
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(RequestRecord.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as err:
-                if n == len(lines):  # no newline after it: the writer died mid-line (a crash, a kill)
-                    warnings.warn(f"{requests}:{n}: a torn last line (the router stopped while writing it) "
-                                  f"is skipped: {len(line)} bytes", RuntimeWarning, stacklevel=2)
-                    continue
-                raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+        file_records, begun = _read_requests(requests)
+        records += file_records
+        unfinished += [UnfinishedRequest(rid, arrival, requests.name) for rid, arrival in begun.items()]
+    if unfinished:
+        warnings.warn(f"{path}: {len(unfinished)} requests came in and have no record: their router stopped "
+                      f"before they ended (Run.unfinished)", RuntimeWarning, stacklevel=2)
     if len(files) > 1:  # several routers: one list in the order they finished, as one router appends
         records.sort(key=lambda r: r.events.get("finish", 0))
-    return Run(meta, records)
+    return Run(meta, records, unfinished)
+
+
+def _read_requests(requests: Path) -> tuple[list[RequestRecord], dict[str, int | None]]:
+    """One writer's records, and the requests begun in it with no record yet (id -> arrival)."""
+    records, begun = [], {}
+    lines = requests.read_text().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if BEGUN in d:
+                begun[d[BEGUN]] = d.get("arrival")
+                continue
+            record = RequestRecord.from_dict(d)
+        except (json.JSONDecodeError, TypeError) as err:
+            if n == len(lines):  # no newline after it: the writer died mid-line (a crash, a kill)
+                warnings.warn(f"{requests}:{n}: a torn last line (the router stopped while writing it) "
+                              f"is skipped: {len(line)} bytes", RuntimeWarning, stacklevel=3)
+                continue
+            raise ValueError(f"{requests}:{n}: not a request record: {err}") from None
+        begun.pop(record.request_id, None)
+        records.append(record)
+    return records, begun

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import yaml
-from e2e import cluster_spec_for
+from e2e import cluster_spec_for, wait_until
 from test_cli import pdc
+
+from pdcluster.router.timeline import load_run
 
 pytestmark = pytest.mark.e2e
 
@@ -34,13 +38,40 @@ def test_up_status_serve_down(tmp_path):
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # One still streaming at `pdc down`: the router's stop ends it and records that.
+        pool = ThreadPoolExecutor(1)
+        streaming = pool.submit(_stream_until_cut, url)
+        wait_until(lambda: _tokens_streamed > 0, 60, what="the long request streaming")
     finally:
         down = pdc("down", env_state=tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr[-3000:]
+    assert streaming.result(timeout=30) < 1000, "the stream outlived pdc down"
+    run_dir = next(line.split()[1] for line in up.stdout.splitlines() if line.startswith("timelines: "))
+    run = load_run(run_dir)  # no warning: nothing is unfinished
+    assert run.unfinished == [] and len(run.records) == 2
+    assert run.record("cmpl-long").error == "cancelled: the router stopped", run.record("cmpl-long")
     assert "stopped e2e-cli:prefill-0" in down.stdout and "stopped e2e-cli:router" in down.stdout
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=5)
     assert "no cluster started by pdc up" in pdc("status", env_state=tmp_path).stdout
+
+
+_tokens_streamed = 0
+
+
+def _stream_until_cut(url: str) -> int:
+    """A long streamed completion; the tokens it got before its stream ended or broke."""
+    global _tokens_streamed
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, headers={"X-Request-Id": "long"},
+                          json={"prompt": "a long one", "max_tokens": 1000, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    _tokens_streamed += 1
+    except httpx.HTTPError:
+        pass
+    return _tokens_streamed
 
 
 def failed_up(tmp_path, name: str, engine_extra: dict) -> str:

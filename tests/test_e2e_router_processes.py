@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
+from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster, wait_until
 
 from pdcluster.router.timeline import load_run
 
@@ -68,20 +69,38 @@ def test_either_routers_metrics_count_every_request(cluster, served):
         assert float(line.split()[-1]) == REQUESTS
 
 
-def test_a_crashed_router_comes_back_by_itself_and_records_into_the_same_run(cluster, served):
+def test_a_router_crashed_mid_load_leaves_its_run_readable_and_comes_back(cluster, served):
+    """Issue 16 item 6: router 0's process killed (not ray.kill: Ray restarts it) with
+    requests in flight on both routers. Its run loads: every request sent has a record or is
+    listed unfinished, and the restarted router records into the same run."""
     import ray
 
-    def router0_pid():
+    def router0(fn, timeout=5):
         try:
-            return ray.get(cluster.routers[0].__ray_call__.remote(lambda router: os.getpid()), timeout=5)
+            return ray.get(cluster.routers[0].__ray_call__.remote(fn), timeout=timeout)
         except (ray.exceptions.RayError, TimeoutError):  # dead, restarting
             return None
 
-    before = router0_pid()
-    psutil.Process(before).kill()  # a crash (not ray.kill): Ray restarts the actor
+    before = router0(lambda router: os.getpid())
+    in_flight = [f"mid-load-{i}" for i in range(12)]  # a new connection each: both routers get some
+    with ThreadPoolExecutor(len(in_flight)) as pool:
+        answers = [pool.submit(_complete_or_error, cluster.url, rid) for rid in in_flight]
+        wait_until(lambda: sum(ray.get([r.__ray_call__.remote(lambda router: router.dispatcher.accepted_in_flight)
+                                        for r in cluster.routers])) == len(in_flight), 30,
+                   what="every request in flight")
+        psutil.Process(before).kill()  # a crash mid-load
+        statuses = [a.result() for a in answers]
+    assert any(s is None for s in statuses), f"router 0's clients lost their connection: {statuses}"
+    with pytest.warns(RuntimeWarning, match="came in and have no record"):
+        crashed = load_run(cluster.run_dir)
+    had = {r.request_id for r in crashed.records} | {u.request_id for u in crashed.unfinished}
+    assert {f"cmpl-{rid}" for rid in in_flight} <= had, "a request sent is in neither a record nor unfinished"
+    assert {u.file for u in crashed.unfinished} == {"requests.jsonl"}  # router 0's file: only it crashed
+    assert len(crashed.unfinished) == statuses.count(None)
+
     deadline = time.monotonic() + 90
-    while router0_pid() in (None, before) or not ray.get(
-            cluster.routers[0].__ray_call__.remote(lambda router: bool(router._server and router._server.started))):
+    while router0(lambda router: os.getpid()) in (None, before) or not router0(
+            lambda router: bool(router._server and router._server.started)):
         assert time.monotonic() < deadline, "router 0 did not come back serving within 90 s"
         time.sleep(0.5)
     ids = []
@@ -89,9 +108,19 @@ def test_a_crashed_router_comes_back_by_itself_and_records_into_the_same_run(clu
         res = complete(cluster.url, [9 + i] * 300, max_tokens=4, request_id=f"after-crash-{i}")
         assert res.status_code == 200, res.text
         ids.append(res.json()["id"])
-    records = {r.request_id for r in load_run(cluster.run_dir).records}
+    with pytest.warns(RuntimeWarning, match="came in and have no record"):
+        records = {r.request_id for r in load_run(cluster.run_dir).records}
     assert set(ids) <= records  # one run, written by both routers and the restarted one
     assert any(f.name not in ("requests.jsonl", "requests-1.jsonl") for f in Path(cluster.run_dir).glob("requests*"))
+    assert_no_kv_in_use(cluster)  # the engines ended what the dead router had sent them
+
+
+def _complete_or_error(url: str, request_id: str) -> int | None:
+    """The HTTP status, or None when the connection broke (its router died)."""
+    try:
+        return complete(url, [11] * 300, max_tokens=800, request_id=request_id).status_code
+    except httpx.TransportError:
+        return None
 
 
 def test_with_one_router_dead_the_other_serves_and_metrics_name_the_dead_one(cluster, served):
