@@ -59,6 +59,7 @@ class Summary:
     # Requests moved off a lost instance (router/migration.py), and the moves, per lost role.
     migrated: int = 0
     migrations: dict[str, int] = field(default_factory=dict)
+    unfinished: int = 0  # came in, no record: their router stopped first (Run.unfinished)
     # KV transfer time under P's prefill vs on the critical path, summed over requests
     # that recorded both (push mode hides the first; pull mode has none).
     transfer_hidden_ns: int = 0
@@ -188,6 +189,7 @@ def summarize(run: Run) -> Summary:
         recomputed=sum(1 for r in run.records if r.transfer_error),
         migrated=sum(1 for r in run.records if r.migrations),
         migrations=dict(sorted(Counter(m.role for r in run.records for m in r.migrations).items())),
+        unfinished=len(run.unfinished),
         transfer_hidden_ns=sum(a.transfer_hidden_ns for _, a in atts if _has_transfer_split(a)),
         transfer_exposed_ns=sum(a.parts_ns["transfer"] for _, a in atts if _has_transfer_split(a)),
         failures=[Failure(r.request_id, last_event(r), r.error) for r in failed],
@@ -219,7 +221,8 @@ def _stats_row(label: str, s: Stats | None, share: str = "") -> str:
 def format_summary(s: Summary) -> str:
     head_no_share = f"  {'':<14}{'n':>6}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}"
     head = f"{head_no_share}{'share':>8}"
-    lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed", "",
+    unfinished = f", {s.unfinished} unfinished (their router stopped first)" if s.unfinished else ""
+    lines = [f"run {s.run_id}: {s.total} requests, {s.completed} completed, {s.failed} failed{unfinished}", "",
              f"TTFT critical path (shares over {s.attributed} complete requests)", head]
     lines += [_stats_row(n, s.phases.get(n), _pct(s.shares.get(n))) for n in CRITICAL_PATH
               if n not in OPTIONAL_PARTS or n in s.phases]

@@ -12,6 +12,7 @@ from test_timeline_views import sample_records, write_run
 
 from pdcluster.cluster.messages import DecodeDelta
 from pdcluster.router.timeline import RunStore, load_run
+from pdcluster.router.timeline_views import format_summary, summarize
 
 
 def journaled(disp, path):
@@ -38,6 +39,7 @@ def test_a_request_in_flight_at_a_crash_is_unfinished_and_its_record_ends_that(t
     crashed = run(first_token_then_crash())
     assert [(u.request_id, u.file) for u in crashed.unfinished] == [("r-crash", "requests-1.jsonl")]
     assert crashed.unfinished[0].arrival_ns is not None
+    assert ", 1 unfinished (their router stopped first)" in format_summary(summarize(crashed)).splitlines()[0]
     assert sorted(r.request_id for r in crashed.records) == sorted(r.request_id for r in sample_records())
 
     ended = load_run(path)  # the stream was closed: its record follows its begun line
