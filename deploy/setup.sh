@@ -29,4 +29,7 @@ case "$device" in
   *) echo "setup: PDC_DEVICE must be cpu, cuda or npu (got '$device')" >&2; exit 1 ;;
 esac
 $pip install -q -e '.[dev]'
+# Every supported vLLM version's source, for the conformance tests (read, never imported):
+# ~230 MB of .py files in ~/.cache/pdcluster/vllm-src. Offline, those tests skip, naming this.
+.venv/bin/python -m pdcluster.cluster.vllm_sources fetch || echo "setup: could not fetch vLLM sources (offline?)" >&2
 echo "setup: done (.venv, device $device)"
