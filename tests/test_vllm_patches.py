@@ -192,7 +192,7 @@ def test_without_the_env_vars_nothing_is_patched():
 SWA_COMPARE = """
     import random, torch
     from vllm.v1.attention.backends.mla import sparse_swa as ss
-    from pdcluster.cluster.vllm_patches import compute_swa_indices_and_lens, _TorchSWAIndicesKernel
+    from pdcluster.cluster.vllm_patches_dsv4 import _TorchSWAIndicesKernel, compute_swa_indices_and_lens
 
     kernel = ss._COMPUTE_SWA_INDICES_AND_LENS_KERNEL
     assert isinstance(kernel, _TorchSWAIndicesKernel), type(kernel)
