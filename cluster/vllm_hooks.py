@@ -9,11 +9,14 @@ importing this module imports neither vLLM nor torch.
 from __future__ import annotations
 
 import importlib.abc
+import logging
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
-VLLM_VERSION = "0.32.0"  # what the patches were first written against (cluster/vllm_compat.py: all versions)
+log = logging.getLogger(__name__)
+
 
 _lock = threading.RLock()
 
@@ -85,3 +88,33 @@ def replace(owner, name: str, new, what: str) -> None:
         raise PatchError(f"pdcluster.vllm_patches: {what}: {getattr(owner, '__name__', owner)}.{name} is gone "
                          f"; update cluster/vllm_patches*.py")
     setattr(owner, name, new)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to vLLM, and the vLLM versions it applies to: those whose source (read for
+    each, cluster/vllm_sources.py) still has the bug and the `target` it replaces. The
+    conformance tests check `target` (and `source_text`) in `module` for each of `versions`."""
+
+    name: str
+    hook: Callable  # hook(module) once `module` is imported; hook() at once if module is None
+    versions: tuple[str, ...]
+    module: str | None = None  # the module it changes; None: it changes nothing in vLLM (os, nixl, triton)
+    target: str | None = None  # what it replaces in `module`: 'name' or 'Class.attr'
+    source_text: str | None = None  # text the source must hold for the patch to mean anything
+    source: str | None = None  # the vLLM module that holds the bug, when the patch changes another
+
+    @property
+    def source_module(self) -> str | None:
+        return self.source or self.module
+
+    def install(self, version: str) -> bool:
+        """Install it if `version` is one of its versions; whether it was."""
+        if version not in self.versions:
+            log.info("vLLM %s: patch %s not needed (applies to %s)", version, self.name, ", ".join(self.versions))
+            return False
+        if self.module is None:
+            self.hook()
+        else:
+            after_import(self.module, self.hook)
+        return True

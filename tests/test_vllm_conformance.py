@@ -136,3 +136,65 @@ def test_a_version_outside_the_set_is_refused_naming_it_and_the_set():
                                               r"0\.26\.0, 0\.32\.0, 0\.33\.0, 0\.34\.0"):
         check_supported("0.31.0")
     assert check_supported("0.33.0").sleep_mode_hook
+
+
+# ---------------------------------------------------------------- the patches, per version
+
+from pdcluster.cluster import vllm_patches  # noqa: E402
+from pdcluster.cluster.vllm_patches import ENV_VERSIONS, PATCH_SET_ENV  # noqa: E402
+
+PATCHES = [(set_name, patch) for set_name, patches in vllm_patches._PATCH_SETS.items() for patch in patches]
+# Where a patch's name is not installed, why, as the source shows it: (module, text it holds).
+NOT_NEEDED = {
+    ("promote_drops_bounded_replay", "0.34.0"): ("vllm.v1.core.kv_cache_planning",
+                                                 'drop=("extra_retained_tokens", "bounded_replay")'),
+}
+DSV4_MODEL = "vllm.models.deepseek_v4.cpu.cpu_mla"  # the dsv4_cpu set: versions without the model need none
+
+
+def patch_problems(src: Source, patch, version: str) -> list[str]:
+    out = []
+    module = patch.source_module
+    if module is None:
+        return out
+    if src.module_file(module) is None:
+        return [f"{patch.name}: no module {module} in vLLM {version}"]
+    if patch.target and src.defines(patch.module, patch.target) is None:
+        out.append(f"{patch.name}: {patch.module}.{patch.target} is not in vLLM {version}")
+    if patch.source_text and patch.source_text not in src.module_file(module).read_text():
+        out.append(f"{patch.name}: {module} no longer holds {patch.source_text!r} in vLLM {version}")
+    return out
+
+
+@pytest.mark.parametrize("set_name,patch", PATCHES, ids=[f"{s}-{p.name}-{'-'.join(p.versions)}" for s, p in PATCHES])
+def test_each_patch_finds_what_it_replaces_in_each_version_it_applies_to(set_name, patch):
+    assert set(patch.versions) <= set(SUPPORTED), f"{patch.name}: versions outside the supported set"
+    problems = [p for v in patch.versions for p in patch_problems(source_of(v), patch, v)]
+    assert problems == []
+
+
+def test_each_patch_is_installed_or_not_needed_on_every_version():
+    """A patch name missing for a version is fixed there upstream (NOT_NEEDED) or, for DeepSeek-V4's
+    set, the version has no DeepSeek-V4 at all; no version gets a patch twice."""
+    for set_name, patches in vllm_patches._PATCH_SETS.items():
+        for name in {p.name for p in patches}:
+            for version in SUPPORTED:
+                count = sum(version in p.versions for p in patches if p.name == name)
+                assert count <= 1, f"{name} installed {count} times on {version}"
+                if count:
+                    continue
+                src = source_of(version)
+                if (name, version) in NOT_NEEDED:
+                    module, text = NOT_NEEDED[name, version]
+                    assert text in src.module_file(module).read_text(), f"{name}: {version} does not have the fix"
+                else:
+                    assert set_name == "dsv4_cpu" and src.module_file(DSV4_MODEL) is None, (
+                        f"{name} is not installed on vLLM {version}, and nothing says why")
+
+
+def test_the_env_vars_a_set_sets_exist_in_each_version_they_are_set_for(version):
+    envs = (source_of(version).module_file("vllm.envs")).read_text()
+    for env in PATCH_SET_ENV.values():
+        for name in env:
+            if name.startswith("VLLM_"):
+                assert (f'"{name}"' in envs) == (version in ENV_VERSIONS.get(name, SUPPORTED)), (name, version)
