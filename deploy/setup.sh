@@ -24,8 +24,15 @@ case "$device" in
     # vLLM's NixlConnector, selectable with `transfer.connector: nixl`; the meta package
     # only provides `nixl._api` and would pull CUDA torch, hence --no-deps.
     installed nixl-cu12 || { $pip install -q nixl-cu12==1.5.1 && $pip install -q --no-deps nixl==1.5.1; } ;;
-  cuda) installed vllm || $pip install -q vllm==0.32.0 ;;
-  npu)  installed vllm-ascend || $pip install -q vllm==0.32.0 vllm-ascend torch-npu ;;
+  cuda|npu)
+    # The pinned set of cluster/devices.py (vLLM, and on NPU torch, torch-npu, vLLM-Ascend).
+    dist=$([ "$device" = npu ] && echo vllm-ascend || echo vllm)
+    if ! installed "$dist"; then
+      .venv/bin/python cluster/devices.py "$device" | while read -r line; do
+        echo "setup: $line"
+        eval "${line//pip /$pip }"
+      done
+    fi ;;
   *) echo "setup: PDC_DEVICE must be cpu, cuda or npu (got '$device')" >&2; exit 1 ;;
 esac
 $pip install -q -e '.[dev]'

@@ -197,7 +197,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
             seen = dict(src.ready_tokens)
             for info in layers:
                 indices = wanted[info.group]
-                ready = bisect_left(indices, src.ready_blocks(info.name, info.group))
+                ready = bisect_left(indices, src.ready_blocks(info.vllm_layer, info.group))
                 for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, chunk_bytes):
                     first += sent[info.name]
                     blocks = self._gather(src, info, indices[first:first + count], context)

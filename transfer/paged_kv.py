@@ -4,6 +4,12 @@ vLLM hands the worker one tensor per attention layer (`register_kv_caches`).
 Backends lay them out differently (CPU: [num_blocks, 2, ...]; flash-attn:
 [2, num_blocks, ...]), so each layer is viewed with its block dimension first:
 `view[b]` is block b of that layer, whatever the backend.
+
+vLLM-Ascend's NPUModelRunner registers a tuple per layer instead: (k_cache, v_cache),
+or with DeepSeek's sparse attention also its indexer keys and scales, each tensor
+[num_blocks, ...] of its own shape and dtype. Each tuple element is then a part of its
+own, named `layer[i]`, moved like a layer; `LayerInfo.source` names the vLLM layer
+whose forward pass writes it (what P's source table tracks).
 """
 
 from __future__ import annotations
@@ -17,10 +23,15 @@ import torch
 
 @dataclass(frozen=True)
 class LayerInfo:
-    name: str
+    name: str  # the vLLM layer's name, or 'layer[i]' for part i of a tuple-registered layer
     group: int
     block_shape: tuple[int, ...]
     dtype: torch.dtype
+    source: str = ""  # the vLLM layer it belongs to ("": itself)
+
+    @property
+    def vllm_layer(self) -> str:
+        return self.source or self.name
 
     @property
     def block_bytes(self) -> int:
@@ -42,13 +53,18 @@ def _block_first(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 class PagedKv:
     """The layers of one engine's KV cache, addressed by (layer, block ids)."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_groups: dict[str, int], num_blocks: int):
+    def __init__(self, kv_caches: dict[str, torch.Tensor | tuple[torch.Tensor, ...]], layer_groups: dict[str, int],
+                 num_blocks: int):
         missing = set(kv_caches) - set(layer_groups)
         assert not missing, f"layers {sorted(missing)} are in no KV-cache group: kv_cache_config out of sync"
-        self._views = {name: _block_first(t, num_blocks) for name, t in kv_caches.items()}
-        self.layers = {
-            name: LayerInfo(name, layer_groups[name], tuple(v.shape[1:]), v.dtype) for name, v in self._views.items()
-        }
+        self._views: dict[str, torch.Tensor] = {}
+        self.layers: dict[str, LayerInfo] = {}
+        for name, kv in kv_caches.items():
+            parts = {name: kv} if isinstance(kv, torch.Tensor) else {f"{name}[{i}]": t for i, t in enumerate(kv)}
+            for part, t in parts.items():
+                view = self._views[part] = _block_first(t, num_blocks)
+                self.layers[part] = LayerInfo(part, layer_groups[name], tuple(view.shape[1:]), view.dtype,
+                                              source="" if part == name else name)
 
     def view(self, layer: str) -> torch.Tensor:
         """The layer's cache, block dimension first (shares its storage)."""
