@@ -98,11 +98,24 @@ def server_info(base_url: str, api_key: str | None = None) -> tuple[int | None, 
     models = httpx.get(f"{base_url}/v1/models", timeout=10, headers=headers)
     models.raise_for_status()
     data = models.json().get("data") or [{}]
-    vocab = data[0].get("vocab_size")
+    vocab = data[0].get("vocab_size") or _tokenizer_vocab(data[0].get("root"))
     r = httpx.get(f"{base_url}/pdc/run", timeout=10)
     if r.status_code == 200:
         run_dir = r.json().get("run_dir")
     return vocab, run_dir
+
+
+def _tokenizer_vocab(root: str | None) -> int | None:
+    """A plain vLLM server names no vocab size, but its model's path (`root`): the tokenizer's
+    size there, if this machine has it (a local path, or a hub id in the local cache)."""
+    if not root:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(root, local_files_only=True))
+    except Exception:  # not on this machine: the caller asks for --vocab-size
+        return None
 
 
 def build_workload(cfg: BenchConfig, vocab_size: int) -> list[BenchRequest]:
@@ -133,7 +146,8 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
     vocab, run_dir = server_info(cfg.base_url, cfg.api_key)
     vocab = cfg.vocab_size or vocab
     if vocab is None:
-        raise ValueError(f"{cfg.base_url} does not say its vocab size: pass --vocab-size")
+        raise ValueError(f"{cfg.base_url} does not say its vocab size, and its model's tokenizer is not on this "
+                         f"machine: pass --vocab-size")
     requests = build_workload(cfg, vocab)
     drive = DriveConfig(base_url=cfg.base_url, model=cfg.model, max_concurrency=cfg.max_concurrency,
                         request_rate=cfg.request_rate, burstiness=cfg.burstiness, duration_s=cfg.duration_s,

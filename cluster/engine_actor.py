@@ -45,7 +45,6 @@ CONNECTOR_MODULE = "pdcluster.transfer.connector"
 # actor exits and the router's channel to it closes.
 ENGINE_WATCH_S = 0.5
 ENGINE_DEAD_EXIT = 70  # the actor's exit status when its engine core died (a crash to Ray: it restarts it)
-DELTA_INTERVAL_NS = 50_000_000  # D sends a request's new tokens at most this often (the first at once)
 CONNECTOR_CLASS = "PdcConnector"
 
 
@@ -178,6 +177,19 @@ async def until_engine_dead(errored: Callable[[], bool], every_s: float) -> None
         await asyncio.sleep(every_s)
 
 
+@dataclass(frozen=True)
+class StreamPacing:
+    """When D sends a stream's new tokens (router.stream_interval, stream_coalesce_ms): once
+    `tokens` are waiting and `min_gap_ns` has passed since the last send. The defaults send
+    every step's tokens, as vLLM's API server does."""
+
+    tokens: int = 1
+    min_gap_ns: int = 0
+
+    def due(self, pending: int, since_last_ns: int) -> bool:
+        return pending >= self.tokens and since_last_ns >= self.min_gap_ns
+
+
 class EngineActor(ServesRequestChannel):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
@@ -187,6 +199,7 @@ class EngineActor(ServesRequestChannel):
         from pdcluster.cluster.auth import SECRET_ENV
 
         self.spec, self.name = spec, f"{role}-{index}"
+        self._stream_pacing = StreamPacing(spec.router.stream_interval, int(spec.router.stream_coalesce_ms * 1e6))
         address = instance_address(spec.network, ray.util.get_node_ip_address())
         self.plan = plan_instance(spec, role, index, address)
         check_ports_free(listen_ports(spec, role, index, address.bind))
@@ -298,17 +311,18 @@ class EngineActor(ServesRequestChannel):
         pending: list[int] = []  # tokens not sent yet, and when vLLM handed each over
         pending_ns: list[int] = []
         last_sent = 0
+        stream = self._stream_pacing
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
                                            request_id=req.request_id):
             completion = out.outputs[0]
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            # One message per DELTA_INTERVAL_NS (final_only: the last alone), not per token:
-            # each costs the router ~60 us of CPU, ~125 us when streamed as its own SSE event
-            # (bench/README.md); at C90 x 100 tokens/s, per-token deltas would take about its
-            # core. The first token goes at once; token_ns keeps every token's time.
-            if not out.finished and (req.sampling.final_only or last_sent and now - last_sent < DELTA_INTERVAL_NS):
+            # Per step by default, as vLLM streams (router.stream_interval / stream_coalesce_ms
+            # coalesce: each message costs the router ~60 us of CPU, ~125 us as its own SSE
+            # event, bench/README.md). final_only: the last alone. The first token goes at once;
+            # token_ns keeps every token's time either way.
+            if not out.finished and (req.sampling.final_only or last_sent and not stream.due(len(pending), now - last_sent)):
                 continue
             last_sent = now
             transfer = None

@@ -280,6 +280,11 @@ class RouterSpec(_Strict):
     local_prefill: LocalPrefillSpec = LocalPrefillSpec()
     # router/admission.py: past these bounds a request gets a 429 at once, not a timeout.
     admission: AdmissionSpec = AdmissionSpec()
+    # How often D sends a stream's new tokens, as vLLM's --stream-interval (tokens; 1: every
+    # step); coalescing by time trades ITL for router CPU (bench/README.md "Streaming").
+    stream_interval: int = Field(1, ge=1, description="D sends a request's new tokens once it has this many "
+                                                      "(the first and the last at once), as vLLM's --stream-interval")
+    stream_coalesce_ms: float = Field(0.0, ge=0, description="and at most once per this many ms (0: no time bound)")
     migration_limit: int = Field(DEFAULT_MIGRATION_LIMIT, ge=0, description="times a request may be moved off an "
                                  "instance lost under it (router/migration.py); 0: never")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")

@@ -7,7 +7,9 @@ line with the versions it exists in; the conformance tests (tests/test_vllm_conf
 check every line against each version's own source (cluster/vllm_sources.py), and that
 the connector implements each version's abstract hooks.
 
-What differs, and how the project adapts (`VllmApi`, one per version):
+What differs, and how the project adapts (`VllmApi`, one per version; and elsewhere):
+- 0.23 publishes KV events as tagged arrays, later versions as tagged maps: the router's
+  decoder tells them apart by their first byte (router/kv_event_wire.py).
 - 0.23 and 0.26 have no `KVConnectorTransferResults`: the worker calls `get_finished()`,
   which PdcConnector builds on its `get_transfer_results()`, and a failed load is reported
   the old way, as the failed request's blocks (`get_block_ids_with_load_errors()`). vLLM's
@@ -105,6 +107,7 @@ class Symbol:
 
 
 CONNECTOR_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+KV_CACHE_INTERFACE = "vllm.v1.kv_cache_interface"
 USES: tuple[Symbol, ...] = (
     # the connector (transfer/connector.py)
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1"),
@@ -131,10 +134,26 @@ USES: tuple[Symbol, ...] = (
     Symbol("vllm.v1.outputs", "KVConnectorOutput.kv_connector_worker_meta"),
     Symbol("vllm.v1.outputs", "KVConnectorOutput.failed_recving", since="0.32.0"),
     Symbol("vllm.v1.request", "RequestStatus"),
+    Symbol("vllm.v1.request", "RequestStatus.FINISHED_LENGTH_CAPPED"),
+    Symbol("vllm.v1.request", "RequestStatus.FINISHED_STOPPED"),
+    # the KV-cache specs the transfer plans by (transfer/groups.py)
+    *(Symbol(KV_CACHE_INTERFACE, name) for name in (
+        "FullAttentionSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowMLASpec", "SlidingWindowSpec",
+        "UniformTypeKVCacheSpecs", "UniformTypeKVCacheSpecs.kv_cache_specs", "SlidingWindowSpec.sliding_window",
+        "KVCacheConfig.kv_cache_groups", "KVCacheConfig.num_blocks")),
+    Symbol(KV_CACHE_INTERFACE, "MLAAttentionSpec.compress_ratio", until="0.26.0"),
+    Symbol(KV_CACHE_INTERFACE, "MLAAttentionSpec.tokens_per_state", since="0.32.0"),
+    Symbol(KV_CACHE_INTERFACE, "SlidingWindowMLASpec.bounded_replay", since="0.32.0"),
     Symbol("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_unhashed_block_ids_all_groups"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_connector_module_path"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_load_failure_policy"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.engine_id"),
+    # the KV events the router decodes (router/kv_event_wire.py: maps, or 0.23's tagged arrays)
+    *(Symbol("vllm.distributed.kv_events", name) for name in (
+        "BlockStored.block_hashes", "BlockStored.parent_block_hash", "BlockStored.token_ids", "BlockStored.block_size",
+        "BlockStored.medium", "BlockStored.extra_keys", "BlockStored.group_idx", "BlockRemoved.block_hashes",
+        "BlockRemoved.medium", "BlockRemoved.group_idx", "AllBlocksCleared", "EventBatch.ts", "EventBatch.events",
+        "EventBatch.data_parallel_rank", "ZmqEventPublisher")),
     # the engine actor and its stat logger (cluster/engine_actor.py, cluster/engine_stats.py)
     Symbol("vllm.v1.engine.async_llm", "AsyncLLM.from_engine_args", params=("engine_args", "stat_loggers")),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
@@ -191,14 +210,32 @@ class TransferResults:
     failed_recving: set[str] = field(default_factory=set)
 
 
-_BASE_NAMES = ("KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorWorkerMetadata",
-               "SupportsHMA")
+# The vLLM names the connector and patches use, and where each lives: `from
+# pdcluster.cluster.vllm_compat import X` imports it on first use (this module imports no vLLM).
+_LAZY = {
+    **dict.fromkeys(("KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorWorkerMetadata",
+                     "SupportsHMA"), CONNECTOR_BASE),
+    **dict.fromkeys(("FullAttentionSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowMLASpec",
+                     "SlidingWindowSpec", "UniformTypeKVCacheSpecs"), KV_CACHE_INTERFACE),
+    "RequestStatus": "vllm.v1.request",
+}
+
+
+def tokens_per_state(spec) -> int:
+    """An MLA spec's tokens per cached entry (DeepSeek-V4's C4/C128: 4, 128; else 1):
+    `tokens_per_state` from 0.32, `compress_ratio` before."""
+    return getattr(spec, "tokens_per_state", None) or getattr(spec, "compress_ratio", None) or 1
+
+
+def bounded_replay(spec) -> bool:
+    """A window spec's bounded replay (DeepSeek-V4.1), from 0.32; before, there is none."""
+    return bool(getattr(spec, "bounded_replay", False))
 
 
 def __getattr__(name: str):
-    """The connector's vLLM names, imported on first use (this module imports no vLLM)."""
-    if name in _BASE_NAMES:
-        return getattr(importlib.import_module(CONNECTOR_BASE), name)
+    """The vLLM names in _LAZY, imported on first use."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     if name == "KVConnectorTransferResults":
         base = importlib.import_module(CONNECTOR_BASE)
         return getattr(base, name, TransferResults)

@@ -66,6 +66,32 @@ class _WireCleared(msgspec.Struct, tag="AllBlocksCleared"):
     pass
 
 
+# vLLM 0.23 encodes events as tagged arrays ([tag, field, ...], trailing defaults omitted):
+# the same fields, positional, in its declaration order (0.26 moved to tagged maps).
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
 class _WireBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
@@ -74,6 +100,9 @@ class _WireBatch(msgspec.Struct, array_like=True):
 
 _batch_decoder = msgspec.msgpack.Decoder(_WireBatch)
 _event_decoder = msgspec.msgpack.Decoder(_WireStored | _WireRemoved | _WireCleared)
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayStored | _ArrayRemoved | _ArrayCleared)
+# msgpack's array markers: fixarray, array16, array32 (a map starts 0x80-0x8f, 0xde or 0xdf).
+_ARRAY_FIRST_BYTES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
 
 def decode_batch(payload: bytes) -> tuple[list[KvEvent], int]:
@@ -83,16 +112,17 @@ def decode_batch(payload: bytes) -> tuple[list[KvEvent], int]:
     events: list[KvEvent] = []
     unknown = 0
     for raw in batch.events:
+        decoder = _array_event_decoder if bytes(raw)[:1] and bytes(raw)[0] in _ARRAY_FIRST_BYTES else _event_decoder
         try:
-            ev = _event_decoder.decode(raw)
+            ev = decoder.decode(raw)
         except msgspec.ValidationError:  # a newer vLLM's event type: not ours to guess
             unknown += 1
             continue
-        if isinstance(ev, _WireStored):
+        if isinstance(ev, (_WireStored, _ArrayStored)):
             extra = tuple(tuple(k) if k is not None else None for k in ev.extra_keys) if ev.extra_keys else None
             events.append(BlockStored(tuple(ev.block_hashes), ev.parent_block_hash, tuple(ev.token_ids),
                                       ev.block_size, ev.group_idx or 0, ev.medium, extra))
-        elif isinstance(ev, _WireRemoved):
+        elif isinstance(ev, (_WireRemoved, _ArrayRemoved)):
             events.append(BlockRemoved(tuple(ev.block_hashes), ev.group_idx or 0, ev.medium))
         else:
             events.append(AllBlocksCleared())

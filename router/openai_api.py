@@ -38,8 +38,10 @@ from pdcluster.router.openai_models import (
     ChatCompletionRequest,
     CommonRequest,
     CompletionRequest,
+    DetokenizeRequest,
     PdUsage,
     PromptTokensDetails,
+    TokenizeRequest,
     Usage,
     parse_body,
     refuse_unsupported,
@@ -199,7 +201,7 @@ def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = Ht
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
                     return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
 
-    def check_model(req: CommonRequest) -> None:
+    def check_model(req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> None:
         name = backend.model_card().name
         if req.model is not None and req.model != name:
             raise ApiError(f"The model `{req.model}` does not exist; this server serves `{name}`",
@@ -278,9 +280,36 @@ def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = Ht
 
     async def models(request: HttpRequest) -> Response:
         card = backend.model_card()
+        # root: where the tokenizer is, as vLLM reports its model's path (bench clients load it).
         return json_response({"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
-                                                          "owned_by": "pdcluster", "max_model_len": card.max_model_len,
+                                                          "owned_by": "pdcluster", "root": tokenizer_dir,
+                                                          "max_model_len": card.max_model_len,
                                                           "vocab_size": card.vocab_size}]})
+
+    async def tokenize(request: HttpRequest) -> Response:
+        req = parse_body(request, TokenizeRequest)
+        check_model(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError("give one of 'prompt' or 'messages'", param="prompt")
+        if req.prompt is not None:
+            ids = await prompts.text(req.prompt)
+        else:
+            try:
+                ids = await prompts.chat([m.model_dump() for m in req.messages])
+            except Exception as e:
+                raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
+        card = backend.model_card()
+        return json_response({"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,
+                              "token_strs": None})
+
+    async def detokenize(request: HttpRequest) -> Response:
+        req = parse_body(request, DetokenizeRequest)
+        check_model(req)
+        card = backend.model_card()
+        if bad := next(((i, t) for i, t in enumerate(req.tokens) if not 0 <= t < card.vocab_size), None):
+            raise ApiError(f"token id {bad[1]} at index {bad[0]} is out of range [0, {card.vocab_size})",
+                           param="tokens")
+        return json_response({"prompt": tokenizer.decode(req.tokens)})
 
     async def health(request: HttpRequest) -> Response:
         try:
@@ -293,6 +322,8 @@ def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = Ht
     app.add("POST", "/v1/completions", lambda request: guarded(completions(request)))
     app.add("POST", "/v1/chat/completions", lambda request: guarded(chat_completions(request)))
     app.add("GET", "/v1/models", models)
+    app.add("POST", "/tokenize", lambda request: guarded(tokenize(request)))
+    app.add("POST", "/detokenize", lambda request: guarded(detokenize(request)))
     app.add("GET", "/health", health)
     return app
 

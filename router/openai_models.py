@@ -108,6 +108,23 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages (with the chat template applied)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
 

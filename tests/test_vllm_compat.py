@@ -109,3 +109,12 @@ def test_the_v2_runner_switch_is_not_set_on_versions_without_it(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     vllm_patches.apply("dsv4_cpu")
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ and os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_spec_fields_are_read_under_each_versions_name():
+    from pdcluster.cluster.vllm_compat import bounded_replay, tokens_per_state
+
+    assert tokens_per_state(SimpleNamespace(tokens_per_state=4)) == 4  # 0.32 and later
+    assert tokens_per_state(SimpleNamespace(compress_ratio=128)) == 128  # 0.23, 0.26
+    assert tokens_per_state(SimpleNamespace()) == 1
+    assert bounded_replay(SimpleNamespace(bounded_replay=True)) and not bounded_replay(SimpleNamespace())

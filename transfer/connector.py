@@ -273,7 +273,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         return False, {D_STATS_KEY: self._d_stats.pop(request.request_id, None)}
 
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
+        from pdcluster.cluster.vllm_compat import RequestStatus
 
         if self._tables is not None:
             self._tables.forget(request.request_id)

@@ -30,15 +30,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_cache_interface import (
+from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that knows each version
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    bounded_replay,
+    tokens_per_state,
 )
-
 from pdcluster.transfer.plan import GroupKind
 
 if TYPE_CHECKING:
@@ -62,14 +63,14 @@ def layer_kind(spec: KVCacheSpec) -> tuple[GroupKind, int]:
     # Exact types, subclasses before their bases: a subclass may keep its base's fields
     # and mean something else (a SlidingWindowMLASpec is a SlidingWindowSpec).
     if type(spec) is SlidingWindowMLASpec:
-        if spec.bounded_replay:  # DeepSeek-V4.1: D would replay the window from below the hit
+        if bounded_replay(spec):  # DeepSeek-V4.1: D would replay the window from below the hit
             raise NotImplementedError("SlidingWindowMLASpec with bounded_replay (DeepSeek-V4.1): pdcluster has "
                                       "no transfer rule for a replayed window")
         return "sliding_window", spec.sliding_window
     if type(spec) is SlidingWindowSpec:
         return "sliding_window", spec.sliding_window
     if type(spec) is MLAAttentionSpec:
-        return ("compressed" if spec.tokens_per_state > 1 else "full_attention"), 0
+        return ("compressed" if tokens_per_state(spec) > 1 else "full_attention"), 0
     if type(spec) is FullAttentionSpec:
         # Also a window layer when vLLM's hybrid manager is off (sliding_window set): it is
         # allocated as full attention, every block kept, so every block moves.
