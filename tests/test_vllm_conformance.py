@@ -198,3 +198,40 @@ def test_the_env_vars_a_set_sets_exist_in_each_version_they_are_set_for(version)
         for name in env:
             if name.startswith("VLLM_"):
                 assert (f'"{name}"' in envs) == (version in ENV_VERSIONS.get(name, SUPPORTED)), (name, version)
+
+
+# ---------------------------------------------------------------- the engine args, per version
+
+ARG_CLASSES = {"engine": ("vllm.engine.arg_utils", "EngineArgs"),
+               "kv_transfer_config": ("vllm.config.kv_transfer", "KVTransferConfig"),
+               "kv_events_config": ("vllm.config.kv_events", "KVEventsConfig")}
+
+
+def planned_args() -> dict[str, set[str]]:
+    """The keys every engine the project starts passes to vLLM (both roles, our connector and NIXL)."""
+    from test_engine_plan import spec
+
+    from pdcluster.cluster.engine_actor import plan_instance
+
+    keys: dict[str, set[str]] = {k: set() for k in ARG_CLASSES}
+    for s in (spec(), spec(transfer={"connector": "nixl", "base_port": 19000}),
+              spec(engine={"seed": 1, "gpu_memory_utilization": 0.5})):
+        for role, index in (("prefill", 0), ("decode", 0)):
+            args = dict(plan_instance(s, role, index).engine_args)
+            keys["kv_transfer_config"] |= set(args.pop("kv_transfer_config"))
+            keys["kv_events_config"] |= set(args.pop("kv_events_config"))
+            keys["engine"] |= set(args)
+    return keys
+
+
+def test_every_engine_arg_the_project_passes_is_a_field_in_each_version(version):
+    src = source_of(version)
+    missing = [f"{cls}.{key}" for what, (module, cls) in ARG_CLASSES.items() for key in sorted(planned_args()[what])
+               if src.defines(module, f"{cls}.{key}") is None]
+    assert missing == []
+
+
+def test_the_env_vars_engines_get_exist_in_each_version(version):
+    envs = source_of(version).module_file("vllm.envs").read_text()
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+        assert f'"{name}"' in envs, f"{name} is not in vLLM {version}'s envs.py"
