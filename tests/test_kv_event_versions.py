@@ -8,9 +8,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from vllm_source_ast import Source
+from vllm_source_ast import Source, fetched
 
-from pdcluster.cluster.vllm_sources import source_path
 from pdcluster.router.kv_event_wire import decode_batch
 from pdcluster.router.prefix_index import BlockRemoved, BlockStored
 
@@ -62,10 +61,7 @@ def test_vllm_023s_array_events_decode_as_the_newer_maps_do():
 
 @pytest.mark.parametrize("cls,ours", [("BlockStored", BlockStored023), ("BlockRemoved", BlockRemoved023)])
 def test_the_023_classes_here_are_vllm_023s(cls, ours):
-    root = source_path("vllm-0.23.0")
-    if root is None:
-        pytest.skip("vllm-0.23.0's source is not fetched: python -m pdcluster.cluster.vllm_sources fetch")
-    src = Source(root)
+    src = Source(fetched("vllm-0.23.0"))
     fields = [n for n, node in src.members("vllm.distributed.kv_events", cls).items()
               if type(node).__name__ == "AnnAssign"]
     assert fields == list(ours.__struct_fields__)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import ast
 
 import pytest
-from vllm_source_ast import Source
+from vllm_source_ast import Source, fetched
 
 from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.vllm_compat import API
-from pdcluster.cluster.vllm_sources import fetch_command, source_path
 
 PINS = DEVICES["npu"].pins
 RUNNER = "vllm_ascend.worker.model_runner_v1"
@@ -21,11 +20,7 @@ RUNNER = "vllm_ascend.worker.model_runner_v1"
 
 @pytest.fixture(scope="module")
 def ascend() -> Source:
-    name = f"vllm-ascend-{PINS['vllm-ascend']}"
-    root = source_path(name)
-    if root is None:
-        pytest.skip(f"{name}'s source is not fetched (offline?): {fetch_command(name)}")
-    return Source(root)
+    return Source(fetched(f"vllm-ascend-{PINS['vllm-ascend']}"))
 
 
 def test_the_npu_runner_is_vllms_gpu_runner_with_vllms_connector_hooks(ascend):

@@ -10,10 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from vllm_source_ast import Params, Source, incompatibility, own_methods
+from vllm_source_ast import Params, Source, fetched, incompatibility, own_methods
 
 from pdcluster.cluster.vllm_compat import API, CONNECTOR_BASE, SUPPORTED, USES, VllmApi, check_supported
-from pdcluster.cluster.vllm_sources import fetch_command, source_path
 
 CONNECTOR = Path(__file__).resolve().parents[1] / "transfer" / "connector.py"
 # The project's classes, and the vLLM classes whose hooks each must implement.
@@ -28,11 +27,7 @@ FLAG_SYMBOLS = {
 
 
 def source_of(version: str) -> Source:
-    name = f"vllm-{version}"
-    root = source_path(name)
-    if root is None:
-        pytest.skip(f"{name}'s source is not fetched (offline?): {fetch_command(name)}")
-    return Source(root)
+    return Source(fetched(f"vllm-{version}"))
 
 
 @pytest.fixture(params=SUPPORTED)

@@ -7,22 +7,17 @@ from __future__ import annotations
 import re
 import tomllib
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from vllm_source_ast import fetched
 
 from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.vllm_compat import SUPPORTED, installed_version
-from pdcluster.cluster.vllm_sources import fetch_command, source_path
 
 NPU = DEVICES["npu"].pins
 
 
-def cached(name: str):
-    root = source_path(name)
-    if root is None:
-        pytest.skip(f"{name}'s source is not fetched (offline?): {fetch_command(name)}")
-    return root
+cached = fetched
 
 
 def requirements(lines) -> list[Requirement]:

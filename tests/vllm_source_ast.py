@@ -6,8 +6,25 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+
+from pdcluster.cluster.vllm_sources import fetch_command, source_path
+
+
+def fetched(name: str) -> Path:
+    """A fetched source's root; else a skip naming the command (offline), or a failure where
+    PDC_REQUIRE_VLLM_SOURCES=1 (CI: .ci/run sets it, so the conformance tests cannot skip)."""
+    root = source_path(name)
+    if root is None:
+        message = f"{name}'s source is not fetched (offline?): {fetch_command(name)}"
+        if os.environ.get("PDC_REQUIRE_VLLM_SOURCES") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return root
 
 
 @dataclass(frozen=True)
