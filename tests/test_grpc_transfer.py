@@ -23,7 +23,6 @@ from transfer_fakes import (
     assert_zero_except,
     block,
     cpu_shape,
-    flash_shape,
     free_port,
     make_handle,
     make_job,
@@ -44,53 +43,6 @@ from pdcluster.transfer.grpc_server import KvServer, chunk_runs
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
 from pdcluster.transfer.sources import SourceTable
-
-# ---------------------------------------------------------------- PagedKv
-
-
-def test_paged_kv_cpu_layout_block_dim_first():
-    caches = source_caches(cpu_shape(P_BLOCKS))
-    kv = PagedKv(caches, GROUPS, P_BLOCKS)
-    info = kv.layers[LAYERS[1]]
-    assert (info.name, info.group, info.block_shape, info.dtype) == (LAYERS[1], 0, (2, 16, 32), torch.float32)
-    assert info.block_bytes == 2 * 16 * 32 * 4
-    data = kv.read(LAYERS[1], [7, 2])
-    assert data == torch.stack([caches[LAYERS[1]][7], caches[LAYERS[1]][2]]).numpy().tobytes()
-
-
-def test_paged_kv_flash_layout_finds_block_dim_1():
-    caches = source_caches(flash_shape(P_BLOCKS))
-    kv = PagedKv(caches, GROUPS, P_BLOCKS)
-    assert kv.layers[LAYERS[0]].block_shape == (2, 8, 4)
-    assert kv.layers[LAYERS[0]].block_bytes == 2 * 8 * 4 * 4
-    t = caches[LAYERS[0]]
-    assert kv.read(LAYERS[0], [3]) == t[:, 3].contiguous().numpy().tobytes()
-
-    # Writes land in the caller's tensor (the view shares its storage).
-    dst = zero_caches(flash_shape(P_BLOCKS))
-    PagedKv(dst, GROUPS, P_BLOCKS).write(LAYERS[0], [10, 4], kv.read(LAYERS[0], [3, 5]))
-    assert torch.equal(dst[LAYERS[0]][:, 10], t[:, 3])
-    assert torch.equal(dst[LAYERS[0]][:, 4], t[:, 5])
-    assert_zero_except({LAYERS[0]: dst[LAYERS[0]]}, 1, P_BLOCKS, written=(10, 4))
-    assert not dst[LAYERS[1]].any()
-
-
-def test_paged_kv_no_block_dim_raises():
-    caches = {LAYERS[0]: torch.zeros(2, 3, 8, 4)}
-    with pytest.raises(ValueError, match=r"no dimension of size num_blocks=12 in KV tensor of shape \(2, 3, 8, 4\)"):
-        PagedKv(caches, GROUPS, P_BLOCKS)
-
-
-def test_paged_kv_write_wrong_size_raises():
-    kv = PagedKv(zero_caches(cpu_shape(P_BLOCKS)), GROUPS, P_BLOCKS)
-    with pytest.raises(ValueError, match="expected 8192"):
-        kv.write(LAYERS[0], [1, 2], b"\0" * 4096)
-
-
-def test_paged_kv_layer_without_group_asserts():
-    with pytest.raises(AssertionError, match="in no KV-cache group"):
-        PagedKv(zero_caches(cpu_shape(P_BLOCKS)), {LAYERS[0]: 0}, P_BLOCKS)
-
 
 # ---------------------------------------------------------------- chunk_runs
 
@@ -454,8 +406,8 @@ def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
     caches = {LAYERS[0]: torch.zeros(n, *shape)}
     kv = PagedKv(caches, {LAYERS[0]: 0}, n)
     reads = []
-    real_gather = kv.gather
-    kv.gather = lambda layer, ids: (reads.append(len(ids)), real_gather(layer, ids))[1]
+    real_byte_runs = kv.byte_runs  # how P reads blocks into a frame
+    kv.byte_runs = lambda layer, ids: (reads.append(len(ids)), real_byte_runs(layer, ids))[1]
     sources = SourceTable({LAYERS[0]: 0}, (BLOCK_SIZE,))
     sources.step("big", "big", 64 * BLOCK_SIZE, (tuple(range(1, n)),), 64 * BLOCK_SIZE)
     sources.step_done()

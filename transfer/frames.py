@@ -7,13 +7,15 @@ KvChunk's own (de)serializer; the other RPCs stay plain protobuf:
 
     frame = u32 little-endian header length | KvChunk (data empty) | the blocks' bytes
 
-On P the gathered blocks are copied once into the frame (then gRPC's own copy);
-on D they are read in place from the received bytes into the paged cache.
+On P the blocks are copied once, from P's cache straight into the frame (one view
+per run of consecutive block ids, `PagedKv.byte_runs`), then by gRPC; on D they are
+read in place from the received bytes into the paged cache (a copy per run).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -31,13 +33,16 @@ class Frame:
     data: memoryview  # the blocks' bytes, a view into the received message (empty over a data channel)
 
 
-def encode(chunk: pb.KvChunk, blocks: torch.Tensor | None = None) -> bytes:
+def encode(chunk: pb.KvChunk, blocks: torch.Tensor | Sequence[memoryview] | None = None) -> bytes:
+    """The frame of `chunk` carrying `blocks`: a tensor of them, or their bytes as views in order."""
     header = chunk.SerializeToString()
     head = _LEN.pack(len(header)) + header
     if blocks is None:
         return head
+    if isinstance(blocks, torch.Tensor):
+        blocks = (memoryview(blocks.contiguous().reshape(-1).view(torch.uint8).numpy()),)
     # join copies each part once, straight into the frame (gRPC takes bytes, not bytearray or memoryview).
-    return b"".join((head, memoryview(blocks.contiguous().reshape(-1).view(torch.uint8).numpy())))
+    return b"".join((head, *blocks))
 
 
 def decode(frame: bytes) -> Frame:

@@ -200,13 +200,13 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 ready = bisect_left(indices, src.ready_blocks(info.vllm_layer, info.group))
                 for first, count in chunk_runs(ready - sent[info.name], info.block_bytes, chunk_bytes):
                     first += sent[info.name]
-                    blocks = self._gather(src, info, indices[first:first + count], context)
                     if break_after is not None and blocks_sent >= break_after:
                         context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: injected fault")
                     chunk = pb.KvChunk(layer=info.name, group=info.group, first=first, count=count)
                     if channel is None:
-                        yield frames.encode(chunk, blocks)
+                        yield self._frame(src, info, indices[first:first + count], chunk, context)
                     else:
+                        blocks = self._gather(src, info, indices[first:first + count], context)
                         chunk.tag = first_tag + chunks_posted
                         chunks_posted += 1
                         if len(in_flight) >= SEND_WINDOW:
@@ -228,18 +228,29 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"transfer {src.transfer_id}: P not done in time")
             self._sources.wait_for_progress(src, seen, min(_POLL_S, remaining) if remaining else _POLL_S)
 
+    def _block_ids(self, src: Source, info: LayerInfo, indices: list[int], context) -> list[int]:
+        """P's block ids at these positions of the group's table; call under src.copy_lock."""
+        table = src.block_ids[info.group] if info.group < len(src.block_ids) else ()
+        if not indices or indices[-1] >= len(table):
+            context.abort(grpc.StatusCode.ABORTED,
+                          f"transfer {src.transfer_id}: P's block table lost blocks (preempted?)")
+        ids = [table[i] for i in indices]
+        if NULL_BLOCK_ID in ids:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"transfer {src.transfer_id}: group {info.group} blocks {indices} include one P "
+                          f"already freed (outside the window?)")
+        return ids
+
     def _gather(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
         with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
-            table = src.block_ids[info.group] if info.group < len(src.block_ids) else ()
-            if not indices or indices[-1] >= len(table):
-                context.abort(grpc.StatusCode.ABORTED,
-                              f"transfer {src.transfer_id}: P's block table lost blocks (preempted?)")
-            ids = [table[i] for i in indices]
-            if NULL_BLOCK_ID in ids:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"transfer {src.transfer_id}: group {info.group} blocks {indices} include one P "
-                              f"already freed (outside the window?)")
-            return self._kv.gather(info.name, ids)
+            return self._kv.gather(info.name, self._block_ids(src, info, indices, context))
+
+    def _frame(self, src: Source, info: LayerInfo, indices: list[int], chunk: pb.KvChunk, context) -> bytes:
+        """The chunk's frame, its blocks copied once: from P's cache straight into the frame."""
+        with src.copy_lock:  # the views read the cache itself: P may not reuse the blocks meanwhile
+            ids = self._block_ids(src, info, indices, context)
+            runs = self._kv.byte_runs(info.name, ids)
+            return frames.encode(chunk, runs if runs is not None else self._kv.gather(info.name, ids))
 
     def Release(self, request: pb.ReleaseRequest, context):
         return pb.ReleaseReply(known=self._sources.release(request.transfer_id))
