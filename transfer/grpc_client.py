@@ -29,6 +29,7 @@ from pdcluster.transfer.channels import ChannelPool, is_stale_channel
 from pdcluster.transfer.dist_channel import PairBusy, Pending, TensorChannel
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.handle import TransferHandle
+from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import TransferPlan
 
@@ -90,6 +91,7 @@ class KvFetcher:
         its submission, its wait for a thread included."""
         from pdcluster.transfer.dist_channel import channel_liveness_key
 
+        tune_malloc_for_transfer()
         self._engine_id = engine_id
         self._auth = GrpcAuth(secret)  # every call proves the cluster secret to P's KV service
         self._channels = ChannelPool(engine_id, timeout_s, channel_liveness_key(secret))

@@ -35,6 +35,7 @@ from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channel_store import StoreError
 from pdcluster.transfer.channels import STALE_CHANNEL, ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
+from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
 
@@ -280,6 +281,7 @@ class KvServer:
                  max_streams: int = MAX_STREAMS, advertise: str | None = None):
         from pdcluster.transfer.dist_channel import channel_liveness_key
 
+        tune_malloc_for_transfer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + UNARY_THREADS,
                                                               thread_name_prefix="pdc-kv-server"),
                                    options=SERVER_OPTIONS,
