@@ -251,7 +251,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         with src.copy_lock:  # the views read the cache itself: P may not reuse the blocks meanwhile
             ids = self._block_ids(src, info, indices, context)
             runs = self._kv.byte_runs(info.name, ids)
-            return frames.encode(chunk, runs if runs is not None else self._kv.gather(info.name, ids))
+            return frames.encode(chunk, runs if runs is not None else self._kv.gather_to_host(info.name, ids))
 
     def Release(self, request: pb.ReleaseRequest, context):
         return pb.ReleaseReply(known=self._sources.release(request.transfer_id))

@@ -76,9 +76,12 @@ class PagedKv:
 
     def byte_runs(self, layer: str, block_ids: Sequence[int]) -> list[memoryview] | None:
         """The blocks' bytes in place, one view per run of consecutive block ids, in order; None
-        where a block run is not one contiguous span of memory (flash-attn's [2, num_blocks, ...]).
+        where a block run is not one contiguous span of host memory (flash-attn's [2, num_blocks, ...];
+        a device's cache).
         The views share the cache: read them before the blocks can be reused."""
         view = self._views[layer]
+        if view.device.type != "cpu":
+            return None
         out = []
         for first, count in block_runs(block_ids):
             run = view[first:first + count]
@@ -87,13 +90,17 @@ class PagedKv:
             out.append(memoryview(run.reshape(-1).view(torch.uint8).numpy()))
         return out
 
+    def gather_to_host(self, layer: str, block_ids: Sequence[int]) -> torch.Tensor:
+        """`gather`, in host memory (a device's cache: one copy more, to the host)."""
+        return self.gather(layer, block_ids).cpu()
+
     def read(self, layer: str, block_ids: Sequence[int]) -> bytes:
-        return self.gather(layer, block_ids).view(torch.uint8).numpy().tobytes()
+        return self.gather_to_host(layer, block_ids).view(torch.uint8).numpy().tobytes()
 
     def write(self, layer: str, block_ids: Sequence[int], data: bytes | memoryview) -> None:
         """Copy `data` (the blocks in order, as `byte_runs`/`read` lay them out) into these blocks:
-        one slice copy per run of consecutive ids (half the cost of an indexed write), or an
-        indexed write where a run is not contiguous."""
+        one slice copy per run of consecutive ids (half the cost of an indexed write; from host to
+        a device's cache too), or an indexed write where a run is not contiguous."""
         info = self.layers[layer]
         expected = len(block_ids) * info.block_bytes
         if len(data) != expected:
@@ -111,7 +118,7 @@ class PagedKv:
                 view[first:first + count].copy_(src[at:at + count])
                 at += count
         else:
-            view[torch.tensor(block_ids, dtype=torch.long)] = src
+            view[torch.tensor(block_ids, dtype=torch.long, device=view.device)] = src.to(view.device)
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
