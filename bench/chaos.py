@@ -1,10 +1,14 @@
-"""A chaos soak: a replay through a cluster while its instances are killed and restarted.
+"""A chaos soak: a replay through a cluster while its instances are killed and its links cut.
 
 Starts the spec's cluster (the simulated engine: its output is a pure function of each
 request's context, so every stream can be checked token by token), replays a load (a preset,
 shortened with --num-requests), and meanwhile kills a random P or D every --kill-every seconds
-with ray.kill (Ray restarts it; one instance of each role is always left alive). Then it waits
-for every instance to be back and every KV block to be free, and reports:
+with ray.kill (Ray restarts it; one instance of each role is always left alive). With --lab N
+the cluster runs in a multi-host lab of N hosts made for the soak (cluster/lab.py: P on the
+first half of the hosts, D on the rest, the router here on the head), and every --cut-every
+seconds the path between a random P's host and a random D's host is cut for --cut-for seconds
+(dropped on the bridge: no FIN, no RST), then healed. Then it waits for every instance to be
+back and every KV block to be free, and reports:
 
 - requests sent, succeeded, migrated (moved off a lost D), retried (moved off a lost P), refused
   with a 429, failed with a clear error (an HTTP status or an error event naming the problem),
@@ -16,6 +20,7 @@ for every instance to be back and every KV block to be free, and reports:
 
 usage: python -m pdcluster.bench.chaos deploy/p8d8-sim.yaml --preset c90 [--num-requests 200]
                                        [--kill-every 20] [--seed 0] [--out FILE.json]
+                                       [--lab 4 --cut-every 15 --cut-for 6]   (needs root)
 """
 
 from __future__ import annotations
@@ -39,6 +44,30 @@ class Kill:
     instance: str
 
 
+@dataclass(frozen=True)
+class Cut:
+    at_s: float  # since the replay started
+    hosts: tuple[str, str]  # the lab hosts cut from each other: a P's, a D's
+    instances: tuple[str, str]  # the P and the D whose hosts they were
+    start_ns: int  # time.monotonic_ns(): the router's clock too (the lab's hosts share this kernel)
+    end_ns: int
+
+    def caught(self, rec) -> bool:
+        """Whether this cut fell into `rec`'s transfer (its P and D the cut pair's)."""
+        start = rec.events.get("transfer_start")
+        end = rec.events.get("transfer_end", rec.events.get("finish"))
+        return ((rec.prefill_instance, rec.decode_instance) == self.instances and start is not None
+                and end is not None and start < self.end_ns and end > self.start_ns)
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    kill_every_s: float | None = None  # None: no kills
+    cut_every_s: float | None = None  # None: no cuts (they need a lab)
+    cut_for_s: float = 6.0
+    seed: int = 0
+
+
 @dataclass
 class ChaosReport:
     sent: int = 0
@@ -50,7 +79,9 @@ class ChaosReport:
     lost: int = 0  # no answer at all
     wrong_streams: int = 0  # succeeded, but not exactly the undisturbed output
     kills: list[Kill] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)
     blocks_in_use: dict[str, float] = field(default_factory=dict)  # instance -> KV cache usage once idle
+    cut_transfers: int = 0  # requests whose transfer a cut fell into
     records: int = 0  # timeline records of the answered requests
     answered: int = 0  # requests that got an HTTP answer other than 429
     errors: list[str] = field(default_factory=list)  # the failed and lost, first few
@@ -77,25 +108,63 @@ def is_lost(r: RequestResult) -> bool:
     return not r.ok and not (r.error.startswith("HTTP ") or r.error.startswith("stream error: "))
 
 
-def chaos_loop(cluster, stop: threading.Event, every_s: float, rng: random.Random, t0: float,
-               kills: list[Kill]) -> None:
-    """Kill a random live instance every `every_s`, never the last live one of its role."""
+def _alive(cluster) -> dict[str, list] | None:
+    """Each role's instances the router's /health reports up (None: no answer)."""
     import httpx
+
+    try:
+        up = httpx.get(f"{cluster.url}/health", timeout=5).json()["instances"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return {role: [i for i in insts if up.get(i.name)]
+            for role, insts in (("prefill", cluster.prefill), ("decode", cluster.decode))}
+
+
+def kill_loop(cluster, stop: threading.Event, every_s: float, rng: random.Random, t0: float,
+              kills: list[Kill]) -> None:
+    """Kill a random live instance every `every_s`, never the last live one of its role."""
     import ray
 
     while not stop.wait(every_s):
-        try:
-            up = httpx.get(f"{cluster.url}/health", timeout=5).json()["instances"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            continue
-        alive = {role: [i for i in insts if up.get(i.name)]
-                 for role, insts in (("prefill", cluster.prefill), ("decode", cluster.decode))}
-        candidates = [i for insts in alive.values() if len(insts) > 1 for i in insts]
+        alive = _alive(cluster)
+        candidates = [i for insts in (alive or {}).values() if len(insts) > 1 for i in insts]
         if not candidates:
             continue
         victim = rng.choice(candidates)
         ray.kill(victim.actor, no_restart=False)  # Ray restarts it
         kills.append(Kill(time.monotonic() - t0, victim.name))
+
+
+def cut_loop(cluster, lab, stop: threading.Event, every_s: float, for_s: float, rng: random.Random, t0: float,
+             cuts: list[Cut]) -> None:
+    """Every `every_s`, cut a random live P's host from a random live D's host for `for_s`, then heal
+    (also when the soak ends mid-cut). Hosts are read from each instance's current node: Ray may
+    have restarted it on another host its placement allows."""
+    import ray
+
+    host_at = {h.address: h.name for h in lab.hosts}
+    while not stop.wait(every_s):
+        alive = _alive(cluster)
+        if not alive:
+            continue
+        try:
+            where = {i.name: host_at.get(ray.get(i.actor.info.remote(), timeout=5).node_ip)
+                     for insts in alive.values() for i in insts}
+        except Exception:  # an instance went down meanwhile (a kill): next time
+            continue
+        pairs = [(p.name, d.name) for p in alive["prefill"] for d in alive["decode"]
+                 if where[p.name] and where[d.name] and where[p.name] != where[d.name]]
+        if not pairs:
+            continue
+        p, d = rng.choice(pairs)
+        hosts = (where[p], where[d])
+        lab.partition(*hosts)
+        at_s, start_ns = time.monotonic() - t0, time.monotonic_ns()
+        try:
+            stop.wait(for_s)
+        finally:
+            lab.heal(*hosts)
+            cuts.append(Cut(at_s, hosts, (p, d), start_ns, time.monotonic_ns()))
 
 
 def wait_idle(cluster, timeout_s: float) -> dict[str, float]:
@@ -120,26 +189,37 @@ def wait_idle(cluster, timeout_s: float) -> dict[str, float]:
     return usage
 
 
-def soak(cluster, cfg, every_s: float, seed: int, log=print) -> ChaosReport:
+def soak(cluster, cfg, plan: ChaosPlan, lab=None, log=print) -> ChaosReport:
+    """Replay `cfg` through `cluster` under `plan`'s kills and cuts (cuts need the `lab` the
+    cluster runs in), then check what came back."""
     from pdcluster.bench.run import run_bench, server_info
     from pdcluster.router.timeline import load_run
 
+    assert plan.cut_every_s is None or lab is not None, "link cuts need the lab the cluster runs in"
     vocab, run_dir = server_info(cfg.base_url)
-    stop, kills = threading.Event(), []
+    stop, kills, cuts = threading.Event(), [], []
     t0 = time.monotonic()
-    killer = threading.Thread(target=chaos_loop, args=(cluster, stop, every_s, random.Random(seed), t0, kills),
-                              daemon=True)
-    killer.start()
+    # Each loop its own generator, so the kills are the same with and without cuts.
+    loops = []
+    if plan.kill_every_s is not None:
+        loops.append((kill_loop, (cluster, stop, plan.kill_every_s, random.Random(plan.seed), t0, kills)))
+    if plan.cut_every_s is not None:
+        loops.append((cut_loop, (cluster, lab, stop, plan.cut_every_s, plan.cut_for_s,
+                                 random.Random(plan.seed + 1), t0, cuts)))
+    threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in loops]
+    for t in threads:
+        t.start()
     try:
         run = run_bench(cfg, log=log)
     finally:
         stop.set()
-        killer.join()
+        for t in threads:
+            t.join()
     usage = wait_idle(cluster, cluster.spec.transfer.lease_s + 120)
     results = run.results
     by_index = {r.index: r for r in results}
     prompts = {req.index: req.prompt_token_ids for req in run.requests}
-    report = ChaosReport(sent=len(results), kills=kills, blocks_in_use=usage)
+    report = ChaosReport(sent=len(results), kills=kills, cuts=cuts, blocks_in_use=usage)
     records = {rec.request_id: rec for rec in load_run(run_dir).records} if run_dir else {}
     for r in results:
         if r.ok:
@@ -162,6 +242,7 @@ def soak(cluster, cfg, every_s: float, seed: int, log=print) -> ChaosReport:
             report.migrated += "decode" in roles
             report.retried += "prefill" in roles
     answered = [r for r in by_index.values() if not r.rejected and not is_lost(r)]
+    report.cut_transfers = sum(1 for rec in records.values() if any(c.caught(rec) for c in cuts))
     report.answered = len(answered)
     report.records = sum(1 for r in answered if r.request_id in records)
     return report
@@ -172,6 +253,8 @@ def format_report(rep: ChaosReport) -> str:
              f"refused with 429 {rep.rejected}, failed with an error {rep.failed}, lost {rep.lost}",
              f"kills: {len(rep.kills)} ({', '.join(f'{k.instance}@{k.at_s:.0f}s' for k in rep.kills[:12])}"
              f"{' ...' if len(rep.kills) > 12 else ''})",
+             f"link cuts: {len(rep.cuts)} ({', '.join(f'{c.hosts[0]}|{c.hosts[1]}@{c.at_s:.0f}s' for c in rep.cuts[:8])}"
+             f"{' ...' if len(rep.cuts) > 8 else ''}), {rep.cut_transfers} transfers caught in one",
              f"streams not exactly the undisturbed output: {rep.wrong_streams}",
              f"KV blocks in use once idle: {sum(1 for v in rep.blocks_in_use.values() if v)} instances "
              f"({', '.join(f'{k} {v:.1%}' for k, v in rep.blocks_in_use.items() if v) or 'none'})",
@@ -181,35 +264,74 @@ def format_report(rep: ChaosReport) -> str:
     return "\n".join(lines)
 
 
+LAB_NAME, LAB_SUBNET = "pdcchaos", "10.213.72.0/24"
+
+
+def in_lab(spec, lab):
+    """`spec` on `lab`'s Ray: P spread over the first half of its hosts, D over the rest, so every
+    P's host and D's host is a pair a cut can separate; the routers stay on the head."""
+    from pdcluster.cluster.spec import PlacementSpec
+
+    names = [h.name for h in lab.hosts]
+    half = len(names) // 2
+    assert half >= 1, f"a lab of {len(names)} hosts has no P hosts apart from D hosts: give it 2 or more"
+    on = lambda hosts: PlacementSpec(labels={"pdc-host": f"in({','.join(hosts)})"}, spread=True)  # noqa: E731
+    return spec.model_copy(update={
+        "ray_address": lab.ray_address,
+        "prefill": spec.prefill.model_copy(update={"placement": on(names[:half])}),
+        "decode": spec.decode.model_copy(update={"placement": on(names[half:])}),
+    })
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("spec")
     ap.add_argument("--preset", default="c90")
     ap.add_argument("--num-requests", type=int, default=None, help="the formal window's requests (default: the preset's)")
-    ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
+    ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (0: none)")
+    ap.add_argument("--lab", type=int, default=0, metavar="HOSTS",
+                    help="run the cluster in a multi-host lab of this many hosts (needs root)")
+    ap.add_argument("--cut-every", type=float, default=0.0, help="seconds between link cuts (needs --lab; 0: none)")
+    ap.add_argument("--cut-for", type=float, default=6.0, help="how long each cut lasts, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the report as JSON")
     a = ap.parse_args()
+    if a.cut_every and not a.lab:
+        ap.error("--cut-every: link cuts need --lab HOSTS (the hosts to cut apart)")
+
+    import contextlib
 
     import ray
 
     from pdcluster.bench.run import BenchConfig
+    from pdcluster.cluster.lab import Lab
     from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
     from pdcluster.cluster.spec import load_spec
 
     spec = load_spec(a.spec)
-    assert spec.engine.kind == "sim", "the soak checks every stream against the simulated engine's output"
-    ray.init(num_cpus=None if spec.ray_address else 2, include_dashboard=False, namespace=NAMESPACE,
-             log_to_driver=False)
-    cluster = build_cluster(spec)
-    try:
-        cfg = BenchConfig.from_preset(a.preset, **({"num_requests": a.num_requests} if a.num_requests else {}))
-        cfg = dataclasses.replace(cfg, base_url=cluster.url, engine_block_size=spec.role_engine("prefill").block_size,
-                                  progress=False)
-        rep = soak(cluster, cfg, a.kill_every, a.seed)
-    finally:
-        teardown(cluster)
-        ray.shutdown()
+    if spec.engine.kind != "sim":
+        ap.error(f"{a.spec}: engine.kind is {spec.engine.kind!r}; the soak checks every stream against "
+                 "the simulated engine's output (engine.kind: sim)")
+    plan = ChaosPlan(kill_every_s=a.kill_every or None, cut_every_s=a.cut_every or None, cut_for_s=a.cut_for,
+                     seed=a.seed)
+    with Lab.up(hosts=a.lab, name=LAB_NAME, subnet=LAB_SUBNET) if a.lab else contextlib.nullcontext() as lab:
+        if lab is not None:
+            spec = in_lab(spec, lab)
+        if spec.ray_address:
+            ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            cluster = build_cluster(spec)
+            try:
+                cfg = BenchConfig.from_preset(a.preset, **({"num_requests": a.num_requests} if a.num_requests else {}))
+                cfg = dataclasses.replace(cfg, base_url=cluster.url, progress=False,
+                                          engine_block_size=spec.role_engine("prefill").block_size)
+                rep = soak(cluster, cfg, plan, lab)
+            finally:
+                teardown(cluster)
+        finally:
+            ray.shutdown()  # before the lab's Ray goes
     print(format_report(rep))
     if a.out:
         Path(a.out).write_text(json.dumps(dataclasses.asdict(rep), indent=1))

@@ -1,7 +1,9 @@
-"""The chaos soak, short (bench/chaos.py): c90-tiny through a simulated P2D2 while a random P or
-D is killed every few seconds (Ray restarts it). Nothing may be lost: every request is answered,
-every stream is exactly the undisturbed output, every KV block is free once idle, and every
-answered request has its record. The full C90 run's figures are in bench/README.md."""
+"""The chaos soak, short (bench/chaos.py), across hosts: c90-tiny through a simulated P2D2 in a
+4-host lab (P on host1/host2, D on host3/host4, the router on the head) while a random P or D is
+killed every few seconds (Ray restarts it) and the path between a random P's host and D's host is
+cut for a few seconds at a time (dropped on the bridge, then healed). Nothing may be lost: every
+request is answered, every stream is exactly the undisturbed output, every KV block is free once
+idle, and every answered request has its record. The full C90 run's figures are in bench/README.md."""
 
 from __future__ import annotations
 
@@ -10,33 +12,47 @@ import dataclasses
 import pytest
 from e2e import cluster_spec_for, running_cluster
 
-from pdcluster.bench.chaos import format_report, soak
+from pdcluster.bench.chaos import ChaosPlan, format_report, in_lab, soak
 from pdcluster.bench.run import BenchConfig
 
 pytestmark = pytest.mark.e2e
 
+LAB_NAME, SUBNET = "pdcchaos", "10.213.73.0/24"  # not bench/chaos.py's own lab
+
 
 @pytest.fixture(scope="module")
-def cluster():
+def lab():
+    from pdcluster.cluster.lab import Lab
+
+    with Lab.up(hosts=4, name=LAB_NAME, subnet=SUBNET) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def cluster(lab):
     spec = cluster_spec_for(
         "e2e-chaos", prefill=2, decode=2,
         engine={"kind": "sim", "max_model_len": 8192, "max_num_batched_tokens": 2048, "max_num_seqs": 16},
         sim={"params": "qwen3-0.6b-1dev", "payload_scale": 1024, "kv_blocks": 512},
-        transfer={"lease_s": 10, "timeout_s": 10},  # a dead D's leases on P end soon: the idle check is quick
+        # A cut lasts longer than a transfer may wait: the requests it catches fail (502) or go on.
+        transfer={"lease_s": 10, "timeout_s": 4},  # a dead D's leases on P end soon: the idle check is quick
         router={"policy": "prefix_aware", "request_timeout_s": 60})
-    with running_cluster(spec) as c:
+    with running_cluster(in_lab(spec, lab)) as c:
         yield c
 
 
-def test_a_soak_with_instances_killed_loses_nothing(cluster):
+def test_a_soak_with_instances_killed_and_links_cut_loses_nothing(cluster, lab):
     cfg = dataclasses.replace(BenchConfig.from_preset("c90-tiny", num_requests=48), base_url=cluster.url,
                               engine_block_size=128, progress=False, out=None)
-    report = soak(cluster, cfg, every_s=3.0, seed=1, log=lambda *_: None)
+    plan = ChaosPlan(kill_every_s=3.0, cut_every_s=4.0, cut_for_s=5.0, seed=1)
+    report = soak(cluster, cfg, plan, lab, log=lambda *_: None)
     print(format_report(report))
-    assert len(report.kills) >= 4, "the soak ended before the chaos did much"
+    assert len(report.kills) >= 4 and len(report.cuts) >= 2, "the soak ended before the chaos did much"
     assert report.lost == 0, report.errors
     assert report.wrong_streams == 0, report.errors
     assert not any(report.blocks_in_use.values()), report.blocks_in_use
     assert report.records == report.answered
     assert report.succeeded + report.failed + report.rejected == report.sent
     assert report.migrated + report.retried > 0, "no request was on a killed instance"
+    assert report.cut_transfers > 0, "no transfer was under a cut"
+    assert not lab.partitions, "a cut was left in place"
