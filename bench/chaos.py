@@ -48,15 +48,15 @@ class Kill:
 class Cut:
     at_s: float  # since the replay started
     hosts: tuple[str, str]  # the lab hosts cut from each other: a P's, a D's
-    instances: tuple[str, str]  # the P and the D whose hosts they were
+    pairs: tuple[tuple[str, str], ...]  # every (P, D) it separated: each P on the one host, each D on the other
     start_ns: int  # time.monotonic_ns(): the router's clock too (the lab's hosts share this kernel)
     end_ns: int
 
     def caught(self, rec) -> bool:
-        """Whether this cut fell into `rec`'s transfer (its P and D the cut pair's)."""
+        """Whether this cut fell into `rec`'s transfer (its P and D one of the pairs it separated)."""
         start = rec.events.get("transfer_start")
         end = rec.events.get("transfer_end", rec.events.get("finish"))
-        return ((rec.prefill_instance, rec.decode_instance) == self.instances and start is not None
+        return ((rec.prefill_instance, rec.decode_instance) in self.pairs and start is not None
                 and end is not None and start < self.end_ns and end > self.start_ns)
 
 
@@ -158,13 +158,14 @@ def cut_loop(cluster, lab, stop: threading.Event, every_s: float, for_s: float, 
             continue
         p, d = rng.choice(pairs)
         hosts = (where[p], where[d])
+        separated = tuple((a, b) for a, b in pairs if (where[a], where[b]) == hosts)
         lab.partition(*hosts)
         at_s, start_ns = time.monotonic() - t0, time.monotonic_ns()
         try:
             stop.wait(for_s)
         finally:
             lab.heal(*hosts)
-            cuts.append(Cut(at_s, hosts, (p, d), start_ns, time.monotonic_ns()))
+            cuts.append(Cut(at_s, hosts, separated, start_ns, time.monotonic_ns()))
 
 
 def wait_idle(cluster, timeout_s: float) -> dict[str, float]:
@@ -301,11 +302,9 @@ def main() -> None:
 
     import contextlib
 
-    import ray
-
     from pdcluster.bench.run import BenchConfig
     from pdcluster.cluster.lab import Lab
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.launch import running_cluster
     from pdcluster.cluster.spec import load_spec
 
     spec = load_spec(a.spec)
@@ -315,23 +314,11 @@ def main() -> None:
     plan = ChaosPlan(kill_every_s=a.kill_every or None, cut_every_s=a.cut_every or None, cut_for_s=a.cut_for,
                      seed=a.seed)
     with Lab.up(hosts=a.lab, name=LAB_NAME, subnet=LAB_SUBNET) if a.lab else contextlib.nullcontext() as lab:
-        if lab is not None:
-            spec = in_lab(spec, lab)
-        if spec.ray_address:
-            ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
-        else:
-            ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-        try:
-            cluster = build_cluster(spec)
-            try:
-                cfg = BenchConfig.from_preset(a.preset, **({"num_requests": a.num_requests} if a.num_requests else {}))
-                cfg = dataclasses.replace(cfg, base_url=cluster.url, progress=False,
-                                          engine_block_size=spec.role_engine("prefill").block_size)
-                rep = soak(cluster, cfg, plan, lab)
-            finally:
-                teardown(cluster)
-        finally:
-            ray.shutdown()  # before the lab's Ray goes
+        with running_cluster(spec if lab is None else in_lab(spec, lab)) as cluster:
+            cfg = BenchConfig.from_preset(a.preset, **({"num_requests": a.num_requests} if a.num_requests else {}))
+            cfg = dataclasses.replace(cfg, base_url=cluster.url, progress=False,
+                                      engine_block_size=spec.role_engine("prefill").block_size)
+            rep = soak(cluster, cfg, plan, lab)
     print(format_report(rep))
     if a.out:
         Path(a.out).write_text(json.dumps(dataclasses.asdict(rep), indent=1))

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,26 @@ def teardown(cluster: Cluster) -> None:
     stop_routers({router_name(k): r for k, r in enumerate(cluster.routers)})
     for handle in cluster.routers + [i.actor for i in cluster.instances]:
         ray.kill(handle, no_restart=True)
+
+
+@contextmanager
+def running_cluster(spec: ClusterSpec):
+    """A Ray and `spec`'s cluster on it, for one driver's use (tests, benches): both gone afterwards,
+    even on failure. The Ray is a local one on two CPUs, or the one at the spec's ray_address (a
+    lab's: this driver leaves it before the lab goes, as a driver whose GCS vanishes exits its
+    process later)."""
+    if spec.ray_address:
+        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        cluster = build_cluster(spec)
+        try:
+            yield cluster
+        finally:
+            teardown(cluster)
+    finally:
+        ray.shutdown()
 
 
 def stop_routers(routers: dict[str, ray.actor.ActorHandle]) -> None:

@@ -86,27 +86,11 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     return parse_spec(data)
 
 
-@contextmanager
 def running_cluster(spec: ClusterSpec):
-    """A Ray and a cluster on it for one test module; both gone afterwards, even on failure. The Ray
-    is a local one, or the one at the spec's ray_address (a lab's: this driver leaves it before the
-    lab goes, as a driver whose GCS vanishes exits its process later)."""
-    import ray
+    """cluster.launch.running_cluster, imported when used (it brings Ray and the router)."""
+    from pdcluster.cluster.launch import running_cluster
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-
-    if spec.ray_address:
-        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
-    else:
-        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        cluster = build_cluster(spec)
-        try:
-            yield cluster
-        finally:
-            teardown(cluster)
-    finally:
-        ray.shutdown()
+    return running_cluster(spec)
 
 
 def placed(spec: ClusterSpec, **labels: dict[str, str]) -> ClusterSpec:

@@ -18,7 +18,9 @@ def record(p="prefill-0", d="decode-1", **events) -> RequestRecord:
     return RequestRecord(request_id="r", prefill_instance=p, decode_instance=d, events=dict(events))
 
 
-CUT = Cut(at_s=1.0, hosts=("host1", "host4"), instances=("prefill-0", "decode-1"), start_ns=10 * S, end_ns=14 * S)
+# host1 holds prefill-0 and prefill-2, host4 decode-1: the cut separates both pairs.
+CUT = Cut(at_s=1.0, hosts=("host1", "host4"), pairs=(("prefill-0", "decode-1"), ("prefill-2", "decode-1")),
+          start_ns=10 * S, end_ns=14 * S)
 
 
 @pytest.mark.parametrize("rec, caught", [
@@ -27,7 +29,8 @@ CUT = Cut(at_s=1.0, hosts=("host1", "host4"), instances=("prefill-0", "decode-1"
     (record(transfer_start=12 * S, finish=19 * S), True),  # never ended: its finish counts
     (record(transfer_start=5 * S, transfer_end=10 * S), False),  # done as it came
     (record(transfer_start=14 * S, transfer_end=15 * S), False),  # began as it was healed
-    (record(p="prefill-1", transfer_start=9 * S, transfer_end=11 * S), False),  # another pair's
+    (record(p="prefill-2", transfer_start=9 * S, transfer_end=11 * S), True),  # the other P on host1
+    (record(p="prefill-1", transfer_start=9 * S, transfer_end=11 * S), False),  # a pair it did not separate
     (record(d="decode-0", transfer_start=9 * S, transfer_end=11 * S), False),
     (record(finish=12 * S), False),  # no transfer (e.g. failed before one)
 ])
