@@ -176,8 +176,12 @@ class PDDispatcher(TokenBackend):
                 raise BackendError(rejection.message, 429, "rate_limit_exceeded", rejection.retry_after_s)
         self.accepted_in_flight += 1
         try:
-            async for chunk in self._recorded(request_id, prompt_token_ids, sampling, arrival_ns):
-                yield chunk
+            # Each layer closes the one below as it is closed itself (aclosing): a generator left
+            # to the garbage collector runs its `finally` (the record, D's abort) only later, after
+            # the router's stop may have closed the run's file.
+            async with contextlib.aclosing(self._recorded(request_id, prompt_token_ids, sampling, arrival_ns)) as it:
+                async for chunk in it:
+                    yield chunk
         finally:
             self.accepted_in_flight -= 1
 
@@ -188,8 +192,9 @@ class PDDispatcher(TokenBackend):
         for sink in self.begin_sinks:
             sink(rec)
         try:
-            async for chunk in self._generate(rec, prompt_token_ids, sampling):
-                yield chunk
+            async with contextlib.aclosing(self._generate(rec, prompt_token_ids, sampling)) as it:
+                async for chunk in it:
+                    yield chunk
         except BackendError as err:
             rec.error = str(err)
             raise
@@ -214,10 +219,11 @@ class PDDispatcher(TokenBackend):
                 return
             attempt_prompt, attempt_sampling = continuation(prompt, sampling, sent) if sent else (prompt, sampling)
             try:
-                async for chunk in self._attempt(rec, attempt_prompt, attempt_sampling, deadline,
-                                                 first=not sent, avoid=frozenset(avoid)):
-                    sent += chunk.new_token_ids
-                    yield dataclasses.replace(chunk, migrations=len(rec.migrations)) if rec.migrations else chunk
+                async with contextlib.aclosing(self._attempt(rec, attempt_prompt, attempt_sampling, deadline,
+                                                             first=not sent, avoid=frozenset(avoid))) as it:
+                    async for chunk in it:
+                        sent += chunk.new_token_ids
+                        yield dataclasses.replace(chunk, migrations=len(rec.migrations)) if rec.migrations else chunk
                 return
             except InstanceLost as lost:
                 if len(rec.migrations) >= self.migration_limit:
