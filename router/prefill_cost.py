@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdcluster.cluster.sim.cost import CostModel
+from pdcluster.cluster.sim.cost import CostModel, SimParams
 
 # Before the first observation: any positive scale does (every figure compared is in it).
 _PRIOR_S_PER_TOKEN = 1e-4
@@ -104,3 +104,12 @@ def _nonnegative_fit(seen: Sequence[tuple[float, float, float]]) -> tuple[float,
         return a, b
     return min(((xt / xx, 0.0), (0.0, yt / yy)),
                key=lambda ab: sum((t - ab[0] * x - ab[1] * y) ** 2 for x, y, t in seen))
+
+
+def prefill_cost(spec) -> PrefillCost:
+    """P's prefill time as a cluster's router predicts it (a ClusterSpec): the simulated engine's
+    own cost model, or one fitted from what P's vLLM engines report."""
+    eng = spec.role_engine("prefill")
+    if eng.kind == "sim":
+        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
+    return FittedCost()

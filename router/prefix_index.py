@@ -61,26 +61,33 @@ def block_hash(parent: RouterHash, tokens: Sequence[int], extra_keys: tuple[Any,
     return _hash(parent, token_bytes(tokens), extra_keys)
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
+def chain_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[RouterHash] = ()) -> list[RouterHash]:
     """The hashes of a prompt's full blocks, in order (a partial last block has none, as in vLLM).
+    `known`: the hashes of its first len(known) blocks, worked out before (only the rest is hashed).
 
     One conversion of the whole prompt, then one sha256 per block: 1,024 blocks of
     128 tokens take ~2 ms."""
+    return _extend_chain(known, token_ids, len(token_ids), block_size)
+
+
+def hittable_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[RouterHash] = ()) -> list[RouterHash]:
+    """The blocks of a prompt an engine can serve from its cache: vLLM always computes
+    the last prompt token (its hit is at most len - 1 tokens), so a prompt that ends
+    on a block boundary cannot hit its last block. `known`: as chain_hashes'."""
+    hittable = max(len(token_ids) - 1, 0)
+    return _extend_chain(known[:hittable // block_size], token_ids, hittable, block_size)
+
+
+def _extend_chain(known: Sequence[RouterHash], token_ids: Sequence[int], end: int, block_size: int) -> list[RouterHash]:
+    """`known` extended by the hashes of the full blocks of token_ids[:end] past them."""
     assert block_size > 0, f"block_size {block_size}: must be positive"
-    data = memoryview(token_bytes(token_ids))
+    data = memoryview(token_bytes(token_ids[len(known) * block_size:end]))
     step = 4 * block_size
-    out, parent = [], ROOT
+    out, parent = list(known), known[-1] if known else ROOT
     for start in range(0, len(data) - step + 1, step):
         parent = _hash(parent, data[start:start + step], None)
         out.append(parent)
     return out
-
-
-def hittable_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
-    """The blocks of a prompt an engine can serve from its cache: vLLM always computes
-    the last prompt token (its hit is at most len - 1 tokens), so a prompt that ends
-    on a block boundary cannot hit its last block."""
-    return chain_hashes(token_ids[:max(len(token_ids) - 1, 0)], block_size)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class SchedulerCore:
         if req.num_prompt_tokens >= c.max_model_len:
             raise ValueError(f"request {req.request_id}: prompt of {req.num_prompt_tokens} tokens does not fit "
                              f"max_model_len {c.max_model_len} (one token at least must be generated)")
-        low, high = req._id_range
+        low, high = req.id_range
         if low < 0 or high >= c.vocab_size:
             raise ValueError(f"request {req.request_id}: token ids {low}..{high} outside the vocabulary "
                              f"(0..{c.vocab_size - 1})")
@@ -87,8 +87,13 @@ class SchedulerCore:
                              f"{self.pool.num_blocks - 1}: raise sim.kv_blocks or shorten the prompt")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens {req.max_tokens} < 1")
-        # Hashed once, here: the whole prompt's full blocks.
-        req.block_hashes = hash_blocks(req.prompt_token_ids, c.block_size)
+        # Hashed once, here: the whole prompt's full blocks (unless the caller did already).
+        if req.block_hashes:
+            assert len(req.block_hashes) == req.num_prompt_tokens // c.block_size, (
+                f"request {req.request_id}: {len(req.block_hashes)} block hashes given for "
+                f"{req.num_prompt_tokens} prompt tokens: hashed with another block size?")
+        else:
+            req.block_hashes = hash_blocks(req.prompt_token_ids, c.block_size)
         req.queued_ns = self.now_ns()
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -225,6 +230,8 @@ class SchedulerCore:
             req = chunk.req
             if req.stop_token_ids or (not req.ignore_eos and c.eos_token_id is not None):
                 return 1  # a drawn token could end it at any step
+            if not req.output_token_ids:
+                return 1  # its first token goes out as soon as this step ends
             end = req.num_computed_tokens + 1  # the token this step computes, counted
             samples = min(req.max_tokens - len(req.output_token_ids), c.max_model_len - req.num_tokens)
             steps = min(steps, samples,  # it finishes at the last one at the latest
@@ -307,7 +314,7 @@ class SchedulerCore:
         pool as it was (a request that holds blocks while it waits could deadlock the pool)."""
         bs = self.config.block_size
         if len(req.block_hashes) < req.num_tokens // bs:  # preempted with output tokens since hashed
-            req.block_hashes = hash_blocks(req.tokens(0, req.num_tokens), bs, req.block_hashes)
+            req.block_hashes = hash_blocks(req.token_view(), bs, req.block_hashes)
         hit = self.pool.find_hit(req.block_hashes, req.num_tokens - 1)
         hit_tokens = len(hit) * bs
         loads = req.external_tokens > hit_tokens
@@ -354,8 +361,8 @@ class SchedulerCore:
         if full <= req.num_cached_blocks:
             return
         if len(req.block_hashes) < full:  # output tokens filled a block
-            req.block_hashes = hash_blocks(req.tokens(0, full * bs), bs, req.block_hashes)
-        tokens = req.prompt_token_ids if full * bs <= req.num_prompt_tokens else req.tokens(0, full * bs)
+            req.block_hashes = hash_blocks(req.token_view(), bs, req.block_hashes)[:full]
+        tokens = req.prompt_token_ids if full * bs <= req.num_prompt_tokens else req.token_view()
         self.pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full, tokens)
         req.num_cached_blocks = full
 
