@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdcluster.cluster.sim.cost import CostModel, SimParams
@@ -41,10 +41,15 @@ class PrefillCost(Protocol):
 class ModelledCost:
     model: CostModel
     budget: int  # P's max_num_batched_tokens: its chunked prefill's step size
+    # (cached, prompt) -> seconds: a pick asks it of every P, mostly for the same few shapes
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
-        new = prompt_tokens - min(cached_tokens, prompt_tokens)
-        return self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+        key = (cached_tokens, prompt_tokens)
+        if key not in self._memo:
+            new = prompt_tokens - min(cached_tokens, prompt_tokens)
+            self._memo[key] = self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+        return self._memo[key]
 
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         pass

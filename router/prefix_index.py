@@ -27,7 +27,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +130,9 @@ class InstanceIndex:
     skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
     removed_blocks: int = 0  # blocks it held that the engine then evicted (BlockRemoved), in all
     clears: int = 0  # times it was emptied (cache reset, restart, lost history): older promises are void
+    # Engine hash -> router hash of blocks whose router hash the caller worked out already (the
+    # virtual clock hashes every prompt both ways): taken instead of hashing the tokens again.
+    known: Mapping[EngineHash, RouterHash] | None = field(default=None, repr=False)
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
         """Apply batch `seq`. False if batches were missed before it: the index is then
@@ -168,10 +171,16 @@ class InstanceIndex:
             parent = self._held[(g, ev.parent_block_hash)]
         else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
             return
-        data = memoryview(token_bytes(ev.token_ids))
+        data = None
+        known = self.known if self.known is not None and not ev.extra_keys and g == 0 else {}
         for i, h in enumerate(ev.block_hashes):
-            extra = ev.extra_keys[i] if ev.extra_keys else None
-            parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
+            if h in known:  # the same chain of tokens as hashing them would give
+                parent = known[h]
+            else:
+                if data is None:
+                    data = memoryview(token_bytes(ev.token_ids))
+                extra = ev.extra_keys[i] if ev.extra_keys else None
+                parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
             key = (g, h)
             if key not in self._held:  # vLLM may announce a block again (a prefix hit in "full" mode)
                 self._held[key] = parent
