@@ -246,7 +246,7 @@ def test_speculative_decoding_divides_an_iteration_by_the_accept_length():
     spec = params.decode.speculative
     cm = CostModel(params, 128)
     assert cm.decode_step_s([50_000] * 10) < plain.decode_step_s([50_000] * 10)
-    iteration = cm._step_s((), [50_000] * 10, tokens_per_request=spec.draft_tokens + 1) + spec.draft_s
+    iteration = plain.step_seconds(plain._work((), [50_000] * 10, spec.draft_tokens + 1))[0] + spec.draft_s
     assert cm.decode_step_s([50_000] * 10) == pytest.approx(iteration / spec.accept_length)
 
 

@@ -28,6 +28,7 @@ from pdcluster.bench.run import BenchConfig, build_workload, expected_after_fail
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.scheduler_config import SchedulerConfig
+from pdcluster.cluster.sim.virtual.agreement import served
 from pdcluster.cluster.sim.virtual.client import VirtualClient
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.cluster.sim.virtual.instance import VirtualInstance, VirtualScheduler
@@ -137,19 +138,11 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
                                       block_size)
     mismatches = workloads.check_hits((by_index[(r.phase, r.index)], r.cached_tokens) for r in results
                                       if r.ok and r.phase in ("check", "formal"))
-    served = _served(client.records)
-    stats = [InstanceStats(i.name, i.role, served.get(i.name, 0), i.core.steps, i.events, i.busy_ns / 1e9)
+    counts = served(client.records)
+    stats = [InstanceStats(i.name, i.role, counts.get(i.name, 0), i.core.steps, i.events, i.busy_ns / 1e9)
              for i in instances.values()]
     return VirtualRun(spec, cfg, requests, results, client.records, summarize_phases(results, cfg.max_concurrency),
                       mismatches, stats, (loop.now_ns - loop.origin_ns) / 1e9, wall, loop.events)
-
-
-def _served(records: list[RequestRecord]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for rec in records:
-        for name in {rec.prefill_instance, rec.decode_instance} - {None}:
-            out[name] = out.get(name, 0) + 1
-    return out
 
 
 def write_virtual_run(run: VirtualRun, out_dir: str | Path) -> Path:
