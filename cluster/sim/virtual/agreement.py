@@ -3,7 +3,10 @@ sim's (issue 18 item 2), or a prediction against a real run (item 4).
 
 Figures are the formal phase's, as bench/metrics.py computes them from each run's results
 (the client's view: TTFT, TPOT, E2E mean and p90, the measured prefix-hit ratio), and the
-requests each instance served (every phase, from the records).
+requests each instance served (every phase, from the records), compared per role busiest
+first: instances of a role are interchangeable, and the real router's choice between two equally
+loaded ones can go either way (it counts a P's load when the call to it starts, a moment
+after the pick), so one run's prefill-0 may be the other's prefill-1.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class Figure:
 
 @dataclass(frozen=True)
 class InstanceCount:
-    name: str
+    name: str  # "prefill #1": the role's busiest instance in each run
     reference: int
     other: int
 
@@ -76,8 +79,13 @@ def compare(reference: PhaseSummary, other: PhaseSummary, reference_records: Ite
                for label, m, stat in METRICS]
     figures.append(Figure("hit ratio", reference.measured_hit_ratio or 0.0, other.measured_hit_ratio or 0.0))
     ref, oth = served(reference_records), served(other_records)
-    names = sorted(set(ref) | set(oth), key=lambda n: (n.split("-")[0] != "prefill", int(n.rsplit("-", 1)[1])))
-    return Agreement(figures, [InstanceCount(n, ref.get(n, 0), oth.get(n, 0)) for n in names])
+    counts = []
+    for role in ("prefill", "decode"):
+        names = {n for n in [*ref, *oth] if n.startswith(role)}
+        a = sorted((ref.get(n, 0) for n in names), reverse=True)
+        b = sorted((oth.get(n, 0) for n in names), reverse=True)
+        counts += [InstanceCount(f"{role} #{i + 1}", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    return Agreement(figures, counts)
 
 
 def format_agreement(a: Agreement, reference: str = "real-time", other: str = "virtual") -> str:
@@ -89,6 +97,6 @@ def format_agreement(a: Agreement, reference: str = "real-time", other: str = "v
             lines.append(f"| {f.label} | {f.reference * 1e3:.1f} ms | {f.other * 1e3:.1f} ms | {f.rel_diff:+.1%} |")
     if a.instances:
         lines.append("")
-        lines.append(f"requests per instance ({reference} / {other}): "
+        lines.append(f"requests per instance, busiest first ({reference} / {other}): "
                      + ", ".join(f"{c.name} {c.reference}/{c.other}" for c in a.instances))
     return "\n".join(lines)
