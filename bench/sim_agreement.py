@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     virtual = simulate(spec, dataclasses.replace(cfg, out=None), real.requests)
     write_virtual_run(virtual, out / "virtual")
-    agreement = compare(real.summaries["formal"], virtual.summaries["formal"], list(real.timelines.values()),
+    agreement = compare(real.summaries["formal"], virtual.summaries["formal"], [real.timelines[r.request_id] for r in real.results if r.request_id in real.timelines],
                         virtual.records)
     print(format_agreement(agreement))
     print(f"real-time: {real_wall:.1f} s for the load; virtual clock: {virtual.wall_s:.2f} s for "

@@ -12,7 +12,7 @@ import yaml
 from pdcluster.bench.run import BenchConfig
 from pdcluster.cluster.cli import main
 from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.fit import FitError, fit, fitted_yaml, observations, with_numbers
+from pdcluster.cluster.sim.fit import FitError, fit, observations, with_numbers
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, parse_spec
 from pdcluster.router.timeline import load_run
@@ -78,4 +78,3 @@ def test_bad_input_names_the_problem(truth_run, tmp_path, capsys):
     base = SimParams.load(SHIPPED_SIM_PARAMS / f"{BASE}.yaml")
     with pytest.raises(FitError, match="not a fittable"):
         fit(base, 128, observations(load_run(truth_run), CostModel(base, 128)), ["model.layers"])
-    assert fitted_yaml  # the writer is exercised by the CLI test above

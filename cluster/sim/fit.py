@@ -14,7 +14,9 @@ Both are the cost model's `StepWork`, fixed by the model's shape, times the free
 (CostModel.step_seconds): the fit minimises the relative residuals of every observed step time
 (Levenberg-Marquardt on the logarithms, so each number stays positive; efficiencies at most 1),
 with a weak pull towards the base file's values so that a number the run says nothing about
-stays where it was (and is reported as such).
+stays where it was (and is reported as such). Real runs have outliers (a step that waited for
+the host, an engine's first calls): after a first fit, observations off by more than three times
+the median residual (and 20%) are dropped, and the fit is run again from there (`FitResult.dropped`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _spaced(items: list, most: int) -> list:
 
 
 def run_spec(run: Run) -> ClusterSpec:
-    return parse_spec(run.meta.spec, f"{run.meta.run_id} meta.json")
+    """The spec a run was made with (its secrets are masked in meta.json: left out)."""
+    return parse_spec({k: v for k, v in run.meta.spec.items() if k != "auth"}, f"{run.meta.run_id} meta.json")
 
 
 def observations(run: Run, cost: CostModel, sim_clock: bool | None = None) -> Observations:
@@ -175,6 +178,7 @@ class FitResult:
     decode_residuals: np.ndarray
     observations: Observations
     base_residuals: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (np.zeros(0), np.zeros(0)))
+    dropped: int = 0  # outliers left out of the second fit
 
 
 def _get(params: SimParams, name: str) -> float:
@@ -200,6 +204,30 @@ def residuals(params: SimParams, block_size: int, obs: Observations) -> tuple[np
 
 def fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str] = FREE,
         iterations: int = 60) -> FitResult:
+    """Fit, drop the outliers, fit again (module docstring)."""
+    first = _fit(base, block_size, obs, free, iterations)
+    r = np.abs(np.concatenate([first.prefill_residuals, first.decode_residuals]))
+    if not len(r):
+        return first
+    bound = max(3 * float(np.median(r)), 0.2)
+    keep_p, keep_d = np.abs(first.prefill_residuals) <= bound, np.abs(first.decode_residuals) <= bound
+    dropped = int((~keep_p).sum() + (~keep_d).sum())
+    if not dropped or not keep_p.any() or not keep_d.any():
+        return first
+    kept = Observations(_take(obs.prefill_steps, np.isin(obs.prefill_of, np.flatnonzero(keep_p))),
+                        np.cumsum(keep_p)[obs.prefill_of[np.isin(obs.prefill_of, np.flatnonzero(keep_p))]] - 1,
+                        obs.prefill_s[keep_p], _take(obs.decode_steps, keep_d), obs.decode_s[keep_d],
+                        obs.prefill_requests, obs.decode_gaps)
+    result = _fit(base, block_size, kept, free, iterations)
+    result.dropped = dropped
+    return result
+
+
+def _take(work: StepWork, mask: np.ndarray) -> StepWork:
+    return StepWork(*(np.asarray(getattr(work, f))[mask] for f in StepWork.__dataclass_fields__))
+
+
+def _fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str], iterations: int) -> FitResult:
     for name in free:
         if name not in FREE:
             raise FitError(f"--free {name}: not a fittable number; one of {', '.join(FREE)}")
@@ -219,7 +247,9 @@ def fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str]
         for j in range(len(x)):
             dx = np.zeros_like(x)
             dx[j] = 1e-5
-            jac[:, j] = (r_of(_bounded(x + dx, free)) - r) / 1e-5
+            if _bounded(x + dx, free)[j] == x[j]:  # at its bound: the derivative from the inside
+                dx[j] = -dx[j]
+            jac[:, j] = (r_of(x + dx) - r) / dx[j]
         g, h = jac.T @ r, jac.T @ jac
         improved = False
         for _ in range(10):
@@ -265,19 +295,19 @@ _OFFSET = 1e-4
 # ---- the fitted file ---------------------------------------------------------------------------
 
 
-def fitted_yaml(base_text: str, result: FitResult, name: str, source: str) -> str:
+def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str) -> str:
     """The base file's text with each fitted number replaced and commented with its source run
     (numbers the run left undetermined keep their value and comment, with a note); the name
     replaced. Everything else (the shape, the device, its comments) as it was."""
-    numbers = {n.name: n for n in result.numbers}
+    numbers = {n.name: n for n in numbers}
     out, section = [], None
     for line in base_text.splitlines():
         stripped = line.strip()
-        if line and not line[0].isspace() and stripped.endswith(":"):
+        if line and not line[0].isspace() and not line.startswith("#") and stripped.endswith(":"):
             section = stripped[:-1]
         key = stripped.split(":", 1)[0]
         indent = line[:len(line) - len(line.lstrip())]
-        if section is None and line.startswith("name:"):
+        if line.startswith("name:"):
             line = f"name: {name}"
         elif indent == "  " and f"{section}.{key}" in numbers:
             n = numbers[f"{section}.{key}"]

@@ -32,9 +32,10 @@ def _cmd_fit(a: argparse.Namespace) -> None:
         _fail(str(err))
     out = Path(a.out)
     name = a.name or out.stem
-    out.write_text(fitted_yaml(base_path.read_text(), result, name, f"run {run.meta.run_id} ({a.run})"))
+    out.write_text(fitted_yaml(base_path.read_text(), result.numbers, name, f"run {run.meta.run_id} ({a.run})"))
     print(f"fitted {base.name} to run {run.meta.run_id}: {len(obs.prefill_s)} prefills that ran alone "
-          f"(of {obs.prefill_requests}), {len(obs.decode_s)} D steps (of {obs.decode_gaps} seen)")
+          f"(of {obs.prefill_requests}), {len(obs.decode_s)} D steps (of {obs.decode_gaps} seen); "
+          f"{result.dropped} outliers dropped")
     print(f"{'number':<30} {'base':>10} {'fitted':>10}")
     for n in result.numbers:
         note = "" if n.determined else "  (the run does not determine it: kept)"
