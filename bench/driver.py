@@ -16,6 +16,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -52,6 +53,21 @@ def _inter_arrival(rng: random.Random, rate: float, burstiness: float) -> float:
     if burstiness == 0:
         return 1.0 / rate
     return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+def send_offsets(requests: Sequence[BenchRequest], cfg: DriveConfig) -> Iterator[float]:
+    """When each request of a phase arrives, in seconds from the phase's start (it is then sent
+    as soon as one of `max_concurrency` slots is free, first come first served): a trace's
+    timestamps, or gaps drawn for `request_rate` (seeded by `cfg.seed`), or all at once.
+    The virtual clock (cluster/sim/virtual/) replays loads with the same arrivals."""
+    rng = random.Random(cfg.seed)
+    next_send = 0.0
+    for req in requests:
+        if cfg.follow_timestamps and req.arrival_s is not None:
+            next_send = req.arrival_s
+        yield next_send
+        if cfg.request_rate and not cfg.follow_timestamps:
+            next_send += _inter_arrival(rng, cfg.request_rate, cfg.burstiness)
 
 
 async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchRequest) -> RequestResult:
@@ -131,7 +147,6 @@ def _take_event(res: RequestResult, event: dict, now: float) -> None:
 
 async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) -> list[RequestResult]:
     """Send these requests (one phase), wait for all of them, return results in send order."""
-    rng = random.Random(cfg.seed)
     slots = asyncio.Semaphore(cfg.max_concurrency)
     tasks: list[asyncio.Task] = []
     bar = _progress(len(requests), label, cfg.progress)
@@ -150,16 +165,11 @@ async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) 
             bar.update(1)
             return result
 
-        next_send = t0
-        for req in requests:
-            if cfg.follow_timestamps and req.arrival_s is not None:
-                next_send = t0 + req.arrival_s
-            await asyncio.sleep(max(0.0, next_send - time.monotonic()))
+        for req, offset_s in zip(requests, send_offsets(requests, cfg)):
+            await asyncio.sleep(max(0.0, t0 + offset_s - time.monotonic()))
             if deadline is not None and time.monotonic() >= deadline:
                 break
             tasks.append(asyncio.create_task(one(req)))
-            if cfg.request_rate and not cfg.follow_timestamps:
-                next_send += _inter_arrival(rng, cfg.request_rate, cfg.burstiness)
         results = [r for r in await asyncio.gather(*tasks) if r is not None]
     bar.close()
     return results

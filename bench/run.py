@@ -229,6 +229,20 @@ def add_bench_commands(subparsers) -> None:
     r = sub.add_parser("run", help="run a workload (a preset, a synthetic shared-prefix load, or a Mooncake trace)")
     r.add_argument("--base-url", default=BenchConfig.base_url, help="server root, without /v1")
     r.add_argument("--model", default=None)
+    add_load_arguments(r)
+    r.add_argument("--timeout", dest="timeout_s", type=float)
+    r.add_argument("--retries-after-429", type=int, help="resend a request refused with 429 after its "
+                                                         "Retry-After, at most this many times (default 0)")
+    r.add_argument("--out", help="output directory (default .pdcluster/bench/<preset>-<time>)")
+    r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    r.add_argument("--api-key", default=os.environ.get("PDC_API_KEY"),
+                   help="the router's API key (default: $PDC_API_KEY), sent as a Bearer token")
+    r.set_defaults(fn=_cmd_run)
+
+
+def add_load_arguments(r) -> None:
+    """The workload and load shape (a preset, synthetic or a trace): `pdc bench run`'s, and the
+    virtual clock's commands' (`pdc sim run`, `pdc plan`)."""
     r.add_argument("--preset", choices=sorted(PRESETS), default=None, help="c90 (production) or c90-tiny (this machine)")
     w = r.add_argument_group("synthetic workload")
     w.add_argument("--input-len", type=int)
@@ -252,23 +266,21 @@ def add_bench_commands(subparsers) -> None:
     r.add_argument("--vocab-size", type=int)
     r.add_argument("--engine-block-size", type=int)
     r.add_argument("--seed", type=int)
-    r.add_argument("--timeout", dest="timeout_s", type=float)
-    r.add_argument("--retries-after-429", type=int, help="resend a request refused with 429 after its "
-                                                         "Retry-After, at most this many times (default 0)")
-    r.add_argument("--out", help="output directory (default .pdcluster/bench/<preset>-<time>)")
-    r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    r.add_argument("--api-key", default=os.environ.get("PDC_API_KEY"),
-                   help="the router's API key (default: $PDC_API_KEY), sent as a Bearer token")
-    r.set_defaults(fn=_cmd_run)
+
+
+def config_from_args(a, **overrides) -> BenchConfig:
+    """The BenchConfig the parsed arguments (add_load_arguments' and the command's own) name."""
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    given = {k: v for k, v in vars(a).items() if k in fields and v is not None and k != "preset"}
+    given.update(overrides)
+    return BenchConfig.from_preset(a.preset, **given) if a.preset else BenchConfig(**given)
 
 
 def _cmd_run(a) -> None:
     import sys
 
-    fields = {f.name for f in dataclasses.fields(BenchConfig)}
-    given = {k: v for k, v in vars(a).items() if k in fields and v is not None and k != "preset"}
     try:
-        cfg = BenchConfig.from_preset(a.preset, **given) if a.preset else BenchConfig(**given)
+        cfg = config_from_args(a)
         run = run_bench(cfg, log=lambda m: print(m, file=sys.stderr))
     except (ValueError, OSError, httpx.HTTPError) as err:
         print(f"pdc bench: error: {err}", file=sys.stderr)

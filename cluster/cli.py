@@ -7,6 +7,9 @@
   pdc demo [SPEC.yaml] [--replay c90]                up, a few requests, a replay, down (the README's main job)
   pdc timeline summary|show|export|report RUN ...    per-request, per-phase timelines of a run
   pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
+  pdc sim run SPEC [--preset c90] [...]              the same load on the simulated cluster's virtual clock
+  pdc sim fit RUN --params BASE --out NEW.yaml       fit a parameter file to a run's timelines
+  pdc plan PARAMS --devices 16 --preset c90 --slo-ttft-p90 S --slo-tpot-p90 S   P:D split and settings for an SLO
   pdc lab up|status|down|exec|link|kill|revive|partition|heal   rehearse N hosts (cluster/lab.py)
 """
 
@@ -212,11 +215,15 @@ def main(argv: list[str] | None = None) -> None:
     demo.set_defaults(fn=cmd_demo)
     from pdcluster.bench.run import add_bench_commands
     from pdcluster.cluster.lab_cli import add_lab_commands
+    from pdcluster.cluster.plan_cli import add_plan_command
+    from pdcluster.cluster.sim_cli import add_sim_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
 
     add_timeline_commands(sub)
     add_lab_commands(sub)
     add_bench_commands(sub)
+    add_sim_commands(sub)
+    add_plan_command(sub)
     a = ap.parse_args(argv)
     a.fn(a)
 

@@ -41,7 +41,14 @@ from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT, InstanceLost, co
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import Policy
 from pdcluster.router.prefill_cost import PrefillCost
-from pdcluster.router.recording import RecordSink, forget_attempt, record_decode_end, record_prefill, record_route
+from pdcluster.router.recording import (
+    RecordSink,
+    forget_attempt,
+    record_decode_end,
+    record_prefill,
+    record_route,
+    record_tokens,
+)
 from pdcluster.router.routing import InstancePicker, NoInstanceUp, PrefixLookup, Route
 from pdcluster.router.timeline import ClockOffset, Migration, RequestRecord
 from pdcluster.transfer.handle import TransferHandle
@@ -295,7 +302,7 @@ class PDDispatcher(TokenBackend):
                             and await self._lost_soon(p, p_connection):
                         # D's KV load failed because P went away: a lost P before the first token.
                         raise InstanceLost("prefill", p.name, "it was lost while D loaded its KV")
-                    self._record_tokens(rec, delta, self._clock(d))
+                    record_tokens(rec, delta, self._clock(d))
                     if delta.new_token_ids:
                         got_token = True
                         local_slot.close()
@@ -377,23 +384,6 @@ class PDDispatcher(TokenBackend):
             return self.channels[inst.name].call(method, req)
         except EngineUnavailable as err:
             raise InstanceLost(method, inst.name, str(err)) from None
-
-    @staticmethod
-    def _record_tokens(rec: RequestRecord, delta: DecodeDelta, clock: ClockOffset) -> None:
-        if not delta.new_token_ids:
-            return
-        now = time.monotonic_ns()
-        if delta.token_ns:  # the engine batched steps: each token at its own time, on the router clock
-            assert len(delta.token_ns) == len(delta.new_token_ids), "token_ns must stamp every new token"
-            # Never later than now: a clock offset's error must not put a token after its arrival.
-            times = [min(now, clock.to_router(t)) for t in delta.token_ns]
-        else:
-            times = [now] * len(delta.new_token_ids)
-        if not rec.token_ns:
-            rec.mark("first_token", times[0])
-        rec.token_ns.extend(times)
-        rec.output_tokens = len(rec.token_ns)
-        rec.mark("last_token", times[-1])
 
     async def _prefill(self, p: Instance, req: PrefillRequest, deadline: float) -> PrefillResult:
         call = self._call(p, "prefill", req)

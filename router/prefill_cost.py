@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdcluster.cluster.sim.cost import CostModel
+from pdcluster.cluster.sim.cost import CostModel, SimParams
 
 # Before the first observation: any positive scale does (every figure compared is in it).
 _PRIOR_S_PER_TOKEN = 1e-4
@@ -41,10 +41,15 @@ class PrefillCost(Protocol):
 class ModelledCost:
     model: CostModel
     budget: int  # P's max_num_batched_tokens: its chunked prefill's step size
+    # (cached, prompt) -> seconds: a pick asks it of every P, mostly for the same few shapes
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
-        new = prompt_tokens - min(cached_tokens, prompt_tokens)
-        return self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+        key = (cached_tokens, prompt_tokens)
+        if key not in self._memo:
+            new = prompt_tokens - min(cached_tokens, prompt_tokens)
+            self._memo[key] = self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+        return self._memo[key]
 
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         pass
@@ -104,3 +109,12 @@ def _nonnegative_fit(seen: Sequence[tuple[float, float, float]]) -> tuple[float,
         return a, b
     return min(((xt / xx, 0.0), (0.0, yt / yy)),
                key=lambda ab: sum((t - ab[0] * x - ab[1] * y) ** 2 for x, y, t in seen))
+
+
+def prefill_cost(spec) -> PrefillCost:
+    """P's prefill time as a cluster's router predicts it (a ClusterSpec): the simulated engine's
+    own cost model, or one fitted from what P's vLLM engines report."""
+    eng = spec.role_engine("prefill")
+    if eng.kind == "sim":
+        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
+    return FittedCost()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,26 +61,33 @@ def block_hash(parent: RouterHash, tokens: Sequence[int], extra_keys: tuple[Any,
     return _hash(parent, token_bytes(tokens), extra_keys)
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
+def chain_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[RouterHash] = ()) -> list[RouterHash]:
     """The hashes of a prompt's full blocks, in order (a partial last block has none, as in vLLM).
+    `known`: the hashes of its first len(known) blocks, worked out before (only the rest is hashed).
 
     One conversion of the whole prompt, then one sha256 per block: 1,024 blocks of
     128 tokens take ~2 ms."""
+    return _extend_chain(known, token_ids, len(token_ids), block_size)
+
+
+def hittable_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[RouterHash] = ()) -> list[RouterHash]:
+    """The blocks of a prompt an engine can serve from its cache: vLLM always computes
+    the last prompt token (its hit is at most len - 1 tokens), so a prompt that ends
+    on a block boundary cannot hit its last block. `known`: as chain_hashes'."""
+    hittable = max(len(token_ids) - 1, 0)
+    return _extend_chain(known[:hittable // block_size], token_ids, hittable, block_size)
+
+
+def _extend_chain(known: Sequence[RouterHash], token_ids: Sequence[int], end: int, block_size: int) -> list[RouterHash]:
+    """`known` extended by the hashes of the full blocks of token_ids[:end] past them."""
     assert block_size > 0, f"block_size {block_size}: must be positive"
-    data = memoryview(token_bytes(token_ids))
+    data = memoryview(token_bytes(token_ids[len(known) * block_size:end]))
     step = 4 * block_size
-    out, parent = [], ROOT
+    out, parent = list(known), known[-1] if known else ROOT
     for start in range(0, len(data) - step + 1, step):
         parent = _hash(parent, data[start:start + step], None)
         out.append(parent)
     return out
-
-
-def hittable_hashes(token_ids: Sequence[int], block_size: int) -> list[RouterHash]:
-    """The blocks of a prompt an engine can serve from its cache: vLLM always computes
-    the last prompt token (its hit is at most len - 1 tokens), so a prompt that ends
-    on a block boundary cannot hit its last block."""
-    return chain_hashes(token_ids[:max(len(token_ids) - 1, 0)], block_size)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ class InstanceIndex:
     skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
     removed_blocks: int = 0  # blocks it held that the engine then evicted (BlockRemoved), in all
     clears: int = 0  # times it was emptied (cache reset, restart, lost history): older promises are void
+    # Engine hash -> router hash of blocks whose router hash the caller worked out already (the
+    # virtual clock hashes every prompt both ways): taken instead of hashing the tokens again.
+    known: Mapping[EngineHash, RouterHash] | None = field(default=None, repr=False)
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
         """Apply batch `seq`. False if batches were missed before it: the index is then
@@ -161,10 +171,16 @@ class InstanceIndex:
             parent = self._held[(g, ev.parent_block_hash)]
         else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
             return
-        data = memoryview(token_bytes(ev.token_ids))
+        data = None
+        known = self.known if self.known is not None and not ev.extra_keys and g == 0 else {}
         for i, h in enumerate(ev.block_hashes):
-            extra = ev.extra_keys[i] if ev.extra_keys else None
-            parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
+            if h in known:  # the same chain of tokens as hashing them would give
+                parent = known[h]
+            else:
+                if data is None:
+                    data = memoryview(token_bytes(ev.token_ids))
+                extra = ev.extra_keys[i] if ev.extra_keys else None
+                parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
             key = (g, h)
             if key not in self._held:  # vLLM may announce a block again (a prefix hit in "full" mode)
                 self._held[key] = parent

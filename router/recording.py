@@ -7,6 +7,7 @@ absent rather than becoming a bogus event.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from pdcluster.cluster.messages import DecodeDelta, PrefillResult
@@ -73,3 +74,26 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset)
         _mark(rec, "d_kv_ready", t.kv_ready_ns, clock)
         rec.transfer_error = t.error
     rec.finish_reason = last.finish_reason
+
+
+def record_tokens(rec: RequestRecord, delta: DecodeDelta, clock: ClockOffset, now_ns: int | None = None) -> None:
+    """A delta's new tokens: each at its engine time if the delta says (on the router clock),
+    else now (`now_ns`, by default the router's clock); the first marks first_token, every one
+    last_token."""
+    if not delta.new_token_ids:
+        return
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    if delta.token_ns:  # the engine batched steps: each token at its own time, on the router clock
+        assert len(delta.token_ns) == len(delta.new_token_ids), "token_ns must stamp every new token"
+        # Never later than now: a clock offset's error must not put a token after its arrival.
+        if clock.offset_ns == 0 and delta.token_ns[-1] <= now:  # one host, times in order: as they are
+            times = list(delta.token_ns)
+        else:
+            times = [min(now, clock.to_router(t)) for t in delta.token_ns]
+    else:
+        times = [now] * len(delta.new_token_ids)
+    if not rec.token_ns:
+        rec.mark("first_token", times[0])
+    rec.token_ns.extend(times)
+    rec.output_tokens = len(rec.token_ns)
+    rec.mark("last_token", times[-1])

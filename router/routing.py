@@ -155,16 +155,20 @@ class InstancePicker(Generic[I]):
         return min((self._load[p.name].seconds for p in self.prefill if self.is_up is None or self.is_up(p.name)),
                    default=0.0)
 
-    def pick(self, prompt_token_ids: Sequence[int], max_tokens: int, avoid: frozenset[str] = frozenset()) -> Route[I]:
+    def pick(self, prompt_token_ids: Sequence[int], max_tokens: int, avoid: frozenset[str] = frozenset(),
+             hashes: Sequence[RouterHash] | None = None) -> Route[I]:
         """Raises NoInstanceUp if a role has no instance up. `avoid`: instances lost under this
-        request (router/migration.py), not picked even if their channel still looks up."""
+        request (router/migration.py), not picked even if their channel still looks up.
+        `hashes`: the prompt's `hittable_hashes`, if the caller has them already (the virtual
+        clock works them out once per prompt)."""
         turn = next(self._turn)
         n = len(prompt_token_ids)
         prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
         matched_p = matched_d = pending_p = None
-        hashes: list[RouterHash] = []
+        if self.lookup is None:
+            hashes = []
         if self.lookup is not None:
-            hashes = hittable_hashes(prompt_token_ids, self.block_size)
+            hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
             matched_p, pending_p = self._matched(prefill, hashes, self.pending)
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.

@@ -21,21 +21,10 @@ from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
-from pdcluster.router.prefill_cost import FittedCost, ModelledCost, PrefillCost
+from pdcluster.router.prefill_cost import prefill_cost
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, new_run_id, versions
 
 log = logging.getLogger(__name__)
-
-
-def prefill_cost(spec: ClusterSpec) -> PrefillCost:
-    """P's prefill time as the router predicts it: the simulated engine's own cost model, or one
-    fitted from what P's vLLM engines report (router/prefill_cost.py)."""
-    eng = spec.role_engine("prefill")
-    if eng.kind == "sim":
-        from pdcluster.cluster.sim.cost import CostModel, SimParams
-
-        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
-    return FittedCost()
 
 
 def model_card(spec: ClusterSpec) -> ModelCard:

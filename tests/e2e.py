@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from pdcluster.cluster.ports import free_port_run  # noqa: F401  (the e2e modules import it from here)
 from pdcluster.cluster.spec import ClusterSpec, parse_spec
 
 MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve().parent.parent / ".pdcluster" / "models"))
@@ -29,29 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_port_run(n: int) -> int:
-    """A base port with n free consecutive ports from it (KV-event ports: two per instance)."""
-    import random
-
-    rng = random.Random()
-    for _ in range(50):
-        # Above Ray's worker ports (10002-19999), below Linux's ephemeral ones (32768 on),
-        # so no outgoing connection takes one between this check and the engine's bind.
-        base = rng.randrange(20000, 32768 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
 
 
 def settled(spec: ClusterSpec) -> ClusterSpec:

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
-from pathlib import Path
 
 import pytest
+from chromium import chromium_page
 from test_timeline_views import sample_records, write_run
 
 from pdcluster.router.report import render_report, write_report
 from pdcluster.router.timeline import load_run
 from pdcluster.router.timeline_cli import add_timeline_commands
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture
@@ -47,34 +42,16 @@ def test_cli_report_default_path(tmp_path, capsys):
 
 
 def test_report_renders_in_chromium(run, tmp_path):
-    if not CHROMIUM.exists():
-        if os.environ.get("PDC_REQUIRE_CHROMIUM") == "1":
-            pytest.fail(f"{CHROMIUM} is missing and PDC_REQUIRE_CHROMIUM=1")
-        pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium); set PDC_REQUIRE_CHROMIUM=1 to fail")
-    if os.environ.get("PDC_REQUIRE_CHROMIUM") == "1":
-        from playwright import sync_api
-    else:
-        sync_api = pytest.importorskip("playwright.sync_api")
     report = write_report(run, tmp_path / "report.html")
-    errors: list[str] = []
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
-            page.goto(report.as_uri(), wait_until="load")
-            assert page.title() == "pdcluster run run-test"
-            assert page.locator("svg").count() >= 3
-            assert page.locator("#gantt-svg g.row").count() == len(sample_records())
-            assert page.locator("#attribution-svg g.bar").count() == len(sample_records())
-            # laid out, not just parsed: the Gantt has a real size on the page
-            box = page.locator("#gantt-svg").bounding_box()
-            assert box is not None and box["width"] > 500 and box["height"] > 5 * 16
-            shot = tmp_path / "report.png"
-            page.screenshot(path=str(shot), full_page=True)
-        finally:
-            browser.close()
+    with chromium_page(report) as (page, errors):
+        assert page.title() == "pdcluster run run-test"
+        assert page.locator("svg").count() >= 3
+        assert page.locator("#gantt-svg g.row").count() == len(sample_records())
+        assert page.locator("#attribution-svg g.bar").count() == len(sample_records())
+        # laid out, not just parsed: the Gantt has a real size on the page
+        box = page.locator("#gantt-svg").bounding_box()
+        assert box is not None and box["width"] > 500 and box["height"] > 5 * 16
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=True)
     assert errors == []
     assert shot.exists() and shot.stat().st_size > 20_000

@@ -246,7 +246,7 @@ def test_speculative_decoding_divides_an_iteration_by_the_accept_length():
     spec = params.decode.speculative
     cm = CostModel(params, 128)
     assert cm.decode_step_s([50_000] * 10) < plain.decode_step_s([50_000] * 10)
-    iteration = cm._step_s((), [50_000] * 10, tokens_per_request=spec.draft_tokens + 1) + spec.draft_s
+    iteration = plain.step_seconds(plain._work((), [50_000] * 10, spec.draft_tokens + 1))[0] + spec.draft_s
     assert cm.decode_step_s([50_000] * 10) == pytest.approx(iteration / spec.accept_length)
 
 
@@ -303,3 +303,13 @@ def test_missing_and_empty_files(tmp_path):
 def test_block_size_must_hold_whole_compressed_entries():
     with pytest.raises(SimParamsError, match="c128_kv.*block_size 64 is not a multiple of its compress_ratio 128"):
         CostModel(load("dsv4-flash-910c"), 64)
+
+
+@pytest.mark.parametrize("name", ["dsv4-flash-910c", "qwen3-0.6b-1dev"])
+def test_decode_steps_at_once_are_each_step_exactly(name):
+    # The virtual clock runs a run of decode steps as one: each must be the step's own time, to the bit.
+    cm = model(name)
+    contexts = [131_076 + 37 * i for i in range(11)]
+    at_once = cm.decode_steps_s(contexts, 300)
+    assert at_once == [cm.decode_step_s([c + j for c in contexts]) for j in range(300)]
+    assert at_once[299] > at_once[0]  # the KV read grows with the context

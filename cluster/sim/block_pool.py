@@ -36,7 +36,7 @@ business (payload.py and consumer.py use it), not the pool's.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +48,7 @@ from pdcluster.cluster.sim.kv_wire import (
     BlockStored,
     KvCacheEvent,
     block_hash,
+    external_hashes,
 )
 from pdcluster.cluster.sim.kv_wire import external_hash as maybe_convert_block_hash
 
@@ -81,12 +82,18 @@ class BlockPool:
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks are made when first handed out (a 910C instance has 80K of them): blocks[i] is
+        # block i for i < len(blocks), and blocks len(blocks).. num_blocks - 1 were never used.
+        self.blocks = [Block(NULL_BLOCK_ID)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        # Free blocks in eviction order (first: next to reuse).
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # The free queue, in eviction order (first: next to reuse), as vLLM's one list in three
+        # parts: unhashed blocks freed since (they go first), the never-used ones in id order,
+        # then every block freed with its hash, in the order freed (touch takes one out).
+        self._front: deque[Block] = deque()
+        self._free: OrderedDict[int, Block] = OrderedDict()
         # hash -> {block_id: block}: every block (free or held) a prefix can hit.
         self._cached: dict[BlockHash, dict[int, Block]] = {}
+        self._first: dict[BlockHash, Block] = {}  # hash -> the first block of _cached[hash] (find_hit's pick)
         self._events_on = events
         self._events: list[KvCacheEvent] = []
 
@@ -94,11 +101,11 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._front) + self.num_blocks - len(self.blocks) + len(self._free)
 
     @property
     def num_held(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - self.num_free
 
     @property
     def usage(self) -> float:
@@ -114,13 +121,11 @@ class BlockPool:
     def find_hit(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> list[Block]:
         """The cached blocks of the longest cached prefix, at most `max_hit_tokens`
         long (not yet referenced: `touch` them to keep them)."""
-        hit: list[Block] = []
-        for h in block_hashes[:max(0, max_hit_tokens) // self.block_size]:
-            same = self._cached.get(h)
-            if not same:
-                break
-            hit.append(next(iter(same.values())))
-        return hit
+        hit = list(map(self._first.get, block_hashes[:max(0, max_hit_tokens) // self.block_size]))
+        try:
+            return hit[:hit.index(None)]
+        except ValueError:
+            return hit
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """A request takes these (hit) blocks: a free one leaves the free queue."""
@@ -131,11 +136,17 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block]:
         """`n` fresh blocks from the front of the free queue, evicting their cached hashes."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks - 1}")
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks - 1}")
         out = []
         for _ in range(n):
-            _, b = self._free.popitem(last=False)
+            if self._front:
+                b = self._front.popleft()
+            elif len(self.blocks) < self.num_blocks:
+                b = Block(len(self.blocks))
+                self.blocks.append(b)
+            else:
+                _, b = self._free.popitem(last=False)
             if b.block_hash is not None:
                 self._evict(b)
             b.ref_cnt = 1
@@ -156,11 +167,12 @@ class BlockPool:
             assert b.block_hash is None, f"block {b.block_id} cached twice: the caller's cached count is off"
             b.block_hash = h
             self._cached.setdefault(h, {})[b.block_id] = b
+            self._first.setdefault(h, b)
         if self._events_on:
             parent = maybe_convert_block_hash(block_hashes[first - 1]) if first > 0 else None
             bs = self.block_size
             self._events.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in block_hashes[first:end]],
+                block_hashes=external_hashes(block_hashes[first:end]),
                 parent_block_hash=parent, token_ids=list(token_ids[first * bs:end * bs]), block_size=bs,
                 lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0))
 
@@ -174,8 +186,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 (evict_first if b.block_hash is None else evict_last).append(b)
         for b in reversed(evict_first):  # unhashed: reused before any cached block
-            self._free[b.block_id] = b
-            self._free.move_to_end(b.block_id, last=False)
+            self._front.appendleft(b)
         for b in evict_last:
             self._free[b.block_id] = b
 
@@ -186,6 +197,7 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self._cached.clear()
+        self._first.clear()
         if self._events_on:
             self._events.append(AllBlocksCleared())
         return True
@@ -199,6 +211,9 @@ class BlockPool:
         del same[b.block_id]
         if not same:
             del self._cached[b.block_hash]
+            del self._first[b.block_hash]
+        elif self._first[b.block_hash] is b:
+            self._first[b.block_hash] = next(iter(same.values()))
         if self._events_on:
             self._events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(b.block_hash)],
                                              medium=MEDIUM_GPU, group_idx=0))
@@ -208,9 +223,11 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
-        assert self.null_block.ref_cnt == 0 and NULL_BLOCK_ID not in self._free, "the null block was handed out"
-        free_ids = set(self._free)
-        assert len(free_ids) == len(self._free)
+        queue = [b.block_id for b in self._front] + list(self._free)
+        free_ids = set(queue) | set(range(len(self.blocks), self.num_blocks))
+        assert self.null_block.ref_cnt == 0 and NULL_BLOCK_ID not in free_ids, "the null block was handed out"
+        assert len(set(queue)) == len(queue), "a block twice in the free queue"
+        assert all(b.block_hash is None for b in self._front), "a hashed block among the unhashed free ones"
         held = {b.block_id for b in self.blocks[1:] if b.ref_cnt > 0}
         assert not free_ids & held, f"blocks both free and held: {sorted(free_ids & held)[:8]}"
         assert len(free_ids) + len(held) == self.num_blocks - 1, (
@@ -221,5 +238,7 @@ class BlockPool:
             for block_id, b in same.items():
                 assert b is self.blocks[block_id] and b.block_hash == h, (
                     f"hash map says block {block_id} holds {h.hex()[:12]}, the block says otherwise")
+            assert self._first[h] is next(iter(same.values())), f"find_hit's pick for {h.hex()[:12]} is stale"
+        assert len(self._first) == len(self._cached), "find_hit's picks and the hash map disagree"
         hashed = sum(b.block_hash is not None for b in self.blocks)
         assert hashed == self.num_cached, f"{hashed} blocks have a hash, the map has {self.num_cached}"

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdcluster.cluster.spec import read_yaml
@@ -243,12 +244,12 @@ def _keys_sum(term: AttentionTerm, lo: int, hi: int) -> float:
     return _sum_min_linear(lo, hi, 1.0 / term.compress_ratio, cap)
 
 
-def _keys_at(term: AttentionTerm, context: int) -> float:
-    """Keys one query at this context length reads (a decode step)."""
+def _keys_at(term: AttentionTerm, context: np.ndarray) -> np.ndarray:
+    """Keys one query at each of these context lengths reads (a decode step)."""
     if term.window:
-        return min(context, term.window)
+        return np.minimum(context, term.window)
     entries = context / term.compress_ratio
-    return min(entries, term.topk) if term.topk else entries
+    return np.minimum(entries, term.topk) if term.topk else entries
 
 
 def _entries_at(term: AttentionTerm, context: int) -> float:
@@ -261,12 +262,25 @@ def _entries_at(term: AttentionTerm, context: int) -> float:
 
 
 @dataclass(frozen=True)
-class _Work:
-    gemm_flops: float = 0.0
-    attention_self_flops: float = 0.0
-    attention_history_flops: float = 0.0
-    context_read_bytes: float = 0.0  # prefill: the context's KV, once per layer
-    decode_read_bytes: float = 0.0  # decode: each request's KV as its attention reads it
+class StepWork:
+    """What one step (or each of several: arrays) computes and reads: everything of its time that
+    does not depend on the device's efficiencies and overheads (`CostModel.step_seconds` adds
+    those; cluster/sim/fit.py fits them over many steps' work at once)."""
+
+    gemm_flops: float | np.ndarray = 0.0
+    attention_self_flops: float | np.ndarray = 0.0
+    attention_history_flops: float | np.ndarray = 0.0
+    context_read_bytes: float | np.ndarray = 0.0  # prefill: the context's KV, once per layer
+    decode_read_bytes: float | np.ndarray = 0.0  # decode: each request's KV as its attention reads it
+    prefill: bool | np.ndarray = False  # it computes prompt chunks (the prefill overhead)
+    decode: bool | np.ndarray = False  # it decodes (the decode overhead)
+    speculative: bool | np.ndarray = False  # decode only, with speculation: an iteration / accept_length
+
+    @staticmethod
+    def stack(works: Sequence[StepWork]) -> StepWork:
+        """Many steps' work as one, each field an array (one entry per step)."""
+        return StepWork(*(np.array([np.asarray(getattr(w, f)).reshape(-1)[0] for w in works])
+                          for f in StepWork.__dataclass_fields__))
 
 
 class CostModel:
@@ -296,7 +310,7 @@ class CostModel:
         """One scheduler step computing several prompts' chunks at once: (new_tokens, history_tokens) each,
         history = tokens before the chunk already in the KV cache (prefix hit or earlier chunks)."""
         assert chunks, "prefill_step_s: no chunks; a step with nothing to compute is not a step"
-        return self._step_s(chunks, ())
+        return float(self._step_s(chunks, ())[0])
 
     def prefill_s(self, new_tokens: int, history_tokens: int, budget: int) -> float:
         """A prompt's whole prefill alone on an instance: steps of at most `budget` new tokens
@@ -312,23 +326,36 @@ class CostModel:
     def decode_step_s(self, context_lens: Sequence[int]) -> float:
         """One decode step of a batch: one new token per running request, each over its context
         (with speculative decoding: one iteration / accept_length)."""
+        return float(self.decode_steps_s(context_lens, 1)[0])
+
+    def decode_steps_s(self, context_lens: Sequence[int], steps: int) -> list[float]:
+        """`decode_step_s` of `steps` consecutive steps of one batch, every context one token
+        longer at each step than at the one before (the virtual clock runs them at once)."""
         assert context_lens, "decode_step_s: empty batch"
-        spec = self.params.decode.speculative
-        if spec is None:
-            return self._step_s((), context_lens)
-        tokens = spec.draft_tokens + 1
-        return (self._step_s((), context_lens, tokens_per_request=tokens) + spec.draft_s) / spec.accept_length
+        assert steps >= 1, f"decode_steps_s: {steps} steps"
+        return self._step_s((), context_lens, steps=steps).tolist()
 
     def mixed_step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int]) -> float:
         """A step with both chunked prefill and decode, as vLLM's scheduler makes them (speculative
         decoding not applied: one token per decode request)."""
         assert chunks or context_lens, "mixed_step_s: neither chunks nor decode requests"
-        return self._step_s(chunks, context_lens)
+        return float(self._step_s(chunks, context_lens)[0])
 
-    def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int],
-                tokens_per_request: int = 1) -> float:
+    def step_work(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> StepWork:
+        """The work of a step as the scheduler makes it: prompt chunks and/or decode requests;
+        a decode-only step with speculative decoding verifies draft_tokens + 1 per request."""
+        spec = self.params.decode.speculative
+        speculative = spec is not None and not chunks
+        return self._work(chunks, context_lens, spec.draft_tokens + 1 if speculative else 1, steps, speculative)
+
+    def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> np.ndarray:
+        """Each of `steps` steps' time (the decode contexts one longer at each)."""
+        return self.step_seconds(self.step_work(chunks, context_lens, steps))
+
+    def step_seconds(self, work: StepWork) -> np.ndarray:
+        """The time of a step's work (arrays: of each step's) on this device, with these
+        efficiencies and overheads."""
         p = self.params
-        work = self._work(chunks, context_lens, tokens_per_request)
         compute_s = (work.gemm_flops / (p.device.gemm_flops * p.efficiency.gemm)
                      + work.attention_self_flops / (p.device.attention_flops * p.efficiency.attention)
                      + work.attention_history_flops / (p.device.attention_flops * p.efficiency.attention_history))
@@ -337,13 +364,18 @@ class CostModel:
         memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
                     / (p.device.hbm_bytes_per_s * p.efficiency.memory_bandwidth))
         context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
-        overhead_s = max(p.overheads.prefill_step_s if chunks else 0.0,
-                         p.overheads.decode_step_s if context_lens else 0.0)
-        device_s = max(compute_s, memory_s)
-        return overhead_s + max(0.0, device_s - p.overheads.hidden_device_s) + context_read_s
+        overhead_s = np.maximum(np.where(work.prefill, p.overheads.prefill_step_s, 0.0),
+                                np.where(work.decode, p.overheads.decode_step_s, 0.0))
+        device_s = np.maximum(compute_s, memory_s)
+        seconds = np.atleast_1d(overhead_s + np.maximum(0.0, device_s - p.overheads.hidden_device_s) + context_read_s)
+        spec = p.decode.speculative
+        if spec is None or not np.any(work.speculative):
+            return seconds
+        return np.where(work.speculative, (seconds + spec.draft_s) / spec.accept_length, seconds)
 
     def _work(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int],
-              tokens_per_request: int) -> _Work:
+              tokens_per_request: int, steps: int = 1, speculative: bool = False) -> StepWork:
+        """The work of `steps` steps: the decode parts are arrays, one entry per step."""
         m = self.params.model
         new_tokens = 0
         self_flops = history_flops = context_bytes = 0.0
@@ -356,15 +388,19 @@ class CostModel:
                 history_flops += term.flops_per_pair * (_keys_sum(term, history, history + new) - alone)
                 context_bytes += term.layers * term.bytes_per_key * _entries_at(term, history + new)
         decode_tokens = tokens_per_request * len(context_lens)
-        decode_bytes = 0.0
-        for context in context_lens:
-            assert context > 0, f"decode context length {context}: must be > 0"
+        decode_bytes = np.zeros(steps)
+        history_flops = np.full(steps, history_flops)
+        if len(context_lens):
+            assert min(context_lens) > 0, f"decode context lengths {list(context_lens)[:8]}: must be > 0"
+            # (steps, requests): each request's context at each step
+            contexts = np.add.outer(np.arange(steps, dtype=np.float64), np.asarray(context_lens, dtype=np.float64))
             for term in m.attention:
-                keys = _keys_at(term, context + tokens_per_request)
+                keys = _keys_at(term, contexts + tokens_per_request).sum(axis=1)
                 history_flops += term.flops_per_pair * keys * tokens_per_request
                 decode_bytes += term.layers * term.bytes_per_key * keys
         gemm = 2 * m.body_params * (new_tokens + decode_tokens) + 2 * m.lm_head_params * (len(chunks) + decode_tokens)
-        return _Work(gemm, self_flops, history_flops, context_bytes, decode_bytes)
+        return StepWork(gemm, self_flops, history_flops, context_bytes, decode_bytes, bool(chunks),
+                        bool(len(context_lens)), speculative)
 
     # -- state and transfer --
 

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from pdcluster.cluster.messages import (
     DecodeDelta,
@@ -50,25 +48,12 @@ from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
+from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.spec import ClusterSpec
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
 from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
-
-
-def model_vocab(model_path: str) -> tuple[int, int | None]:
-    """(vocab_size, eos_token_id) of the checkpoint the router tokenizes for."""
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"sim engine: cannot read the model's {path}: {err}") from None
-    cfg = config.get("text_config", config)
-    if "vocab_size" not in cfg:
-        raise ValueError(f"sim engine: {path} has no vocab_size")
-    eos = cfg.get("eos_token_id")
-    return int(cfg["vocab_size"]), eos[0] if isinstance(eos, list) and eos else eos
 
 
 @dataclass(frozen=True)

@@ -63,9 +63,15 @@ def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
 
 
 def external_hash(h: BlockHash) -> ExternalBlockHash:
+    return external_hashes([h])[0]
+
+
+def external_hashes(hashes: Sequence[BlockHash]) -> list[ExternalBlockHash]:
+    """external_hash of each (the setting read once for all of them)."""
     if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
-        return h
-    return int.from_bytes(h, byteorder="big") & ((1 << 64) - 1)
+        return list(hashes)
+    mask = (1 << 64) - 1
+    return [int.from_bytes(h, byteorder="big") & mask for h in hashes]
 
 
 # ---- events: the same names, fields and struct options as vllm.distributed.kv_events

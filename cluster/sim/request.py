@@ -41,6 +41,10 @@ class SimRequest:
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     external_tokens: int = 0  # leading prompt tokens whose KV comes from elsewhere (D: from P)
+    # The prompt's smallest and largest token id; None: found here (one pass over the prompt).
+    # The virtual clock passes it, and the prompt's block hashes (`block_hashes`), worked out
+    # once per prompt for every instance that serves it.
+    id_range: tuple[int, int] | None = None
     # --- state
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -63,12 +67,11 @@ class SimRequest:
     _pending: list[int] = field(default_factory=list)
     _pending_ns: list[int] = field(default_factory=list)
     _last_flush: float = 0.0
-    _id_range: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
-        # One pass over the prompt as an array: its id range (checked on admission).
-        ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
-        self._id_range = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if self.id_range is None:  # one pass over the prompt as an array (checked on admission)
+            ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
+            self.id_range = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
 
     def next_token(self, vocab_size: int) -> int:
         """The token at position num_tokens: from the context before it."""
@@ -91,7 +94,27 @@ class SimRequest:
         p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:p] + self.output_token_ids[max(0, start - p):end - p]
+        return [*self.prompt_token_ids[start:p], *self.output_token_ids[max(0, start - p):end - p]]
+
+    def token_view(self) -> TokenView:
+        """Prompt and output tokens as one sequence, without copying them (a 128K-token prompt's
+        output blocks are hashed and cached from a few slices of it)."""
+        return TokenView(self)
+
+
+@dataclass(frozen=True)
+class TokenView:
+    """A request's tokens so far, sliced on demand (`SimRequest.tokens`)."""
+
+    req: SimRequest
+
+    def __len__(self) -> int:
+        return self.req.num_tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        assert isinstance(index, slice) and index.step is None, "a TokenView is read in slices"
+        start, stop, _ = index.indices(self.req.num_tokens)
+        return self.req.tokens(start, max(start, stop))
 
 
 CONTEXT_TOKENS = 16  # how far back a token's context reaches

@@ -1,34 +1,11 @@
-"""The simulated engine's scheduler: vLLM-like continuous batching, timed by the cost model.
+"""The simulated engine's scheduler in real time: one asyncio task per engine (`Scheduler.run`).
 
-One asyncio task per engine (`Scheduler.run`) does what vLLM 0.32's v1 scheduler
-does, step by step:
-- running requests first (prompt chunks, or one token to decode each), then
-  waiting ones in arrival order (FCFS) while fewer than `max_num_seqs` run and
-  the step's `max_num_batched_tokens` budget lasts; a prompt longer than what is
-  left is chunked (also at `long_prefill_token_threshold` per request, vLLM's cap);
-- a waiting request first takes its prefix-cache hit (block_pool.py), then blocks
-  for the tokens it computes this step; its full blocks become hittable as soon
-  as they are scheduled, as in vLLM;
-- a request whose KV comes from elsewhere (D: `external_tokens`) takes blocks for
-  the whole prompt and waits, outside the running set, until `KvHooks` says the
-  load ended; then its last prompt token is computed (vLLM recomputes it for its
-  logits) and it decodes;
-- out of blocks, the latest running request is preempted (its blocks freed, its
-  tokens recomputed later, with whatever prefix hit it then has); a prompt that
-  could never fit fails at once rather than waiting forever.
-
-A step's duration is the cost model's, slept in real time. Steps run back to
-back on a modelled clock (each starts when the previous one ended there), so the
-scheduler's own CPU time is absorbed instead of added, as long as it keeps up;
-after an idle spell the clock restarts from now.
-
-Tokens are request.py's pseudo-random ids; EOS, stop ids, max_tokens and
-max_model_len end a request as in vLLM. Each request's tokens go out in
-batches (`Delta`): its first token at once, then at most one batch per
-`delta_interval_s`, each token with the time its step ended.
-
-What the KV does around a step (P: mark blocks ready for D; D: fetch them) is the
-`KvHooks` object's business (engine.py), as vLLM's is its KV connector's.
+What each step computes is scheduler_core.py's (`SchedulerCore`, shared with the virtual
+clock of cluster/sim/virtual/); this driver sleeps each step's modelled duration. Steps
+run back to back on a modelled clock (each starts when the previous one ended there), so
+the scheduler's own CPU time is absorbed instead of added, as long as it keeps up; after
+an idle spell the clock restarts from now, and a step that starts more than `max_lag_s`
+late restarts it too (counted in `lag_resets`).
 """
 
 from __future__ import annotations
@@ -36,174 +13,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
-from pdcluster.cluster.sim.block_pool import BlockPool, OutOfBlocks, hash_blocks
-from pdcluster.cluster.sim.request import Delta, SimRequest, Status
+from pdcluster.cluster.sim.block_pool import BlockPool
+from pdcluster.cluster.sim.request import Status
+from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
+from pdcluster.cluster.sim.scheduler_core import SchedulerCore
+
+__all__ = ["KvHooks", "ScheduledChunk", "Scheduler", "SchedulerConfig", "StepCost"]
 
 log = logging.getLogger(__name__)
 
 
-class StepCost(Protocol):
-    """What the scheduler needs of the cost model (cluster/sim/cost.py)."""
-
-    def prefill_step_s(self, chunks: Sequence[tuple[int, int]]) -> float: ...
-    def decode_step_s(self, context_lens: Sequence[int]) -> float: ...
-    def mixed_step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int]) -> float: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None = None
-    long_prefill_token_threshold: int = 0  # vLLM's per-request chunk cap; 0: none
-    delta_interval_s: float = 0.1  # at most one Delta per request this often (Ray's per-message cost)
-    recompute_on_load_failure: bool = False  # a failed load: compute the prompt here, or end with "error"
-    max_lag_s: float = 0.5  # behind the modelled clock by more than this: restart it from now
-
-
-class KvHooks:
-    """The KV side of each step (engine.py implements it for P and D); these defaults move nothing."""
-
-    def computed(self, req: SimRequest, start: int, end: int) -> None:
-        """A step computed prompt tokens [start, end) of `req` into `req.blocks`."""
-
-    def step_done(self) -> None:
-        """After the step's `computed` calls."""
-
-    def start_load(self, req: SimRequest) -> None:
-        """`req.blocks` are allocated: bring in its `external_tokens` past `req.hit_tokens`;
-        report the end through Scheduler.load_ended."""
-        raise NotImplementedError("this engine cannot load KV from elsewhere")
-
-    def cancel_load(self, req: SimRequest) -> None:
-        """`req` ended while loading; its blocks stay until load_ended."""
-
-    def finished(self, req: SimRequest) -> bool:
-        """`req` ended; True: keep its blocks until `Scheduler.release` names it."""
-        return False
-
-    def preempted(self, req: SimRequest) -> None:
-        """`req`'s blocks are about to be reused."""
-
-    def poll(self) -> None:
-        """Called every step and every idle tick: report releases and ended loads."""
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    req: SimRequest
-    num_new_tokens: int
-
-
-class Scheduler:
+class Scheduler(SchedulerCore):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
                  on_events=None):
-        assert pool.block_size == config.block_size, "pool and scheduler disagree on the block size"
-        self.config = config
-        self.pool = pool
-        self.cost = cost
-        self.hooks = hooks or KvHooks()
-        self.on_events = on_events  # called with each step's KV cache events (list), if any
-        self.waiting: deque[SimRequest] = deque()  # WAITING and LOADING, in arrival order
-        self.running: list[SimRequest] = []
-        self.held: dict[str, SimRequest] = {}  # finished, blocks kept for a transfer
-        self.requests: dict[str, SimRequest] = {}  # every request not yet done with its blocks
-        self.steps = 0
+        super().__init__(config, pool, cost, hooks, on_events, clock_ns=time.monotonic_ns)
         self.lag_resets = 0
         self._wake = asyncio.Event()
         self._stopped = False
-        self._in_step = False  # a step is being computed (between its schedule and its end)
-        self._aborts: set[str] = set()  # aborts that came during the step: applied after it
         self._last_end: float | None = None  # the modelled clock: when the previous step ended
-
-    # ------------------------------------------------------------------ requests in and out
-
-    def add(self, req: SimRequest) -> SimRequest:
-        c = self.config
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already running on this engine")
-        if not req.prompt_token_ids:
-            raise ValueError(f"request {req.request_id}: empty prompt")
-        if req.num_prompt_tokens >= c.max_model_len:
-            raise ValueError(f"request {req.request_id}: prompt of {req.num_prompt_tokens} tokens does not fit "
-                             f"max_model_len {c.max_model_len} (one token at least must be generated)")
-        low, high = req._id_range
-        if low < 0 or high >= c.vocab_size:
-            raise ValueError(f"request {req.request_id}: token ids {low}..{high} outside the vocabulary "
-                             f"(0..{c.vocab_size - 1})")
-        needed = -(-(req.num_prompt_tokens + 1) // c.block_size)
-        if needed > self.pool.num_blocks - 1:
-            raise ValueError(f"request {req.request_id}: its prompt needs {needed} KV blocks, the pool has "
-                             f"{self.pool.num_blocks - 1}: raise sim.kv_blocks or shorten the prompt")
-        if req.max_tokens < 1:
-            raise ValueError(f"request {req.request_id}: max_tokens {req.max_tokens} < 1")
-        # Hashed once, here: the whole prompt's full blocks.
-        req.block_hashes = hash_blocks(req.prompt_token_ids, c.block_size)
-        req.queued_ns = time.monotonic_ns()
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
-        self._wake.set()
-        return req
-
-    def abort(self, request_id: str) -> None:
-        """The caller no longer wants `request_id` (client gone): end it, free what it holds.
-        As in vLLM, between steps: a request in the step being computed ends after it, since
-        the blocks that step fills are already hittable by others (and, on P, wanted by D)."""
-        if self._in_step:
-            self._aborts.add(request_id)
-            return
-        self._abort_now(request_id)
-
-    def _abort_now(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
-            return
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, "abort")
-
-    def load_ended(self, request_id: str, error: str | None) -> None:
-        """KvHooks: the load of `request_id` ended (error None: every block arrived)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return
-        req.kv_ready_ns = time.monotonic_ns()
-        if req.status is Status.FINISHED:  # aborted while loading: its blocks were kept until now
-            self._free_blocks(req)
-            return
-        assert req.status is Status.LOADING, f"load of {request_id} ended while it was {req.status}"
-        if error is None:
-            req.num_computed_tokens = req.hit_tokens + req.external_tokens
-            if req.num_computed_tokens >= req.num_tokens:  # vLLM recomputes the last token for its logits
-                req.num_computed_tokens = req.num_tokens - 1
-            self._cache_blocks(req, req.num_computed_tokens)
-        else:
-            req.error = error
-            req.num_computed_tokens = req.hit_tokens  # recompute: what the blocks past the hit hold is garbage
-        req.external_tokens = 0
-        req.status = Status.WAITING
-        if error is not None and not self.config.recompute_on_load_failure:
-            self.waiting.remove(req)
-            self._finish(req, "error")
-        self._wake.set()
-
-    def release(self, request_ids: set[str]) -> None:
-        """KvHooks: these finished requests' blocks may be freed now."""
-        for rid in request_ids:
-            req = self.held.pop(rid, None)
-            if req is not None:
-                req.held_for_transfer = False
-                self._free_blocks(req)
 
     def wake(self) -> None:
         self._wake.set()
@@ -211,12 +39,6 @@ class Scheduler:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    # ------------------------------------------------------------------ the loop
 
     async def run(self) -> None:
         try:
@@ -232,9 +54,7 @@ class Scheduler:
 
     async def _loop(self) -> None:
         while not self._stopped:
-            self.hooks.poll()
-            self._publish_events()  # also those of loads and releases between steps
-            batch = self._schedule()
+            batch = self.begin_step()
             if not batch:
                 self._last_end = None
                 self._wake.clear()
@@ -245,40 +65,13 @@ class Scheduler:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self._in_step = True
             try:
-                await self._sleep(self._step_s(batch))
-                self._after_step(batch)
-            finally:
+                await self._sleep(self.step_s(batch))
+            except BaseException:
                 self._in_step = False
-            for request_id in self._aborts:
-                self._abort_now(request_id)
-            self._aborts.clear()
-            self.steps += 1
-            self._publish_events()
+                raise
+            self.end_step(batch)
             await asyncio.sleep(0)  # let the actor's calls in even when steps cost 0 s
-
-    def _publish_events(self) -> None:
-        events = self.pool.take_events()
-        if events and self.on_events is not None:
-            self.on_events(events)
-
-    def _step_s(self, batch: list[ScheduledChunk]) -> float:
-        chunks, contexts = [], []
-        for c in batch:
-            r = c.req
-            if c.num_new_tokens > 1 or r.num_computed_tokens == 0:
-                chunks.append((c.num_new_tokens, r.num_computed_tokens))
-            else:
-                # One token over a cached context is decode-shaped, whether it samples the next
-                # output or recomputes a prompt's last token (D after its load, P on a full hit):
-                # one query row reading its context, as a decode request's.
-                contexts.append(r.num_computed_tokens + 1)
-        if not contexts:
-            return self.cost.prefill_step_s(chunks)
-        if not chunks:
-            return self.cost.decode_step_s(contexts)
-        return self.cost.mixed_step_s(chunks, contexts)
 
     async def _sleep(self, duration_s: float) -> None:
         now = time.monotonic()
@@ -290,209 +83,3 @@ class Scheduler:
         delay = self._last_end - now
         if delay > 0:
             await asyncio.sleep(delay)
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _schedule(self) -> list[ScheduledChunk]:
-        c = self.config
-        budget = c.max_num_batched_tokens
-        batch: list[ScheduledChunk] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._num_new(req, budget)
-            while not self._allocate(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                batch.append(ScheduledChunk(req, n))
-                budget -= n
-                i += 1
-                continue
-            break  # req preempted itself
-        if preempted:
-            return batch
-        skipped: list[SimRequest] = []
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-            req = self.waiting.popleft()
-            if req.status is Status.LOADING:
-                skipped.append(req)
-                continue
-            if not req.blocks:  # admission: first time, or after a preemption
-                if not self._admit(req, budget):
-                    skipped.append(req)
-                    break  # head of line waits for blocks, as in vLLM
-                if req.status is Status.LOADING:
-                    skipped.append(req)
-                    continue
-                n = self._num_new(req, budget)
-            else:
-                n = self._num_new(req, budget)
-                if not self._allocate(req, n):
-                    skipped.append(req)
-                    break
-            req.status = Status.RUNNING
-            if req.scheduled_ns == 0:
-                req.scheduled_ns = time.monotonic_ns()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            self.running.append(req)
-            batch.append(ScheduledChunk(req, n))
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
-        return batch
-
-    def _num_new(self, req: SimRequest, budget: int) -> int:
-        return self._num_new_from(req, req.num_computed_tokens, budget)
-
-    def _num_new_from(self, req: SimRequest, num_computed: int, budget: int) -> int:
-        n = req.num_tokens - num_computed
-        if 0 < self.config.long_prefill_token_threshold < n:
-            n = self.config.long_prefill_token_threshold
-        return max(1, min(n, budget))
-
-    def _admit(self, req: SimRequest, budget: int) -> bool:
-        """Take the prefix-cache hit and blocks for this step's tokens (for a load: the whole
-        prompt's, then start it). All or nothing, as vLLM's allocate_slots: False leaves the
-        pool as it was (a request that holds blocks while it waits could deadlock the pool)."""
-        bs = self.config.block_size
-        if len(req.block_hashes) < req.num_tokens // bs:  # preempted with output tokens since hashed
-            req.block_hashes = hash_blocks(req.tokens(0, req.num_tokens), bs, req.block_hashes)
-        hit = self.pool.find_hit(req.block_hashes, req.num_tokens - 1)
-        hit_tokens = len(hit) * bs
-        loads = req.external_tokens > hit_tokens
-        end = req.num_prompt_tokens if loads else hit_tokens + self._num_new_from(req, hit_tokens, budget)
-        needed = -(-end // bs) - len(hit)
-        if needed + sum(b.ref_cnt == 0 for b in hit) > self.pool.num_free:  # the hit's free blocks count too
-            return False
-        self.pool.touch(hit)
-        req.blocks = list(hit) + self.pool.allocate(needed)
-        req.num_cached_blocks = len(hit)
-        req.hit_tokens = req.num_computed_tokens = hit_tokens
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit_tokens
-        if not loads:
-            req.external_tokens = 0
-            self._cache_blocks(req, end)
-            return True
-        req.external_tokens -= hit_tokens
-        req.status = Status.LOADING
-        try:
-            self.hooks.start_load(req)
-        except Exception as err:  # noqa: BLE001  (the load's failure is the request's, never the engine's)
-            log.error("load of %s could not start: %s", req.request_id, err)
-            self.load_ended(req.request_id, f"KV load could not start: {err}")
-        return True
-
-    def _allocate(self, req: SimRequest, num_new: int) -> bool:
-        """Blocks for `req`'s tokens up to num_computed + num_new; cache the full ones (vLLM
-        caches at schedule time). False if the pool is short."""
-        bs = self.config.block_size
-        end = req.num_computed_tokens + num_new
-        needed = -(-end // bs) - len(req.blocks)
-        if needed > 0:
-            try:
-                req.blocks += self.pool.allocate(needed)
-            except OutOfBlocks:
-                return False
-        self._cache_blocks(req, end)
-        return True
-
-    def _cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
-        bs = self.config.block_size
-        full = num_tokens // bs
-        if full <= req.num_cached_blocks:
-            return
-        if len(req.block_hashes) < full:  # output tokens filled a block
-            req.block_hashes = hash_blocks(req.tokens(0, full * bs), bs, req.block_hashes)
-        tokens = req.prompt_token_ids if full * bs <= req.num_prompt_tokens else req.tokens(0, full * bs)
-        self.pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full, tokens)
-        req.num_cached_blocks = full
-
-    def _preempt(self, req: SimRequest) -> None:
-        log.info("preempting %s (%d blocks) for lack of KV blocks", req.request_id, len(req.blocks))
-        self.hooks.preempted(req)
-        self._free_blocks(req)
-        req.num_computed_tokens = 0
-        req.status = Status.WAITING
-        req.preemptions += 1
-        self.waiting.appendleft(req)
-
-    def _free_blocks(self, req: SimRequest) -> None:
-        self.pool.free(reversed(req.blocks))  # tail first: evicted first
-        req.blocks = []
-        req.num_cached_blocks = 0
-        if req.status is Status.FINISHED and not req.held_for_transfer:
-            self.requests.pop(req.request_id, None)
-
-    # ------------------------------------------------------------------ after a step
-
-    def _after_step(self, batch: list[ScheduledChunk]) -> None:
-        now_ns = time.monotonic_ns()
-        c = self.config
-        prompt_steps = False
-        for chunk in batch:
-            req = chunk.req
-            if req.status is not Status.RUNNING:  # aborted during the step
-                continue
-            start = req.num_computed_tokens
-            req.num_computed_tokens += chunk.num_new_tokens
-            if start < req.num_prompt_tokens:
-                self.hooks.computed(req, start, min(req.num_computed_tokens, req.num_prompt_tokens))
-                prompt_steps = True
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prompt chunk short of the end: nothing sampled yet
-            token = req.next_token(c.vocab_size)
-            req.output_token_ids.append(token)
-            if not req.first_token_ns:
-                req.first_token_ns = now_ns
-            req._pending.append(token)
-            req._pending_ns.append(now_ns)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            else:
-                self._maybe_flush(req)
-        if prompt_steps:
-            self.hooks.step_done()
-
-    def _stop_reason(self, req: SimRequest, token: int) -> str | None:
-        if not req.ignore_eos and token == self.config.eos_token_id:
-            return "stop"
-        if token in req.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _maybe_flush(self, req: SimRequest) -> None:
-        now = time.monotonic()
-        first = len(req.output_token_ids) == len(req._pending)  # the first token goes out at once
-        if first or now - req._last_flush >= self.config.delta_interval_s:
-            self._flush(req, None)
-            req._last_flush = now
-
-    def _flush(self, req: SimRequest, reason: str | None) -> None:
-        req.out.put_nowait(Delta(req._pending, tuple(req._pending_ns), reason))
-        req._pending, req._pending_ns = [], []
-
-    def _finish(self, req: SimRequest, reason: str) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        if req.kv_ready_ns == 0 and req.external_tokens and req.blocks:
-            # Aborted while its KV arrives: the load writes into its blocks until it ends.
-            self.hooks.cancel_load(req)
-            self._flush(req, reason)
-            return
-        keep = self.hooks.finished(req)
-        if keep:
-            req.held_for_transfer = True
-            self.held[req.request_id] = req
-        else:
-            self._free_blocks(req)
-        self._flush(req, reason)

@@ -1,0 +1,126 @@
+"""`pdc plan PARAMS --devices N [load] --slo-ttft-p90 S --slo-tpot-p90 S [...]`: sweep P:D splits and
+settings on the virtual clock and rank them for the SLO (cluster/sim/plan.py); prints the table,
+writes OUT/plan.html and OUT/plan.json, and with --write-spec the chosen configuration as a cluster
+spec `pdc up` takes (validated by cluster/spec.py before it is written).
+
+A bad argument, spec or parameter file is one line on stderr naming it, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "deploy" / "p8d8-sim.yaml"
+
+
+def _fail(message: str) -> None:
+    print(f"pdc plan: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _list(text: str | None, kind, flag: str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"{flag} {text!r}: a comma-separated list of {kind.__name__} values")
+
+
+def _cmd_plan(a: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from pdcluster.bench.run import config_from_args
+    from pdcluster.cluster.sim.cost import SimParamsError
+    from pdcluster.cluster.sim.plan import Slo, plan
+    from pdcluster.cluster.sim.plan_report import format_table, slo_text, write_outputs
+    from pdcluster.cluster.spec import SpecError, load_spec
+    from pdcluster.router.policies import POLICIES
+
+    policies = _list(a.policies, str, "--policies")
+    for p in policies or []:
+        if p not in POLICIES:
+            _fail(f"--policies: unknown policy {p!r}; one of {', '.join(POLICIES)}")
+    grid = {k: v for k, v in {"splits": _list(a.splits, int, "--splits"), "budgets": _list(a.budgets, int, "--budgets"),
+                              "max_seqs": _list(a.max_seqs, int, "--max-seqs"), "policies": policies,
+                              "caps": _list(a.caps, int, "--caps")}.items() if v}
+    workload = a.preset or (Path(a.trace).name if a.trace else "synthetic")
+    bar = None
+    try:
+        slo = Slo(a.slo_ttft_s, a.slo_tpot_s, a.slo_percentile, a.min_throughput)
+        base = load_spec(a.spec)
+        cfg = config_from_args(a, progress=False)
+        t0 = time.perf_counter()
+        bar = tqdm(desc="configurations", unit="run", disable=None, leave=False, dynamic_ncols=True)
+
+        def progress(done: int, total: int, outcome) -> None:
+            bar.total = total
+            bar.set_postfix_str(outcome.config.label, refresh=False)
+            bar.update(1)
+
+        result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress)
+    except (SpecError, SimParamsError, ValueError, OSError) as err:
+        _fail(str(err))
+    finally:
+        if bar is not None:
+            bar.close()
+    out = Path(a.out or f".pdcluster/plan/{workload}-{a.devices}dev-{time.strftime('%Y%m%d-%H%M%S')}")
+    page, doc = write_outputs(result, out)
+    print(f"{len(result.outcomes)} configurations of {a.devices} devices on {workload}, SLO {slo_text(result)}; "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(format_table(result))
+    c = result.chosen
+    print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'})")
+    print(f"written: {page}, {doc}")
+    if a.write_spec:
+        write_spec(base, a.params, c.config, Path(a.write_spec), result)
+
+
+def write_spec(base, params: str | None, config, path: Path, result) -> None:
+    """The chosen configuration as a spec: the base spec's, with its split and settings (a simulated
+    spec with the plan's parameter file); validated as `pdc up` would, then written."""
+    import yaml
+
+    from pdcluster.cluster.sim.plan import configure
+    from pdcluster.cluster.sim.plan_report import slo_text
+    from pdcluster.cluster.sim.virtual.run import as_sim_spec
+    from pdcluster.cluster.spec import SpecError, parse_spec
+
+    kept = as_sim_spec(base, params) if base.sim is not None or base.engine.kind == "sim" else base
+    chosen = configure(kept, config)
+    data = chosen.model_dump(mode="json", exclude_defaults=True, exclude={"auth"})
+    try:
+        parse_spec(data, str(path))
+    except SpecError as err:
+        _fail(f"the chosen configuration does not make a valid spec: {err}")
+    head = (f"# Written by pdc plan: {config.label}, chosen for {result.workload} on {result.devices} devices, "
+            f"SLO {slo_text(result)}\n")
+    path.write_text(head + yaml.safe_dump(data, sort_keys=False))
+    print(f"spec: {path} (pdc up {path})")
+
+
+def add_plan_command(subparsers) -> None:
+    from pdcluster.bench.run import add_load_arguments
+
+    p = subparsers.add_parser("plan", help="pick a P:D split and settings for an SLO on the virtual clock")
+    p.add_argument("params", help="cost-model parameter file (a shipped name, a path, or a pdc sim fit output)")
+    p.add_argument("--devices", type=int, required=True, help="devices to split between P and D (one per instance)")
+    p.add_argument("--spec", default=str(DEFAULT_SPEC), help="the base cluster spec (default deploy/p8d8-sim.yaml)")
+    add_load_arguments(p)
+    s = p.add_argument_group("SLO")
+    s.add_argument("--slo-ttft", "--slo-ttft-p90", dest="slo_ttft_s", type=float, help="TTFT bound, seconds")
+    s.add_argument("--slo-tpot", "--slo-tpot-p90", dest="slo_tpot_s", type=float, help="TPOT bound, seconds")
+    s.add_argument("--slo-percentile", type=int, default=90, help="the percentile the bounds hold at (50/75/90/99)")
+    s.add_argument("--min-throughput", type=float, help="formal requests per second the cluster must complete")
+    g = p.add_argument_group("sweep (default: every split, then one setting at a time around the best)")
+    g.add_argument("--splits", help="P counts to try, e.g. 4,6,8")
+    g.add_argument("--budgets", help="max_num_batched_tokens values, e.g. 8192,16384")
+    g.add_argument("--max-seqs", help="max_num_seqs values")
+    g.add_argument("--policies", help="router policies, e.g. prefix_aware,least_load")
+    g.add_argument("--caps", help="router admission caps (requests in flight)")
+    p.add_argument("--out", help="output directory (default .pdcluster/plan/<workload>-<N>dev-<time>)")
+    p.add_argument("--write-spec", help="write the chosen configuration as a cluster spec here")
+    p.set_defaults(fn=_cmd_plan)

@@ -1,0 +1,326 @@
+"""Fit a parameter file's free numbers to a run's timelines (`pdc sim fit`, issue 18 item 3).
+
+What a run directory (router/timeline.py: meta.json with the cluster spec, requests.jsonl with
+every request's events) says of its engines' step times:
+- a prefill P ran alone (no other request's [p_scheduled, p_done] on that P overlaps it) took
+  p_done - p_scheduled for its prompt past P's hit, in steps of the spec's token budget: the
+  cost model's steps of those chunks (as the scheduler makes them, scheduler_core.py);
+- consecutive tokens of a request on D are one D step apart, and that step decoded every
+  request D was running then: those whose tokens span it, each over its context (prompt and
+  the tokens it had). With the simulated engine a step's tokens share one time; with vLLM the
+  router stamps them as they come, a little apart, so a request counts as in the step if its
+  tokens reach within `SLACK` of the step's end.
+Both are the cost model's `StepWork`, fixed by the model's shape, times the free numbers
+(CostModel.step_seconds): the fit minimises the relative residuals of every observed step time
+(Levenberg-Marquardt on the logarithms, so each number stays positive; efficiencies at most 1),
+with a weak pull towards the base file's values so that a number the run says nothing about
+stays where it was (and is reported as such). Real runs have outliers (a step that waited for
+the host, an engine's first calls): after a first fit, observations off by more than three times
+the median residual (and 20%) are dropped, and the fit is run again from there (`FitResult.dropped`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcluster.cluster.sim.cost import CostModel, SimParams, StepWork
+from pdcluster.cluster.spec import ClusterSpec, parse_spec
+from pdcluster.router.timeline import RequestRecord, Run
+
+# The numbers docs/sim.md names as fitted: efficiencies and per-step overheads.
+FREE: tuple[str, ...] = ("efficiency.gemm", "efficiency.attention", "efficiency.attention_history",
+                         "efficiency.prefill_kv_read", "efficiency.memory_bandwidth", "overheads.prefill_step_s",
+                         "overheads.decode_step_s", "overheads.hidden_device_s")
+PRIOR_WEIGHT = 1e-3  # the pull towards the base file, per unit of log (a residual of 0.1% per e-fold)
+SLACK = 0.25  # vLLM runs: a request is in a step if its tokens reach within this share of the step's end
+MAX_PREFILLS, MAX_DECODE_STEPS = 600, 1500  # observations kept (evenly spaced): the fit's time
+
+
+class FitError(ValueError):
+    """The run cannot be fitted; the message says why."""
+
+
+@dataclass(frozen=True)
+class Observations:
+    """Observed step times and the work of each: prefills (each the sum of its chunk steps) and D steps."""
+
+    prefill_steps: StepWork  # every kept prefill's chunk steps, stacked
+    prefill_of: np.ndarray  # per chunk step, which prefill it is of
+    prefill_s: np.ndarray
+    decode_steps: StepWork  # stacked
+    decode_s: np.ndarray
+    prefill_requests: int  # prefills seen in the run (the kept ones ran alone)
+    decode_gaps: int  # consecutive-token gaps seen (the kept ones evenly spaced)
+
+    def __len__(self) -> int:
+        return len(self.prefill_s) + len(self.decode_s)
+
+
+def _spaced(items: list, most: int) -> list:
+    if len(items) <= most:
+        return items
+    step = len(items) / most
+    return [items[int(i * step)] for i in range(most)]
+
+
+def run_spec(run: Run) -> ClusterSpec:
+    """The spec a run was made with (its secrets are masked in meta.json: left out)."""
+    return parse_spec({k: v for k, v in run.meta.spec.items() if k != "auth"}, f"{run.meta.run_id} meta.json")
+
+
+def observations(run: Run, cost: CostModel, sim_clock: bool | None = None) -> Observations:
+    """The run's alone prefills and D steps, as StepWork under `cost`'s model shape. `sim_clock`:
+    tokens of one step share one time (the simulated engine); None: from the run's spec."""
+    spec = run_spec(run)
+    if sim_clock is None:
+        sim_clock = spec.role_engine("decode").kind == "sim"
+    records = [r for r in run.records if r.error is None and "arrival" in r.events]
+    if not records:
+        raise FitError(f"run {run.meta.run_id} has no successful request")
+    p_eng = spec.role_engine("prefill")
+    threshold = int(p_eng.extra.get("long_prefill_token_threshold", 0))
+    chunk = min(p_eng.max_num_batched_tokens, threshold) if threshold else p_eng.max_num_batched_tokens
+    prefills = _alone_prefills(records)
+    kept = _spaced(prefills, MAX_PREFILLS)
+    p_works = [_prefill_steps(cost, r.prompt_tokens - r.p_cached_tokens, r.p_cached_tokens, chunk) for r in kept]
+    p_s = np.array([(r.events["p_done"] - r.events["p_scheduled"]) / 1e9 for r in kept])
+    gaps = _decode_steps(records, sim_clock)
+    steps = _spaced(gaps, MAX_DECODE_STEPS)
+    d_s = np.array([s for _, s in steps])
+    if not kept or not steps:
+        raise FitError(f"run {run.meta.run_id}: {len(kept)} prefills ran alone on their P, {len(steps)} D steps "
+                       f"seen between two tokens of a request: the fit needs both (a run with some idle time "
+                       f"on P, and outputs of two tokens or more)")
+    of = np.concatenate([np.full(len(w), i) for i, w in enumerate(p_works)])
+    return Observations(StepWork.stack([w for ws in p_works for w in ws]), of, p_s,
+                        StepWork.stack([cost.step_work((), contexts) for contexts, _ in steps]), d_s,
+                        len(prefills), len(gaps))
+
+
+def _alone_prefills(records: list[RequestRecord]) -> list[RequestRecord]:
+    by_p: dict[str, list[RequestRecord]] = defaultdict(list)
+    for r in records:
+        ev = r.events
+        if r.prefill_instance and not r.local_prefill and "p_scheduled" in ev and ev.get("p_done", 0) > ev["p_scheduled"]:
+            by_p[r.prefill_instance].append(r)
+    alone = []
+    for reqs in by_p.values():
+        reqs.sort(key=lambda r: r.events["p_scheduled"])
+        for i, r in enumerate(reqs):
+            start, end = r.events["p_scheduled"], r.events["p_done"]
+            before = i > 0 and max(q.events["p_done"] for q in reqs[:i]) > start
+            after = i + 1 < len(reqs) and reqs[i + 1].events["p_scheduled"] < end
+            if not before and not after and r.prompt_tokens > r.p_cached_tokens:
+                alone.append(r)
+    return sorted(alone, key=lambda r: r.events["p_scheduled"])
+
+
+def _prefill_steps(cost: CostModel, new: int, history: int, chunk: int) -> list[StepWork]:
+    """A prompt's steps alone on P, as the scheduler makes them (a single token over a cached
+    context is decode-shaped)."""
+    works = []
+    while new > 0:
+        n = min(new, chunk)
+        works.append(cost.step_work((), [history + 1]) if n == 1 and history else cost.step_work([(n, history)], ()))
+        history, new = history + n, new - n
+    return works
+
+
+def _decode_steps(records: list[RequestRecord], sim_clock: bool) -> list[tuple[list[int], float]]:
+    """Per D step seen as one request's consecutive tokens: (every running request's context, seconds)."""
+    by_d: dict[str, list[RequestRecord]] = defaultdict(list)
+    for r in records:
+        if r.decode_instance and len(r.token_ns) >= 2 and not r.local_prefill:
+            by_d[r.decode_instance].append(r)
+    out = []
+    for reqs in by_d.values():
+        for r in reqs:
+            for k in range(1, len(r.token_ns)):
+                t0, t1 = r.token_ns[k - 1], r.token_ns[k]
+                if t1 <= t0:
+                    continue
+                slack = 0 if sim_clock else int(SLACK * (t1 - t0))
+                contexts = []
+                for q in reqs:
+                    ts = q.token_ns
+                    if ts[0] > t1 + slack or ts[-1] <= t0 + slack:
+                        continue  # not decoding then
+                    # Its token of this step: the first after t0 (+ slack); its context, what came before.
+                    j = bisect_right(ts, t0 + slack) if not sim_clock else bisect_left(ts, t1)
+                    if j < len(ts) and ts[j] <= t1 + slack:
+                        contexts.append(q.prompt_tokens + j)
+                if contexts:
+                    out.append((contexts, (t1 - t0) / 1e9))
+    return out
+
+
+# ---- the fit ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FittedNumber:
+    name: str  # "efficiency.gemm"
+    base: float
+    value: float
+    determined: bool  # the run's steps depend on it (else it stayed near the base value)
+
+
+@dataclass
+class FitResult:
+    params: SimParams
+    numbers: list[FittedNumber]
+    prefill_residuals: np.ndarray  # (model - observed) / observed, per kept prefill
+    decode_residuals: np.ndarray
+    observations: Observations
+    base_residuals: tuple[np.ndarray, np.ndarray] = field(default_factory=lambda: (np.zeros(0), np.zeros(0)))
+    dropped: int = 0  # outliers left out of the second fit
+
+
+def _get(params: SimParams, name: str) -> float:
+    section, key = name.split(".")
+    return float(getattr(getattr(params, section), key))
+
+
+def with_numbers(params: SimParams, values: dict[str, float]) -> SimParams:
+    """params with these dotted numbers replaced (validated as a file would be)."""
+    data = params.model_dump()
+    for name, v in values.items():
+        section, key = name.split(".")
+        data[section][key] = v
+    return SimParams.parse(data, f"{params.name} (fitted)")
+
+
+def residuals(params: SimParams, block_size: int, obs: Observations) -> tuple[np.ndarray, np.ndarray]:
+    cost = CostModel(params, block_size)
+    p = np.bincount(obs.prefill_of, weights=cost.step_seconds(obs.prefill_steps), minlength=len(obs.prefill_s))
+    d = cost.step_seconds(obs.decode_steps)
+    return (p - obs.prefill_s) / obs.prefill_s, (d - obs.decode_s) / obs.decode_s
+
+
+def fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str] = FREE,
+        iterations: int = 60) -> FitResult:
+    """Fit, drop the outliers, fit again (module docstring)."""
+    first = _fit(base, block_size, obs, free, iterations)
+    r = np.abs(np.concatenate([first.prefill_residuals, first.decode_residuals]))
+    if not len(r):
+        return first
+    bound = max(3 * float(np.median(r)), 0.2)
+    keep_p, keep_d = np.abs(first.prefill_residuals) <= bound, np.abs(first.decode_residuals) <= bound
+    dropped = int((~keep_p).sum() + (~keep_d).sum())
+    if not dropped or not keep_p.any() or not keep_d.any():
+        return first
+    kept = Observations(_take(obs.prefill_steps, np.isin(obs.prefill_of, np.flatnonzero(keep_p))),
+                        np.cumsum(keep_p)[obs.prefill_of[np.isin(obs.prefill_of, np.flatnonzero(keep_p))]] - 1,
+                        obs.prefill_s[keep_p], _take(obs.decode_steps, keep_d), obs.decode_s[keep_d],
+                        obs.prefill_requests, obs.decode_gaps)
+    result = _fit(base, block_size, kept, free, iterations)
+    result.dropped = dropped
+    return result
+
+
+def _take(work: StepWork, mask: np.ndarray) -> StepWork:
+    return StepWork(*(np.asarray(getattr(work, f))[mask] for f in StepWork.__dataclass_fields__))
+
+
+def _fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str], iterations: int) -> FitResult:
+    for name in free:
+        if name not in FREE:
+            raise FitError(f"--free {name}: not a fittable number; one of {', '.join(FREE)}")
+    x0 = np.array([_log(_get(base, n), n) for n in free])
+
+    def params_at(x: np.ndarray) -> SimParams:
+        return with_numbers(base, {n: _unlog(v, n) for n, v in zip(free, x)})
+
+    def r_of(x: np.ndarray) -> np.ndarray:
+        p, d = residuals(params_at(x), block_size, obs)
+        return np.concatenate([p, d, np.sqrt(PRIOR_WEIGHT) * (x - x0)])
+
+    x, r = x0.copy(), r_of(x0)
+    mu = 1e-3
+    for _ in range(iterations):
+        jac = np.empty((len(r), len(x)))
+        for j in range(len(x)):
+            dx = np.zeros_like(x)
+            dx[j] = 1e-5
+            if _bounded(x + dx, free)[j] == x[j]:  # at its bound: the derivative from the inside
+                dx[j] = -dx[j]
+            jac[:, j] = (r_of(x + dx) - r) / dx[j]
+        g, h = jac.T @ r, jac.T @ jac
+        improved = False
+        for _ in range(10):
+            step = np.linalg.solve(h + mu * np.diag(np.diag(h) + 1e-12), -g)
+            x_new = _bounded(x + step, free)
+            r_new = r_of(x_new)
+            if r_new @ r_new < r @ r:
+                x, r, mu, improved = x_new, r_new, max(mu / 3, 1e-9), True
+                break
+            mu *= 4
+        if not improved or np.abs(step).max() < 1e-7:
+            break
+    sensitivity = np.abs(jac[:len(r) - len(x)]).sum(axis=0) if len(r) > len(x) else np.zeros(len(x))
+    determined = sensitivity > 1e-3 * len(obs)
+    # What the run does not determine stays as it was; what it does, to 6 digits (below 1 ns: 0).
+    values = {n: (round(_unlog(v, n), 12) if determined[j] else _get(base, n)) for j, (n, v) in enumerate(zip(free, x))}
+    fitted = with_numbers(base, {n: float(f"{v:.6g}") for n, v in values.items()})
+    numbers = [FittedNumber(n, _get(base, n), _get(fitted, n), bool(determined[j])) for j, n in enumerate(free)]
+    p, d = residuals(fitted, block_size, obs)
+    return FitResult(fitted, numbers, p, d, obs, residuals(base, block_size, obs))
+
+
+def _log(v: float, name: str) -> float:
+    # Overheads may be 0: log(v + a tenth of a millisecond) keeps them fittable from there.
+    return float(np.log(v + _OFFSET if name.startswith("overheads.") else v))
+
+
+def _unlog(x: float, name: str) -> float:
+    return float(max(0.0, np.exp(x) - _OFFSET) if name.startswith("overheads.") else np.exp(x))
+
+
+def _bounded(x: np.ndarray, free: Sequence[str]) -> np.ndarray:
+    """Efficiencies at most 1 (log 0); overheads at least 0 (log of the offset)."""
+    out = x.copy()
+    for j, n in enumerate(free):
+        out[j] = min(out[j], 0.0) if n.startswith("efficiency.") else max(out[j], np.log(_OFFSET))
+    return out
+
+
+_OFFSET = 1e-4
+
+
+# ---- the fitted file ---------------------------------------------------------------------------
+
+
+def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str) -> str:
+    """The base file's text with each fitted number replaced and commented with its source run
+    (numbers the run left undetermined keep their value and comment, with a note); the name
+    replaced. Everything else (the shape, the device, its comments) as it was."""
+    numbers = {n.name: n for n in numbers}
+    out, section = [], None
+    for line in base_text.splitlines():
+        stripped = line.strip()
+        if line and not line[0].isspace() and not line.startswith("#") and stripped.endswith(":"):
+            section = stripped[:-1]
+        key = stripped.split(":", 1)[0]
+        indent = line[:len(line) - len(line.lstrip())]
+        if line.startswith("name:"):
+            line = f"name: {name}"
+        elif indent == "  " and f"{section}.{key}" in numbers:
+            n = numbers[f"{section}.{key}"]
+            if n.determined:
+                line = (f"{indent}{key}: {n.value:.6g}  # [fit] {source} (was {n.base:.6g})")
+            else:
+                line = f"{line}  [fit: {source} does not determine it; kept]"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def residual_summary(r: np.ndarray) -> str:
+    if not len(r):
+        return "none"
+    a = np.abs(r)
+    return f"mean |r| {a.mean():.2%}, p90 {np.percentile(a, 90):.2%}, max {a.max():.2%}, bias {r.mean():+.2%}"

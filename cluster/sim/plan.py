@@ -1,0 +1,216 @@
+"""`pdc plan`: pick a P:D split and its settings for an SLO, on the virtual clock (issue 18 item 5).
+
+Given a base cluster spec and a parameter file, a device budget (one device per instance), a
+load and SLOs, every configuration tried is one `simulate` run of the whole load (the load is
+built and its prompts hashed once for all of them). What is swept:
+- the split: P from 1 to devices - 1, D the rest (by default every other P first, then the
+  neighbours of the best of those: the whole range, one step apart, where it matters);
+- the settings that matter, around the spec's own: the chunked-prefill budget
+  (max_num_batched_tokens), the running requests per instance (max_num_seqs), the router's
+  policy, and a concurrency cap at the router (router.admission.max_in_flight: past it a
+  request is refused with a 429, which counts against goodput).
+By default the settings are varied one at a time (each at half and twice the spec's value, each
+other policy, caps at half and three quarters of the load's concurrency) on the best split, so
+a 16-device C90 plan is 18 runs; `--splits`, `--budgets` etc. name values to cross instead.
+
+Ranking (`rank`): first whether the SLO holds (TTFT and TPOT at the SLO's percentile, and the
+request throughput if one is asked for), then goodput per device (formal requests that met
+both latency targets, per second of the formal window, per device), then the TTFT percentile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdcluster.bench.run import BenchConfig, build_workload
+from pdcluster.cluster.sim.virtual.prompts import PromptCache
+from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
+from pdcluster.cluster.sim.vocab import spec_vocab
+from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.router.admission import AdmissionSpec
+from pdcluster.router.policies import POLICIES
+
+PERCENTILES = {50: "p50", 75: "p75", 90: "p90", 99: "p99"}
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    percentile: int = 90
+    min_throughput: float | None = None  # formal requests/s over the whole cluster
+
+    def __post_init__(self):
+        if self.percentile not in PERCENTILES:
+            raise ValueError(f"--slo-percentile {self.percentile}: one of {', '.join(map(str, PERCENTILES))}")
+        if self.ttft_s is None and self.tpot_s is None and self.min_throughput is None:
+            raise ValueError("no SLO: give --slo-ttft-p90, --slo-tpot-p90 and/or --min-throughput")
+
+
+@dataclass(frozen=True)
+class Config:
+    prefill: int
+    decode: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    policy: str
+    max_in_flight: int | None  # the router's admission cap; None: the spec's
+
+    @property
+    def label(self) -> str:
+        cap = f", cap {self.max_in_flight}" if self.max_in_flight else ""
+        return (f"P{self.prefill}D{self.decode}, budget {self.max_num_batched_tokens}, "
+                f"seqs {self.max_num_seqs}, {self.policy}{cap}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    config: Config
+    ttft_s: float | None  # at the SLO's percentile
+    tpot_s: float | None
+    e2e_mean_s: float | None
+    throughput: float  # successful formal requests per second
+    goodput_per_device: float  # formal requests meeting the latency SLO, per second, per device
+    slo_met: bool
+    failed: int  # formal requests refused (429) or failed
+    hit_ratio: float | None
+    virtual_s: float
+    wall_s: float
+
+
+@dataclass
+class Plan:
+    slo: Slo
+    devices: int
+    workload: str
+    outcomes: list[Outcome] = field(default_factory=list)  # ranked, best first
+
+    @property
+    def chosen(self) -> Outcome:
+        return self.outcomes[0]
+
+
+def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
+    """The base spec with a configuration's split and settings."""
+    engine = base.engine.model_copy(update={"max_num_batched_tokens": c.max_num_batched_tokens,
+                                            "max_num_seqs": c.max_num_seqs})
+    roles = {}
+    for role, n in (("prefill", c.prefill), ("decode", c.decode)):
+        r = getattr(base, role)
+        own = r.engine.model_copy(update={"max_num_batched_tokens": None, "max_num_seqs": None})
+        roles[role] = r.model_copy(update={"instances": n, "engine": own, "resources": r.resources.model_copy(
+            update={"cpu_bind": None}), "placement": r.placement.model_copy(update={"per_instance": None})})
+    admission = base.router.admission
+    if c.max_in_flight is not None:
+        admission = AdmissionSpec(**{**admission.model_dump(), "max_in_flight": c.max_in_flight})
+    router = base.router.model_copy(update={"policy": c.policy, "admission": admission})
+    return type(base).model_validate({**base.model_dump(), "engine": engine.model_dump(),
+                                      **{k: v.model_dump() for k, v in roles.items()}, "router": router.model_dump()})
+
+
+def base_config(base: ClusterSpec, devices: int, prefill: int) -> Config:
+    eng = base.role_engine("prefill")
+    return Config(prefill, devices - prefill, eng.max_num_batched_tokens, base.role_engine("decode").max_num_seqs,
+                  base.router.policy, None)
+
+
+def variations(around: Config, load_concurrency: int) -> list[Config]:
+    """One setting at a time, around a configuration (module docstring)."""
+    out = [dataclasses.replace(around, max_num_batched_tokens=b)
+           for b in (around.max_num_batched_tokens // 2, around.max_num_batched_tokens * 2)]
+    out += [dataclasses.replace(around, max_num_seqs=s) for s in (max(1, around.max_num_seqs // 2),
+                                                                  around.max_num_seqs * 2)]
+    out += [dataclasses.replace(around, policy=p) for p in POLICIES if p != around.policy]
+    caps = sorted({max(1, load_concurrency // 2), max(1, load_concurrency * 3 // 4)})
+    out += [dataclasses.replace(around, max_in_flight=cap) for cap in caps]
+    return out
+
+
+def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome:
+    s = run.summaries["formal"]
+    key = PERCENTILES[slo.percentile]
+    ttft = getattr(s.stats["TTFT"], key)
+    tpot = getattr(s.stats["TPOT"], key)
+    good = 0
+    for r in run.results:
+        if r.phase != "formal" or not r.ok or not r.chunk_s:
+            continue
+        first = r.chunk_s[0] - r.start_s
+        per_token = (r.end_s - r.chunk_s[0]) / (len(r.chunk_s) - 1) if len(r.chunk_s) > 1 else 0.0
+        good += (slo.ttft_s is None or first <= slo.ttft_s) and (slo.tpot_s is None or per_token <= slo.tpot_s)
+    duration = s.benchmark_duration_s or float("inf")
+    throughput = s.request_throughput_per_s or 0.0
+    met = (s.success_requests > 0 and (slo.ttft_s is None or (ttft is not None and ttft <= slo.ttft_s))
+           and (slo.tpot_s is None or (tpot is not None and tpot <= slo.tpot_s))
+           and (slo.min_throughput is None or throughput >= slo.min_throughput))
+    return Outcome(config, ttft, tpot, s.stats["E2EL"].avg, throughput, good / duration / devices, met,
+                   s.total_requests - s.success_requests, s.measured_hit_ratio, run.virtual_s, run.wall_s)
+
+
+def pareto(outcomes: list[Outcome]) -> list[Outcome]:
+    """The configurations no other beats on both TTFT and TPOT, by TTFT."""
+    pts = sorted((o for o in outcomes if o.ttft_s is not None and o.tpot_s is not None),
+                 key=lambda o: (o.ttft_s, o.tpot_s))
+    front, best_tpot = [], float("inf")
+    for o in pts:
+        if o.tpot_s < best_tpot:
+            front.append(o)
+            best_tpot = o.tpot_s
+    return front
+
+
+def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    return sorted(outcomes, key=lambda o: (not o.slo_met, -o.goodput_per_device,
+                                           o.ttft_s if o.ttft_s is not None else float("inf")))
+
+
+def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
+         grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None) -> Plan:
+    """Sweep and rank. `grid`: explicit values ("splits" as P counts, "budgets", "max_seqs", "policies",
+    "caps") crossed with each other; None: the default staged sweep (module docstring)."""
+    if devices < 2:
+        raise ValueError(f"--devices {devices}: a P/D cluster needs at least 2 devices")
+    sim_base = as_sim_spec(base, params)
+    vocab, _ = spec_vocab(sim_base)
+    requests = build_workload(cfg, cfg.vocab_size or vocab)
+    prompts = PromptCache(sim_base.role_engine("prefill").block_size)
+    result = Plan(slo, devices, workload)
+    done: dict[Config, Outcome] = {}
+
+    def run_all(configs: list[Config], total: int) -> None:
+        for c in configs:
+            if c in done:
+                continue
+            t0 = time.perf_counter()
+            run = simulate(configure(sim_base, c), cfg, requests, prompts=prompts, vocab_size=vocab)
+            out = dataclasses.replace(evaluate(run, c, slo, devices), wall_s=time.perf_counter() - t0)
+            done[c] = out
+            if on_run is not None:
+                on_run(len(done), total, out)
+
+    if grid:
+        splits = grid.get("splits") or list(range(1, devices))
+        for p in splits:
+            if not 1 <= p < devices:
+                raise ValueError(f"--splits: P{p} leaves no D (or no P) of {devices} devices")
+        b = base_config(sim_base, devices, 1)
+        configs = [Config(p, devices - p, budget, seqs, policy, cap) for p, budget, seqs, policy, cap in
+                   itertools.product(splits, grid.get("budgets") or [b.max_num_batched_tokens],
+                                     grid.get("max_seqs") or [b.max_num_seqs], grid.get("policies") or [b.policy],
+                                     grid.get("caps") or [None])]
+        run_all(configs, len(configs))
+    else:
+        coarse = list(range(1, devices, 2)) if devices > 4 else list(range(1, devices))
+        splits = [base_config(sim_base, devices, p) for p in coarse]
+        total = len(splits) + (2 if devices > 4 else 0) + len(variations(splits[0], cfg.max_concurrency))
+        run_all(splits, total)
+        best = rank(list(done.values()))[0].config.prefill
+        run_all([base_config(sim_base, devices, p) for p in (best - 1, best + 1) if 1 <= p < devices], total)
+        best_config = rank(list(done.values()))[0].config
+        run_all(variations(best_config, cfg.max_concurrency), total)
+    result.outcomes = rank(list(done.values()))
+    return result

@@ -1,0 +1,94 @@
+"""`pdc plan` (cluster/sim/plan.py, plan_report.py, cluster/plan_cli.py) on a small load: the
+ranking, the table, a self-contained HTML page that renders in headless Chromium with the chosen
+configuration marked, the JSON, and a spec that validates as `pdc up` would read it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from chromium import chromium_page
+
+from pdcluster.bench.run import BenchConfig
+from pdcluster.cluster.cli import main
+from pdcluster.cluster.sim.plan import Config, Outcome, Slo, pareto, rank
+from pdcluster.cluster.spec import load_spec
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+# C90's shape at a quarter of its length, fast enough that one P is not enough.
+LOAD = ["--input-len", "32772", "--shared-prefix-ratio", str(29 * 1024 / 32772), "--output-len", "32",
+        "--num-prefixes", "6", "--num-requests", "36", "--max-concurrency", "16", "--request-rate", "6"]
+
+
+def outcome(prefill: int, ttft: float, tpot: float, goodput: float, met: bool) -> Outcome:
+    return Outcome(Config(prefill, 8 - prefill, 8192, 16, "prefix_aware", None), ttft, tpot, ttft + 1, 1.0, goodput,
+                   met, 0, 0.9, 10.0, 0.1)
+
+
+def test_ranking_puts_the_slo_first_then_goodput_per_device():
+    a, b, c = outcome(2, 3.0, 0.010, 0.9, False), outcome(4, 1.0, 0.012, 0.3, True), outcome(6, 0.8, 0.011, 0.5, True)
+    assert rank([a, b, c]) == [c, b, a]
+    assert pareto([a, b, c]) == [c, a]  # b is beaten on both by c
+
+
+def test_an_slo_needs_a_bound_and_a_known_percentile():
+    with pytest.raises(ValueError, match="no SLO"):
+        Slo()
+    with pytest.raises(ValueError, match="--slo-percentile 95"):
+        Slo(ttft_s=1.0, percentile=95)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("plan")
+    main(["plan", "dsv4-flash-910c", "--devices", "6", "--spec", str(DEPLOY / "p8d8-sim.yaml"), *LOAD,
+          "--slo-ttft-p90", "1.5", "--slo-tpot-p90", "0.006", "--out", str(out), "--write-spec",
+          str(out / "chosen.yaml")])
+    return out
+
+
+def test_the_plan_writes_its_table_json_and_a_spec_that_validates(planned, capsys):
+    doc = json.loads((planned / "plan.json").read_text())
+    configs = doc["configurations"]
+    splits = {(c["config"]["prefill"], c["config"]["decode"]) for c in configs}
+    assert splits >= {(1, 5), (3, 3), (5, 1)} and len(splits) == 5  # every other P, then the best's neighbours
+    assert doc["chosen"] == configs[0] and configs == sorted(
+        configs, key=lambda c: (not c["slo_met"], -c["goodput_per_device"], c["ttft_s"]))
+    spec = load_spec(planned / "chosen.yaml")  # as pdc up reads it
+    chosen = doc["chosen"]["config"]
+    assert (spec.prefill.instances, spec.decode.instances) == (chosen["prefill"], chosen["decode"])
+    assert spec.role_engine("prefill").max_num_batched_tokens == chosen["max_num_batched_tokens"]
+    assert spec.router.policy == chosen["policy"] and spec.sim.params.endswith("dsv4-flash-910c.yaml")
+    assert (planned / "chosen.yaml").read_text().startswith("# Written by pdc plan")
+
+
+def test_the_html_is_self_contained_and_renders_with_the_chosen_one_marked(planned):
+    page_html = (planned / "plan.html").read_text()
+    assert not re.search(r"https?://", page_html) and "<script" not in page_html
+    n = len(json.loads((planned / "plan.json").read_text())["configurations"])
+    with chromium_page(planned / "plan.html") as (page, errors):
+        assert page.title().startswith("pdc plan")
+        assert page.locator("#pareto circle.point").count() == n
+        assert page.locator("#pareto #chosen").count() == 1
+        assert page.locator("#configurations tbody tr").count() == n
+        box = page.locator("#pareto").bounding_box()
+        assert box is not None and box["width"] > 500
+    assert errors == []
+
+
+def test_bad_arguments_name_the_flag(tmp_path, capsys):
+    for args, message in ((["--slo-ttft-p90", "1", "--splits", "0,3"], "--splits: P0 leaves"),
+                          (["--slo-ttft-p90", "1", "--policies", "fastest"], "unknown policy 'fastest'"),
+                          (["--slo-ttft-p90", "1", "--budgets", "lots"], "--budgets 'lots'"),
+                          ([], "no SLO")):
+        with pytest.raises(SystemExit) as err:
+            main(["plan", "dsv4-flash-910c", "--devices", "4", *LOAD, "--out", str(tmp_path), *args])
+        assert err.value.code == 2 and message in capsys.readouterr().err, message
+
+
+def test_the_load_is_the_benchs(planned):
+    # The plan's load is pdc bench run's, from the same arguments (BenchConfig).
+    cfg = BenchConfig(input_len=32772, num_prefixes=6, num_requests=36)
+    assert cfg.seed_phase and json.loads((planned / "plan.json").read_text())["workload"] == "synthetic"
