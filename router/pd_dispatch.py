@@ -272,7 +272,13 @@ class PDDispatcher(TokenBackend):
         stream, p_task, pre = None, None, None
         finished = got_token = False
         local_slot = contextlib.ExitStack()  # D's local prefill slot, held until the first token
+        # P's load counts from the pick, before any await: a request right behind this one must
+        # see it (counted only once P's call started, two requests a moment apart both saw an
+        # idle P). Ends when P answers (_prefill_busy) or the attempt does.
+        p_slot = contextlib.ExitStack()
         try:
+            if not route.local_prefill:
+                p_slot.enter_context(self.picker.prefilling(route, len(prompt_token_ids)))
             if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
                 local_slot.enter_context(self.picker.prefilling_locally(route))
                 stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling, None))
@@ -284,9 +290,9 @@ class PDDispatcher(TokenBackend):
                 handle = TransferHandle(p.engine_id, p.kv_address, transfer_id, len(prompt_token_ids),
                                         self.transport).to_params()
                 stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling, handle))
-                p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline))
+                p_task = asyncio.ensure_future(self._prefill_busy(route, prefill, deadline, p_slot))
             else:
-                pre = await self._prefill_busy(route, prefill, deadline)
+                pre = await self._prefill_busy(route, prefill, deadline, p_slot)
                 if first:
                     record_prefill(rec, pre, self._clock(p))
                 stream = self._call(d, "decode", DecodeRequest(engine_rid, prompt_token_ids, sampling,
@@ -318,6 +324,9 @@ class PDDispatcher(TokenBackend):
                     yield self._chunk(route, pre.p_cached_tokens if pre else 0, delta)
         finally:
             local_slot.close()
+            # P never answered (the attempt failed or ended first): out of P's load, its promise
+            # of blocks not kept (the picker's `prefilling` marks P done only on a clean exit).
+            p_slot.__exit__(BackendError, BackendError("P did not answer"), None)
             if p_task is not None and not p_task.done():
                 p_task.cancel()
             if stream is not None:
@@ -347,8 +356,10 @@ class PDDispatcher(TokenBackend):
             log.warning("P failed after D had every layer's KV (the request finished): %s", err)
             return None
 
-    async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float) -> PrefillResult:
-        with self.picker.prefilling(route, len(req.prompt_token_ids)):
+    async def _prefill_busy(self, route: Route[Instance], req: PrefillRequest, deadline: float,
+                            slot: contextlib.ExitStack) -> PrefillResult:
+        """P's prefill; `slot` holds P's load (from the pick) and is closed when P answers."""
+        with slot:
             pre = await self._prefill(route.prefill, req, deadline)
         engine = pre.engine
         if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
