@@ -139,7 +139,8 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
     """Start every P and D engine and the router; return once all are healthy.
 
     Needs ray.init() done. On any failure, kills what it started and raises
-    ClusterStartError naming the instance (or the spec field no node satisfies).
+    ClusterStartError naming each instance that failed, a line each (or the spec field no
+    node satisfies).
     The cluster's spec (`Cluster.spec`) is the settled one (settle_spec).
     """
     try:
@@ -156,13 +157,15 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
             for i in range(getattr(spec, role).instances):
                 handle = engine_cls.options(**_engine_options(spec, role, i, detached)).remote(spec, role, i)
                 started.append((f"{role}-{i}", handle))
-        infos = []
+        infos, failures = [], []
         deadline = time.monotonic() + start_timeout_s
-        for name, handle in started:
+        for name, handle in started:  # every instance's fate: a spec's mistakes come out at once
             try:
                 infos.append(ray.get(handle.info.remote(), timeout=max(1.0, deadline - time.monotonic())))
             except Exception as err:
-                raise ClusterStartError(f"instance {name} failed to start: {_root_cause(err)}") from None
+                failures.append(f"instance {name} failed to start: {_root_cause(err)}")
+        if failures:
+            raise ClusterStartError("\n".join(failures))
         by_name = {i.name: i for i in infos}
         prefill = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
                    if n.startswith("prefill")]

@@ -74,25 +74,24 @@ def _stream_until_cut(url: str) -> int:
     return _tokens_streamed
 
 
-def failed_up(tmp_path, name: str, engine_extra: dict) -> str:
-    """`pdc up` of a spec whose engines cannot start: its stderr, once it exited 1 leaving no state."""
-    spec = cluster_spec_for(name, engine={"extra": engine_extra})
+def test_up_reports_each_failing_instance_with_its_own_error(tmp_path):
+    # P: an engine argument vLLM does not know (the actor fails building its args). D: too few
+    # KV blocks for max_model_len (vLLM's engine core process raises while starting, and the error
+    # it prints to the worker's log is what `pdc up` shows). One `pdc up`, both named.
+    spec = cluster_spec_for("e2e-cli-bad")
+    spec = spec.model_copy(update={
+        "prefill": spec.prefill.model_copy(update={"engine": spec.prefill.engine.model_copy(
+            update={"extra": {"bogus_engine_arg": 1}})}),
+        "decode": spec.decode.model_copy(update={"engine": spec.decode.engine.model_copy(
+            update={"extra": {"num_gpu_blocks_override": 4}})})})
     spec_file = tmp_path / "cluster.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
     up = pdc("up", str(spec_file), env_state=tmp_path, timeout=300)
     assert up.returncode == 1, up.stderr[-2000:]
-    assert "instance prefill-0 failed to start" in up.stderr, up.stderr[-2000:]
     assert not list(tmp_path.glob("*.json"))
-    return up.stderr
-
-
-def test_up_reports_the_failing_instance(tmp_path):
-    stderr = failed_up(tmp_path, "e2e-cli-bad", {"bogus_engine_arg": 1})
-    assert "bogus_engine_arg" in stderr, stderr[-2000:]
-
-
-def test_up_reports_the_engine_cores_own_error(tmp_path):
-    # Too few KV blocks for max_model_len: vLLM's engine core process raises while starting,
-    # and the error it prints to the worker's log is what `pdc up` shows.
-    stderr = failed_up(tmp_path, "e2e-cli-core", {"num_gpu_blocks_override": 4})
-    assert "engine core failed to start: ValueError: To serve at least one request" in stderr, stderr[-2000:]
+    lines = [line for line in up.stderr.splitlines() if "failed to start" in line]
+    p_line = next((line for line in lines if "instance prefill-0 failed to start" in line), None)
+    d_line = next((line for line in lines if "instance decode-0 failed to start" in line), None)
+    assert p_line is not None and "bogus_engine_arg" in p_line, up.stderr[-2000:]
+    assert d_line is not None and "engine core failed to start: ValueError: To serve at least one request" in d_line, \
+        up.stderr[-2000:]
