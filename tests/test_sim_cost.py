@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -23,7 +24,7 @@ from pdcluster.cluster.sim.calibrate import (
     report,
     seed000_ttft_s,
 )
-from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError, _sum_min_linear
+from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError, _DecodeBatch, _sum_min_linear
 from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, resolve_sim_params
 
 PARAMS = Path(__file__).resolve().parents[1] / "cluster" / "sim" / "params"
@@ -313,3 +314,24 @@ def test_decode_steps_at_once_are_each_step_exactly(name):
     at_once = cm.decode_steps_s(contexts, 300)
     assert at_once == [cm.decode_step_s([c + j for c in contexts]) for j in range(300)]
     assert at_once[299] > at_once[0]  # the KV read grows with the context
+
+
+@pytest.mark.parametrize("steps", [1, 40])
+def test_decode_keys_are_each_querys_keys_summed(steps):
+    # Summed as integers and divided once: the same, to the bit, as each query's float summed
+    # (every ratio here a power of two), whether the batch is below, past or across a cap.
+    terms = load("dsv4-flash-910c").model.attention
+    for contexts in ([5, 90, 100], [100, 127, 128, 129, 2_000, 2_047, 2_048, 2_049], [131_076, 140_000]):
+        at = np.add.outer(np.arange(steps), np.array(contexts, dtype=np.float64))  # (steps, queries)
+        for term in terms:
+            # Each query's keys as floats, as the model computed them before it summed integers.
+            each = np.minimum(at, term.window) if term.window else at / term.compress_ratio
+            want = (np.minimum(each, term.topk) if term.topk else each).sum(axis=1)
+            got = _DecodeBatch(contexts, steps).keys(term)
+            assert (np.broadcast_to(got, steps) == want).all(), (term.name, contexts)
+
+
+def test_decode_steps_across_a_cap_are_each_step_exactly():
+    cm = model("dsv4-flash-910c")
+    contexts = [100, 1_990, 2_040, 50_000]  # the window's and the top-k's caps reached within the run
+    assert cm.decode_steps_s(contexts, 120) == [cm.decode_step_s([c + j for c in contexts]) for j in range(120)]

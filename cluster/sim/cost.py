@@ -244,18 +244,55 @@ def _keys_sum(term: AttentionTerm, lo: int, hi: int) -> float:
     return _sum_min_linear(lo, hi, 1.0 / term.compress_ratio, cap)
 
 
-def _keys_at(term: AttentionTerm, context: np.ndarray) -> np.ndarray:
-    """Keys one query at each of these context lengths reads (a decode step)."""
-    if term.window:
-        return np.minimum(context, term.window)
-    entries = context / term.compress_ratio
-    return np.minimum(entries, term.topk) if term.topk else entries
+class _DecodeBatch:
+    """A decode batch's queries, one per context length (itself included), and the keys they read
+    in all at each of `steps` steps (every context one longer at each): a float for one step, an
+    array for several. A query reads min(context, window) keys, or context / compress_ratio
+    entries, at most topk.
+
+    Summed as integers (tokens, capped at window or topk x ratio), then divided by the ratio once:
+    exact, so the order of the sum does not matter, and equal to the bit to summing each query's
+    float when the ratio is a power of two (as in every parameter file). A batch wholly past a cap
+    or wholly below it (the usual case) is summed without looking at each query."""
+
+    def __init__(self, contexts: list[int], steps: int):
+        self.contexts, self.steps = contexts, steps
+        self.lo, self.hi, self.total = min(contexts), max(contexts) + steps - 1, sum(contexts)
+
+    def keys(self, term: AttentionTerm) -> float | np.ndarray:
+        """A float if the same at every step (the caller's arithmetic then broadcasts)."""
+        cap = term.window or term.topk * term.compress_ratio or None  # in tokens; None: no cap
+        n, steps = len(self.contexts), self.steps
+        if cap is not None and self.lo >= cap:  # every query at its cap, at every step
+            tokens = n * cap
+        elif cap is None or self.hi <= cap:  # no query reaches it
+            tokens = self.total if steps == 1 else self.total + n * np.arange(steps, dtype=np.int64)
+        elif steps == 1:
+            tokens = sum(min(c, cap) for c in self.contexts)
+        else:
+            at = np.add.outer(np.arange(steps, dtype=np.int64), np.asarray(self.contexts, dtype=np.int64))
+            tokens = np.minimum(at, cap).sum(axis=1)
+        return tokens / term.compress_ratio
 
 
 def _entries_at(term: AttentionTerm, context: int) -> float:
     """Key entries a prefill chunk ending at this context reads once per layer: every query's top-k
     together cover about all the compressed entries, so no top-k cap here."""
     return min(context, term.window) if term.window else context / term.compress_ratio
+
+
+def _maximum(a: float | np.ndarray, b: float | np.ndarray) -> float | np.ndarray:
+    """np.maximum, in Python when both are floats (one step's)."""
+    return max(a, b) if isinstance(a, float) and isinstance(b, float) else np.maximum(a, b)
+
+
+def _any(condition: bool | np.ndarray) -> bool:
+    return condition if isinstance(condition, bool) else bool(np.any(condition))
+
+
+def _where(condition: bool | np.ndarray, a: float | np.ndarray, b: float | np.ndarray) -> float | np.ndarray:
+    """np.where, in Python when the condition is one step's."""
+    return (a if condition else b) if isinstance(condition, bool) else np.where(condition, a, b)
 
 
 # ---- the cost model ------------------------------------------------------------------------------
@@ -310,7 +347,7 @@ class CostModel:
         """One scheduler step computing several prompts' chunks at once: (new_tokens, history_tokens) each,
         history = tokens before the chunk already in the KV cache (prefix hit or earlier chunks)."""
         assert chunks, "prefill_step_s: no chunks; a step with nothing to compute is not a step"
-        return float(self._step_s(chunks, ())[0])
+        return self._step_s(chunks, ())[0]
 
     def prefill_s(self, new_tokens: int, history_tokens: int, budget: int) -> float:
         """A prompt's whole prefill alone on an instance: steps of at most `budget` new tokens
@@ -326,20 +363,20 @@ class CostModel:
     def decode_step_s(self, context_lens: Sequence[int]) -> float:
         """One decode step of a batch: one new token per running request, each over its context
         (with speculative decoding: one iteration / accept_length)."""
-        return float(self.decode_steps_s(context_lens, 1)[0])
+        return self.decode_steps_s(context_lens, 1)[0]
 
     def decode_steps_s(self, context_lens: Sequence[int], steps: int) -> list[float]:
         """`decode_step_s` of `steps` consecutive steps of one batch, every context one token
         longer at each step than at the one before (the virtual clock runs them at once)."""
         assert context_lens, "decode_step_s: empty batch"
         assert steps >= 1, f"decode_steps_s: {steps} steps"
-        return self._step_s((), context_lens, steps=steps).tolist()
+        return self._step_s((), context_lens, steps=steps)
 
     def mixed_step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int]) -> float:
         """A step with both chunked prefill and decode, as vLLM's scheduler makes them (speculative
         decoding not applied: one token per decode request)."""
         assert chunks or context_lens, "mixed_step_s: neither chunks nor decode requests"
-        return float(self._step_s(chunks, context_lens)[0])
+        return self._step_s(chunks, context_lens)[0]
 
     def step_work(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> StepWork:
         """The work of a step as the scheduler makes it: prompt chunks and/or decode requests;
@@ -348,13 +385,18 @@ class CostModel:
         speculative = spec is not None and not chunks
         return self._work(chunks, context_lens, spec.draft_tokens + 1 if speculative else 1, steps, speculative)
 
-    def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> np.ndarray:
+    def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> list[float]:
         """Each of `steps` steps' time (the decode contexts one longer at each)."""
-        return self.step_seconds(self.step_work(chunks, context_lens, steps))
+        seconds = self._seconds(self.step_work(chunks, context_lens, steps))
+        return [float(seconds)] * steps if np.ndim(seconds) == 0 else seconds.tolist()
 
     def step_seconds(self, work: StepWork) -> np.ndarray:
         """The time of a step's work (arrays: of each step's) on this device, with these
         efficiencies and overheads."""
+        return np.atleast_1d(self._seconds(work))
+
+    def _seconds(self, work: StepWork) -> float | np.ndarray:
+        """step_seconds, a float if the work is one step's floats (the same arithmetic)."""
         p = self.params
         compute_s = (work.gemm_flops / (p.device.gemm_flops * p.efficiency.gemm)
                      + work.attention_self_flops / (p.device.attention_flops * p.efficiency.attention)
@@ -364,18 +406,19 @@ class CostModel:
         memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
                     / (p.device.hbm_bytes_per_s * p.efficiency.memory_bandwidth))
         context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
-        overhead_s = np.maximum(np.where(work.prefill, p.overheads.prefill_step_s, 0.0),
-                                np.where(work.decode, p.overheads.decode_step_s, 0.0))
-        device_s = np.maximum(compute_s, memory_s)
-        seconds = np.atleast_1d(overhead_s + np.maximum(0.0, device_s - p.overheads.hidden_device_s) + context_read_s)
+        overhead_s = _maximum(_where(work.prefill, p.overheads.prefill_step_s, 0.0),
+                              _where(work.decode, p.overheads.decode_step_s, 0.0))
+        device_s = _maximum(compute_s, memory_s)
+        seconds = overhead_s + _maximum(0.0, device_s - p.overheads.hidden_device_s) + context_read_s
         spec = p.decode.speculative
-        if spec is None or not np.any(work.speculative):
+        if spec is None or not _any(work.speculative):
             return seconds
-        return np.where(work.speculative, (seconds + spec.draft_s) / spec.accept_length, seconds)
+        return _where(work.speculative, (seconds + spec.draft_s) / spec.accept_length, seconds)
 
     def _work(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int],
               tokens_per_request: int, steps: int = 1, speculative: bool = False) -> StepWork:
-        """The work of `steps` steps: the decode parts are arrays, one entry per step."""
+        """The work of `steps` steps: what changes from step to step (the decode parts) an array, one
+        entry per step; the rest floats."""
         m = self.params.model
         new_tokens = 0
         self_flops = history_flops = context_bytes = 0.0
@@ -388,14 +431,14 @@ class CostModel:
                 history_flops += term.flops_per_pair * (_keys_sum(term, history, history + new) - alone)
                 context_bytes += term.layers * term.bytes_per_key * _entries_at(term, history + new)
         decode_tokens = tokens_per_request * len(context_lens)
-        decode_bytes = np.zeros(steps)
-        history_flops = np.full(steps, history_flops)
+        # Python floats, arrays only for what changes from step to step (a step's arithmetic
+        # costs more in numpy calls than it computes).
+        decode_bytes = 0.0
         if len(context_lens):
             assert min(context_lens) > 0, f"decode context lengths {list(context_lens)[:8]}: must be > 0"
-            # (steps, requests): each request's context at each step
-            contexts = np.add.outer(np.arange(steps, dtype=np.float64), np.asarray(context_lens, dtype=np.float64))
+            batch = _DecodeBatch([c + tokens_per_request for c in context_lens], steps)  # each query's, itself included
             for term in m.attention:
-                keys = _keys_at(term, contexts + tokens_per_request).sum(axis=1)
+                keys = batch.keys(term)
                 history_flops += term.flops_per_pair * keys * tokens_per_request
                 decode_bytes += term.layers * term.bytes_per_key * keys
         gemm = 2 * m.body_params * (new_tokens + decode_tokens) + 2 * m.lm_head_params * (len(chunks) + decode_tokens)
