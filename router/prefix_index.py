@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,10 +123,11 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 @dataclass
 class InstanceIndex:
     block_size: int
-    # (group, engine hash) -> router hash, for every block the instance holds (its cache's own keys).
-    _held: dict[tuple[int, EngineHash], RouterHash] = field(default_factory=dict)
-    # (group, router hash) -> how many of the instance's blocks have it (absent: none)
-    _count: dict[tuple[int, RouterHash], int] = field(default_factory=dict)
+    # Per KV cache group: engine hash -> router hash, for every block the instance holds (its cache's own keys).
+    _held: dict[int, dict[EngineHash, RouterHash]] = field(default_factory=dict)
+    # Per group: router hash -> how many of the instance's blocks have it (absent: none; never 0).
+    # A Counter, so that an event's blocks are counted in one call (Counter.update counts in C).
+    _count: dict[int, Counter[RouterHash]] = field(default_factory=dict)
     next_seq: int | None = None  # the batch number expected next; None: take the first as it comes
     stale: bool = False  # history was lost: the index may miss blocks the instance holds
     skipped_events: int = 0  # events it could not use: another medium, or blocks of another size
@@ -149,7 +152,7 @@ class InstanceIndex:
                     self.skipped_events += 1
                     continue
                 for h in ev.block_hashes:
-                    self._drop((ev.group_idx, h))
+                    self._drop(ev.group_idx, h)
             else:
                 self.clear()
                 self.stale = False  # the engine's cache is empty: known exactly from here
@@ -165,36 +168,50 @@ class InstanceIndex:
         assert len(ev.token_ids) == bs * len(ev.block_hashes), (
             f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens "
             f"(block size {bs}): a decoder that mis-reads the event")
+        held = self._held.setdefault(g, {})
         if ev.parent_block_hash is None:
             parent = ROOT
-        elif (g, ev.parent_block_hash) in self._held:
-            parent = self._held[(g, ev.parent_block_hash)]
+        elif ev.parent_block_hash in held:
+            parent = held[ev.parent_block_hash]
         else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
             return
-        data = None
-        known = self.known if self.known is not None and not ev.extra_keys and g == 0 else {}
-        for i, h in enumerate(ev.block_hashes):
-            if h in known:  # the same chain of tokens as hashing them would give
-                parent = known[h]
-            else:
-                if data is None:
-                    data = memoryview(token_bytes(ev.token_ids))
-                extra = ev.extra_keys[i] if ev.extra_keys else None
-                parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
-            key = (g, h)
-            if key not in self._held:  # vLLM may announce a block again (a prefix hit in "full" mode)
-                self._held[key] = parent
-                self._count[(g, parent)] = self._count.get((g, parent), 0) + 1
+        routers = self._router_hashes(ev, parent)
+        count = self._count.setdefault(g, Counter())
+        if held.keys().isdisjoint(ev.block_hashes):  # the usual case: every block new, at once
+            fresh = dict(zip(ev.block_hashes, routers))
+            if len(fresh) == len(routers):
+                held.update(fresh)
+                count.update(routers)
+                return
+        for h, router_hash in zip(ev.block_hashes, routers):
+            if h not in held:  # vLLM may announce a block again (a prefix hit in "full" mode)
+                held[h] = router_hash
+                count[router_hash] += 1
 
-    def _drop(self, key: tuple[int, EngineHash]) -> None:
-        router_hash = self._held.pop(key, None)
+    def _router_hashes(self, ev: BlockStored, parent: RouterHash) -> list[RouterHash]:
+        """The router's hash of each of the event's blocks, the first one's parent being `parent`."""
+        bs = self.block_size
+        known = self.known if self.known is not None and not ev.extra_keys and ev.group_idx == 0 else None
+        out = list(map(known.get, ev.block_hashes)) if known is not None else [None] * len(ev.block_hashes)
+        if None not in out:  # every one known: the same chain of tokens as hashing them would give
+            return out
+        data = memoryview(token_bytes(ev.token_ids))
+        for i, router_hash in enumerate(out):
+            if router_hash is None:
+                extra = ev.extra_keys[i] if ev.extra_keys else None
+                router_hash = out[i] = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], extra)
+            parent = router_hash
+        return out
+
+    def _drop(self, group: int, engine_hash: EngineHash) -> None:
+        router_hash = self._held.get(group, {}).pop(engine_hash, None)
         if router_hash is None:
             return
         self.removed_blocks += 1
-        ck = (key[0], router_hash)
-        self._count[ck] -= 1
-        if not self._count[ck]:
-            del self._count[ck]
+        count = self._count[group]
+        count[router_hash] -= 1
+        if not count[router_hash]:
+            del count[router_hash]
 
     def clear(self) -> None:
         self._held.clear()
@@ -214,15 +231,11 @@ class InstanceIndex:
     def matched_blocks(self, hashes: Sequence[RouterHash], group: int = 0) -> int:
         """How many leading blocks of a prompt (its chain_hashes) this instance holds in `group`
         (a model with one KV cache group: 0)."""
-        n = 0
-        for h in hashes:
-            if (group, h) not in self._count:
-                break
-            n += 1
-        return n
+        count = self._count.get(group)
+        return len(list(itertools.takewhile(count.__contains__, hashes))) if count else 0  # the run, in C
 
     def holds(self, block: RouterHash, group: int = 0) -> bool:
-        return (group, block) in self._count
+        return block in self._count.get(group, ())
 
     def __len__(self) -> int:
-        return len(self._held)
+        return sum(map(len, self._held.values()))

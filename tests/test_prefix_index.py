@@ -96,6 +96,29 @@ def test_same_prefix_stored_twice_counts_both_blocks():
     assert idx.matched_blocks(chain_hashes(PROMPT, BS)) == 1
 
 
+def test_a_block_announced_again_is_held_once():
+    # vLLM announces a hit block again in "full" mode, alone or among new blocks: held once each.
+    idx = InstanceIndex(BS)
+    idx.apply(0, [stored([11, 12], None, PROMPT[:8])])
+    idx.apply(1, [stored([11, 12, 13], None, PROMPT[:12]), stored([12], 11, PROMPT[4:8])])
+    assert (len(idx), idx.matched_blocks(chain_hashes(PROMPT, BS))) == (3, 3)
+    idx.apply(2, [BlockRemoved((12,))])
+    assert idx.matched_blocks(chain_hashes(PROMPT, BS)) == 1  # the one copy of block 1 is gone
+
+
+def test_known_hashes_are_taken_and_the_rest_hashed_from_them():
+    # The virtual clock passes the router hashes it worked out for the engine's (`known`): a
+    # block not among them is hashed from its tokens, chained to the known one before it.
+    hashes = chain_hashes(PROMPT, BS)
+    idx = InstanceIndex(BS, known={11: hashes[0], 13: hashes[2]})
+    idx.apply(0, [stored([11, 12, 13], None, PROMPT[:12])])
+    assert idx.matched_blocks(hashes) == 3 and idx._held[0] == dict(zip([11, 12, 13], hashes))
+    # Known hashes name the block, whatever the event says its tokens are.
+    wrong = InstanceIndex(BS, known={21: hashes[0]})
+    wrong.apply(0, [stored([21], None, [0, 0, 0, 0])])
+    assert wrong.matched_blocks(hashes) == 1
+
+
 def test_blocks_of_another_size_or_medium_are_skipped_and_counted():
     idx = InstanceIndex(BS)
     idx.apply(0, [BlockStored((1,), None, tuple(range(8)), 8),  # a hybrid model's other block size
