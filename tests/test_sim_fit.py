@@ -78,3 +78,14 @@ def test_bad_input_names_the_problem(truth_run, tmp_path, capsys):
     base = SimParams.load(SHIPPED_SIM_PARAMS / f"{BASE}.yaml")
     with pytest.raises(FitError, match="not a fittable"):
         fit(base, 128, observations(load_run(truth_run), CostModel(base, 128)), ["model.layers"])
+
+
+def test_a_fitted_number_the_base_file_leaves_at_its_default_is_written_in_its_section():
+    from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml
+
+    text = (SHIPPED_SIM_PARAMS / f"{BASE}.yaml").read_text()
+    assert "decode_request_s" not in text  # the H200 file leaves it at 0
+    out = fitted_yaml(text, [FittedNumber("overheads.decode_request_s", 0.0, 0.0007, True)], "f", "run r")
+    assert SimParams.parse(yaml.safe_load(out)).overheads.decode_request_s == 0.0007
+    line = next(ln for ln in out.splitlines() if "decode_request_s" in ln)
+    assert line.startswith("  decode_request_s: 0.0007  # [fit] run r (was 0, the default)")

@@ -19,7 +19,7 @@ and the field. `CostModel(params, block_size)` answers the engine's questions:
 - `decode_step_s(context_lens)`: weights read once per step, every request's
   KV read over its context (as its attention sees it: a window, the top-k
   selected entries, the compressed entries), the compute of the batch's tokens
-  when it is larger than that, a per-step overhead. With speculative decoding
+  when it is larger than that, a per-step overhead and one per request. With speculative decoding
   (params `decode.speculative`) an iteration verifies draft+1 tokens per
   request and emits `accept_length` on average; the step returned is the
   iteration / accept_length: the time per emitted token, since the simulated
@@ -166,6 +166,9 @@ class Efficiency(_Strict):
 class Overheads(_Strict):
     prefill_step_s: float = Field(ge=0, description="fixed time of a step with prefill chunks")
     decode_step_s: float = Field(ge=0, description="fixed time of a decode-only step (one iteration)")
+    decode_request_s: float = Field(0, ge=0, description="host time per decode-shaped request per step (its "
+                                                         "scheduling, inputs, sampling and output), on top of "
+                                                         "the step's fixed time")
     hidden_device_s: float = Field(0, ge=0, description="device work that runs while the host launches ops "
                                                         "(eager mode), hidden inside the fixed time")
 
@@ -311,6 +314,7 @@ class StepWork:
     decode_read_bytes: float | np.ndarray = 0.0  # decode: each request's KV as its attention reads it
     prefill: bool | np.ndarray = False  # it computes prompt chunks (the prefill overhead)
     decode: bool | np.ndarray = False  # it decodes (the decode overhead)
+    decode_requests: float | np.ndarray = 0.0  # decode-shaped requests in it (the per-request overhead)
     speculative: bool | np.ndarray = False  # decode only, with speculation: an iteration / accept_length
 
     @staticmethod
@@ -406,8 +410,9 @@ class CostModel:
         memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
                     / (p.device.hbm_bytes_per_s * p.efficiency.memory_bandwidth))
         context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
-        overhead_s = _maximum(_where(work.prefill, p.overheads.prefill_step_s, 0.0),
-                              _where(work.decode, p.overheads.decode_step_s, 0.0))
+        overhead_s = (_maximum(_where(work.prefill, p.overheads.prefill_step_s, 0.0),
+                               _where(work.decode, p.overheads.decode_step_s, 0.0))
+                      + p.overheads.decode_request_s * work.decode_requests)
         device_s = _maximum(compute_s, memory_s)
         seconds = overhead_s + _maximum(0.0, device_s - p.overheads.hidden_device_s) + context_read_s
         spec = p.decode.speculative
@@ -442,8 +447,9 @@ class CostModel:
                 history_flops += term.flops_per_pair * keys * tokens_per_request
                 decode_bytes += term.layers * term.bytes_per_key * keys
         gemm = 2 * m.body_params * (new_tokens + decode_tokens) + 2 * m.lm_head_params * (len(chunks) + decode_tokens)
-        return StepWork(gemm, self_flops, history_flops, context_bytes, decode_bytes, bool(chunks),
-                        bool(len(context_lens)), speculative)
+        return StepWork(gemm, self_flops, history_flops, context_bytes, decode_bytes, prefill=bool(chunks),
+                        decode=bool(len(context_lens)), decode_requests=float(len(context_lens)),
+                        speculative=speculative)
 
     # -- state and transfer --
 

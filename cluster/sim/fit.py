@@ -9,7 +9,11 @@ every request's events) says of its engines' step times:
   request D was running then: those whose tokens span it, each over its context (prompt and
   the tokens it had). With the simulated engine a step's tokens share one time; with vLLM the
   router stamps them as they come, a little apart, so a request counts as in the step if its
-  tokens reach within `SLACK` of the step's end.
+  tokens reach within `SLACK` of the step's end. Up to `SPAN` consecutive steps of one request
+  with the same requests running are one observation, their summed time: a token the router
+  stamps late makes one gap long and the next short (on this 2-core machine, +-40% at the
+  10th and 90th percentiles), and a fit on relative residuals of single gaps would come out
+  ~15% short of their mean; over a span, only its two ends carry that jitter.
 Both are the cost model's `StepWork`, fixed by the model's shape, times the free numbers
 (CostModel.step_seconds): the fit minimises the relative residuals of every observed step time
 (Levenberg-Marquardt on the logarithms, so each number stays positive; efficiencies at most 1),
@@ -35,10 +39,11 @@ from pdcluster.router.timeline import RequestRecord, Run
 # The numbers docs/sim.md names as fitted: efficiencies and per-step overheads.
 FREE: tuple[str, ...] = ("efficiency.gemm", "efficiency.attention", "efficiency.attention_history",
                          "efficiency.prefill_kv_read", "efficiency.memory_bandwidth", "overheads.prefill_step_s",
-                         "overheads.decode_step_s", "overheads.hidden_device_s")
+                         "overheads.decode_step_s", "overheads.decode_request_s", "overheads.hidden_device_s")
 PRIOR_WEIGHT = 1e-3  # the pull towards the base file, per unit of log (a residual of 0.1% per e-fold)
 SLACK = 0.25  # vLLM runs: a request is in a step if its tokens reach within this share of the step's end
-MAX_PREFILLS, MAX_DECODE_STEPS = 600, 1500  # observations kept (evenly spaced): the fit's time
+SPAN = 8  # consecutive D steps of one request (the same requests running) observed as one
+MAX_PREFILLS, MAX_DECODE_SPANS = 600, 600  # observations kept (evenly spaced): the fit's time
 
 
 class FitError(ValueError):
@@ -52,8 +57,9 @@ class Observations:
     prefill_steps: StepWork  # every kept prefill's chunk steps, stacked
     prefill_of: np.ndarray  # per chunk step, which prefill it is of
     prefill_s: np.ndarray
-    decode_steps: StepWork  # stacked
-    decode_s: np.ndarray
+    decode_steps: StepWork  # every kept span's steps, stacked
+    decode_of: np.ndarray  # per step, which span it is of
+    decode_s: np.ndarray  # per span: its steps' summed time
     prefill_requests: int  # prefills seen in the run (the kept ones ran alone)
     decode_gaps: int  # consecutive-token gaps seen (the kept ones evenly spaced)
 
@@ -90,15 +96,16 @@ def observations(run: Run, cost: CostModel, sim_clock: bool | None = None) -> Ob
     p_works = [_prefill_steps(cost, r.prompt_tokens - r.p_cached_tokens, r.p_cached_tokens, chunk) for r in kept]
     p_s = np.array([(r.events["p_done"] - r.events["p_scheduled"]) / 1e9 for r in kept])
     gaps = _decode_steps(records, sim_clock)
-    steps = _spaced(gaps, MAX_DECODE_STEPS)
-    d_s = np.array([s for _, s in steps])
-    if not kept or not steps:
-        raise FitError(f"run {run.meta.run_id}: {len(kept)} prefills ran alone on their P, {len(steps)} D steps "
+    spans = _spaced(_spans(gaps), MAX_DECODE_SPANS)
+    if not kept or not spans:
+        raise FitError(f"run {run.meta.run_id}: {len(kept)} prefills ran alone on their P, {len(spans)} D steps "
                        f"seen between two tokens of a request: the fit needs both (a run with some idle time "
                        f"on P, and outputs of two tokens or more)")
-    of = np.concatenate([np.full(len(w), i) for i, w in enumerate(p_works)])
-    return Observations(StepWork.stack([w for ws in p_works for w in ws]), of, p_s,
-                        StepWork.stack([cost.step_work((), contexts) for contexts, _ in steps]), d_s,
+    d_s = np.array([sum(g.seconds for g in span) for span in spans])
+    p_of = np.concatenate([np.full(len(w), i) for i, w in enumerate(p_works)])
+    d_of = np.concatenate([np.full(len(span), i) for i, span in enumerate(spans)])
+    return Observations(StepWork.stack([w for ws in p_works for w in ws]), p_of, p_s,
+                        StepWork.stack([cost.step_work((), g.contexts) for span in spans for g in span]), d_of, d_s,
                         len(prefills), len(gaps))
 
 
@@ -131,8 +138,30 @@ def _prefill_steps(cost: CostModel, new: int, history: int, chunk: int) -> list[
     return works
 
 
-def _decode_steps(records: list[RequestRecord], sim_clock: bool) -> list[tuple[list[int], float]]:
-    """Per D step seen as one request's consecutive tokens: (every running request's context, seconds)."""
+@dataclass(frozen=True)
+class _Gap:
+    """One D step, seen as two consecutive tokens of one request."""
+
+    request: str
+    running: frozenset[str]  # the requests D ran in it
+    contexts: list[int]  # theirs
+    seconds: float
+
+
+def _spans(gaps: list[_Gap]) -> list[list[_Gap]]:
+    """Runs of at most SPAN consecutive gaps of one request with the same requests running."""
+    spans: list[list[_Gap]] = []
+    for g in gaps:
+        last = spans[-1] if spans else None
+        if last and len(last) < SPAN and last[-1].request == g.request and last[-1].running == g.running:
+            last.append(g)
+        else:
+            spans.append([g])
+    return spans
+
+
+def _decode_steps(records: list[RequestRecord], sim_clock: bool) -> list[_Gap]:
+    """Per D step seen as one request's consecutive tokens (in each request's order)."""
     by_d: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in records:
         if r.decode_instance and len(r.token_ns) >= 2 and not r.local_prefill:
@@ -145,7 +174,7 @@ def _decode_steps(records: list[RequestRecord], sim_clock: bool) -> list[tuple[l
                 if t1 <= t0:
                     continue
                 slack = 0 if sim_clock else int(SLACK * (t1 - t0))
-                contexts = []
+                contexts, running = [], []
                 for q in reqs:
                     ts = q.token_ns
                     if ts[0] > t1 + slack or ts[-1] <= t0 + slack:
@@ -154,8 +183,9 @@ def _decode_steps(records: list[RequestRecord], sim_clock: bool) -> list[tuple[l
                     j = bisect_right(ts, t0 + slack) if not sim_clock else bisect_left(ts, t1)
                     if j < len(ts) and ts[j] <= t1 + slack:
                         contexts.append(q.prompt_tokens + j)
+                        running.append(q.request_id)
                 if contexts:
-                    out.append((contexts, (t1 - t0) / 1e9))
+                    out.append(_Gap(r.request_id, frozenset(running), contexts, (t1 - t0) / 1e9))
     return out
 
 
@@ -198,7 +228,7 @@ def with_numbers(params: SimParams, values: dict[str, float]) -> SimParams:
 def residuals(params: SimParams, block_size: int, obs: Observations) -> tuple[np.ndarray, np.ndarray]:
     cost = CostModel(params, block_size)
     p = np.bincount(obs.prefill_of, weights=cost.step_seconds(obs.prefill_steps), minlength=len(obs.prefill_s))
-    d = cost.step_seconds(obs.decode_steps)
+    d = np.bincount(obs.decode_of, weights=cost.step_seconds(obs.decode_steps), minlength=len(obs.decode_s))
     return (p - obs.prefill_s) / obs.prefill_s, (d - obs.decode_s) / obs.decode_s
 
 
@@ -214,17 +244,20 @@ def fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str]
     dropped = int((~keep_p).sum() + (~keep_d).sum())
     if not dropped or not keep_p.any() or not keep_d.any():
         return first
-    kept = Observations(_take(obs.prefill_steps, np.isin(obs.prefill_of, np.flatnonzero(keep_p))),
-                        np.cumsum(keep_p)[obs.prefill_of[np.isin(obs.prefill_of, np.flatnonzero(keep_p))]] - 1,
-                        obs.prefill_s[keep_p], _take(obs.decode_steps, keep_d), obs.decode_s[keep_d],
+    p_steps, p_of = _keep(obs.prefill_steps, obs.prefill_of, keep_p)
+    d_steps, d_of = _keep(obs.decode_steps, obs.decode_of, keep_d)
+    kept = Observations(p_steps, p_of, obs.prefill_s[keep_p], d_steps, d_of, obs.decode_s[keep_d],
                         obs.prefill_requests, obs.decode_gaps)
     result = _fit(base, block_size, kept, free, iterations)
     result.dropped = dropped
     return result
 
 
-def _take(work: StepWork, mask: np.ndarray) -> StepWork:
-    return StepWork(*(np.asarray(getattr(work, f))[mask] for f in StepWork.__dataclass_fields__))
+def _keep(steps: StepWork, of: np.ndarray, keep: np.ndarray) -> tuple[StepWork, np.ndarray]:
+    """The steps of the kept observations, and which kept observation each is of (renumbered)."""
+    mask = keep[of]
+    return (StepWork(*(np.asarray(getattr(steps, f))[mask] for f in StepWork.__dataclass_fields__)),
+            np.cumsum(keep)[of[mask]] - 1)
 
 
 def _fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str], iterations: int) -> FitResult:
@@ -297,10 +330,12 @@ _OFFSET = 1e-4
 
 def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str) -> str:
     """The base file's text with each fitted number replaced and commented with its source run
-    (numbers the run left undetermined keep their value and comment, with a note); the name
+    (numbers the run left undetermined keep their value and comment, with a note); a fitted number
+    the base file leaves at its default (not written) is added at the end of its section; the name
     replaced. Everything else (the shape, the device, its comments) as it was."""
     numbers = {n.name: n for n in numbers}
-    out, section = [], None
+    out, section, written = [], None, set()
+    section_end: dict[str, int] = {}  # section -> index in `out` after its last line
     for line in base_text.splitlines():
         stripped = line.strip()
         if line and not line[0].isspace() and not line.startswith("#") and stripped.endswith(":"):
@@ -311,11 +346,19 @@ def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, sour
             line = f"name: {name}"
         elif indent == "  " and f"{section}.{key}" in numbers:
             n = numbers[f"{section}.{key}"]
+            written.add(n.name)
             if n.determined:
                 line = (f"{indent}{key}: {n.value:.6g}  # [fit] {source} (was {n.base:.6g})")
             else:
-                line = f"{line}  [fit: {source} does not determine it; kept]"
+                line = f"{line}{'' if '#' in line else '  #'}  [fit: {source} does not determine it; kept]"
         out.append(line)
+        if section is not None and line.startswith("  "):
+            section_end[section] = len(out)
+    missing = [n for n in numbers.values() if n.determined and n.name not in written]
+    for n in sorted(missing, key=lambda n: -section_end.get(n.name.split(".")[0], len(out))):
+        sec, key = n.name.split(".")
+        at = section_end.get(sec, len(out))
+        out.insert(at, f"  {key}: {n.value:.6g}  # [fit] {source} (was {n.base:.6g}, the default)")
     return "\n".join(out) + "\n"
 
 

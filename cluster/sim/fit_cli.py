@@ -34,7 +34,8 @@ def _cmd_fit(a: argparse.Namespace) -> None:
     name = a.name or out.stem
     out.write_text(fitted_yaml(base_path.read_text(), result.numbers, name, f"run {run.meta.run_id} ({a.run})"))
     print(f"fitted {base.name} to run {run.meta.run_id}: {len(obs.prefill_s)} prefills that ran alone "
-          f"(of {obs.prefill_requests}), {len(obs.decode_s)} D steps (of {obs.decode_gaps} seen); "
+          f"(of {obs.prefill_requests}), {len(obs.decode_of)} D steps in {len(obs.decode_s)} spans "
+          f"(of {obs.decode_gaps} seen); "
           f"{result.dropped} outliers dropped")
     print(f"{'number':<30} {'base':>10} {'fitted':>10}")
     for n in result.numbers:
