@@ -49,8 +49,8 @@ from pdcluster.cluster.sim.kv_wire import (
     KvCacheEvent,
     block_hash,
     external_hashes,
+    int_block_hashes,
 )
-from pdcluster.cluster.sim.kv_wire import external_hash as maybe_convert_block_hash
 
 NULL_BLOCK_ID = 0
 
@@ -77,6 +77,7 @@ class Block:
     block_hash: BlockHash | None = None
 
 
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, events: bool = True):
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
@@ -91,10 +92,13 @@ class BlockPool:
         # then every block freed with its hash, in the order freed (touch takes one out).
         self._front: deque[Block] = deque()
         self._free: OrderedDict[int, Block] = OrderedDict()
-        # hash -> {block_id: block}: every block (free or held) a prefix can hit.
-        self._cached: dict[BlockHash, dict[int, Block]] = {}
-        self._first: dict[BlockHash, Block] = {}  # hash -> the first block of _cached[hash] (find_hit's pick)
+        # Every block (free or held) a prefix can hit, by hash: the first one cached with it (find_hit's
+        # pick), and the later ones, in the order cached (two requests computed one prefix at once).
+        # Most hashes have one block: they need no map of their own.
+        self._first: dict[BlockHash, Block] = {}
+        self._more: dict[BlockHash, dict[int, Block]] = {}
         self._events_on = events
+        self._int_hashes = int_block_hashes()  # the events' hash format, read once
         self._events: list[KvCacheEvent] = []
 
     # ------------------------------------------------------------------ counts
@@ -114,7 +118,7 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return sum(len(v) for v in self._cached.values())
+        return len(self._first) + sum(len(v) for v in self._more.values())
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -138,15 +142,16 @@ class BlockPool:
         """`n` fresh blocks from the front of the free queue, evicting their cached hashes."""
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks - 1}")
-        out = []
-        for _ in range(n):
-            if self._front:
-                b = self._front.popleft()
-            elif len(self.blocks) < self.num_blocks:
-                b = Block(len(self.blocks))
-                self.blocks.append(b)
-            else:
-                _, b = self._free.popitem(last=False)
+        out = [self._front.popleft() for _ in range(min(n, len(self._front)))]  # unhashed: nothing to evict
+        for b in out:
+            b.ref_cnt = 1
+        start = len(self.blocks)
+        if len(out) < n and start < self.num_blocks:  # never used: made now
+            fresh = [Block(i, 1) for i in range(start, min(start + n - len(out), self.num_blocks))]
+            self.blocks += fresh
+            out += fresh
+        while len(out) < n:
+            _, b = self._free.popitem(last=False)
             if b.block_hash is not None:
                 self._evict(b)
             b.ref_cnt = 1
@@ -162,19 +167,26 @@ class BlockPool:
         assert len(block_hashes) >= end and len(blocks) >= end, (
             f"caching blocks {first}..{end} of a request with {len(blocks)} blocks and "
             f"{len(block_hashes)} hashes: hash the tokens before caching their blocks")
-        for i in range(first, end):
-            b, h = blocks[i], block_hashes[i]
+        new, hashes = blocks[first:end], block_hashes[first:end]
+        for b, h in zip(new, hashes):
             assert b.block_hash is None, f"block {b.block_id} cached twice: the caller's cached count is off"
             b.block_hash = h
-            self._cached.setdefault(h, {})[b.block_id] = b
-            self._first.setdefault(h, b)
+        if self._first.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            self._first.update(zip(hashes, new))  # the usual case: hashes no block had, at once
+        else:
+            for b, h in zip(new, hashes):
+                if h in self._first:
+                    self._more.setdefault(h, {})[b.block_id] = b
+                else:
+                    self._first[h] = b
         if self._events_on:
-            parent = maybe_convert_block_hash(block_hashes[first - 1]) if first > 0 else None
+            parent = external_hashes(block_hashes[first - 1:first], self._int_hashes)[0] if first > 0 else None
             bs = self.block_size
+            tokens = token_ids[first * bs:end * bs]
             self._events.append(BlockStored(
-                block_hashes=external_hashes(block_hashes[first:end]),
-                parent_block_hash=parent, token_ids=list(token_ids[first * bs:end * bs]), block_size=bs,
-                lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0))
+                block_hashes=external_hashes(hashes, self._int_hashes),
+                parent_block_hash=parent, token_ids=tokens if isinstance(tokens, list) else list(tokens),
+                block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0))
 
     def free(self, ordered: Iterable[Block]) -> None:
         """Drop one reference to each block; at zero a block becomes free. Pass a request's
@@ -185,8 +197,7 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 (evict_first if b.block_hash is None else evict_last).append(b)
-        for b in reversed(evict_first):  # unhashed: reused before any cached block
-            self._front.appendleft(b)
+        self._front.extendleft(reversed(evict_first))  # unhashed: reused before any cached block
         for b in evict_last:
             self._free[b.block_id] = b
 
@@ -196,8 +207,8 @@ class BlockPool:
             return False
         for b in self.blocks:
             b.block_hash = None
-        self._cached.clear()
         self._first.clear()
+        self._more.clear()
         if self._events_on:
             self._events.append(AllBlocksCleared())
         return True
@@ -207,15 +218,19 @@ class BlockPool:
         return out
 
     def _evict(self, b: Block) -> None:
-        same = self._cached[b.block_hash]
-        del same[b.block_id]
-        if not same:
-            del self._cached[b.block_hash]
-            del self._first[b.block_hash]
-        elif self._first[b.block_hash] is b:
-            self._first[b.block_hash] = next(iter(same.values()))
+        h = b.block_hash
+        more = self._more.get(h)
+        if self._first[h] is b:  # the next one cached with its hash (if any) becomes the pick
+            if more:
+                self._first[h] = more.pop(next(iter(more)))
+            else:
+                del self._first[h]
+        else:
+            del more[b.block_id]
+        if more is not None and not more:
+            del self._more[h]
         if self._events_on:
-            self._events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(b.block_hash)],
+            self._events.append(BlockRemoved(block_hashes=external_hashes([h], self._int_hashes),
                                              medium=MEDIUM_GPU, group_idx=0))
         b.block_hash = None
 
@@ -233,12 +248,13 @@ class BlockPool:
         assert len(free_ids) + len(held) == self.num_blocks - 1, (
             f"free {len(free_ids)} + held {len(held)} != {self.num_blocks - 1} usable blocks: a block leaked")
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
-        for h, same in self._cached.items():
-            assert same, f"empty entry for hash {h.hex()[:12]}"
-            for block_id, b in same.items():
+        for h, b in self._first.items():
+            assert b is self.blocks[b.block_id] and b.block_hash == h, (
+                f"hash map says block {b.block_id} holds {h.hex()[:12]}, the block says otherwise")
+        for h, more in self._more.items():
+            assert more and h in self._first, f"later blocks of hash {h.hex()[:12]} without a first one"
+            for block_id, b in more.items():
                 assert b is self.blocks[block_id] and b.block_hash == h, (
                     f"hash map says block {block_id} holds {h.hex()[:12]}, the block says otherwise")
-            assert self._first[h] is next(iter(same.values())), f"find_hit's pick for {h.hex()[:12]} is stale"
-        assert len(self._first) == len(self._cached), "find_hit's picks and the hash map disagree"
         hashed = sum(b.block_hash is not None for b in self.blocks)
         assert hashed == self.num_cached, f"{hashed} blocks have a hash, the map has {self.num_cached}"

@@ -66,9 +66,15 @@ def external_hash(h: BlockHash) -> ExternalBlockHash:
     return external_hashes([h])[0]
 
 
-def external_hashes(hashes: Sequence[BlockHash]) -> list[ExternalBlockHash]:
-    """external_hash of each (the setting read once for all of them)."""
-    if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+def int_block_hashes() -> bool:
+    """Whether events carry hashes as ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, default on)."""
+    return os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+
+
+def external_hashes(hashes: Sequence[BlockHash], as_int: bool | None = None) -> list[ExternalBlockHash]:
+    """external_hash of each. `as_int`: int_block_hashes(), if the caller read it already (a
+    block pool reads it once, not at every step)."""
+    if not (int_block_hashes() if as_int is None else as_int):
         return list(hashes)
     mask = (1 << 64) - 1
     return [int.from_bytes(h, byteorder="big") & mask for h in hashes]
