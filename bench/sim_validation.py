@@ -5,7 +5,9 @@ engine): the fit loads (`FIT_LOADS`: prompt shapes chosen so that each number th
 has a load that moves it), `pdc sim fit` on their records, then a prediction of another load
 (other prompt sizes, hits, output length, concurrency and rate) on the virtual clock, then that
 load for real, and the figures side by side: the prediction with the fitted file and with the
-base file. `--also-on SPEC` runs (and predicts) the predicted load on another cluster too (P2D2).
+base file. The same load (other families) also runs once before the fit loads, and is predicted
+and compared too: the two real runs, minutes apart, show how much this shared machine moves on
+its own. `--also-on SPEC` runs (and predicts) the load on another cluster too (P2D2).
 
     .venv/bin/python -m pdcluster.bench.sim_validation --out .pdcluster/bench/validation
     .venv/bin/python -m pdcluster.bench.sim_validation --refit .pdcluster/bench/validation
@@ -48,9 +50,9 @@ CPU_FREE: tuple[str, ...] = tuple(n for n in FREE if n != "overheads.hidden_devi
 # formal requests of 128-2,304 new tokens over 512-3,968 cached (attention over the history, the
 # context's read; at a long history, 128 and 512 new tokens); outputs of 16-24 tokens at 1-4 in
 # flight over 1K-4K contexts (the decode step's fixed part, per request, per context token).
-# Closed loop, so most prefills run alone on P (what the fit reads); a load with more than one in
-# flight has one family, so that its seed (cold) runs alone too. Each load its own token seed: no
-# load hits another's cache.
+# Closed loop but the last, so most prefills run alone on P (what the fit reads); a load with more
+# than one in flight has one family, so that its seed (cold) runs alone too. Each load its own
+# token seed: no load hits another's cache.
 FIT_LOADS: tuple[dict, ...] = (
     dict(input_len=1024, shared_prefix_ratio=0.5, output_len=24, num_prefixes=2, num_requests=6,
          max_concurrency=1, warmup=2, seed=11),
@@ -64,17 +66,28 @@ FIT_LOADS: tuple[dict, ...] = (
          max_concurrency=4, seed=15),
     dict(input_len=4096, shared_prefix_ratio=3584 / 4096, output_len=16, num_prefixes=1, num_requests=6,
          max_concurrency=1, seed=16),
+    # Open loop, as a served load is: P prefills while D decodes 2-6 requests, and the router, the
+    # client and the engines' front ends work meanwhile (on this 2-core machine they take time from
+    # the engines' cores: the fit should see D's steps as they are then).
+    dict(input_len=2048, shared_prefix_ratio=0.75, output_len=32, num_prefixes=1, num_requests=16,
+         max_concurrency=6, request_rate=3.0, seed=17),
 )
 # The load predicted: c90-tiny's shape (4,100 tokens, 90.5% cached), longer outputs, more in flight,
 # an arrival rate, other families.
 PREDICTED_LOAD = dict(input_len=4100, shared_prefix_ratio=3712 / 4100, output_len=48, num_prefixes=4,
                       num_requests=24, max_concurrency=6, request_rate=1.5, seed=7)
+BEFORE_SEED = 9  # the same load run once before the fit loads, with other families and arrivals
 
 
-def fit_part(run: Run, until_ns: int) -> Run:
-    """The run's records of the fit loads: those that arrived by `until_ns` (router clock). Not by
-    request id: a driver process names its requests alike in every bench it runs."""
-    return dataclasses.replace(run, records=[r for r in run.records if r.events.get("arrival", until_ns + 1) <= until_ns])
+def records_between(run: Run, after_ns: int, until_ns: int) -> Run:
+    """The run's records that arrived in (after_ns, until_ns] (router clock): one bench's of several
+    on a cluster. Not by request id: a driver process names its requests alike in every bench."""
+    return dataclasses.replace(run, records=[r for r in run.records
+                                             if after_ns < r.events.get("arrival", after_ns) <= until_ns])
+
+
+def _last_arrival(run_dir: str) -> int:
+    return max((r.events.get("arrival", 0) for r in load_run(run_dir).records), default=0)
 
 
 def fit_tiny(run: Run, block: int, free: tuple[str, ...] = CPU_FREE) -> FitResult:
@@ -135,9 +148,11 @@ def _write_fitted(out: Path, run: Run, block: int) -> FitResult:
 
 def validate(spec_path: Path, out: Path, also_on: Path | None = None, fit_loads=FIT_LOADS,
              predicted_load=PREDICTED_LOAD, log=print) -> dict:
-    """Fit on `fit_loads`, predict `predicted_load` on the same cluster and run it there, then (if
-    `also_on`) on that other cluster too; the figures (also in OUT/validation.json). Each target's
-    runs: OUT/<target>/real (the bench run), OUT/<target>/predicted (the virtual one)."""
+    """Run the predicted load once (other families: `BEFORE_SEED`), fit on `fit_loads`, predict
+    `predicted_load` and run it; then (if `also_on`) run it on that other cluster too. The run
+    before the fit is predicted and compared as well: how the two real runs of one load differ, a
+    few minutes apart, is this machine's noise floor. The figures are also in OUT/validation.json;
+    each target's runs in OUT/<target>/real (the bench run) and OUT/<target>/predicted (virtual)."""
     from pdcluster.cluster.launch import running_cluster
 
     spec = on_free_ports(load_spec(spec_path))
@@ -147,25 +162,29 @@ def validate(spec_path: Path, out: Path, also_on: Path | None = None, fit_loads=
            "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": {"start": os.getloadavg()}, "targets": {}}
     t0, reals = time.monotonic(), {}
 
-    def run_predicted(cluster):
-        name = cluster.spec.name
+    def run_predicted(cluster, name: str, **changes):
+        after = _last_arrival(cluster.run_dir)
         real = run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(out / name / "real"),
-                                     **predicted_load), log=log)
+                                     **(predicted_load | changes)), log=log)
         doc["load_average"][name] = os.getloadavg()
-        doc["targets"][name] = {"real_run_dir": cluster.run_dir}
+        doc["targets"][name] = {"real_run_dir": cluster.run_dir, "after_ns": after,
+                                "until_ns": _last_arrival(cluster.run_dir)}
         reals[name] = (cluster.spec, real)
 
     with running_cluster(spec) as cluster:
+        run_predicted(cluster, f"{spec.name}-before", seed=BEFORE_SEED)
+        after = _last_arrival(cluster.run_dir)
         for k, load in enumerate(fit_loads):
             run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(out / "fit" / str(k)), **load), log=log)
-        fit_run = load_run(cluster.run_dir)
-        doc |= {"run_dir": cluster.run_dir, "fit_until_ns": max(r.events.get("arrival", 0) for r in fit_run.records)}
+        until = _last_arrival(cluster.run_dir)
+        doc |= {"run_dir": cluster.run_dir, "fit_after_ns": after, "fit_until_ns": until}
         doc["load_average"]["fit"] = os.getloadavg()
-        result = _write_fitted(out, fit_run, block)
-        run_predicted(cluster)
+        result = _write_fitted(out, records_between(load_run(cluster.run_dir), after, until), block)
+        run_predicted(cluster, spec.name)
     if also_on is not None:
-        with running_cluster(on_free_ports(load_spec(also_on))) as cluster:
-            run_predicted(cluster)
+        other = on_free_ports(load_spec(also_on))
+        with running_cluster(other) as cluster:
+            run_predicted(cluster, other.name)
     doc["wall_s"] = time.monotonic() - t0
     compared = {}
     for name, (target, real) in reals.items():
@@ -179,16 +198,15 @@ def refit(out: Path, log=print) -> dict:
     """The fit, prediction and comparison again from OUT's saved runs (no engine)."""
     doc = json.loads((out / "validation.json").read_text())
     run = load_run(doc["run_dir"])
-    until = doc["fit_until_ns"]
-    result = _write_fitted(out, fit_part(run, until), run_spec(run).role_engine("prefill").block_size)
+    result = _write_fitted(out, records_between(run, doc["fit_after_ns"], doc["fit_until_ns"]),
+                           run_spec(run).role_engine("prefill").block_size)
     names = {f.name for f in dataclasses.fields(BenchConfig)}
     compared = {}
     for name, target in doc["targets"].items():
-        real_run = load_run(target["real_run_dir"])
+        real_run = records_between(load_run(target["real_run_dir"]), target["after_ns"], target["until_ns"])
         summary = json.loads((out / name / "real" / "summary.json").read_text())
         cfg = BenchConfig(**{k: v for k, v in summary["config"].items() if k in names})
-        compared[name] = _compared(run_spec(real_run), cfg, read_results(out / name / "real"),
-                                   [r for r in real_run.records if r.events.get("arrival", 0) > until],
+        compared[name] = _compared(run_spec(real_run), cfg, read_results(out / name / "real"), real_run.records,
                                    out / "fitted.yaml", out / name / "predicted", cfg.vocab_size)
     doc["refit"] = time.strftime("%Y-%m-%d %H:%M")
     return _report(out, doc, result, compared, log)
