@@ -96,9 +96,9 @@ def _extend_chain(known: Sequence[RouterHash], token_ids: Sequence[int], end: in
 class BlockStored:
     """vLLM's BlockStored, as the router needs it: engine hashes of consecutive blocks."""
 
-    block_hashes: tuple[EngineHash, ...]
+    block_hashes: Sequence[EngineHash]
     parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]  # all the blocks' tokens, block after block
+    token_ids: Sequence[int]  # all the blocks' tokens, block after block
     block_size: int
     group_idx: int = 0
     medium: str | None = None
@@ -107,7 +107,7 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    block_hashes: tuple[EngineHash, ...]
+    block_hashes: Sequence[EngineHash]
     group_idx: int = 0
     medium: str | None = None
 

@@ -64,12 +64,12 @@ def index_events(events: list) -> list:
     """A pool's events (cluster/sim/kv_wire.py, vLLM's structs) as the index reads them
     (router/kv_event_wire.py decodes the same fields off the wire)."""
     out = []
-    for ev in events:
+    for ev in events:  # the pool's lists are the index's to read (nothing else holds them): not copied
         if isinstance(ev, kv_wire.BlockStored):
-            out.append(BlockStored(tuple(ev.block_hashes), ev.parent_block_hash, tuple(ev.token_ids), ev.block_size,
+            out.append(BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
                                    ev.group_idx or 0, ev.medium, None))
         elif isinstance(ev, kv_wire.BlockRemoved):
-            out.append(BlockRemoved(tuple(ev.block_hashes), ev.group_idx or 0, ev.medium))
+            out.append(BlockRemoved(ev.block_hashes, ev.group_idx or 0, ev.medium))
         else:
             out.append(AllBlocksCleared())
     return out
