@@ -83,7 +83,13 @@ def hittable_hashes(token_ids: Sequence[int], block_size: int, known: Sequence[R
 def _extend_chain(known: Sequence[RouterHash], token_ids: Sequence[int], end: int, block_size: int) -> list[RouterHash]:
     """`known` extended by the hashes of the full blocks of token_ids[:end] past them."""
     assert block_size > 0, f"block_size {block_size}: must be positive"
-    data = memoryview(token_bytes(token_ids[len(known) * block_size:end]))
+    return extend_chain_bytes(known, token_bytes(token_ids[len(known) * block_size:end]), block_size)
+
+
+def extend_chain_bytes(known: Sequence[RouterHash], data: bytes, block_size: int) -> list[RouterHash]:
+    """`known` extended by the hashes of the full blocks of `data`, the token_bytes of the
+    tokens past them (for a caller that reads those bytes for something else too)."""
+    data = memoryview(data)
     step = 4 * block_size
     out, parent = list(known), known[-1] if known else ROOT
     for start in range(0, len(data) - step + 1, step):
