@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
@@ -100,7 +103,7 @@ def test_touching_a_cached_free_block_protects_it_from_eviction():
     with pytest.raises(OutOfBlocks):
         p.allocate(2)
     fresh = p.allocate(1)
-    assert fresh[0] is not hit[0] and p.find_hit(h, 4) == hit
+    assert fresh[0] != hit[0] and p.find_hit(h, 4) == hit
     p.free(fresh + hit)
     p.check_integrity()
 
@@ -155,11 +158,96 @@ def test_duplicate_hashes_are_stored_and_removed_one_by_one():
 
 def test_check_integrity_catches_a_leak_and_a_double_state():
     p = pool()
-    p.allocate(2)[0].ref_cnt = 0  # a held block that lost its reference without being freed
+    p._ref[p.allocate(2)[0]] = 0  # a held block that lost its reference without being freed
     with pytest.raises(AssertionError, match="leaked"):
         p.check_integrity()
     q = pool()
-    b = q.allocate(1)[0]
-    q._free[b.block_id] = b  # held and in the free queue
+    q._freed.push(np.array(q.allocate(1)))  # held and in the free queue
     with pytest.raises(AssertionError, match="both free and held"):
         q.check_integrity()
+
+
+class PlainPool:
+    """vLLM's rules as plainly as they can be written (one list for the free queue), to check
+    the pool's arrays and lazy queue against."""
+
+    def __init__(self, num_blocks: int):
+        self.ref, self.hash = [0] * num_blocks, [None] * num_blocks
+        self.queue = list(range(1, num_blocks))  # eviction order: next to reuse first
+        self.cached: dict = {}  # hash -> its blocks, in the order cached
+        self.removed: list = []
+
+    def find_hit(self, hashes, max_tokens):
+        out = []
+        for h in hashes[:max(0, max_tokens) // BS]:
+            if not self.cached.get(h):
+                break
+            out.append(self.cached[h][0])
+        return out
+
+    def touch(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.queue.remove(b)
+            self.ref[b] += 1
+
+    def allocate(self, n):
+        out, self.queue = self.queue[:n], self.queue[n:]
+        for b in out:
+            if self.hash[b] is not None:
+                self.cached[self.hash[b]].remove(b)
+                if not self.cached[self.hash[b]]:
+                    del self.cached[self.hash[b]]
+                self.removed.append(self.hash[b])
+                self.hash[b] = None
+            self.ref[b] = 1
+        return out
+
+    def cache(self, blocks, hashes):
+        for b, h in zip(blocks, hashes):
+            self.hash[b] = h
+            self.cached.setdefault(h, []).append(b)
+
+    def free(self, ordered):
+        unhashed, hashed = [], []
+        for b in ordered:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                (unhashed if self.hash[b] is None else hashed).append(b)
+        self.queue = unhashed + self.queue + hashed
+
+
+def test_the_pool_follows_the_plain_rules_through_a_long_random_run():
+    # Small pool, few prefixes: hits, shared blocks, evictions, duplicate hashes (two requests
+    # computing one prefix at once), and the lazy queue dropping its dead entries many times.
+    rng = random.Random(7)
+    p, plain = pool(41), PlainPool(41)
+    prefixes = [[rng.randrange(50) for _ in range(16)] for _ in range(5)]
+    held = []
+    for _ in range(3_000):
+        if held and (rng.random() < 0.45 or p.num_free < 12):
+            table = held.pop(rng.randrange(len(held)))[::-1]
+            p.free(table)
+            plain.free(table)
+        else:
+            tokens = rng.choice(prefixes)[:rng.randrange(4, 17)] + [rng.randrange(50) for _ in range(rng.randrange(6))]
+            hashes = hash_blocks(tokens, BS)
+            hit = p.find_hit(hashes, len(tokens) - 1)
+            assert hit == plain.find_hit(hashes, len(tokens) - 1)
+            needed = -(-len(tokens) // BS) - len(hit)
+            if needed + p.num_free_among(hit) > p.num_free:
+                continue
+            p.touch(hit)
+            plain.touch(hit)
+            fresh = p.allocate(needed)
+            assert fresh == plain.allocate(needed)
+            table = hit + fresh
+            if rng.random() < 0.8:  # else freed uncached, as a request preempted before its step
+                p.cache_full_blocks(table, hashes, len(hit), len(hashes), tokens)
+                plain.cache(table[len(hit):len(hashes)], hashes[len(hit):])
+            held.append(table)
+        assert p.num_free == len(plain.queue) and p.num_cached == sum(map(len, plain.cached.values()))
+    removed = [e.block_hashes[0] for e in p.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [maybe_convert_block_hash(h) for h in plain.removed] and len(removed) > 100
+    assert len(p._freed._queue) == 64  # its dead entries were dropped (45 times), the array never grew
+    p.check_integrity()

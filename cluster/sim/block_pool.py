@@ -2,8 +2,9 @@
 
 A fixed number of blocks of `block_size` tokens. Block 0 is the null block, as in
 vLLM (transfer/grpc_server.NULL_BLOCK_ID: it never holds a request's state), so
-`num_blocks - 1` are usable. A block is *held* while some request references it
-(ref_cnt > 0) and *free* otherwise; a free block may still be *cached* (it has a
+`num_blocks - 1` are usable. Blocks are ids (a request's block table: a list of
+them). A block is *held* while some request references it (its reference count
+> 0) and *free* otherwise; a free block may still be *cached* (it has a
 hash, a later request with the same prefix can take it back) until it is
 reused for something else, which evicts it.
 
@@ -32,13 +33,21 @@ hold only a request's last few blocks (the window's, the state's slot), so, as
 in the cost model, they do not count against it. How many bytes a block is per
 component, and which blocks of each component move, is the cost model's
 business (payload.py and consumer.py use it), not the pool's.
+
+Per-block state is in arrays (reference counts, hashed or not, place in the free
+queue), so that taking a 1,024-block hit and freeing a request's blocks are a few
+array operations rather than a Python loop over blocks: a C90 replay touches and
+frees ~2.6M blocks (each D and P takes a 928-block family prefix per request).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import functools
+import itertools
+import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 from pdcluster.cluster.sim.kv_wire import (
     MEDIUM_GPU,
@@ -53,6 +62,7 @@ from pdcluster.cluster.sim.kv_wire import (
 )
 
 NULL_BLOCK_ID = 0
+_is_block = functools.partial(operator.is_not, None)  # find_hit's "cached": a map lookup that found one
 
 
 class OutOfBlocks(RuntimeError):
@@ -70,12 +80,65 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, known: Sequence[Block
     return out
 
 
-@dataclass(eq=False, slots=True)
-class Block:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+def _ids(blocks: Iterable[int]) -> np.ndarray:
+    return np.fromiter(blocks, dtype=np.int64)
 
+
+class _FreedQueue:
+    """The blocks freed with a hash, in the order freed (the free queue's last part): eviction
+    takes the oldest. Entries are appended to an array and left behind when a block is taken
+    back (touched) or freed again: an entry is live iff the block's `pos` is its index. Dead
+    entries are dropped when the array is full (copying the live ones to its start)."""
+
+    def __init__(self, num_blocks: int):
+        self.pos = np.full(num_blocks, -1, dtype=np.int64)  # a block's live entry; -1: not queued
+        self._queue = np.zeros(max(64, num_blocks), dtype=np.int64)
+        self._head = self._tail = 0  # entries head..tail-1 are the queue (live or dead)
+        self.live = 0
+
+    def push(self, ids: np.ndarray) -> None:
+        """Queue these (free, not queued), in this order."""
+        n = len(ids)
+        if self._tail + n > len(self._queue):
+            self._compact(n)
+        self._queue[self._tail:self._tail + n] = ids
+        self.pos[ids] = np.arange(self._tail, self._tail + n)
+        self._tail += n
+        self.live += n
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Take these (queued) out of the queue."""
+        assert (self.pos[ids] >= 0).all(), "a block taken out of the free queue it is not in"
+        self.pos[ids] = -1
+        self.live -= len(ids)
+
+    def pop(self, n: int) -> list[int]:
+        """The n oldest, taken out."""
+        assert n <= self.live, f"{n} blocks asked of {self.live} queued"
+        out: list[int] = []
+        while len(out) < n:
+            need = n - len(out)
+            end = min(self._tail, self._head + 2 * need + 64)
+            window = self._queue[self._head:end]
+            live = np.flatnonzero(self.pos[window] == np.arange(self._head, end))[:need]
+            out += window[live].tolist()
+            self._head = self._head + int(live[-1]) + 1 if len(live) == need else end  # dead ones skipped
+        self.remove(np.array(out, dtype=np.int64))
+        return out
+
+    def _compact(self, room: int) -> None:
+        entries = self._queue[self._head:self._tail]
+        kept = entries[self.pos[entries] == np.arange(self._head, self._tail)]
+        if len(kept) + room > len(self._queue):
+            self._queue = np.zeros(2 * (len(kept) + room), dtype=np.int64)
+        self._queue[:len(kept)] = kept
+        self.pos[kept] = np.arange(len(kept))
+        self._head, self._tail = 0, len(kept)
+
+    def order(self) -> list[int]:
+        """The live entries, oldest first (checks)."""
+        entries = self._queue[self._head:self._tail]
+        return entries[self.pos[entries] == np.arange(self._head, self._tail)].tolist()
 
 
 class BlockPool:
@@ -83,20 +146,20 @@ class BlockPool:
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Blocks are made when first handed out (a 910C instance has 80K of them): blocks[i] is
-        # block i for i < len(blocks), and blocks len(blocks).. num_blocks - 1 were never used.
-        self.blocks = [Block(NULL_BLOCK_ID)]
-        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self._ref = np.zeros(num_blocks, dtype=np.int64)  # references to each block
+        self._hash: list[BlockHash | None] = [None] * num_blocks  # each block's hash, if cached
+        self._hashed = np.zeros(num_blocks, dtype=bool)  # the same, as an array
         # The free queue, in eviction order (first: next to reuse), as vLLM's one list in three
         # parts: unhashed blocks freed since (they go first), the never-used ones in id order,
         # then every block freed with its hash, in the order freed (touch takes one out).
-        self._front: deque[Block] = deque()
-        self._free: OrderedDict[int, Block] = OrderedDict()
+        self._front: list[int] = []  # the first part, reversed: its last block is reused first
+        self._fresh = NULL_BLOCK_ID + 1  # the second: blocks _fresh..num_blocks - 1
+        self._freed = _FreedQueue(num_blocks)
         # Every block (free or held) a prefix can hit, by hash: the first one cached with it (find_hit's
         # pick), and the later ones, in the order cached (two requests computed one prefix at once).
         # Most hashes have one block: they need no map of their own.
-        self._first: dict[BlockHash, Block] = {}
-        self._more: dict[BlockHash, dict[int, Block]] = {}
+        self._first: dict[BlockHash, int] = {}
+        self._more: dict[BlockHash, dict[int, None]] = {}
         self._events_on = events
         self._int_hashes = int_block_hashes()  # the events' hash format, read once
         self._events: list[KvCacheEvent] = []
@@ -105,7 +168,7 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._front) + self.num_blocks - len(self.blocks) + len(self._free)
+        return len(self._front) + self.num_blocks - self._fresh + self._freed.live
 
     @property
     def num_held(self) -> int:
@@ -120,45 +183,56 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._first) + sum(len(v) for v in self._more.values())
 
+    def ref_cnt(self, block: int) -> int:
+        return int(self._ref[block])
+
+    def block_hash(self, block: int) -> BlockHash | None:
+        return self._hash[block]
+
+    def num_free_among(self, blocks: Sequence[int]) -> int:
+        """How many of these (a hit, before `touch`) are free: taking them takes free blocks."""
+        return int(np.count_nonzero(self._ref[_ids(blocks)] == 0)) if len(blocks) else 0
+
     # ------------------------------------------------------------------ prefix cache
 
-    def find_hit(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> list[Block]:
+    def find_hit(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> list[int]:
         """The cached blocks of the longest cached prefix, at most `max_hit_tokens`
         long (not yet referenced: `touch` them to keep them)."""
-        hit = list(map(self._first.get, block_hashes[:max(0, max_hit_tokens) // self.block_size]))
-        try:
-            return hit[:hit.index(None)]
-        except ValueError:
-            return hit
+        n = max(0, max_hit_tokens) // self.block_size
+        return list(itertools.takewhile(_is_block, map(self._first.get, itertools.islice(block_hashes, n))))
 
-    def touch(self, blocks: Iterable[Block]) -> None:
-        """A request takes these (hit) blocks: a free one leaves the free queue."""
-        for b in blocks:
-            if b.ref_cnt == 0:
-                del self._free[b.block_id]
-            b.ref_cnt += 1
+    def touch(self, blocks: Sequence[int]) -> None:
+        """A request takes these (hit, distinct) blocks: a free one leaves the free queue."""
+        if not len(blocks):
+            return
+        ids = _ids(blocks)
+        refs = self._ref[ids]
+        was_free = ids[refs == 0]
+        if len(was_free):
+            self._freed.remove(was_free)  # a hit is cached, so a free one is in the freed part
+        self._ref[ids] = refs + 1
 
-    def allocate(self, n: int) -> list[Block]:
+    def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks from the front of the free queue, evicting their cached hashes."""
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks - 1}")
-        out = [self._front.popleft() for _ in range(min(n, len(self._front)))]  # unhashed: nothing to evict
-        for b in out:
-            b.ref_cnt = 1
-        start = len(self.blocks)
-        if len(out) < n and start < self.num_blocks:  # never used: made now
-            fresh = [Block(i, 1) for i in range(start, min(start + n - len(out), self.num_blocks))]
-            self.blocks += fresh
-            out += fresh
-        while len(out) < n:
-            _, b = self._free.popitem(last=False)
-            if b.block_hash is not None:
-                self._evict(b)
-            b.ref_cnt = 1
-            out.append(b)
+        k = min(n, len(self._front))
+        out = self._front[len(self._front) - k:][::-1]  # unhashed: nothing to evict
+        del self._front[len(self._front) - k:]
+        fresh = min(n - k, self.num_blocks - self._fresh)
+        out += range(self._fresh, self._fresh + fresh)
+        self._fresh += fresh
+        if len(out) < n:
+            evicted = self._freed.pop(n - len(out))
+            for b in evicted:
+                if self._hash[b] is not None:  # (unhashed since a reset)
+                    self._evict(b)
+            out += evicted
+        if out:
+            self._ref[out] = 1
         return out
 
-    def cache_full_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[BlockHash], first: int, end: int,
+    def cache_full_blocks(self, blocks: Sequence[int], block_hashes: Sequence[BlockHash], first: int, end: int,
                           token_ids: Sequence[int]) -> None:
         """Blocks `first..end-1` of a request (its block table `blocks`, whose chained hashes
         are `block_hashes`, over `token_ids`) are full now: make them hittable."""
@@ -168,15 +242,18 @@ class BlockPool:
             f"caching blocks {first}..{end} of a request with {len(blocks)} blocks and "
             f"{len(block_hashes)} hashes: hash the tokens before caching their blocks")
         new, hashes = blocks[first:end], block_hashes[first:end]
+        ids = _ids(new)
+        assert not self._hashed[ids].any(), (
+            f"blocks {ids[self._hashed[ids]][:8].tolist()} cached twice: the caller's cached count is off")
+        self._hashed[ids] = True
         for b, h in zip(new, hashes):
-            assert b.block_hash is None, f"block {b.block_id} cached twice: the caller's cached count is off"
-            b.block_hash = h
+            self._hash[b] = h
         if self._first.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
             self._first.update(zip(hashes, new))  # the usual case: hashes no block had, at once
         else:
             for b, h in zip(new, hashes):
                 if h in self._first:
-                    self._more.setdefault(h, {})[b.block_id] = b
+                    self._more.setdefault(h, {})[b] = None
                 else:
                     self._first[h] = b
         if self._events_on:
@@ -188,25 +265,28 @@ class BlockPool:
                 parent_block_hash=parent, token_ids=tokens if isinstance(tokens, list) else list(tokens),
                 block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0))
 
-    def free(self, ordered: Iterable[Block]) -> None:
-        """Drop one reference to each block; at zero a block becomes free. Pass a request's
-        blocks tail first: among blocks freed together the first is evicted first."""
-        evict_first, evict_last = [], []
-        for b in ordered:
-            assert b.ref_cnt > 0, f"block {b.block_id} freed more often than taken"
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                (evict_first if b.block_hash is None else evict_last).append(b)
-        self._front.extendleft(reversed(evict_first))  # unhashed: reused before any cached block
-        for b in evict_last:
-            self._free[b.block_id] = b
+    def free(self, ordered: Iterable[int]) -> None:
+        """Drop one reference to each block (distinct blocks: a request's); at zero a block
+        becomes free. Pass a request's blocks tail first: among blocks freed together the first
+        is evicted first."""
+        ids = _ids(ordered)
+        if not len(ids):
+            return
+        refs = self._ref[ids] - 1
+        assert refs.min() >= 0, f"blocks {ids[refs < 0][:8].tolist()} freed more often than taken"
+        self._ref[ids] = refs
+        now_free = ids[refs == 0]
+        hashed = self._hashed[now_free]
+        self._front += now_free[~hashed][::-1].tolist()  # unhashed: reused before any cached block
+        if hashed.any():
+            self._freed.push(now_free[hashed])
 
     def reset(self) -> bool:
         """Forget every cached hash; False (nothing changed) while any block is held, as vLLM."""
         if self.num_held:
             return False
-        for b in self.blocks:
-            b.block_hash = None
+        self._hash = [None] * self.num_blocks
+        self._hashed[:] = False
         self._first.clear()
         self._more.clear()
         if self._events_on:
@@ -217,44 +297,48 @@ class BlockPool:
         out, self._events = self._events, []
         return out
 
-    def _evict(self, b: Block) -> None:
-        h = b.block_hash
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
         more = self._more.get(h)
-        if self._first[h] is b:  # the next one cached with its hash (if any) becomes the pick
+        if self._first[h] == b:  # the next one cached with its hash (if any) becomes the pick
             if more:
-                self._first[h] = more.pop(next(iter(more)))
+                self._first[h] = next(iter(more))
+                del more[self._first[h]]
             else:
                 del self._first[h]
         else:
-            del more[b.block_id]
+            del more[b]
         if more is not None and not more:
             del self._more[h]
         if self._events_on:
             self._events.append(BlockRemoved(block_hashes=external_hashes([h], self._int_hashes),
                                              medium=MEDIUM_GPU, group_idx=0))
-        b.block_hash = None
+        self._hash[b] = None
+        self._hashed[b] = False
 
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
-        queue = [b.block_id for b in self._front] + list(self._free)
-        free_ids = set(queue) | set(range(len(self.blocks), self.num_blocks))
-        assert self.null_block.ref_cnt == 0 and NULL_BLOCK_ID not in free_ids, "the null block was handed out"
+        queue = self._front[::-1] + self._freed.order()
+        free_ids = set(queue) | set(range(self._fresh, self.num_blocks))
+        assert self._ref[NULL_BLOCK_ID] == 0 and NULL_BLOCK_ID not in free_ids, "the null block was handed out"
         assert len(set(queue)) == len(queue), "a block twice in the free queue"
-        assert all(b.block_hash is None for b in self._front), "a hashed block among the unhashed free ones"
-        held = {b.block_id for b in self.blocks[1:] if b.ref_cnt > 0}
+        assert all(self._hash[b] is None for b in self._front), "a hashed block among the unhashed free ones"
+        assert (self._ref[self._fresh:] == 0).all() and not self._hashed[self._fresh:].any(), (
+            "a never-used block is referenced or hashed")
+        held = set(np.flatnonzero(self._ref > 0).tolist())
         assert not free_ids & held, f"blocks both free and held: {sorted(free_ids & held)[:8]}"
         assert len(free_ids) + len(held) == self.num_blocks - 1, (
             f"free {len(free_ids)} + held {len(held)} != {self.num_blocks - 1} usable blocks: a block leaked")
-        assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
+        assert (self._ref >= 0).all(), "negative ref count"
+        assert self._freed.live == len(self._freed.order()), "the freed part's count drifted"
         for h, b in self._first.items():
-            assert b is self.blocks[b.block_id] and b.block_hash == h, (
-                f"hash map says block {b.block_id} holds {h.hex()[:12]}, the block says otherwise")
+            assert self._hash[b] == h, f"hash map says block {b} holds {h.hex()[:12]}, the block says otherwise"
         for h, more in self._more.items():
             assert more and h in self._first, f"later blocks of hash {h.hex()[:12]} without a first one"
-            for block_id, b in more.items():
-                assert b is self.blocks[block_id] and b.block_hash == h, (
-                    f"hash map says block {block_id} holds {h.hex()[:12]}, the block says otherwise")
-        hashed = sum(b.block_hash is not None for b in self.blocks)
-        assert hashed == self.num_cached, f"{hashed} blocks have a hash, the map has {self.num_cached}"
+            for b in more:
+                assert self._hash[b] == h, f"hash map says block {b} holds {h.hex()[:12]}, the block says otherwise"
+        hashed = sum(h is not None for h in self._hash)
+        assert hashed == self.num_cached == int(self._hashed.sum()), (
+            f"{hashed} blocks have a hash, the map has {self.num_cached}, the flags {int(self._hashed.sum())}")

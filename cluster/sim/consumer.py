@@ -109,7 +109,7 @@ class ConsumerSide(KvHooks):
         handle = self.handles[req.request_id]
         n, hit, bs = req.num_prompt_tokens, req.hit_tokens, self.block_size
         counts = self.cost.blocks_to_send(n, hit)
-        ids = [b.block_id for b in req.blocks]
+        ids = list(req.blocks)
         last = (n - 1) // bs
         groups = []
         for gi, c in enumerate(self.components):

@@ -48,7 +48,7 @@ class ProducerSide(KvHooks):
             keys = self._keys[req.request_id] = payload.block_keys(req.block_hashes, req.prompt_token_ids,
                                                                    self.block_size)
         bs, n = self.block_size, req.num_prompt_tokens
-        ids = [b.block_id for b in req.blocks]
+        ids = list(req.blocks)
         first, last = start // bs, -(-end // bs)  # blocks this step wrote (a partial first one included)
         for gi, c in enumerate(self.components):
             # Rows of the blocks this step computed that the component keeps to the end: all of

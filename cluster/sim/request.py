@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcluster.cluster.sim.block_pool import Block
-
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -49,7 +47,7 @@ class SimRequest:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # its block table: block ids (block_pool.py)
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks of `blocks` already in the prefix cache
     num_cached_tokens: int = -1  # prefix hit when first scheduled (vLLM's num_cached_tokens); -1: not yet

@@ -320,10 +320,10 @@ class SchedulerCore:
         loads = req.external_tokens > hit_tokens
         end = req.num_prompt_tokens if loads else hit_tokens + self._num_new_from(req, hit_tokens, budget)
         needed = -(-end // bs) - len(hit)
-        if needed + sum(b.ref_cnt == 0 for b in hit) > self.pool.num_free:  # the hit's free blocks count too
+        if needed + self.pool.num_free_among(hit) > self.pool.num_free:  # the hit's free blocks count too
             return False
         self.pool.touch(hit)
-        req.blocks = list(hit) + self.pool.allocate(needed)
+        req.blocks = hit + self.pool.allocate(needed)
         req.num_cached_blocks = len(hit)
         req.hit_tokens = req.num_computed_tokens = hit_tokens
         if req.num_cached_tokens < 0:
@@ -376,7 +376,7 @@ class SchedulerCore:
         self.waiting.appendleft(req)
 
     def _free_blocks(self, req: SimRequest) -> None:
-        self.pool.free(reversed(req.blocks))  # tail first: evicted first
+        self.pool.free(req.blocks[::-1])  # tail first: evicted first
         req.blocks = []
         req.num_cached_blocks = 0
         if req.status is Status.FINISHED and not req.held_for_transfer:
