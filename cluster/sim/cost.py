@@ -392,7 +392,7 @@ class CostModel:
     def _step_s(self, chunks: Sequence[tuple[int, int]], context_lens: Sequence[int], steps: int = 1) -> list[float]:
         """Each of `steps` steps' time (the decode contexts one longer at each)."""
         seconds = self._seconds(self.step_work(chunks, context_lens, steps))
-        return [float(seconds)] * steps if np.ndim(seconds) == 0 else seconds.tolist()
+        return seconds.tolist() if isinstance(seconds, np.ndarray) else [float(seconds)] * steps
 
     def step_seconds(self, work: StepWork) -> np.ndarray:
         """The time of a step's work (arrays: of each step's) on this device, with these
