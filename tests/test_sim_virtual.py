@@ -15,6 +15,7 @@ from pdcluster.cluster.sim.virtual.events import EXTERNAL, ORIGIN_NS, STEP, Even
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.cluster.spec import load_spec, parse_spec
+from pdcluster.router.prefix_index import chain_hashes, hittable_hashes
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PARAMS = Path(__file__).resolve().parents[1] / "cluster" / "sim" / "params"
@@ -155,6 +156,10 @@ def test_a_prefix_family_is_hashed_once_and_checked():
     assert (pb.block_hashes, pb.router_hashes, pb.id_range) == (fresh.block_hashes, fresh.router_hashes,
                                                                 fresh.id_range)
     assert pa.block_hashes[:4] == pb.block_hashes[:4] and pa.block_hashes[4] != pb.block_hashes[4]
+    # The pools' keys are the router's chain (its indexes take an event's hash as it is), and an
+    # id range read from the bytes hashed covers the prompt.
+    assert pb.block_hashes == chain_hashes(b.prompt_token_ids, 16)
+    assert pb.router_hashes == hittable_hashes(b.prompt_token_ids, 16) and pb.id_range == (3, 600)
     stray = BenchRequest(2, (7,) + shared[1:] + (700,) * 20, 4, family="f")
     with pytest.raises(AssertionError, match="not a prefix family"):
         prompts.prepare(stray)

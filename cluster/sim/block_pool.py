@@ -142,7 +142,9 @@ class _FreedQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, events: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, events: bool = True, int_hashes: bool | None = None):
+        """`int_hashes`: events carry hashes as vLLM's 64-bit ints (None: as the environment says,
+        VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else as the pool's keys."""
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -161,7 +163,7 @@ class BlockPool:
         self._first: dict[BlockHash, int] = {}
         self._more: dict[BlockHash, dict[int, None]] = {}
         self._events_on = events
-        self._int_hashes = int_block_hashes()  # the events' hash format, read once
+        self._int_hashes = int_block_hashes() if int_hashes is None else int_hashes  # read once
         self._events: list[KvCacheEvent] = []
 
     # ------------------------------------------------------------------ counts

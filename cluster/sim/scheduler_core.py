@@ -37,9 +37,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdcluster.cluster.sim.block_pool import BlockPool, OutOfBlocks, hash_blocks
+from pdcluster.cluster.sim.kv_wire import BlockHash
 from pdcluster.cluster.sim.request import Delta, SimRequest, Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 
@@ -93,7 +94,7 @@ class SchedulerCore:
                 f"request {req.request_id}: {len(req.block_hashes)} block hashes given for "
                 f"{req.num_prompt_tokens} prompt tokens: hashed with another block size?")
         else:
-            req.block_hashes = hash_blocks(req.prompt_token_ids, c.block_size)
+            req.block_hashes = self.hash_blocks(req.prompt_token_ids, [])
         req.queued_ns = self.now_ns()
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -239,6 +240,11 @@ class SchedulerCore:
                         bs - end % bs)  # no block filling up after this one
         return max(1, steps)
 
+    def hash_blocks(self, tokens: Sequence[int], known: list[BlockHash]) -> list[BlockHash]:
+        """The pool's keys for every full block of `tokens`, extending `known` (its first
+        blocks', worked out before): vLLM's chained hashes."""
+        return hash_blocks(tokens, self.config.block_size, known)
+
     def _publish_events(self) -> None:
         events = self.pool.take_events()
         if events and self.on_events is not None:
@@ -314,7 +320,7 @@ class SchedulerCore:
         pool as it was (a request that holds blocks while it waits could deadlock the pool)."""
         bs = self.config.block_size
         if len(req.block_hashes) < req.num_tokens // bs:  # preempted with output tokens since hashed
-            req.block_hashes = hash_blocks(req.token_view(), bs, req.block_hashes)
+            req.block_hashes = self.hash_blocks(req.token_view(), req.block_hashes)
         hit = self.pool.find_hit(req.block_hashes, req.num_tokens - 1)
         hit_tokens = len(hit) * bs
         loads = req.external_tokens > hit_tokens
@@ -361,7 +367,7 @@ class SchedulerCore:
         if full <= req.num_cached_blocks:
             return
         if len(req.block_hashes) < full:  # output tokens filled a block
-            req.block_hashes = hash_blocks(req.token_view(), bs, req.block_hashes)[:full]
+            req.block_hashes = self.hash_blocks(req.token_view(), req.block_hashes)[:full]
         tokens = req.prompt_token_ids if full * bs <= req.num_prompt_tokens else req.token_view()
         self.pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_blocks, full, tokens)
         req.num_cached_blocks = full

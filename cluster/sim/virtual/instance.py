@@ -21,13 +21,15 @@ would cost ~4 us a token, most of a C90 replay's time.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdcluster.cluster.sim.block_pool import BlockPool
+from pdcluster.cluster.sim.kv_wire import BlockHash
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_core import SchedulerCore
 from pdcluster.cluster.sim.virtual.events import STEP, EventLoop
+from pdcluster.router.prefix_index import chain_hashes
 
 
 class VirtualScheduler(SchedulerCore):
@@ -41,6 +43,11 @@ class VirtualScheduler(SchedulerCore):
     def step_ends_ns(self, steps: int) -> tuple[int, ...]:
         assert len(self.ends_ns) == steps, f"{steps} steps ended, {len(self.ends_ns)} end times known"
         return self.ends_ns
+
+    def hash_blocks(self, tokens: Sequence[int], known: list[BlockHash]) -> list[BlockHash]:
+        """The router's chain (prompts.py: the virtual pools key their blocks by it; its indexes
+        then take a stored block's key as its hash, router.py)."""
+        return chain_hashes(tokens, self.config.block_size, known)
 
     def _draw_tokens(self, req: SimRequest, n: int) -> list[int]:
         token = req.output_token_ids[0] if req.output_token_ids else req.next_token(self.config.vocab_size)

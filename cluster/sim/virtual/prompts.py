@@ -6,8 +6,8 @@ prompts, hashed by P, D and the router, would take ~10 s. Here each prompt is ha
 with the router's hash, whose chain the pools key their blocks by too: a prefix cache needs
 only that equal blocks (same tokens, same history) have equal hashes and others not, which
 both chains give; vLLM's own hash function matters on the wire to the router, which the
-virtual clock does not have (the pools' events carry the hash, and the index maps it back,
-`router_hash_of`). A prefix family's shared part is hashed once per family: requests of
+virtual clock does not have (the pools' events carry the router's hashes, which its indexes
+take as they are). A prefix family's shared part is hashed once per family: requests of
 one `family` (bench/workloads.py builds them as its prefix + their own suffix) start with
 the same tokens, as long as the first two members do (checked exactly), and each later
 member's first and last shared block are checked against them too. A prepared prompt is
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdcluster.bench.records import BenchRequest
-from pdcluster.cluster.sim.kv_wire import external_hashes
 from pdcluster.router.prefix_index import RouterHash, extend_chain_bytes, token_bytes
 
 
@@ -81,29 +80,24 @@ class PromptCache:
         self.block_size = block_size
         self._families: dict[str, _Family] = {}
         self._prepared: dict[tuple[str, int], PreparedPrompt] = {}
-        # A prompt block's hash as the pools' events carry it (external_hashes) -> the hash itself:
-        # the router's indexes read a stored block's hash here instead of hashing its tokens.
-        self.router_hash_of: dict[int | bytes, RouterHash] = {}
 
     def prepare(self, req: BenchRequest) -> PreparedPrompt:
         key = (req.phase, req.index)
         have = self._prepared.get(key)
         if have is not None and have.tokens is req.prompt_token_ids:
             return have
-        out, known = self._prepare(tuple(req.prompt_token_ids), req.family)
+        out = self._prepare(tuple(req.prompt_token_ids), req.family)
         self._prepared[key] = out
-        self.router_hash_of.update(zip(external_hashes(out.block_hashes[known:]), out.block_hashes[known:]))
         return out
 
-    def _prepare(self, tokens: tuple[int, ...], family: str | None) -> tuple[PreparedPrompt, int]:
-        """The prompt, and how many of its leading blocks an earlier prompt had (hashed then)."""
+    def _prepare(self, tokens: tuple[int, ...], family: str | None) -> PreparedPrompt:
         bs = self.block_size
         fam = self._families.get(family) if family is not None else None
         if fam is None:
             out = _prompt(tokens, bs, [])
             if family is not None:
                 self._families[family] = _Family(out)
-            return out, 0
+            return out
         first = fam.first.tokens
         if fam.shared is None:
             fam.shared = _common_prefix(first, tokens)
@@ -115,4 +109,4 @@ class PromptCache:
                 f"a request of family {family!r} differs from the family's first within the "
                 f"{shared} tokens they should share: not a prefix family (bench/workloads.py)")
         known = shared // bs
-        return _prompt(tokens, bs, fam.first.block_hashes[:known], shared, fam.shared_range), known
+        return _prompt(tokens, bs, fam.first.block_hashes[:known], shared, fam.shared_range)

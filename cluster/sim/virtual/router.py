@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult
@@ -39,6 +39,27 @@ from pdcluster.router.routing import InstancePicker, Route
 from pdcluster.router.timeline import ClockOffset, RequestRecord
 
 SAME_CLOCK = ClockOffset(0, 0)
+
+
+class _SameHashes(Mapping):
+    """Engine hash -> router hash, where they are one: the virtual pools key their blocks by the
+    router's chain (prompts.py, VirtualScheduler.hash_blocks) and their events carry those keys,
+    so an index takes each stored block's hash as it is instead of hashing its tokens."""
+
+    def __getitem__(self, engine_hash: bytes) -> RouterHash:
+        return engine_hash
+
+    def get(self, engine_hash: bytes, default: RouterHash | None = None) -> RouterHash:
+        return engine_hash
+
+    def __iter__(self) -> Iterator[RouterHash]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_SAME_HASHES = _SameHashes()
 
 
 class _IndexLookup:
@@ -65,6 +86,8 @@ def index_events(events: list) -> list:
     (router/kv_event_wire.py decodes the same fields off the wire)."""
     out = []
     for ev in events:  # the pool's lists are the index's to read (nothing else holds them): not copied
+        assert not getattr(ev, "block_hashes", None) or isinstance(ev.block_hashes[0], bytes), (
+            "a pool publishing vLLM's int hashes: the indexes take the events' hashes as the router's (int_hashes)")
         if isinstance(ev, kv_wire.BlockStored):
             out.append(BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
                                    ev.group_idx or 0, ev.medium, None))
@@ -99,13 +122,11 @@ class _Flight:
 
 class VirtualRouter:
     def __init__(self, spec: ClusterSpec, loop: EventLoop, prefill: list[VirtualInstance],
-                 decode: list[VirtualInstance], kv: VirtualKv, known_hashes: dict | None = None):
-        """`known_hashes`: engine hash -> router hash of the load's prompt blocks (PromptCache):
-        the indexes take them instead of hashing each stored block's tokens again."""
+                 decode: list[VirtualInstance], kv: VirtualKv):
         self.spec, self.loop, self.kv = spec, loop, kv
         self.instances = {i.name: i for i in [*prefill, *decode]}
         self.block_size = spec.role_engine("prefill").block_size
-        self.indexes = {name: InstanceIndex(self.block_size, known=known_hashes) for name in self.instances}
+        self.indexes = {name: InstanceIndex(self.block_size, known=_SAME_HASHES) for name in self.instances}
         self._seq = dict.fromkeys(self.instances, 0)
         r = spec.router
         self.picker = InstancePicker(r.policy, prefill, decode, self.block_size, _IndexLookup(self.indexes),

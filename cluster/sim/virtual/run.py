@@ -137,12 +137,13 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
         for i in range(getattr(spec, role).instances):
             name = f"{role}-{i}"
             hooks = kv.producer() if role == "prefill" else kv.consumer()
-            core = VirtualScheduler(config, BlockPool(num_blocks, eng.block_size), cost, hooks,
+            pool = BlockPool(num_blocks, eng.block_size, int_hashes=False)  # its events: the router's hashes
+            core = VirtualScheduler(config, pool, cost, hooks,
                                     lambda events, name=name: router_hooks[name](events), loop)
             inst = VirtualInstance(name, role, len(instances), loop, core, repeat_steps)
             instances[name] = inst
             out.append(inst)
-    router = VirtualRouter(spec, loop, prefill, decode, kv, prompts.router_hash_of)
+    router = VirtualRouter(spec, loop, prefill, decode, kv)
     for name in instances:
         router_hooks[name] = router.kv_events(name)
     client = VirtualClient(loop, router, prompts, cfg, on_phase)
