@@ -84,7 +84,7 @@ class _InstancePending:
             if n:
                 self._count[h] = n
             else:
-                del self._count[h]
+                self._count.pop(h)  # (not del: a Counter's __delitem__ is Python)
         return True
 
 

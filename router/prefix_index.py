@@ -217,7 +217,7 @@ class InstanceIndex:
         count = self._count[group]
         count[router_hash] -= 1
         if not count[router_hash]:
-            del count[router_hash]
+            count.pop(router_hash)  # (not del: a Counter's __delitem__ is Python)
 
     def clear(self) -> None:
         self._held.clear()
