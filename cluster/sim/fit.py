@@ -15,7 +15,9 @@ every request's events) says of its engines' step times:
   10th and 90th percentiles), and a fit on relative residuals of single gaps would come out
   ~15% short of their mean; over a span, only its two ends carry that jitter.
 Both are the cost model's `StepWork`, fixed by the model's shape, times the free numbers
-(CostModel.step_seconds): the fit minimises the relative residuals of every observed step time
+(CostModel.step_seconds): the fit minimises the residuals of every observation, a prefill's
+relative to its time (they range from milliseconds to seconds), a D span's in steps of a typical
+D step (relative ones weigh a noisy span's fast steps more, and the fit came out below the mean)
 (Levenberg-Marquardt on the logarithms, so each number stays positive; efficiencies at most 1),
 with a weak pull towards the base file's values so that a number the run says nothing about
 stays where it was (and is reported as such). Real runs have outliers (a step that waited for
@@ -269,9 +271,16 @@ def _fit(base: SimParams, block_size: int, obs: Observations, free: Sequence[str
     def params_at(x: np.ndarray) -> SimParams:
         return with_numbers(base, {n: _unlog(v, n) for n, v in zip(free, x)})
 
+    # D spans in absolute time per step of a typical step (their relative residuals, as the
+    # report gives them, would pull the fit below the mean: a noisy span's 1/observed weighs the
+    # fast ones more; the spans' times are all of a size, so absolute residuals lose nothing).
+    steps = np.bincount(obs.decode_of, minlength=len(obs.decode_s))
+    typical = float(np.median(obs.decode_s / np.maximum(steps, 1))) if len(obs.decode_s) else 1.0
+
     def r_of(x: np.ndarray) -> np.ndarray:
         p, d = residuals(params_at(x), block_size, obs)
-        return np.concatenate([p, d, np.sqrt(PRIOR_WEIGHT) * (x - x0)])
+        d_abs = d * obs.decode_s / (np.maximum(steps, 1) * typical)
+        return np.concatenate([p, d_abs, np.sqrt(PRIOR_WEIGHT) * (x - x0)])
 
     x, r = x0.copy(), r_of(x0)
     mu = 1e-3
