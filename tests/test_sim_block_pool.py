@@ -235,13 +235,12 @@ def test_the_pool_follows_the_plain_rules_through_a_long_random_run():
             hit = p.find_hit(hashes, len(tokens) - 1)
             assert hit == plain.find_hit(hashes, len(tokens) - 1)
             needed = -(-len(tokens) // BS) - len(hit)
-            if needed + p.num_free_among(hit) > p.num_free:
+            if needed + sum(plain.ref[b] == 0 for b in hit) > len(plain.queue):
+                assert p.admit(hit, needed) is None
                 continue
-            p.touch(hit)
             plain.touch(hit)
-            fresh = p.allocate(needed)
-            assert fresh == plain.allocate(needed)
-            table = hit + fresh
+            table = p.admit(hit, needed)
+            assert table == hit + plain.allocate(needed)
             if rng.random() < 0.8:  # else freed uncached, as a request preempted before its step
                 p.cache_full_blocks(table, hashes, len(hit), len(hashes), tokens)
                 plain.cache(table[len(hit):len(hashes)], hashes[len(hit):])

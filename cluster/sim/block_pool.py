@@ -42,6 +42,7 @@ frees ~2.6M blocks (each D and P takes a 928-block family prefix per request).
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 import operator
@@ -148,9 +149,13 @@ class BlockPool:
         assert num_blocks >= 2, f"a pool of {num_blocks} blocks has none besides the null block"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._ref = np.zeros(num_blocks, dtype=np.int64)  # references to each block
+        # Per block: its references and whether it is hashed, each one buffer seen two ways: an
+        # array of Python ints for a step's few blocks, a numpy array for a request's thousand.
+        self._refs = array.array("q", bytes(8 * num_blocks))
+        self._ref = np.frombuffer(self._refs, dtype=np.int64)
+        self._flags = bytearray(num_blocks)
+        self._hashed = np.frombuffer(self._flags, dtype=bool)
         self._hash: list[BlockHash | None] = [None] * num_blocks  # each block's hash, if cached
-        self._hashed = np.zeros(num_blocks, dtype=bool)  # the same, as an array
         # The free queue, in eviction order (first: next to reuse), as vLLM's one list in three
         # parts: unhashed blocks freed since (they go first), the never-used ones in id order,
         # then every block freed with its hash, in the order freed (touch takes one out).
@@ -186,14 +191,10 @@ class BlockPool:
         return len(self._first) + sum(len(v) for v in self._more.values())
 
     def ref_cnt(self, block: int) -> int:
-        return int(self._ref[block])
+        return self._refs[block]
 
     def block_hash(self, block: int) -> BlockHash | None:
         return self._hash[block]
-
-    def num_free_among(self, blocks: Sequence[int]) -> int:
-        """How many of these (a hit, before `touch`) are free: taking them takes free blocks."""
-        return int(np.count_nonzero(self._ref[_ids(blocks)] == 0)) if len(blocks) else 0
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -205,10 +206,21 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """A request takes these (hit, distinct) blocks: a free one leaves the free queue."""
-        if not len(blocks):
-            return
         ids = _ids(blocks)
+        self._take(ids, self._ref[ids])
+
+    def admit(self, hit: list[int], new: int) -> list[int] | None:
+        """A request's blocks, all or nothing (vLLM's allocate_slots): its hit (find_hit's) taken,
+        then `new` fresh ones; None, the pool as it was, if it has not that many free (taking the
+        hit's free blocks takes them from the free queue too)."""
+        ids = _ids(hit)
         refs = self._ref[ids]
+        if new + int(np.count_nonzero(refs == 0)) > self.num_free:
+            return None
+        self._take(ids, refs)
+        return hit + self.allocate(new)
+
+    def _take(self, ids: np.ndarray, refs: np.ndarray) -> None:
         was_free = ids[refs == 0]
         if len(was_free):
             self._freed.remove(was_free)  # a hit is cached, so a free one is in the freed part
@@ -230,8 +242,9 @@ class BlockPool:
                 if self._hash[b] is not None:  # (unhashed since a reset)
                     self._evict(b)
             out += evicted
-        if out:
-            self._ref[out] = 1
+        refs = self._refs
+        for b in out:
+            refs[b] = 1
         return out
 
     def cache_full_blocks(self, blocks: Sequence[int], block_hashes: Sequence[BlockHash], first: int, end: int,
@@ -244,12 +257,11 @@ class BlockPool:
             f"caching blocks {first}..{end} of a request with {len(blocks)} blocks and "
             f"{len(block_hashes)} hashes: hash the tokens before caching their blocks")
         new, hashes = blocks[first:end], block_hashes[first:end]
-        ids = _ids(new)
-        assert not self._hashed[ids].any(), (
-            f"blocks {ids[self._hashed[ids]][:8].tolist()} cached twice: the caller's cached count is off")
-        self._hashed[ids] = True
+        hash_of, flags = self._hash, self._flags
         for b, h in zip(new, hashes):
-            self._hash[b] = h
+            assert hash_of[b] is None, f"block {b} cached twice: the caller's cached count is off"
+            hash_of[b] = h
+            flags[b] = 1
         if self._first.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
             self._first.update(zip(hashes, new))  # the usual case: hashes no block had, at once
         else:
@@ -288,7 +300,7 @@ class BlockPool:
         if self.num_held:
             return False
         self._hash = [None] * self.num_blocks
-        self._hashed[:] = False
+        self._hashed[:] = False  # (the flags' buffer, seen as numpy)
         self._first.clear()
         self._more.clear()
         if self._events_on:
@@ -316,7 +328,7 @@ class BlockPool:
             self._events.append(BlockRemoved(block_hashes=external_hashes([h], self._int_hashes),
                                              medium=MEDIUM_GPU, group_idx=0))
         self._hash[b] = None
-        self._hashed[b] = False
+        self._flags[b] = 0
 
     # ------------------------------------------------------------------ checks
 

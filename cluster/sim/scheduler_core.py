@@ -326,10 +326,10 @@ class SchedulerCore:
         loads = req.external_tokens > hit_tokens
         end = req.num_prompt_tokens if loads else hit_tokens + self._num_new_from(req, hit_tokens, budget)
         needed = -(-end // bs) - len(hit)
-        if needed + self.pool.num_free_among(hit) > self.pool.num_free:  # the hit's free blocks count too
+        blocks = self.pool.admit(hit, needed)
+        if blocks is None:
             return False
-        self.pool.touch(hit)
-        req.blocks = hit + self.pool.allocate(needed)
+        req.blocks = blocks
         req.num_cached_blocks = len(hit)
         req.hit_tokens = req.num_computed_tokens = hit_tokens
         if req.num_cached_tokens < 0:
