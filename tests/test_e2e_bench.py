@@ -65,42 +65,59 @@ def test_outputs_are_written(bench):
     assert len(formal) == 8 and all(l["timeline"] and l["timeline"]["complete"] for l in formal)
 
 
-# ---- issue 18 item 4, small: fit on this module's replay, predict another, run it, compare ----------
+# ---- issue 18 item 4, small: fit on this module's runs, predict another load, run it, compare ------
 
-# The prediction's tolerance on TTFT, TPOT and E2E means. docs/sim.md "Validation against real
-# engines" measures why it is this loose on the tiny model here: what a request costs outside
-# the engine's steps (router, Ray channel, vLLM's own front end: 15-25 ms, not modelled) is a
-# large share of a ~60-130 ms TTFT, and vLLM-CPU's decode steps grow with the batch in host work
-# the cost model does not have (the fit's decode residuals ~25%). A tighter bound would fail on
-# noise; a looser one would not catch a wrong fit or a broken virtual clock (the base file is off
-# by 50% and more on TPOT). Measured once here (2026-12-04): TTFT +45%, TPOT -28%, E2E -10%.
-PREDICTION_TOLERANCE = 0.6
+# Besides this module's replay (2,100-token prompts, 180 new over 1,920 cached), one more load for
+# the fit: another prompt shape, so that the weights, attention over the new tokens and over the
+# history are told apart (a cold 4,096-token seed, then 512 new tokens over 3,584 cached), open
+# loop, so that D's steps are seen at 1-3 requests of 4K while P prefills, as the predicted load
+# has them (closed-loop fits came out -38% and +38% on TPOT: D's steps in a served load are not
+# those of a replay that waits for each answer).
+FIT_LOAD = dict(input_len=4096, shared_prefix_ratio=3584 / 4096, output_len=24, num_prefixes=1, num_requests=10,
+                max_concurrency=3, request_rate=3.0, seed=21)
+# The load predicted: another shape (c90-tiny's: 388 new tokens over 3,712 cached), longer outputs,
+# more in flight, an arrival rate.
+PREDICTED_LOAD = dict(input_len=4100, shared_prefix_ratio=3712 / 4100, output_len=24, num_prefixes=2,
+                      num_requests=16, max_concurrency=3, request_rate=3.0, seed=22)
+# The prediction's tolerance on the means, per metric. docs/sim.md "Validation against real
+# engines" measures what it can be on this 2-core machine shared with other users: two real runs of
+# one load minutes apart differ by ~20%, and a fit's loads that happen to run in a slow moment
+# carry it into the prediction (one run here: a cold 4,096-token prefill took 1.04 s during the fit,
+# 0.46 s in the others; TTFT then came out +37%). What the model leaves out makes TTFT low by
+# ~10% (the request's way outside the engines' steps, ~14 ms). Measured on 2026-12-04, five runs of
+# this module at load averages 4-11: TTFT -19% to +37%, TPOT -18% to +22%, E2E -16% to +6%. The
+# bounds are those with a third more for the machine; TTFT's wider, since P's queue amplifies
+# an error in the prefill's time. They catch what moves the prediction by a third or more (a fit
+# that fails, a unit gone wrong, a fitted number lost on its way to the file); finer errors are
+# below what this machine lets one run tell.
+PREDICTION_TOLERANCE = {"TTFT mean": 0.5, "TPOT mean": 0.3, "E2E mean": 0.3}
 
 
 def test_a_fit_of_this_run_predicts_another_load_within_the_stated_tolerance(cluster, bench, tmp_path):
     import dataclasses
 
-    from pdcluster.cluster.sim.cost import CostModel, SimParams
-    from pdcluster.cluster.sim.fit import fit, observations
+    from pdcluster.bench.sim_validation import fit_tiny
+    from pdcluster.cluster.sim.fit import fitted_yaml, residual_summary
     from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
     from pdcluster.cluster.sim.virtual.run import simulate
     from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS
     from pdcluster.router.timeline import load_run
 
-    base = SimParams.load(SHIPPED_SIM_PARAMS / "tiny-qwen3-cpu.yaml")
-    result = fit(base, 128, observations(load_run(cluster.run_dir), CostModel(base, 128)))
+    run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(tmp_path / "fit"), **FIT_LOAD),
+              log=lambda m: None)
+    result = fit_tiny(load_run(cluster.run_dir), 128)
     fitted = tmp_path / "fitted.yaml"
-    import yaml
-
-    fitted.write_text(yaml.safe_dump(result.params.model_dump()))
-    # Another load: the same prompt shape, other families, longer outputs, half the concurrency, a rate.
-    cfg = BenchConfig(base_url=cluster.url, input_len=2100, shared_prefix_ratio=1920 / 2100, output_len=24,
-                      num_prefixes=2, num_requests=8, max_concurrency=2, request_rate=2.0, seed=5, progress=False,
-                      out=str(tmp_path / "real"))
+    fitted.write_text(fitted_yaml((SHIPPED_SIM_PARAMS / "tiny-qwen3-cpu.yaml").read_text(), result.numbers,
+                                  "fitted", "this module's run"))
+    cfg = BenchConfig(base_url=cluster.url, progress=False, out=str(tmp_path / "real"), **PREDICTED_LOAD)
     predicted = simulate(cluster.spec, dataclasses.replace(cfg, out=None), params=str(fitted))
     real = run_bench(cfg, log=lambda m: None)
     agreement = compare(real.summaries["formal"], predicted.summaries["formal"])
-    print(format_agreement(agreement, "real", "predicted"))
-    for label in ("TTFT mean", "TPOT mean", "E2E mean"):
-        f = agreement.figure(label)
-        assert abs(f.rel_diff) <= PREDICTION_TOLERANCE, format_agreement(agreement, "real", "predicted")
+    fitted_numbers = ", ".join(f"{n.name.split('.')[1]} {n.value:.4g}" for n in result.numbers)
+    table = (f"{format_agreement(agreement, 'real', 'predicted')}\nfit: {fitted_numbers}; residuals: prefill "
+             f"{residual_summary(result.prefill_residuals)}; decode {residual_summary(result.decode_residuals)}")
+    print(table)
+    for label, tolerance in PREDICTION_TOLERANCE.items():
+        assert abs(agreement.figure(label).rel_diff) <= tolerance, (
+            f"{label} predicted off by more than {tolerance:.0%}: the fit or the virtual clock went wrong, or "
+            f"this machine was much slower (or faster) during the fit than during the run\n{table}")
