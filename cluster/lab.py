@@ -145,17 +145,34 @@ def _rss_kb(pid: int) -> int:
     return int(m.group(1)) if m else 0
 
 
+# /proc/PID/stat's flags: the task is in do_exit (it never returns to user space).
+_PF_EXITING = 0x4
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _can_act(pid: int) -> bool:
+    """Whether a process can still run code of its own: it exists, is not exiting, and has no
+    SIGKILL pending. A killed process may take seconds to leave (in uninterruptible sleep, or
+    freeing gigabytes of memory on a loaded machine), but it never runs again."""
+    stat = _proc(pid, "stat").rsplit(")", 1)[-1].split()  # state ppid pgrp ... flags is the 7th
+    if len(stat) < 7 or stat[0] in ("Z", "X", "x") or int(stat[6]) & _PF_EXITING:
+        return False
+    pending = re.findall(r"^(?:SigPnd|ShdPnd):\s+([0-9a-f]+)", _proc(pid, "status"), re.M)
+    return not any(int(mask, 16) & _SIGKILL_BIT for mask in pending)
+
+
 def _kill_all(find, reap: bool, timeout_s: float = 10.0) -> None:
-    """SIGKILL what `find()` lists until it lists nothing. `reap`: then wait (a few seconds at most)
-    until PID 1 has reaped them too, so that a `ps` right after shows no zombie of ours."""
+    """SIGKILL what `find()` lists until none of it can act any more (`_can_act`). `reap`: then wait
+    (a few seconds at most) until the processes are gone and PID 1 has reaped them, so that a `ps`
+    right after shows no zombie of ours; one still exiting then is left to finish on its own."""
     deadline, killed = time.monotonic() + timeout_s, set()
-    while pids := find():
+    while pids := [pid for pid in find() if _can_act(pid)]:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         killed.update(pids)
         if time.monotonic() > deadline:
-            raise LabError(f"processes still alive after SIGKILL: {pids}")
+            raise LabError(f"processes still running after SIGKILL: {pids}")
         time.sleep(0.05)
     while reap and any(Path(f"/proc/{pid}").exists() for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -413,10 +430,11 @@ class Lab(LinkControl):
 
     def kill_host(self, host: Host) -> None:
         """Crash a host: the link goes down first (so nothing it held sends a FIN or RST), then every
-        process in its namespace gets SIGKILL. Returns when they are gone; Ray notices later."""
+        process in its namespace gets SIGKILL. Returns once none of them can act (one still exiting
+        holds no socket and runs no code); Ray notices later."""
         h = self.host(host)
         self.set_link(h, False)
-        _kill_all(lambda: _netns_pids(h.netns), reap=False)  # zombies hold no socket: gone enough
+        _kill_all(lambda: _netns_pids(h.netns), reap=False)  # killed is enough: a dying process holds no socket
 
     def revive_host(self, host: Host, timeout_s: float = 60.0) -> None:
         """Link up and a new Ray worker node (same address and label); returns once Ray has it alive."""

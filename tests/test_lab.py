@@ -7,12 +7,17 @@ real lab, is tests/test_lab_e2e.py.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from pdcluster.cluster import lab_tc
+from pdcluster.cluster import lab, lab_tc
 from pdcluster.cluster.lab import (
     IFNAMSIZ,
     LABEL_KEY,
@@ -186,3 +191,58 @@ def test_cli(lab_dir, capsys):
     assert err.value.code == 2 and "no lab 'nolab'" in capsys.readouterr().err
     main(["lab", "down", "--name", "nolab"])  # idempotent: nothing to do is fine
     assert "nothing to do" in capsys.readouterr().out
+
+
+# ---- kills ----
+
+
+def _spawn_sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_killed_process_cannot_act_before_it_is_reaped():
+    """A SIGKILLed child stays a zombie until its parent waits: it exists, yet can never act
+    again. Exiting and SIGKILL-pending processes are the same case the lab met under load."""
+    proc = _spawn_sleeper()
+    try:
+        assert lab._can_act(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        _wait_until(lambda: not lab._can_act(proc.pid))
+        assert Path(f"/proc/{proc.pid}").exists(), "not yet reaped: the case kill_host must not wait on"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not lab._can_act(proc.pid)  # gone
+
+
+def test_kill_all_returns_once_nothing_listed_can_act():
+    procs = [_spawn_sleeper() for _ in range(3)]
+    try:
+        pids = [p.pid for p in procs]
+        # `find` keeps listing them (as `ip netns pids` lists a process until it has left): killed
+        # and not yet reaped is enough, with no error.
+        lab._kill_all(lambda: pids, reap=False, timeout_s=5.0)
+        assert not any(lab._can_act(pid) for pid in pids)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_kill_all_names_what_it_could_not_kill(monkeypatch):
+    monkeypatch.setattr(lab.os, "kill", lambda pid, sig: None)  # SIGKILL that never lands
+    proc = _spawn_sleeper()
+    try:
+        with pytest.raises(LabError, match=f"still running after SIGKILL: \\[{proc.pid}\\]"):
+            lab._kill_all(lambda: [proc.pid], reap=False, timeout_s=0.2)
+    finally:
+        monkeypatch.undo()  # os.kill is everyone's
+        proc.kill()
+        proc.wait()
