@@ -62,6 +62,8 @@ class VirtualInstance:
         """`ordinal`: the instance's place among all (P first), which breaks ties between step ends
         at one time. `repeat_steps`: run repeatable decode steps as one event (the same outcome)."""
         self.name, self.role, self.ordinal = name, role, ordinal
+        # What a transfer handle names (router/lifecycle.py): no network here, the name stands for both.
+        self.engine_id, self.kv_address = name, f"{name}:0"
         self.loop, self.core = loop, core
         self.repeat_steps = repeat_steps
         self.busy_ns = 0  # time spent in steps

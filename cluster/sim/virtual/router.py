@@ -17,12 +17,11 @@ migrations, timeouts, client aborts.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult
+from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec
 from pdcluster.cluster.sim import kv_wire
 from pdcluster.cluster.sim.request import Delta, SimRequest
 from pdcluster.cluster.sim.virtual.events import EventLoop
@@ -30,15 +29,13 @@ from pdcluster.cluster.sim.virtual.instance import VirtualInstance
 from pdcluster.cluster.sim.virtual.kv import VirtualKv
 from pdcluster.cluster.sim.virtual.prompts import PreparedPrompt
 from pdcluster.cluster.spec import ClusterSpec
-from pdcluster.router.admission import AdmissionLimits, admit
+from pdcluster.router.admission import AdmissionLimits
+from pdcluster.router.lifecycle import CheckLost, Command, Decode, Dispatch, Finished, Lifecycle, Prefill, Routed
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import prefill_cost
 from pdcluster.router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, InstanceIndex, RouterHash
-from pdcluster.router.recording import record_decode_end, record_prefill, record_route, record_tokens
-from pdcluster.router.routing import InstancePicker, Route
-from pdcluster.router.timeline import ClockOffset, RequestRecord
-
-SAME_CLOCK = ClockOffset(0, 0)
+from pdcluster.router.routing import InstancePicker
+from pdcluster.router.timeline import RequestRecord
 
 
 class _SameHashes(Mapping):
@@ -107,20 +104,21 @@ class DeltaSink:
 
 @dataclass
 class _Flight:
-    """One request between its arrival and its end."""
+    """One request between its arrival and its end: its lifecycle and the engines' requests."""
 
-    rec: RequestRecord
-    route: Route
+    lc: Lifecycle
     prompt: PreparedPrompt
-    max_tokens: int
     on_done: Callable[[RequestRecord], None]
     p_req: SimRequest | None = None
     d_req: SimRequest | None = None
-    prefilling: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    decoding: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    attempt: int = -1
+    local: bool = False  # D prefills it alone: no blocks come from P
 
 
 class VirtualRouter:
+    """A driver of router/lifecycle.py on the virtual clock: commands become SimRequests added
+    to the instances, their deltas the lifecycle's inputs."""
+
     def __init__(self, spec: ClusterSpec, loop: EventLoop, prefill: list[VirtualInstance],
                  decode: list[VirtualInstance], kv: VirtualKv):
         self.spec, self.loop, self.kv = spec, loop, kv
@@ -132,11 +130,15 @@ class VirtualRouter:
         self.picker = InstancePicker(r.policy, prefill, decode, self.block_size, _IndexLookup(self.indexes),
                                      pending=PendingBlocks() if r.track_pending else None, clock=loop.now_s,
                                      cost=prefill_cost(spec), local=r.local_prefill)
-        self.push = spec.transfer.mode == "push"
-        self.admission = AdmissionLimits.settle(
-            r.admission, decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,
-            request_timeout_s=r.request_timeout_s)
-        self.in_flight = 0
+        self.dispatch = Dispatch(self.picker, transfer_mode=spec.transfer.mode,
+                                 request_timeout_s=r.request_timeout_s, migration_limit=r.migration_limit,
+                                 admission=AdmissionLimits.settle(
+                                     r.admission, decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,
+                                     request_timeout_s=r.request_timeout_s))
+
+    @property
+    def in_flight(self) -> int:
+        return self.dispatch.in_flight
 
     def kv_events(self, instance: str) -> Callable[[list], None]:
         """The callback an instance's scheduler publishes its pool's events to."""
@@ -151,85 +153,71 @@ class VirtualRouter:
                on_done: Callable[[RequestRecord], None]) -> None:
         """A request arrives now; on_done gets its record when it ends (`error` set if refused)."""
         now = self.loop.now_ns
-        rec = RequestRecord(request_id, prompt_tokens=len(prompt.tokens))
-        rec.mark("arrival", now)
-        rejection = admit(self.admission, self.in_flight, self.picker.least_queued_s())
-        if rejection is not None:
+        rejection = self.dispatch.admit()
+        if rejection is not None:  # the real router answers 429 and keeps no record; the client counts it
+            rec = RequestRecord(request_id, prompt_tokens=len(prompt.tokens))
+            rec.mark("arrival", now)
             rec.error = f"429: {rejection.message}"
             rec.mark("finish", now)
             on_done(rec)
             return
-        self.in_flight += 1
-        route = self.picker.pick(prompt.tokens, max_tokens, hashes=prompt.router_hashes)
-        record_route(rec, route, self.picker.policy)
-        rec.mark("dispatch", now)
-        flight = _Flight(rec, route, prompt, max_tokens, on_done)
-        n = len(prompt.tokens)
-        if route.local_prefill:  # D alone prefills what its cache lacks, until its first token
-            flight.prefilling.enter_context(self.picker.prefilling_locally(route))
-            self._send_decode(flight, external=False)
-            return
-        # Before P computes anything: P's steps make D's blocks ready from the first one.
-        self.kv.expect(f"{request_id}#d", n, route.prefill.name, f"{request_id}#p", route.decode.name,
-                       f"{request_id}#d")
-        if self.push:
-            self._send_decode(flight, external=True)
-        flight.prefilling.enter_context(self.picker.prefilling(route, n))
-        flight.p_req = self._sim_request(flight, f"{request_id}#p", 1, 0, lambda d: self._p_delta(flight, d))
-        self.instances[route.prefill.name].add(flight.p_req)
+        lc = Lifecycle(self.dispatch, request_id, prompt.tokens, SamplingSpec(max_tokens=max_tokens, ignore_eos=True),
+                       now, hashes=prompt.router_hashes)
+        flight = _Flight(lc, prompt, on_done)
+        self._do(flight, lc.start(now))
 
-    def _sim_request(self, flight: _Flight, rid: str, max_tokens: int, external: int,
+    def _do(self, flight: _Flight, commands: list[Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, Routed):
+                flight.attempt, route = cmd.attempt, cmd.route
+                flight.local = route.local_prefill
+                if not route.local_prefill:  # before P computes anything: P's steps make D's blocks ready
+                    rid = flight.lc.rec.request_id
+                    self.kv.expect(f"{rid}#d", len(flight.prompt.tokens), route.prefill.name, f"{rid}#p",
+                                   route.decode.name, f"{rid}#d")
+            elif isinstance(cmd, Prefill):
+                flight.p_req = self._sim_request(flight, "p", 1, 0, lambda d: self._p_delta(flight, d))
+                self.instances[cmd.instance.name].add(flight.p_req)
+            elif isinstance(cmd, Decode):
+                # From P (the handle is the real connector's business; P's answer here carries none).
+                external = 0 if flight.local else len(flight.prompt.tokens)
+                flight.d_req = self._sim_request(flight, "d", cmd.request.sampling.max_tokens, external,
+                                                 lambda d: self._d_delta(flight, d))
+                self.instances[cmd.instance.name].add(flight.d_req)
+            elif isinstance(cmd, CheckLost):  # no failures modelled: P is never lost
+                self._do(flight, flight.lc.p_lost(cmd.attempt, False, self.loop.now_ns))
+            elif isinstance(cmd, Finished):
+                flight.on_done(flight.lc.close(self.loop.now_ns))
+            # Abort: nothing runs on after its attempt here. Emit: the client reads the record.
+
+    def _sim_request(self, flight: _Flight, role: str, max_tokens: int, external: int,
                      on_delta: Callable[[Delta], None]) -> SimRequest:
         p = flight.prompt
-        return SimRequest(rid, p.tokens, max_tokens, ignore_eos=True, external_tokens=external, id_range=p.id_range,
-                          block_hashes=p.block_hashes, out=DeltaSink(on_delta))
-
-    def _send_decode(self, flight: _Flight, external: bool) -> None:
-        route, n = flight.route, len(flight.prompt.tokens)
-        rid = f"{flight.rec.request_id}#d"
-        flight.d_req = self._sim_request(flight, rid, flight.max_tokens, n if external else 0,
-                                         lambda d: self._d_delta(flight, d))
-        flight.decoding.enter_context(self.picker.decoding(route, n, flight.max_tokens))
-        self.instances[route.decode.name].add(flight.d_req)
+        return SimRequest(f"{flight.lc.rec.request_id}#{role}", p.tokens, max_tokens, ignore_eos=True,
+                          external_tokens=external, id_range=p.id_range, block_hashes=p.block_hashes,
+                          out=DeltaSink(on_delta))
 
     def _p_delta(self, flight: _Flight, delta: Delta) -> None:
         if delta.finish_reason is None:
             return
-        sreq, n = flight.p_req, len(flight.prompt.tokens)
+        sreq = flight.p_req
         engine = EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns)
-        record_prefill(flight.rec, PrefillResult(flight.rec.request_id, None, n, max(0, sreq.num_cached_tokens),
-                                                 engine), SAME_CLOCK)
-        flight.prefilling.close()
-        if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:
-            self.picker.prefilled(max(0, sreq.num_cached_tokens), n,
-                                  (engine.first_token_ns - engine.scheduled_ns) / 1e9)
-        if not self.push:
-            self._send_decode(flight, external=True)
+        result = PrefillResult(flight.lc.rec.request_id, None, len(flight.prompt.tokens),
+                               max(0, sreq.num_cached_tokens), engine)
+        self._do(flight, flight.lc.prefill_answered(flight.attempt, result, self.loop.now_ns))
 
     def _d_delta(self, flight: _Flight, delta: Delta) -> None:
-        rec, now = flight.rec, self.loop.now_ns
-        out = DecodeDelta(delta.token_ids, token_ns=delta.token_ns)
-        record_tokens(rec, out, SAME_CLOCK, now)
-        if delta.token_ids and flight.route.local_prefill:
-            flight.prefilling.close()  # D's local slot: until its first token
         if delta.finish_reason is None:
-            return
-        sreq = flight.d_req
-        stats = self.kv.stats(sreq.request_id)
-        cached = max(0, sreq.num_cached_tokens)
-        if stats is not None:
-            stats = dataclasses.replace(stats, kv_ready_ns=sreq.kv_ready_ns)
-            if stats.error is None:
-                cached = stats.d_cached_tokens + stats.transferred_tokens
-        last = DecodeDelta([], delta.finish_reason, stats, cached,
-                           EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
-        record_decode_end(rec, last, SAME_CLOCK)
-        if delta.finish_reason in ("error", "abort"):
-            rec.error = (f"decode on {flight.route.decode.name} ended with {delta.finish_reason!r}: "
-                         + (stats.error if stats is not None and stats.error else "D's own prefill failed"))
-        flight.decoding.close()
-        flight.prefilling.close()
-        self.picker.ended(flight.route)
-        self.in_flight -= 1
-        rec.mark("finish", now)
-        flight.on_done(rec)
+            out = DecodeDelta(delta.token_ids, token_ns=delta.token_ns)
+        else:  # the last: D's engine times, and the transfer as D's connector reports it
+            sreq = flight.d_req
+            stats = self.kv.stats(sreq.request_id)
+            cached = max(0, sreq.num_cached_tokens)
+            if stats is not None:
+                stats = dataclasses.replace(stats, kv_ready_ns=sreq.kv_ready_ns)
+                if stats.error is None:
+                    cached = stats.d_cached_tokens + stats.transferred_tokens
+            out = DecodeDelta(delta.token_ids, delta.finish_reason, stats, cached,
+                              EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns),
+                              token_ns=delta.token_ns)
+        self._do(flight, flight.lc.decode_output(flight.attempt, out, self.loop.now_ns))

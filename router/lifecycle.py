@@ -1,0 +1,399 @@
+"""One request's P/D lifecycle, written once and without I/O.
+
+A `Lifecycle` is the sequence of one request through the cluster as a state machine, in the
+manner of h11: its driver tells it what happened (an input method, with the time) and does
+what it answers (a list of commands). It owns no socket, clock or task, so one sequence serves
+every driver:
+
+- router/pd_dispatch.py drives it with asyncio over the engines' request channels (real vLLM,
+  or the real-time simulated engines);
+- cluster/sim/virtual/router.py drives it on the virtual clock.
+
+The sequence (docs/architecture.md walks it with the functions that do it):
+
+    start          -> Routed, then per route:
+                        local prefill: Decode(no handle)                 D alone
+                        push:          Decode(router's handle), Prefill  D asks P while P computes
+                        pull:          Prefill                           D after P's answer
+    prefill_answered -> (pull) Decode(P's handle); (push) nothing, or D's deferred last chunk
+    decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished
+    *_failed         -> a lost instance: Abort, Routed, ... (the request moves, router/migration.py);
+                        else Abort, Finished(error)
+    cancel           -> Abort (the client left, the router stops)
+    close            -> the record, finished
+
+Inputs after the request is over, or of an attempt already abandoned, are the driver's bug.
+The record (router/timeline.py) is filled here, from the engines' own reports
+(router/recording.py); the picker (router/routing.py) counts each instance's load from the
+pick to the end of each part, and learns P's prefill times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic
+
+from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.router.admission import AdmissionLimits, Rejection, admit
+from pdcluster.router.backend import BackendError, GenerationChunk
+from pdcluster.router.lifecycle_commands import (
+    Abort,
+    CheckLost,
+    Command,
+    Decode,
+    Emit,
+    Failure,
+    Finished,
+    Prefill,
+    Routed,
+)
+from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT, InstanceLost, continuation
+from pdcluster.router.prefix_index import RouterHash
+from pdcluster.router.recording import forget_attempt, record_decode_end, record_prefill, record_route, record_tokens
+from pdcluster.router.routing import I, InstancePicker, NoInstanceUp, Route
+from pdcluster.router.timeline import ClockOffset, Migration, RequestRecord
+from pdcluster.transfer.handle import TransferHandle
+
+log = logging.getLogger(__name__)
+
+SAME_CLOCK = ClockOffset(0, 0)
+
+# -- the cluster-wide part
+
+
+@dataclass
+class Dispatch(Generic[I]):
+    """What every request's lifecycle shares: the picker, the transfer settings, admission."""
+
+    picker: InstancePicker[I]
+    transfer_mode: str = "pull"  # push | pull (from the next request on)
+    transport: str = "grpc"  # grpc | torch_dist: named in every handle
+    request_timeout_s: float = 600.0  # for the timeouts' messages (the driver keeps the deadline)
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    admission: AdmissionLimits | None = None
+    clock_of: Callable[[str], ClockOffset] = lambda name: SAME_CLOCK  # an instance's clock offset
+    in_flight: int = 0  # requests taken in and not closed
+    _transfer_seq: itertools.count = field(default_factory=itertools.count)
+
+    def admit(self) -> Rejection | None:
+        """Whether a request arriving now is refused (a 429), before anything is spent on it."""
+        if self.admission is None:
+            return None
+        return admit(self.admission, self.in_flight, self.picker.least_queued_s())
+
+    def transfer_id(self, request_id: str) -> str:
+        # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
+        return f"{request_id}-{next(self._transfer_seq)}"
+
+
+# -- one attempt: one route, one P (or none), one D
+
+
+@dataclass
+class _Attempt(Generic[I]):
+    number: int
+    route: Route[I]
+    first: bool  # no token sent yet: this attempt's events are the record's
+    prompt: list[int]
+    sampling: SamplingSpec
+    engine_rid: str
+    push: bool
+    pre: PrefillResult | None = None
+    p_waiting: bool = False  # P was asked and has not answered (or failed)
+    d_running: bool = False  # D was asked and has not finished
+    got_token: bool = False
+    held: DecodeDelta | None = None  # D's failed finish, while P's fate is checked
+    deferred: DecodeDelta | None = None  # push: D's last delta, waiting for P's answer
+    # Invariant: each stack holds its picker count exactly while that part runs (routing.py).
+    p_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # P's load, pick to answer
+    local_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's local slot, to 1st token
+    decoding: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's load
+
+
+class Lifecycle(Generic[I]):
+    """One request, from its admission (the driver asked `Dispatch.admit`) to `close`."""
+
+    def __init__(self, dispatch: Dispatch[I], request_id: str, prompt: list[int], sampling: SamplingSpec,
+                 arrival_ns: int, hashes: Sequence[RouterHash] | None = None):
+        """`hashes`: the prompt's router hashes, if the driver has them (the virtual clock)."""
+        self.dispatch = dispatch
+        self.prompt, self.sampling, self._hashes = prompt, sampling, hashes
+        self.rec = RequestRecord(request_id, prompt_tokens=len(prompt))
+        self.rec.mark("arrival", arrival_ns)
+        self.sent: list[int] = []  # output tokens the client has
+        self.avoid: set[str] = set()  # instances lost under this request
+        self.attempt: _Attempt[I] | None = None
+        self.error: BackendError | None = None
+        self.done = False  # Finished was emitted
+        self._closed = False
+        self._attempts = itertools.count()
+        dispatch.in_flight += 1
+
+    # -- what the driver asks
+
+    @property
+    def waiting_for_prefill(self) -> bool:
+        """P's answer is awaited (feed it when it comes, even while D streams)."""
+        return not self.done and self.attempt is not None and self.attempt.p_waiting
+
+    @property
+    def waiting_for_decode(self) -> bool:
+        a = self.attempt
+        return not self.done and a is not None and a.d_running and a.held is None and a.deferred is None
+
+    # -- inputs
+
+    def start(self, now_ns: int) -> list[Command]:
+        return self._begin_attempt(now_ns)
+
+    def prefill_answered(self, attempt: int, result: PrefillResult, now_ns: int) -> list[Command]:
+        a = self._current(attempt)
+        a.p_waiting, a.pre = False, result
+        a.p_slot.close()  # out of P's load; its promise of blocks now waits only for the events
+        engine = result.engine
+        if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
+            self.dispatch.picker.prefilled(result.p_cached_tokens, len(a.prompt),
+                                           (engine.first_token_ns - engine.scheduled_ns) / 1e9)
+        if a.first:
+            record_prefill(self.rec, result, self.dispatch.clock_of(a.route.prefill.name))
+        if a.deferred is not None:  # push: D had finished first
+            return self._deliver(a, a.deferred, now_ns)
+        if a.push:
+            return []
+        handle = self._with_transport(result.handle)
+        return self._send_decode(a, handle)
+
+    def prefill_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
+        a = self._current(attempt)
+        a.p_waiting = False
+        self._close_p_slot_failed(a)
+        p = a.route.prefill.name
+        if a.push and (a.got_token or a.deferred is not None):  # D had every layer's KV: P no longer matters
+            log.warning("P failed after D had every layer's KV (the request finished): %s", failure.message)
+            return self._deliver(a, a.deferred, now_ns) if a.deferred is not None else []
+        if failure.kind == "lost":
+            return self._lost(InstanceLost("prefill", p, failure.message), now_ns)
+        if failure.kind == "timeout":
+            return self._fail(BackendError(f"prefill of {a.engine_rid} on {p} timed out after "
+                                           f"{self.dispatch.request_timeout_s:.0f} s", 504, "timeout"))
+        return self._fail(BackendError(f"prefill on {p} failed: {failure.message}", 500))
+
+    def decode_output(self, attempt: int, delta: DecodeDelta | None, now_ns: int) -> list[Command]:
+        """D's next output (the driver may merge deltas that arrived together); None: D's stream
+        ended without a finish."""
+        a = self._current(attempt)
+        d = a.route.decode.name
+        if delta is None:
+            a.d_running = False
+            return self._fail(BackendError(f"decode instance {d} ended {self.rec.request_id} without a finish", 502))
+        if delta.finish_reason in ("error", "abort") and not a.got_token and not a.route.local_prefill:
+            a.held = delta  # D's KV load failed: because P went away, or on its own?
+            return [CheckLost(a.number, a.route.prefill)]
+        return self._take(a, delta, now_ns)
+
+    def p_lost(self, attempt: int, lost: bool, now_ns: int) -> list[Command]:
+        a = self._current(attempt)
+        delta, a.held = a.held, None
+        if lost:
+            return self._lost(InstanceLost("prefill", a.route.prefill.name, "it was lost while D loaded its KV"), now_ns)
+        return self._take(a, delta, now_ns)
+
+    def decode_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
+        a = self._current(attempt)
+        a.d_running = False
+        d = a.route.decode.name
+        if failure.kind == "lost" or failure.message.startswith("EngineDeadError"):  # its vLLM core died
+            return self._lost(InstanceLost("decode", d, failure.message), now_ns)
+        if failure.kind == "timeout":
+            return self._fail(BackendError(f"decode on {d} timed out after {self.dispatch.request_timeout_s:.0f} s",
+                                           504, "timeout"))
+        return self._fail(BackendError(f"decode on {d} failed: {failure.message}", 500))
+
+    def timed_out(self, now_ns: int) -> list[Command]:
+        """The request's deadline passed while the driver waited for P or D."""
+        a = self.attempt
+        if a.p_waiting and (a.deferred is not None or not (a.push and a.got_token)):
+            return self.prefill_failed(a.number, Failure("timeout"), now_ns)
+        return self.decode_failed(a.number, Failure("timeout"), now_ns)
+
+    def cancel(self, stopping: bool) -> list[Command]:
+        """The client went away or stopped reading, or the router is stopping."""
+        if self.done:
+            return []
+        self.rec.error = ("cancelled: the router stopped" if stopping
+                          else "cancelled: the client went away or stopped reading")
+        self.done = True
+        return self._end_attempt()
+
+    def close(self, now_ns: int) -> RequestRecord:
+        """The driver is done with the request: its record, finished. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if not self.done:  # the driver stopped without an answer or a cancel
+                self.done = True
+                self._end_attempt()
+            self.dispatch.in_flight -= 1
+            self.rec.mark("finish", now_ns)
+        return self.rec
+
+    # -- the sequence
+
+    def _current(self, attempt: int) -> _Attempt[I]:
+        a = self.attempt
+        assert not self.done and a is not None and a.number == attempt, (
+            f"{self.rec.request_id}: an input for attempt {attempt}, which is not running")
+        return a
+
+    def _begin_attempt(self, now_ns: int) -> list[Command]:
+        rec, sent, first = self.rec, self.sent, not self.sent
+        if len(sent) >= self.sampling.max_tokens:  # lost after its last token came: nothing left to do
+            return self._finish([Emit(GenerationChunk([], finish_reason="length", migrations=len(rec.migrations)))])
+        prompt, sampling = continuation(self.prompt, self.sampling, sent) if sent else (self.prompt, self.sampling)
+        picker = self.dispatch.picker
+        try:
+            route = picker.pick(prompt, sampling.max_tokens, frozenset(self.avoid),
+                                hashes=self._hashes if first else None)
+        except NoInstanceUp as err:
+            return self._fail(BackendError(str(err), 503, "service_unavailable"))
+        p, d = route.prefill, route.decode
+        if rec.migrations:
+            rec.migrations[-1].to = p.name if rec.migrations[-1].role == "prefill" and not route.local_prefill else d.name
+        if first:
+            record_route(rec, route, picker.policy)
+            rec.mark("dispatch", now_ns)
+        else:
+            rec.decode_instance = d.name
+        # Each attempt is a new request to the engines: an aborted earlier one may still be
+        # leaving P's engine, and two requests of one id there would take each other's blocks.
+        engine_rid = rec.request_id if not rec.migrations else f"{rec.request_id}-moved-{len(rec.migrations)}"
+        a = self.attempt = _Attempt(next(self._attempts), route, first, prompt, sampling, engine_rid,
+                                    push=self.dispatch.transfer_mode == "push")
+        out: list[Command] = [Routed(a.number, route)]
+        if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
+            a.local_slot.enter_context(picker.prefilling_locally(route))
+            return out + self._send_decode(a, None)
+        # P's load counts from the pick: a request right behind this one must see it.
+        a.p_slot.enter_context(picker.prefilling(route, len(prompt)))
+        prefill = PrefillRequest(engine_rid, prompt, sampling, transfer_id=self.dispatch.transfer_id(rec.request_id))
+        if a.push:
+            # D first, with the handle the router can name in advance: D allocates its blocks and
+            # asks P for them while P computes them. D's tokens need not wait for P's answer: once
+            # D has every layer's KV, P's last layer's MLP, sampling and reply are no business of D's.
+            handle = TransferHandle(getattr(p, "engine_id", ""), getattr(p, "kv_address", None) or "",
+                                    prefill.transfer_id, len(prompt), self.dispatch.transport)
+            out += self._send_decode(a, handle.to_params())
+        a.p_waiting = True
+        return out + [Prefill(a.number, p, prefill)]
+
+    def _send_decode(self, a: _Attempt[I], handle: dict | None) -> list[Command]:
+        a.d_running = True
+        a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens))
+        return [Decode(a.number, a.route.decode, DecodeRequest(a.engine_rid, a.prompt, a.sampling, handle))]
+
+    def _take(self, a: _Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
+        """D's output, recorded; the last one waits for P's answer in push mode (for the record)."""
+        rec = self.rec
+        record_tokens(rec, delta, self.dispatch.clock_of(a.route.decode.name), now_ns)
+        if delta.new_token_ids:
+            a.got_token = True
+            a.local_slot.close()
+        if delta.finish_reason is None:
+            return self._deliver(a, delta, now_ns)
+        a.d_running = False
+        if a.first:
+            record_decode_end(rec, delta, self.dispatch.clock_of(a.route.decode.name))
+        rec.finish_reason = delta.finish_reason
+        if a.first and a.p_waiting:  # push: P's answer, for its hit and its timeline
+            a.deferred = delta
+            return []
+        return self._deliver(a, delta, now_ns)
+
+    def _deliver(self, a: _Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
+        a.deferred = None
+        route = a.route
+        if delta.finish_reason in ("error", "abort"):
+            if route.local_prefill:
+                return self._fail(BackendError(f"decode on {route.decode.name} ended with {delta.finish_reason!r}: "
+                                               f"D's own prefill of the request failed or D aborted it", 502))
+            return self._fail(BackendError(f"decode on {route.decode.name} ended with {delta.finish_reason!r}: the KV "
+                                           f"transfer from {route.prefill.name} failed or D aborted the request", 502,
+                                           "kv_transfer_error"))
+        chunk = _chunk(route, a.pre.p_cached_tokens if a.pre else 0, delta)
+        self.sent += chunk.new_token_ids
+        if self.rec.migrations:
+            chunk = dataclasses.replace(chunk, migrations=len(self.rec.migrations))
+        if delta.finish_reason is None:
+            return [Emit(chunk)]
+        return self._finish([Emit(chunk)])
+
+    def _lost(self, lost: InstanceLost, now_ns: int) -> list[Command]:
+        """Move the request off a lost instance (router/migration.py), or end it naming why not."""
+        out = self._end_attempt()
+        rec = self.rec
+        if len(rec.migrations) >= self.dispatch.migration_limit:
+            moved = f" (off {', '.join(m.lost for m in rec.migrations)})" if rec.migrations else ""
+            return out + self._fail(BackendError(f"{lost}; the request was already moved {len(rec.migrations)} times"
+                                                 f"{moved}: router.migration_limit", 503, "service_unavailable"))
+        self.avoid.add(lost.instance)
+        if not self.dispatch.picker.any_up(lost.role, self.avoid):
+            return out + self._fail(BackendError(f"{lost}; no other {lost.role} instance is up to take the request on",
+                                                 503, "service_unavailable"))
+        log.warning("%s: %s; moving it on with %d tokens sent", rec.request_id, lost, len(self.sent))
+        rec.migrations.append(Migration(now_ns, lost.role, lost.instance, len(self.sent), str(lost)))
+        if not self.sent:  # the record tells the attempt that produces the first token
+            forget_attempt(rec)
+        return out + self._begin_attempt(now_ns)
+
+    def _fail(self, err: BackendError) -> list[Command]:
+        out = self._end_attempt()
+        self.rec.error, self.error = str(err), err
+        return self._finish(out, err)
+
+    def _finish(self, out: list[Command], err: BackendError | None = None) -> list[Command]:
+        out = out + self._end_attempt()
+        self.done = True
+        return out + [Finished(err)]
+
+    def _end_attempt(self) -> list[Command]:
+        """Free what the attempt holds in the picker; abort its calls still running. Idempotent."""
+        a, self.attempt = self.attempt, None
+        if a is None:
+            return []
+        a.local_slot.close()
+        a.decoding.close()
+        self._close_p_slot_failed(a)
+        self.dispatch.picker.ended(a.route)
+        return [Abort(a.number)]
+
+    @staticmethod
+    def _close_p_slot_failed(a: _Attempt) -> None:
+        # P never answered: out of P's load, its promise of blocks not kept (the picker's
+        # `prefilling` marks P done only on a clean exit).
+        a.p_slot.__exit__(BackendError, BackendError("P did not answer"), None)
+
+    def _with_transport(self, params: dict | None) -> dict | None:
+        """P's handle (pull mode), asking for this router's transport; other connectors' params as they are."""
+        handle = TransferHandle.from_params(params)
+        if handle is None or handle.transport == self.dispatch.transport:
+            return params
+        return {**params, **dataclasses.replace(handle, transport=self.dispatch.transport).to_params()}
+
+
+def _chunk(route: Route, p_cached_tokens: int, delta: DecodeDelta) -> GenerationChunk:
+    t = delta.transfer
+    final = delta.finish_reason is not None
+    return GenerationChunk(
+        new_token_ids=delta.new_token_ids, finish_reason=delta.finish_reason,
+        p_cached_tokens=p_cached_tokens,
+        # D prefilled it: D's own hit is all it had (the engine's count, on the last delta).
+        d_cached_tokens=t.d_cached_tokens if t else (delta.num_cached_tokens if route.local_prefill and final else 0),
+        transferred_tokens=t.transferred_tokens if t else 0,
+        transfer_error=t.error if t else None,
+        prefill_instance=(route.decode.name if route.local_prefill else route.prefill.name) if final else None,
+        local_prefill=route.local_prefill,
+    )
