@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-FOLDERS = ("cluster", "transfer", "router", "bench")  # the users' layout (proto/ holds sources, not modules)
+FOLDERS = ("proto", "transfer", "router", "cluster", "bench")  # the users' layout
 SKIP = {"__pycache__"}
 
 

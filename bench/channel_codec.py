@@ -1,5 +1,5 @@
 """The request channel's codec: what pickle cost per message, against the typed msgpack
-(msgspec) frames that replaced it (cluster/channel_wire.py), on the real message classes.
+(msgspec) frames that replaced it (transfer/channel_wire.py), on the real message classes.
 
 Each case is one frame's worth of messages as the router and engines exchange them: a
 prefill call (16 and 4,096 prompt ids), a streamed delta, a final delta with its transfer
@@ -16,8 +16,7 @@ import pickle
 import statistics
 import time
 
-from pdcluster.cluster.channel_wire import ENGINE_INBOX, ROUTER_INBOX, DecodeReply, PrefillCall, PrefillReply, _encode
-from pdcluster.cluster.messages import (
+from pdcluster.proto.messages import (
     DecodeDelta,
     EngineTimes,
     PrefillRequest,
@@ -25,6 +24,7 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
+from pdcluster.transfer.channel_wire import ENGINE_INBOX, ROUTER_INBOX, DecodeReply, PrefillCall, PrefillReply, _encode
 
 
 def cases() -> dict[str, tuple[list, object]]:

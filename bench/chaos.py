@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.replay.records import RequestResult
 from pdcluster.cluster.sim.request import CONTEXT_TOKENS, context_token
 
 
@@ -193,7 +193,7 @@ def wait_idle(cluster, timeout_s: float) -> dict[str, float]:
 def soak(cluster, cfg, plan: ChaosPlan, lab=None, log=print) -> ChaosReport:
     """Replay `cfg` through `cluster` under `plan`'s kills and cuts (cuts need the `lab` the
     cluster runs in), then check what came back."""
-    from pdcluster.bench.run import run_bench, server_info
+    from pdcluster.cluster.replay.run import run_bench, server_info
     from pdcluster.router.timeline import load_run
 
     assert plan.cut_every_s is None or lab is not None, "link cuts need the lab the cluster runs in"
@@ -271,7 +271,7 @@ LAB_NAME, LAB_SUBNET = "pdcchaos", "10.213.72.0/24"
 def in_lab(spec, lab):
     """`spec` on `lab`'s Ray: P spread over the first half of its hosts, D over the rest, so every
     P's host and D's host is a pair a cut can separate; the routers stay on the head."""
-    from pdcluster.cluster.spec import PlacementSpec
+    from pdcluster.proto.spec import PlacementSpec
 
     names = [h.name for h in lab.hosts]
     half = len(names) // 2
@@ -302,10 +302,10 @@ def main() -> None:
 
     import contextlib
 
-    from pdcluster.bench.run import BenchConfig
     from pdcluster.cluster.lab import Lab
     from pdcluster.cluster.launch import running_cluster
-    from pdcluster.cluster.spec import load_spec
+    from pdcluster.cluster.replay.run import BenchConfig
+    from pdcluster.proto.spec import load_spec
 
     spec = load_spec(a.spec)
     if spec.engine.kind != "sim":

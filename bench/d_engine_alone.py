@@ -25,7 +25,7 @@ SUFFIX = 14
 
 
 async def warm_parts(llm, sizes: list[int], trials: int, rng: random.Random) -> None:
-    from pdcluster.cluster.vllm_compat import SamplingParams, TokensPrompt
+    from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
 
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, detokenize=False)
 
@@ -61,9 +61,9 @@ def main() -> None:
     without = {w for w in a.without.split(",") if w}
     assert without <= {"connector", "events"}, f"--without: connector and/or events, not {a.without!r}"
 
-    from pdcluster.cluster.auth import SECRET_ENV, generate_secret
     from pdcluster.cluster.engine_actor import plan_instance
-    from pdcluster.cluster.spec import parse_spec
+    from pdcluster.proto.spec import parse_spec
+    from pdcluster.transfer.auth import SECRET_ENV, generate_secret
 
     max_len = max(sizes) + 2 * SUFFIX + 128
     secret = generate_secret()
@@ -77,7 +77,7 @@ def main() -> None:
     os.environ.update(plan.env)
     os.environ[SECRET_ENV] = secret
 
-    from pdcluster.cluster.vllm_compat import AsyncEngineArgs, AsyncLLM, KVEventsConfig, KVTransferConfig
+    from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM, KVEventsConfig, KVTransferConfig
 
     args = dict(plan.engine_args)
     args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])

@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     a = ap.parse_args()
 
+    from pdcluster.proto.handle import TransferHandle
     from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
-    from pdcluster.transfer.handle import TransferHandle
     from pdcluster.transfer.paged_kv import PagedKv
     from pdcluster.transfer.plan import GroupPlan, TransferPlan
 

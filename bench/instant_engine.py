@@ -1,9 +1,9 @@
 """An engine actor that answers at once: the router's counterpart of an instant fake HTTP backend.
 
 pdcluster's router does not speak HTTP to P and D; it sends its calls over each
-engine actor's request channel (cluster/request_channel.py). To measure the router's own overhead (bench/router_overhead.py), it is put in
+engine actor's request channel (transfer/request_channel.py). To measure the router's own overhead (bench/router_overhead.py), it is put in
 front of these instead of real engines: the same method names and messages as
-`cluster.engine_actor.EngineActor` (cluster/messages.py), no model, no KV.
+`cluster.engine_actor.EngineActor` (proto/messages.py), no model, no KV.
 
 - `prefill` returns a PrefillResult at once, `handle=None` (nothing for D to
   pull; the router then sends D no handle, as for a prompt P held no KV for);
@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from pdcluster.cluster.messages import (
+from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
     EngineLoad,
@@ -33,9 +33,9 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
-from pdcluster.cluster.network import instance_address, instance_planes
-from pdcluster.cluster.request_channel import ServesRequestChannel
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.network import instance_address, instance_planes
+from pdcluster.transfer.request_channel import ServesRequestChannel
 
 
 def instant_prefill(req: PrefillRequest) -> PrefillResult:

@@ -196,7 +196,7 @@ def table(rows: list[Row], sizes: list[int]) -> str:
 
 
 def local_prefill_fields(which: str, max_tokens: int | None) -> dict:
-    from pdcluster.router.local_prefill import LocalPrefillSpec
+    from pdcluster.proto.router_spec import LocalPrefillSpec
 
     if which not in ("off", "on"):
         raise SystemExit(f"--local-prefill: 'off', 'on' or 'off,on', not {which!r}")
@@ -227,9 +227,10 @@ def main() -> None:
 
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.launch import build_cluster, teardown
     from pdcluster.cluster.reference_engine import ReferenceEngine
-    from pdcluster.cluster.spec import parse_spec
+    from pdcluster.proto.names import NAMESPACE
+    from pdcluster.proto.spec import parse_spec
 
     model = a.model or ".pdcluster/models/tiny-qwen3"
     engine = {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len}

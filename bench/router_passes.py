@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.router.local_prefill import LocalPrefillSpec
+from pdcluster.proto.router_spec import LocalPrefillSpec
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class PassResult:
 def run_pass(cluster, cfg, p: Pass) -> PassResult:
     import ray
 
-    from pdcluster.bench.run import run_bench
+    from pdcluster.cluster.replay.run import run_bench
     from pdcluster.router.local_views import local_summary
 
     p.apply(cluster)
@@ -128,9 +128,10 @@ def main() -> None:
 
     import ray
 
-    from pdcluster.bench.run import BenchConfig
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-    from pdcluster.cluster.spec import load_spec
+    from pdcluster.cluster.launch import build_cluster, teardown
+    from pdcluster.cluster.replay.run import BenchConfig
+    from pdcluster.proto.names import NAMESPACE
+    from pdcluster.proto.spec import load_spec
 
     spec = load_spec(a.spec)
     overrides = {"max_concurrency": a.max_concurrency} if a.max_concurrency else {}

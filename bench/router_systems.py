@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pdcluster.bench.wrk_load import MAX_TOKENS, LoadResult, Spawned, free_port, wait_http
 
 if TYPE_CHECKING:
-    from pdcluster.cluster.spec import ClusterSpec
+    from pdcluster.proto.spec import ClusterSpec
 
 FLOORS = {"ray": "Ray calls alone (no HTTP)", "ray_one_reply": "Ray calls alone, D in one reply",
           "channel": "request channel alone (no HTTP)"}
@@ -133,7 +133,7 @@ class PdCluster:
 
 
 def bench_spec(model_dir: str, router_port: int, runs_dir: str, routers: int = 1) -> ClusterSpec:
-    from pdcluster.cluster.spec import parse_spec
+    from pdcluster.proto.spec import parse_spec
 
     return parse_spec({
         "name": f"bench-router-overhead-{routers}",
@@ -205,7 +205,7 @@ class CallsAlone:
     decode read item by item), with no HTTP, tokenizer or records: the floor of a router
     that reaches its engines that way. Paths (FLOORS): Ray actor calls, as the router
     made them before issue 6; Ray with D's deltas in one reply; the request channel
-    (cluster/request_channel.py), as the router makes them now."""
+    (transfer/request_channel.py), as the router makes them now."""
 
     def __init__(self, prefill, decode, secret: str):
         self.prefill, self.decode, self.secret = prefill, decode, secret
@@ -218,8 +218,8 @@ class CallsAlone:
         """Closed loop for `duration_s`; each request's latency in seconds."""
         import asyncio
 
-        from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
-        from pdcluster.cluster.request_channel import EngineChannel
+        from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
+        from pdcluster.transfer.request_channel import EngineChannel
 
         assert path in FLOORS, f"unknown path {path!r}"
         if path == "channel" and self.channels is None:

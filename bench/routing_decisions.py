@@ -37,10 +37,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdcluster.bench.presets import PRESETS
-from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
+from pdcluster.cluster.replay.presets import PRESETS
+from pdcluster.proto.kv_event_wire import BlockStored
+from pdcluster.proto.router_spec import Policy
+from pdcluster.router.policies import DecodeView, PrefillView, pick_decode, pick_prefill
 from pdcluster.router.prefill_cost import FittedCost
-from pdcluster.router.prefix_index import BlockStored, InstanceIndex, RouterHash, chain_hashes, hittable_hashes
+from pdcluster.router.prefix_index import InstanceIndex, RouterHash, chain_hashes, hittable_hashes
 
 C90 = PRESETS["c90"]
 BLOCK_SIZE = 128

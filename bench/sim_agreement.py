@@ -18,11 +18,11 @@ import json
 import time
 from pathlib import Path
 
-from pdcluster.bench.run import BenchConfig, run_bench
 from pdcluster.cluster.ports import on_free_ports
+from pdcluster.cluster.replay.run import BenchConfig, run_bench
 from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
-from pdcluster.cluster.spec import load_spec
+from pdcluster.proto.spec import load_spec
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.launch import build_cluster, teardown
+    from pdcluster.proto.names import NAMESPACE
 
     spec = on_free_ports(load_spec(a.spec))
     out = Path(a.out)

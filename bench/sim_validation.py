@@ -28,16 +28,16 @@ import os
 import time
 from pathlib import Path
 
-from pdcluster.bench.metrics import summarize
-from pdcluster.bench.records import RequestResult
-from pdcluster.bench.run import BenchConfig, build_workload, run_bench
 from pdcluster.cluster.ports import on_free_ports
+from pdcluster.cluster.replay.metrics import summarize
+from pdcluster.cluster.replay.records import RequestResult
+from pdcluster.cluster.replay.run import BenchConfig, build_workload, run_bench
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.fit import FREE, FitResult, fit, fitted_yaml, observations, residual_summary, run_spec
 from pdcluster.cluster.sim.virtual.agreement import Agreement, compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.cluster.sim.vocab import spec_vocab
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, ClusterSpec, load_spec
+from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, ClusterSpec, load_spec
 from pdcluster.router.timeline import Run, load_run
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

@@ -56,8 +56,9 @@ def run_setting(interval: int, coalesce_ms: float, a) -> Result:
     import psutil
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-    from pdcluster.cluster.spec import parse_spec
+    from pdcluster.cluster.launch import build_cluster, teardown
+    from pdcluster.proto.names import NAMESPACE
+    from pdcluster.proto.spec import parse_spec
 
     model = ".pdcluster/models/tiny-qwen3"
     spec = parse_spec({

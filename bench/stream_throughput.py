@@ -38,7 +38,7 @@ BLOCK_SIZE = 128
 DTYPE = torch.bfloat16
 HOST = "127.0.0.1"
 MIB = 1 << 20
-# P's KV service admits only callers with the cluster secret (cluster/auth.py): the env's, else this
+# P's KV service admits only callers with the cluster secret (transfer/auth.py): the env's, else this
 BENCH_SECRET = os.environ.get("PDC_CLUSTER_SECRET") or "stream-bench-secret-0123456789"
 # --profile: glibc malloc that keeps chunk-sized buffers (see stream_profile.py)
 MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 * MIB), "MALLOC_TRIM_THRESHOLD_": str(256 * MIB)}
@@ -127,8 +127,8 @@ def grpc_source_table(kv_layers: dict[str, int], ids: list[int], count: int):
 
 def grpc_job(address: str, t: int, num_blocks: int, d_ids: list[int], transport: str = "grpc", first: int = 0):
     """D's load of source r{t} (num_blocks blocks): P's blocks first.. (every one by default), into d_ids."""
+    from pdcluster.proto.handle import TransferHandle
     from pdcluster.transfer.grpc_client import LoadJob
-    from pdcluster.transfer.handle import TransferHandle
     from pdcluster.transfer.plan import GroupPlan, TransferPlan
 
     tokens = num_blocks * BLOCK_SIZE
@@ -240,7 +240,7 @@ class Bench:
 
     def __init__(self, shape: Shape, grpc_chunks: list[int], trials: int, pin_cores: bool, host: str = HOST,
                  p: dict | None = None, streams: int = 1, secret: str = BENCH_SECRET):
-        from pdcluster.cluster.auth import GrpcAuth
+        from pdcluster.transfer.auth import GrpcAuth
         from pdcluster.transfer.channels import ChannelPool
         from pdcluster.transfer.dist_channel import channel_liveness_key
         from pdcluster.transfer.grpc_client import KvFetcher, kv_stub

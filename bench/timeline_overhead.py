@@ -72,8 +72,9 @@ def main() -> None:
 
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
-    from pdcluster.cluster.spec import parse_spec
+    from pdcluster.cluster.launch import build_cluster, teardown
+    from pdcluster.proto.names import NAMESPACE
+    from pdcluster.proto.spec import parse_spec
 
     spec = parse_spec({
         "name": "bench-overhead", "model": {"path": ".pdcluster/models/tiny-qwen3", "tiny": {"arch": "qwen3"}},

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.cluster.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import GenerationChunk, ModelCard, TokenBackend
 
 CORPUS = Path(__file__).resolve().parent.parent / "cluster" / "corpus" / "serving.txt"

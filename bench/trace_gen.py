@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.bench.workloads import TRACE_BLOCK, TraceRow, trace_hit_ratio_from_ids
+from pdcluster.cluster.replay.workloads import TRACE_BLOCK, TraceRow, trace_hit_ratio_from_ids
 
 
 @dataclass(frozen=True)

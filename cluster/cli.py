@@ -33,7 +33,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _load(path: str):
-    from pdcluster.cluster.spec import SpecError, load_spec
+    from pdcluster.proto.spec import SpecError, load_spec
 
     try:
         return load_spec(path)
@@ -56,7 +56,7 @@ def _connect(address: str | None) -> bool:
     """Connect to Ray at `address` (or a local one, started if needed). True if we started it."""
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE
+    from pdcluster.proto.names import NAMESPACE
 
     started = False
     if address is None:
@@ -108,7 +108,7 @@ def _join_ray(st: dict) -> None:
     """Connect to the Ray cluster a `pdc up` state file names (once per process)."""
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE
+    from pdcluster.proto.names import NAMESPACE
 
     if not ray.is_initialized():
         ray.init(address=st["ray_address"] or "auto", namespace=NAMESPACE, log_to_driver=False)
@@ -117,7 +117,8 @@ def _join_ray(st: dict) -> None:
 def cmd_status(a) -> None:
     import ray
 
-    from pdcluster.cluster.launch import find_actors, is_router
+    from pdcluster.cluster.launch import find_actors
+    from pdcluster.proto.names import is_router
 
     states = _states(a.name)
     if not states:
@@ -161,7 +162,8 @@ def _planes(info) -> str:
 def cmd_down(a) -> None:
     import ray
 
-    from pdcluster.cluster.launch import find_actors, is_router, stop_routers
+    from pdcluster.cluster.launch import find_actors, stop_routers
+    from pdcluster.proto.names import is_router
 
     states = _states(a.name)
     if not states:
@@ -190,7 +192,7 @@ def cmd_demo(a) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pdcluster.bench.presets import PRESETS
+    from pdcluster.cluster.replay.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="pdc", description="prefill/decode disaggregated vLLM clusters on Ray")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -213,9 +215,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="the load replayed at the end (c90: the full preset, for deploy/p8d8-sim.yaml)")
     demo.add_argument("--no-replay", action="store_true", help="skip the replay at the end")
     demo.set_defaults(fn=cmd_demo)
-    from pdcluster.bench.run import add_bench_commands
     from pdcluster.cluster.lab_cli import add_lab_commands
     from pdcluster.cluster.plan_cli import add_plan_command
+    from pdcluster.cluster.replay.run import add_bench_commands
     from pdcluster.cluster.sim_cli import add_sim_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
 

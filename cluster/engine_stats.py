@@ -7,8 +7,8 @@ reaching into the EngineCore process.
 
 from __future__ import annotations
 
-from pdcluster.cluster.messages import EngineLoad
-from pdcluster.cluster.vllm_compat import StatLoggerBase
+from pdcluster.proto.messages import EngineLoad
+from pdcluster.transfer.vllm_compat import StatLoggerBase
 
 
 class LatestSchedulerStats(StatLoggerBase):

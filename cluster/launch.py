@@ -19,24 +19,35 @@ from pathlib import Path
 import ray
 from pydantic import SecretStr
 
-from pdcluster.cluster.auth import SECRET_ENV, check_secret, generate_secret
-from pdcluster.cluster.devices import DEVICES
 from pdcluster.cluster.engine_actor import EngineActor
-from pdcluster.cluster.messages import InstanceInfo, Role
-from pdcluster.cluster.network import settle_mode
 from pdcluster.cluster.placement import NodeView, PlacementError, alive_nodes, check_placement, engine_options
 from pdcluster.cluster.placement import router_options as router_placement
-from pdcluster.cluster.spec import ClusterSpec
-from pdcluster.cluster.vllm_compat import UnsupportedVllm, check_supported
+from pdcluster.cluster.sim.cost import CostModel, SimParams
+from pdcluster.proto.devices import DEVICES
+from pdcluster.proto.messages import InstanceInfo, Role
+from pdcluster.proto.names import NAMESPACE, actor_name, is_router, router_name  # noqa: F401  (cli, bench)
+from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.pd_dispatch import Instance
+from pdcluster.router.prefill_cost import FittedCost, ModelledCost, PrefillCost
 from pdcluster.router.server import RouterActor
 from pdcluster.router.timeline import new_run_id
+from pdcluster.transfer.auth import SECRET_ENV, check_secret, generate_secret
+from pdcluster.transfer.network import settle_mode
+from pdcluster.transfer.vllm_compat import UnsupportedVllm, check_supported
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "pdcluster"
-ROUTER = "router"
 API_KEYS_ENV = "PDC_API_KEYS"  # comma-separated, for a spec without auth.api_keys
+
+
+def prefill_cost(spec) -> PrefillCost:
+    """P's prefill time as a cluster's router predicts it (a ClusterSpec): the simulated engine's
+    own cost model, or one fitted from what P's vLLM engines report. The launcher hands it to the
+    router process; the virtual clock's router takes it too."""
+    eng = spec.role_engine("prefill")
+    if eng.kind == "sim":
+        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
+    return FittedCost()
 
 
 class ClusterStartError(RuntimeError):
@@ -66,18 +77,6 @@ class Cluster:
         """Call a router method on every router and wait: settings (set_policy, ...) and
         barriers (catch_up_kv_events) must reach each, or some requests would miss them."""
         return ray.get([getattr(r, method).remote(*args) for r in self.routers], timeout=timeout_s)
-
-
-def actor_name(spec: ClusterSpec, instance: str) -> str:
-    return f"{spec.name}:{instance}"
-
-
-def router_name(index: int) -> str:
-    return ROUTER if index == 0 else f"{ROUTER}-{index}"
-
-
-def is_router(instance: str) -> bool:
-    return instance == ROUTER or instance.startswith(f"{ROUTER}-")
 
 
 def ensure_model(spec: ClusterSpec) -> None:
@@ -202,7 +201,7 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
             opts.update(router_placement(spec, ray.get_runtime_context().get_node_id()))
         else:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k, run_dir)
+        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k, run_dir, prefill_cost(spec))
         started.append((router_name(k), router))
         routers.append(router)
         try:

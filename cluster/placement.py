@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.cluster.messages import Role
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.messages import Role
+from pdcluster.proto.spec import ClusterSpec
 
 
 class PlacementError(ValueError):

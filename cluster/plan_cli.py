@@ -1,7 +1,7 @@
 """`pdc plan PARAMS --devices N [load] --slo-ttft-p90 S --slo-tpot-p90 S [...]`: sweep P:D splits and
 settings on the virtual clock and rank them for the SLO (cluster/sim/plan.py); prints the table,
 writes OUT/plan.html and OUT/plan.json, and with --write-spec the chosen configuration as a cluster
-spec `pdc up` takes (validated by cluster/spec.py before it is written).
+spec `pdc up` takes (validated by proto/spec.py before it is written).
 
 A bad argument, spec or parameter file is one line on stderr naming it, and exit code 2.
 """
@@ -33,12 +33,12 @@ def _list(text: str | None, kind, flag: str) -> list | None:
 def _cmd_plan(a: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from pdcluster.bench.run import config_from_args
+    from pdcluster.cluster.replay.run import config_from_args
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, plan
     from pdcluster.cluster.sim.plan_report import format_table, slo_text, write_outputs
-    from pdcluster.cluster.spec import SpecError, load_spec
-    from pdcluster.router.policies import POLICIES
+    from pdcluster.proto.router_spec import POLICIES
+    from pdcluster.proto.spec import SpecError, load_spec
 
     policies = _list(a.policies, str, "--policies")
     for p in policies or []:
@@ -87,7 +87,7 @@ def write_spec(base, params: str | None, config, path: Path, result) -> None:
     from pdcluster.cluster.sim.plan import configure
     from pdcluster.cluster.sim.plan_report import slo_text
     from pdcluster.cluster.sim.virtual.run import as_sim_spec
-    from pdcluster.cluster.spec import SpecError, parse_spec
+    from pdcluster.proto.spec import SpecError, parse_spec
 
     kept = as_sim_spec(base, params) if base.sim is not None or base.engine.kind == "sim" else base
     chosen = configure(kept, config)
@@ -103,7 +103,7 @@ def write_spec(base, params: str | None, config, path: Path, result) -> None:
 
 
 def add_plan_command(subparsers) -> None:
-    from pdcluster.bench.run import add_load_arguments
+    from pdcluster.cluster.replay.run import add_load_arguments
 
     p = subparsers.add_parser("plan", help="pick a P:D split and settings for an SLO on the virtual clock")
     p.add_argument("params", help="cost-model parameter file (a shipped name, a path, or a pdc sim fit output)")

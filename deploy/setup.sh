@@ -25,10 +25,10 @@ case "$device" in
     # only provides `nixl._api` and would pull CUDA torch, hence --no-deps.
     installed nixl-cu12 || { $pip install -q nixl-cu12==1.5.1 && $pip install -q --no-deps nixl==1.5.1; } ;;
   cuda|npu)
-    # The pinned set of cluster/devices.py (vLLM, and on NPU torch, torch-npu, vLLM-Ascend).
+    # The pinned set of proto/devices.py (vLLM, and on NPU torch, torch-npu, vLLM-Ascend).
     dist=$([ "$device" = npu ] && echo vllm-ascend || echo vllm)
     if ! installed "$dist"; then
-      .venv/bin/python cluster/devices.py "$device" | while read -r line; do
+      .venv/bin/python proto/devices.py "$device" | while read -r line; do
         echo "setup: $line"
         eval "${line//pip /$pip }"
       done

@@ -22,18 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pdcluster.proto.router_spec import AdmissionSpec
 
 RejectReason = Literal["in_flight", "queue"]
-
-
-class AdmissionSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    max_in_flight: int | None = Field(None, ge=1, description="requests in flight per router process before a 429; "
-                                                               "default: 2 x the sum of D's max_num_seqs")
-    max_queue_s: float | None = Field(None, gt=0, description="predicted prefill seconds queued on the least-loaded "
-                                                              "P before a 429; default: request_timeout_s / 2")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdcluster.cluster.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec
 
 
 @dataclass(frozen=True)

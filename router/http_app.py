@@ -30,19 +30,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.proto.router_spec import HttpLimits
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What one client may cost the router (spec: router.max_body_bytes, body_timeout_s, client_stall_s)."""
-
-    # A 128K-token prompt is ~0.9 MB as JSON token ids, ~0.5-0.7 MB as text: 4x headroom.
-    max_body_bytes: int = 4 << 20
-    body_timeout_s: float = 30.0  # from the headers to the body's last byte
-    # A streaming client whose socket takes nothing for this long has stopped reading: its
-    # request is aborted, as if it had gone (else it would hold its D slot and KV forever).
-    stall_s: float = 30.0
 
 
 @dataclass(frozen=True)

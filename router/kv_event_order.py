@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from pdcluster.cluster.auth import CurveKeys, zmq_secure_client
-from pdcluster.router.kv_event_wire import END_SEQ, decode_batch
+from pdcluster.proto.kv_event_wire import END_SEQ, decode_batch
 from pdcluster.router.prefix_index import InstanceIndex
+from pdcluster.transfer.auth import CurveKeys, zmq_secure_client
 
 log = logging.getLogger("pdcluster.router.kv_events")
 

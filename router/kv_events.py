@@ -1,6 +1,6 @@
 """The KV-event feed: every instance's vLLM KV cache events, applied to its prefix index.
 
-What the engines publish, and how it decodes, is router/kv_event_wire.py; how one
+What the engines publish, and how it decodes, is proto/kv_event_wire.py; how one
 instance's batches are put in order (gaps, replay, restarts), router/kv_event_order.py.
 
 `KvEventFeed` runs one thread that owns every socket (one SUB and one replay
@@ -39,10 +39,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.cluster.auth import CurveKeys, zmq_secure_client
+from pdcluster.proto.kv_event_wire import KV_EVENTS_TOPIC
 from pdcluster.router.kv_event_order import REPLAY_TIMEOUT_S, InstanceFeed, OrderedBatches
-from pdcluster.router.kv_event_wire import KV_EVENTS_TOPIC
 from pdcluster.router.prefix_index import InstanceIndex, RouterHash
+from pdcluster.transfer.auth import CurveKeys, zmq_secure_client
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class KvEventFeed(OrderedBatches):
                  quiet_probe_s: float = QUIET_PROBE_S,
                  drop: Callable[[str, int], bool] | None = None):
         """`endpoints`: {instance name: (publish endpoint, replay endpoint or None)}, e.g.
-        `feed_endpoints(infos)`. `curve`: the cluster's CURVE keys (cluster/auth.py), as the
+        `feed_endpoints(infos)`. `curve`: the cluster's CURVE keys (transfer/auth.py), as the
         engines publish only to the cluster's processes; None only against plain publishers
         (tests of the wire). `drop`: fault injection for tests: SUB messages (instance, seq)
         it returns True for are ignored, as if the network lost them."""

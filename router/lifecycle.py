@@ -38,7 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
-from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT
 from pdcluster.router.admission import AdmissionLimits, Rejection, admit
 from pdcluster.router.backend import BackendError, GenerationChunk
 from pdcluster.router.lifecycle_commands import (
@@ -52,12 +54,11 @@ from pdcluster.router.lifecycle_commands import (
     Prefill,
     Routed,
 )
-from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT, InstanceLost, continuation
+from pdcluster.router.migration import InstanceLost, continuation
 from pdcluster.router.prefix_index import RouterHash
 from pdcluster.router.recording import forget_attempt, record_decode_end, record_prefill, record_route, record_tokens
 from pdcluster.router.routing import I, InstancePicker, NoInstanceUp, Route
 from pdcluster.router.timeline import ClockOffset, Migration, RequestRecord
-from pdcluster.transfer.handle import TransferHandle
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal
 
-from pdcluster.cluster.messages import DecodeRequest, PrefillRequest
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest
 from pdcluster.router.backend import BackendError, GenerationChunk
 from pdcluster.router.routing import I, Route
 

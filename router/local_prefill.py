@@ -22,29 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pdcluster.proto.router_spec import LocalPrefillSpec
 
-LocalPolicy = Literal["never", "short_remainder"]
 Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy"]
 LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy"})
-
-# See bench/README.md "D prefills short remainders": the threshold measured on the tiny model
-# and swept on the simulated P8+D8.
-DEFAULT_MAX_TOKENS = 1024
-
-
-class LocalPrefillSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    policy: LocalPolicy = Field("never", description="never: every prefill on P; short_remainder: D prefills "
-                                                     "what its own cache lacks when that is short")
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1,
-                            description="D prefills a request itself when at most this many prompt tokens are "
-                                        "not in its prefix cache")
-    max_in_flight: int = Field(1, ge=1, description="local prefills one D runs at once")
-    p_busy_s: float | None = Field(None, gt=0, description="D prefills whatever the remainder when the picked P "
-                                                           "has this much predicted prefill queued (off: null)")
-
 
 @dataclass(frozen=True)
 class LocalView:

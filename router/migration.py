@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdcluster.cluster.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import BackendError
-
-DEFAULT_MIGRATION_LIMIT = 3
 
 
 class InstanceLost(BackendError):

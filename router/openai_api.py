@@ -19,18 +19,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.cluster.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec
+from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
-from pdcluster.router.http_app import (
-    HttpApp,
-    HttpLimits,
-    HttpRequest,
-    Response,
-    StreamResponse,
-    aclose,
-    error_body,
-    json_response,
-)
+from pdcluster.router.http_app import HttpApp, HttpRequest, Response, StreamResponse, aclose, error_body, json_response
 from pdcluster.router.openai_models import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,

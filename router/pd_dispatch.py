@@ -1,7 +1,7 @@
 """The P/D request path over real channels: the asyncio driver of router/lifecycle.py.
 
 `PDDispatcher` implements `TokenBackend` over each engine actor's request channel
-(cluster/request_channel.py; Ray only places and watches the actors). The sequence of a
+(transfer/request_channel.py; Ray only places and watches the actors). The sequence of a
 request (pick, push / pull / local prefill, decode, moves off lost instances, the record) is
 the lifecycle's; this module turns its commands into calls, and replies, failures and the
 request's deadline into its inputs. Nothing waits forever: every wait is bounded by the
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import ray
 
-from pdcluster.cluster.messages import DecodeDelta, InstanceInfo, SamplingSpec
-from pdcluster.cluster.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
+from pdcluster.proto.messages import DecodeDelta, InstanceInfo, SamplingSpec
+from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT, LocalPrefillSpec, Policy
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.lifecycle import (
@@ -39,14 +39,12 @@ from pdcluster.router.lifecycle import (
     Prefill,
     Routed,
 )
-from pdcluster.router.local_prefill import LocalPrefillSpec
-from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT
 from pdcluster.router.pending_blocks import PendingBlocks
-from pdcluster.router.policies import Policy
 from pdcluster.router.prefill_cost import PrefillCost
 from pdcluster.router.recording import RecordSink
 from pdcluster.router.routing import InstancePicker, PrefixLookup
 from pdcluster.router.timeline import ClockOffset
+from pdcluster.transfer.request_channel import EngineCallFailed, EngineChannel, EngineUnavailable, PendingCall
 
 log = logging.getLogger(__name__)
 

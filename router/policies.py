@@ -33,10 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-Policy = Literal["round_robin", "least_load", "prefix_aware"]
-POLICIES: tuple[str, ...] = Policy.__args__
+from pdcluster.proto.router_spec import POLICIES, Policy
 
 
 @dataclass(frozen=True)

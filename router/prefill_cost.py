@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdcluster.cluster.sim.cost import CostModel, SimParams
-
 # Before the first observation: any positive scale does (every figure compared is in it).
 _PRIOR_S_PER_TOKEN = 1e-4
 _WINDOW = 256  # prefills kept for the fit: recent enough to follow the engine, enough to fit two terms
@@ -37,9 +35,14 @@ class PrefillCost(Protocol):
         """A prefill P finished, as its engine timed it (a model that learns nothing ignores it)."""
 
 
+class StepTimes(Protocol):
+    def prefill_s(self, new_tokens: int, cached_tokens: int, budget: int) -> float:
+        """A prefill's time in chunks of `budget` tokens (cluster/sim/cost.py's CostModel)."""
+
+
 @dataclass(frozen=True)
 class ModelledCost:
-    model: CostModel
+    model: StepTimes
     budget: int  # P's max_num_batched_tokens: its chunked prefill's step size
     # (cached, prompt) -> seconds: a pick asks it of every P, mostly for the same few shapes
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
@@ -109,12 +112,3 @@ def _nonnegative_fit(seen: Sequence[tuple[float, float, float]]) -> tuple[float,
         return a, b
     return min(((xt / xx, 0.0), (0.0, yt / yy)),
                key=lambda ab: sum((t - ab[0] * x - ab[1] * y) ** 2 for x, y, t in seen))
-
-
-def prefill_cost(spec) -> PrefillCost:
-    """P's prefill time as a cluster's router predicts it (a ClusterSpec): the simulated engine's
-    own cost model, or one fitted from what P's vLLM engines report."""
-    eng = spec.role_engine("prefill")
-    if eng.kind == "sim":
-        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
-    return FittedCost()

@@ -33,8 +33,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.proto.kv_event_wire import BlockRemoved, BlockStored, EngineHash, KvEvent
+
 RouterHash = bytes
-EngineHash = int | bytes  # vLLM's ExternalBlockHash: bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 ROOT: RouterHash = b"\0" * 32  # the parent of a prompt's first block
 PRIMARY_MEDIA = ("GPU", None)  # vLLM's MEDIUM_GPU: the engine's own KV pool, whatever the device
 
@@ -98,32 +99,6 @@ def extend_chain_bytes(known: Sequence[RouterHash], data: bytes, block_size: int
     return out
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    """vLLM's BlockStored, as the router needs it: engine hashes of consecutive blocks."""
-
-    block_hashes: Sequence[EngineHash]
-    parent_block_hash: EngineHash | None
-    token_ids: Sequence[int]  # all the blocks' tokens, block after block
-    block_size: int
-    group_idx: int = 0
-    medium: str | None = None
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # one per block, or None
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: Sequence[EngineHash]
-    group_idx: int = 0
-    medium: str | None = None
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pdcluster.cluster.messages import DecodeDelta, PrefillResult
+from pdcluster.proto.messages import DecodeDelta, PrefillResult
 from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord
 
 RecordSink = Callable[[RequestRecord], None]

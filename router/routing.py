@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from pdcluster.router.local_prefill import LocalDecision, LocalPrefillSpec, LocalView, decide
+from pdcluster.proto.router_spec import LocalPrefillSpec, Policy
+from pdcluster.router.local_prefill import LocalDecision, LocalView, decide
 from pdcluster.router.pending_blocks import PendingBlocks
-from pdcluster.router.policies import DecodeView, Policy, PrefillView, pick_decode, pick_prefill
+from pdcluster.router.policies import DecodeView, PrefillView, pick_decode, pick_prefill
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
 from pdcluster.router.prefix_index import RouterHash, hittable_hashes
 

@@ -16,13 +16,13 @@ import threading
 import time
 from pathlib import Path
 
-from pdcluster.cluster.messages import InstanceInfo
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.messages import InstanceInfo
+from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
-from pdcluster.router.prefill_cost import prefill_cost
+from pdcluster.router.prefill_cost import FittedCost, PrefillCost
 from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, new_run_id, versions
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,21 @@ class RouterActor:
     """
 
     def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
-                 index: int = 0, run_dir: str | None = None):
+                 index: int = 0, run_dir: str | None = None, cost: PrefillCost | None = None):
         """`run_dir`: the run's directory (the launcher names it before router 0 starts), so that
         a router Ray restarts after a crash writes into the same run; it then starts serving by
-        itself, with the others as its peers (max_restarts=-1, cluster/launch.py)."""
-        from pdcluster.cluster.auth import curve_keys
+        itself, with the others as its peers (max_restarts=-1, cluster/launch.py). `cost`: P's
+        prefill time as the picker predicts it (cluster/sim/cost.py prefill_cost; None: fitted
+        from what P's engines report)."""
+        assert cost is not None or spec.role_engine("prefill").kind != "sim", (
+            "a simulated cluster's router predicts with the engines' cost model: pass prefill_cost(spec)")
+        from pdcluster.proto.kv_event_wire import feed_endpoints
+        from pdcluster.proto.router_spec import HttpLimits
         from pdcluster.router.admission import AdmissionLimits
-        from pdcluster.router.http_app import HttpLimits
-        from pdcluster.router.kv_event_wire import feed_endpoints
         from pdcluster.router.kv_events import KvEventFeed
         from pdcluster.router.metrics import RouterMetrics
         from pdcluster.router.openai_api import build_app
+        from pdcluster.transfer.auth import curve_keys
 
         assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
         self.spec, self.index = spec, index
@@ -87,7 +91,8 @@ class RouterActor:
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
                                        pending=PendingBlocks() if spec.router.track_pending else None,
-                                       cost=prefill_cost(spec), local=spec.router.local_prefill,
+                                       cost=cost if cost is not None else FittedCost(),
+                                       local=spec.router.local_prefill,
                                        admission=AdmissionLimits.settle(
                                            spec.router.admission,
                                            decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,
@@ -146,7 +151,7 @@ class RouterActor:
         other routers of the cluster as its peers. Called by the router itself (the launcher is long gone)."""
         import ray
 
-        from pdcluster.cluster.launch import NAMESPACE, actor_name, router_name
+        from pdcluster.proto.names import NAMESPACE, actor_name, router_name
 
         url = await self.start()
         self.peers = {router_name(j): ray.get_actor(actor_name(self.spec, router_name(j)), namespace=NAMESPACE)
@@ -248,7 +253,7 @@ class RouterActor:
 
     def set_policy(self, policy: str) -> None:
         """Route by another policy from the next request on: to compare them on one cluster."""
-        from pdcluster.router.policies import POLICIES
+        from pdcluster.proto.router_spec import POLICIES
 
         assert policy in POLICIES, f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}"
         self.dispatcher.picker.policy = policy
@@ -260,7 +265,7 @@ class RouterActor:
     def set_local_prefill(self, fields: dict) -> None:
         """router.local_prefill as given (a LocalPrefillSpec's fields), from the next request on:
         to compare D prefilling short remainders with every prefill on P, on one cluster."""
-        from pdcluster.router.local_prefill import LocalPrefillSpec
+        from pdcluster.proto.router_spec import LocalPrefillSpec
 
         spec = LocalPrefillSpec.model_validate(fields)
         self.dispatcher.picker.local = spec if spec.policy != "never" else None

@@ -1,7 +1,7 @@
 """Fake engines for unit tests of the P/D request path (router/pd_dispatch.py).
 
 No Ray, no sockets: a `FakeEngine` stands for both an instance's actor handle
-(`health.remote`) and its request channel (`call`, as cluster/request_channel.py's
+(`health.remote`) and its request channel (`call`, as transfer/request_channel.py's
 EngineChannel), and each call is a `FakeCall` that plays a script. Aborted calls
 are recorded (the `cancelled` fixture: tests/conftest.py imports it). Everything runs
 under `asyncio.run`.
@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from pdcluster.cluster.messages import (
+from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
     PrefillRequest,
@@ -21,9 +21,9 @@ from pdcluster.cluster.messages import (
     SamplingSpec,
     TransferStats,
 )
-from pdcluster.cluster.request_channel import EngineUnavailable
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
+from pdcluster.transfer.request_channel import EngineUnavailable
 
 CARD = ModelCard(name="tiny", max_model_len=64, vocab_size=100)
 SAMPLING = SamplingSpec(max_tokens=4)

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from pdcluster.cluster.ports import free_port_run  # noqa: F401  (the e2e modules import it from here)
-from pdcluster.cluster.spec import ClusterSpec, parse_spec
+from pdcluster.proto.spec import ClusterSpec, parse_spec
 
 MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve().parent.parent / ".pdcluster" / "models"))
 
@@ -74,7 +74,7 @@ def running_cluster(spec: ClusterSpec):
 def placed(spec: ClusterSpec, **labels: dict[str, str]) -> ClusterSpec:
     """`spec` with each named role's instances on Ray nodes with these labels (e.g. a lab's
     `prefill={"pdc-host": "host1"}`)."""
-    from pdcluster.cluster.spec import PlacementSpec
+    from pdcluster.proto.spec import PlacementSpec
 
     return spec.model_copy(update={role: getattr(spec, role).model_copy(update={"placement": PlacementSpec(labels=want)})
                                    for role, want in labels.items()})

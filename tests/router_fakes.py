@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import pytest
 from starlette.testclient import TestClient
 
-from pdcluster.cluster.messages import SamplingSpec
 from pdcluster.cluster.tiny_model import make_tiny_model
+from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.openai_api import build_app
 

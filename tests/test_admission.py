@@ -13,8 +13,9 @@ import pytest
 from dispatch_fakes import CARD, PROMPT, SAMPLING, FakeEngine, collect, make, run
 from router_fakes import serve_in_thread
 
-from pdcluster.cluster.messages import DecodeDelta
-from pdcluster.router.admission import AdmissionLimits, AdmissionSpec, admit
+from pdcluster.proto.messages import DecodeDelta
+from pdcluster.proto.router_spec import AdmissionSpec
+from pdcluster.router.admission import AdmissionLimits, admit
 from pdcluster.router.backend import BackendError
 from pdcluster.router.openai_api import build_app
 

@@ -1,4 +1,4 @@
-"""cluster/auth.py: the handshake, gRPC tokens and CURVE keys, each against a wrong secret too."""
+"""transfer/auth.py: the handshake, gRPC tokens and CURVE keys, each against a wrong secret too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdcluster.cluster.auth import (
+from pdcluster.transfer.auth import (
     AUTH_METADATA_KEY,
     AuthError,
     ClientHandshake,

@@ -6,8 +6,8 @@ import asyncio
 
 from fake_openai import FakeServerState, serve_fake
 
-from pdcluster.bench.driver import DriveConfig, run_phase
-from pdcluster.bench.records import BenchRequest
+from pdcluster.cluster.replay.driver import DriveConfig, run_phase
+from pdcluster.cluster.replay.records import BenchRequest
 
 
 def requests(n: int, output_len: int = 4, prompt_len: int = 8, expected: int | None = None) -> list[BenchRequest]:
@@ -73,7 +73,7 @@ def test_unreachable_server_is_an_error_per_request():
 
 
 def test_429s_are_counted_apart_from_failures_and_retried_when_asked():
-    from pdcluster.bench.metrics import summarize
+    from pdcluster.cluster.replay.metrics import summarize
 
     with serve_fake(FakeServerState(reject={1: 1, 3: 5}, fail_http={4})) as url:
         results = drive(url, requests(6), max_concurrency=6)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.bench.metrics import Failure, per_request, percentile, stats, summarize, summarize_phases
-from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.replay.metrics import Failure, per_request, percentile, stats, summarize, summarize_phases
+from pdcluster.cluster.replay.records import RequestResult
 
 
 def res(index, start, end, chunks=(), tokens=(), prompt=100, out=None, phase="formal", error=None,

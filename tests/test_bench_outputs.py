@@ -8,9 +8,9 @@ from dataclasses import asdict
 
 import pytest
 
-from pdcluster.bench.metrics import summarize_phases
-from pdcluster.bench.outputs import CSV_HEADER, format_phase_breakdown, format_summary, write_run
-from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.replay.metrics import summarize_phases
+from pdcluster.cluster.replay.outputs import CSV_HEADER, format_phase_breakdown, format_summary, write_run
+from pdcluster.cluster.replay.records import RequestResult
 from pdcluster.router.timeline import RequestRecord
 
 T = 5_000_000_000  # router-clock origin (ns)

@@ -17,7 +17,7 @@ from pdcluster.bench import router_systems as systems
 from pdcluster.bench import routing_decisions as rd
 from pdcluster.bench import wrk_load
 from pdcluster.bench.instant_engine import instant_deltas
-from pdcluster.cluster.messages import DecodeRequest, SamplingSpec
+from pdcluster.proto.messages import DecodeRequest, SamplingSpec
 from pdcluster.router.prefix_index import InstanceIndex, chain_hashes
 
 BS = 4  # tokens per block in these tests

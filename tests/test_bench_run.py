@@ -9,7 +9,7 @@ import sys
 
 from fake_openai import FakeServerState, serve_fake
 
-from pdcluster.bench.run import BenchConfig, build_workload, report, run_bench
+from pdcluster.cluster.replay.run import BenchConfig, build_workload, report, run_bench
 
 
 def config(url: str, tmp_path, **kw) -> BenchConfig:
@@ -82,8 +82,8 @@ def test_a_trace_replay_sends_the_whole_trace_unless_told_otherwise(tmp_path):
 
 
 def test_expected_hits_do_not_count_blocks_of_requests_that_failed():
-    from pdcluster.bench.records import BenchRequest, RequestResult
-    from pdcluster.bench.run import expected_after_failures
+    from pdcluster.cluster.replay.records import BenchRequest, RequestResult
+    from pdcluster.cluster.replay.run import expected_after_failures
 
     prefix = list(range(1, 257))  # two 128-token blocks shared
     reqs = {i: BenchRequest(i, tuple(prefix + [500 + i] * 10), 2, expected_cached_tokens=0 if i == 0 else 256)

@@ -1,4 +1,4 @@
-"""bench/workloads.py: exact prompt structure and exact expected prefix-cache hits.
+"""cluster/replay/workloads.py: exact prompt structure and exact expected prefix-cache hits.
 
 Every expectation is also checked against an independent simulation of vLLM's
 cache (sha256 chained over the generated token blocks, unlimited capacity).
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.bench.records import BenchRequest
-from pdcluster.bench.workloads import (
+from pdcluster.cluster.replay.records import BenchRequest
+from pdcluster.cluster.replay.workloads import (
     check_hits,
     family_prefixes,
     hit_ratio_from_tokens,

@@ -46,7 +46,8 @@ def test_status_and_down_without_a_cluster(tmp_path):
 def test_up_with_an_unsupported_vllm_fails_before_any_engine_starts(monkeypatch):
     from e2e import cluster_spec_for
 
-    from pdcluster.cluster import launch, vllm_compat
+    from pdcluster.cluster import launch
+    from pdcluster.transfer import vllm_compat
 
     def started(*a, **kw):
         raise AssertionError("an engine was started")

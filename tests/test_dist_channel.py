@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from pdcluster.cluster.auth import GrpcAuth
+from pdcluster.transfer.auth import GrpcAuth
 from pdcluster.transfer.channel_store import ChannelStores, LocalStore
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_channel import (
@@ -345,7 +345,7 @@ def test_tags_come_from_each_ranks_own_space_and_never_overlap():
 
 
 def test_every_device_has_a_channel_backend():
-    from pdcluster.cluster.devices import DEVICES
+    from pdcluster.proto.devices import DEVICES
     from pdcluster.transfer.dist_channel import BACKENDS
 
     assert {d.collective_backend for d in DEVICES.values()} <= set(BACKENDS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from e2e import cluster_spec_for, running_cluster
 
-from pdcluster.bench.run import BenchConfig, report, run_bench
+from pdcluster.cluster.replay.run import BenchConfig, report, run_bench
 
 pytestmark = pytest.mark.e2e
 
@@ -101,7 +101,7 @@ def test_a_fit_of_this_run_predicts_another_load_within_the_stated_tolerance(clu
     from pdcluster.cluster.sim.fit import fitted_yaml, residual_summary
     from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
     from pdcluster.cluster.sim.virtual.run import simulate
-    from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS
+    from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
     from pdcluster.router.timeline import load_run
 
     run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(tmp_path / "fit"), **FIT_LOAD),

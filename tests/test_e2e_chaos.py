@@ -13,7 +13,7 @@ import pytest
 from e2e import cluster_spec_for, running_cluster
 
 from pdcluster.bench.chaos import ChaosPlan, format_report, in_lab, soak
-from pdcluster.bench.run import BenchConfig
+from pdcluster.cluster.replay.run import BenchConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -20,11 +20,11 @@ import pytest
 from e2e import cluster_spec_for, complete, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
-from pdcluster.cluster.auth import curve_keys
-from pdcluster.router.kv_event_wire import feed_endpoints
+from pdcluster.proto.kv_event_wire import feed_endpoints
 from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import hittable_hashes
 from pdcluster.router.timeline import load_run
+from pdcluster.transfer.auth import curve_keys
 
 pytestmark = pytest.mark.e2e
 

@@ -31,9 +31,9 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.cluster.channel_wire import DEAD_PEER_S
-from pdcluster.cluster.spec import parse_spec, read_yaml
+from pdcluster.proto.spec import parse_spec, read_yaml
 from pdcluster.router.timeline import load_run
+from pdcluster.transfer.channel_wire import DEAD_PEER_S
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,8 @@ import pytest
 import ray
 from e2e import assert_no_kv_in_use, free_port, free_port_run, running_cluster
 
-from pdcluster.bench.run import BenchConfig, run_bench
-from pdcluster.cluster.spec import load_spec
+from pdcluster.cluster.replay.run import BenchConfig, run_bench
+from pdcluster.proto.spec import load_spec
 from pdcluster.router.timeline import CAUSAL_CHAINS
 
 pytestmark = pytest.mark.e2e

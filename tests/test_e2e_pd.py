@@ -28,11 +28,11 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import load_run
-from pdcluster.transfer.handle import TransferHandle
 
 pytestmark = pytest.mark.e2e
 BLOCK = 128

@@ -21,8 +21,8 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
-from pdcluster.transfer.handle import TransferHandle
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """The virtual clock agrees with the real-time simulated cluster (issue 18 item 2): one P2D2 sim
 spec, one short shared-prefix load through the real actors, router and transfer (`pdc bench run`),
-then the same load on the virtual clock, figures by bench/metrics.py from each run's results.
+then the same load on the virtual clock, figures by cluster/replay/metrics.py from each run's results.
 
 Tolerance: TTFT, TPOT and E2E (mean and p90) within 5%, the measured hit ratio within 0.5 points,
 each instance's request count (per role, busiest first) within 2. What the real-time run adds and
@@ -21,11 +21,11 @@ import pytest
 import yaml
 from e2e import cluster_spec_for, running_cluster
 
-from pdcluster.bench.run import BenchConfig, run_bench
+from pdcluster.cluster.replay.run import BenchConfig, run_bench
 from pdcluster.cluster.sim.cost import SimParams
 from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS
+from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
 
 pytestmark = pytest.mark.e2e
 TOLERANCE = 0.05

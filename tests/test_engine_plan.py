@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pdcluster.cluster.engine_actor import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
-from pdcluster.cluster.network import InstanceAddress
-from pdcluster.cluster.spec import parse_spec
 from pdcluster.cluster.vllm_patches import engine_env
+from pdcluster.proto.spec import parse_spec
+from pdcluster.transfer.network import InstanceAddress
 
 
 def spec(**overrides):
@@ -72,7 +72,7 @@ def test_nixl_connector_instead_of_ours():
 def test_nixl_ports_cover_decode_instances_too():
     import pytest
 
-    from pdcluster.cluster.spec import SpecError
+    from pdcluster.proto.spec import SpecError
 
     with pytest.raises(SpecError, match=r"router.port \(19002\) falls in the KV ports 19000..19002"):
         spec(transfer={"connector": "nixl", "base_port": 19000}, router={"port": 19002})

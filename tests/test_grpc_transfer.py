@@ -35,9 +35,9 @@ from transfer_fakes import (
     zero_caches,
 )
 
-from pdcluster.cluster.auth import GrpcAuth
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
+from pdcluster.transfer.auth import GrpcAuth
 from pdcluster.transfer.grpc_client import LoadJob, LoadResults, TransferError
 from pdcluster.transfer.grpc_server import KvServer, chunk_runs
 from pdcluster.transfer.paged_kv import PagedKv
@@ -322,7 +322,7 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
     pickle. Each is refused before P reads a block or its lease; D then reads as ever."""
     from e2e import evil_pickle
 
-    from pdcluster.cluster.auth import AUTH_METADATA_KEY
+    from pdcluster.transfer.auth import AUTH_METADATA_KEY
 
     p = make_p()
     offer(p, "r1", (2, 5, 7, 9))

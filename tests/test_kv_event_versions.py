@@ -10,8 +10,7 @@ import msgspec
 import pytest
 from vllm_source_ast import Source, fetched
 
-from pdcluster.router.kv_event_wire import decode_batch
-from pdcluster.router.prefix_index import BlockRemoved, BlockStored
+from pdcluster.proto.kv_event_wire import BlockRemoved, BlockStored, decode_batch
 
 
 class Event023(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -10,10 +10,16 @@ import msgspec
 import pytest
 from e2e import free_port
 
-from pdcluster.cluster.spec import parse_spec
-from pdcluster.router.kv_event_wire import decode_batch, engine_kv_events_config, feed_endpoints
+from pdcluster.proto.kv_event_wire import (
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    engine_kv_events_config,
+    feed_endpoints,
+)
+from pdcluster.proto.spec import parse_spec
 from pdcluster.router.kv_events import KvEventFeed
-from pdcluster.router.prefix_index import BlockRemoved, BlockStored, chain_hashes
+from pdcluster.router.prefix_index import chain_hashes
 
 BS = 4
 NAME = "prefill-0"
@@ -358,8 +364,8 @@ def test_unknown_instance_is_named():
 
 
 def test_engines_bind_and_advertise_their_node_address_and_the_feed_dials_it():
-    from pdcluster.cluster.messages import InstanceInfo
-    from pdcluster.cluster.network import InstanceAddress, instance_planes
+    from pdcluster.proto.messages import InstanceInfo
+    from pdcluster.transfer.network import InstanceAddress, instance_planes
 
     spec = parse_spec({"name": "c", "model": {"path": "/m", "name": "tiny"},
                        "prefill": {"instances": 2}, "decode": {"instances": 1},
@@ -377,10 +383,10 @@ def test_engines_bind_and_advertise_their_node_address_and_the_feed_dials_it():
 def test_a_curve_publisher_feeds_only_the_cluster():
     """The simulated engine's publisher with the cluster's keys (as every engine publishes):
     a feed with them follows it; a plain feed and one of another secret never connect."""
-    from pdcluster.cluster.auth import curve_keys, zmq_stop_auth
     from pdcluster.cluster.sim.kv_wire import AllBlocksCleared as SimCleared
     from pdcluster.cluster.sim.kv_wire import EventPublisher
     from pdcluster.cluster.sim.kv_wire import KVEventBatch as SimBatch
+    from pdcluster.transfer.auth import curve_keys, zmq_stop_auth
 
     keys = curve_keys("kv-events-test-secret-0123")
     pub, replay = free_port(), free_port()

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec, TransferStats
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec, TransferStats
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.lifecycle import Dispatch, Lifecycle
 from pdcluster.router.lifecycle_commands import Abort, CheckLost, Decode, Failure, Finished, Prefill, Routed
 from pdcluster.router.routing import InstancePicker
-from pdcluster.transfer.handle import TransferHandle
 
 PROMPT = [1, 2, 3, 4, 5]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.router.local_prefill import LocalPrefillSpec, LocalView, decide
+from pdcluster.proto.router_spec import LocalPrefillSpec
+from pdcluster.router.local_prefill import LocalView, decide
 
 ON = LocalPrefillSpec(policy="short_remainder", max_tokens=512, max_in_flight=2)
 

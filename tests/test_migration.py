@@ -10,7 +10,7 @@ import time
 
 from dispatch_fakes import DIED, PROMPT, SAMPLING, FakeEngine, collect, expect_error, make, run
 
-from pdcluster.cluster.messages import DecodeDelta
+from pdcluster.proto.messages import DecodeDelta
 from pdcluster.router.attribution import attribute
 from pdcluster.router.pd_dispatch import LOST_GRACE_S
 from pdcluster.router.timeline import Migration, RequestRecord

@@ -1,4 +1,4 @@
-"""cluster/network.py: which address an instance binds and advertises; cluster/placement.py
+"""transfer/network.py: which address an instance binds and advertises; cluster/placement.py
 and settle_spec: the spec the actors get. No Ray, no sockets."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.cluster.launch import settle_spec
-from pdcluster.cluster.network import AddressError, InstanceAddress, choose_address, settle_mode
 from pdcluster.cluster.placement import (
     NodeView,
     PlacementError,
@@ -15,7 +14,8 @@ from pdcluster.cluster.placement import (
     router_options,
     selects,
 )
-from pdcluster.cluster.spec import SpecError, parse_spec
+from pdcluster.proto.spec import SpecError, parse_spec
+from pdcluster.transfer.network import AddressError, InstanceAddress, choose_address, settle_mode
 
 IFACES = {"lo": ["127.0.0.1"], "eth0": ["192.168.1.5"], "ib0": ["10.10.0.7", "10.10.1.7"], "down0": []}
 

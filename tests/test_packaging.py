@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("cluster", "transfer", "router", "bench")
+FOLDERS = ("proto", "transfer", "router", "cluster", "bench")
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,16 @@ from dispatch_fakes import (
     run,
 )
 
-from pdcluster.cluster.messages import (
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
     PrefillRequest,
     PrefillResult,
     TransferStats,
 )
-from pdcluster.cluster.request_channel import EngineCallFailed, EngineUnavailable
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
-from pdcluster.transfer.handle import TransferHandle
+from pdcluster.transfer.request_channel import EngineCallFailed, EngineUnavailable
 
 
 def test_refuses_empty_prefill_or_decode_list():
@@ -376,7 +376,7 @@ def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
 
 
 def info_of(name: str, node_ip: str, kv_port: int | None, engine_id: str):
-    from pdcluster.cluster.messages import InstanceInfo, PlaneAddresses
+    from pdcluster.proto.messages import InstanceInfo, PlaneAddresses
 
     role = name.split("-")[0]
     return InstanceInfo(name=name, role=role, index=0, node_ip=node_ip, pid=1,
@@ -458,7 +458,7 @@ class AllHeld(NothingHeld):
 
 
 def local_dispatcher(p: FakeEngine, d: FakeEngine, **kw) -> PDDispatcher:
-    from pdcluster.router.local_prefill import LocalPrefillSpec
+    from pdcluster.proto.router_spec import LocalPrefillSpec
 
     return make([p], [d], policy="prefix_aware", block_size=4, lookup=AllHeld(),
                 local=LocalPrefillSpec(policy="short_remainder", max_tokens=2), **kw)

@@ -6,16 +6,8 @@ import time
 
 import pytest
 
-from pdcluster.router.prefix_index import (
-    ROOT,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    InstanceIndex,
-    block_hash,
-    chain_hashes,
-    hittable_hashes,
-)
+from pdcluster.proto.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from pdcluster.router.prefix_index import ROOT, InstanceIndex, block_hash, chain_hashes, hittable_hashes
 
 BS = 4
 PROMPT = list(range(100, 114))  # 3 full blocks + 2 tokens

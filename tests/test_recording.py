@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
+from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, TransferStats
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.recording import record_decode_end, record_prefill
 from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord

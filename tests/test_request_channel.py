@@ -1,4 +1,4 @@
-"""The router <-> engine request channel (cluster/request_channel.py), over real TCP
+"""The router <-> engine request channel (transfer/request_channel.py), over real TCP
 connections in one process: a `LocalActor` stands for the Ray actor handle, running an engine body's
 methods in the same event loop, and can die and restart as Ray's actors do."""
 
@@ -11,9 +11,9 @@ import pytest
 from e2e import evil_pickle
 from ray.exceptions import ActorDiedError
 
-from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
-from pdcluster.cluster.network import InstanceAddress
-from pdcluster.cluster.request_channel import (
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.transfer.network import InstanceAddress
+from pdcluster.transfer.request_channel import (
     EngineCallFailed,
     EngineChannel,
     EngineUnavailable,
@@ -354,8 +354,8 @@ async def refused_after(host: str, port: int, payload: bytes, timeout: float = 5
 def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path, caplog):
     import pickle
 
-    from pdcluster.cluster.auth import ClientHandshake
-    from pdcluster.cluster.channel_wire import channel_key
+    from pdcluster.transfer.auth import ClientHandshake
+    from pdcluster.transfer.channel_wire import channel_key
 
     marker = tmp_path / "ran"
     pickle.loads(evil_pickle(marker))  # the payload is real: unpickled, it runs
@@ -391,7 +391,7 @@ def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path,
 
 
 def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch):
-    from pdcluster.cluster import channel_wire
+    from pdcluster.transfer import channel_wire
 
     monkeypatch.setattr(channel_wire, "HANDSHAKE_TIMEOUT_S", 0.2)
 
@@ -410,7 +410,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch):
 
 
 def test_a_router_refuses_an_engine_without_the_secret():
-    from pdcluster.cluster.auth import ServerHandshake, derive
+    from pdcluster.transfer.auth import ServerHandshake, derive
 
     async def main():
         async def impostor(reader, writer):  # answers the router's proof with a MAC of another key

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from router_fakes import MAX_LEN, MODEL, TEXT, FakeBackend, bad_request, serve_in_thread, sse_events
 
-from pdcluster.cluster.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import BackendError
 from pdcluster.router.openai_api import build_app
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from router_fakes import MODEL, FakeBackend, bad_request, serve_in_thread
 
+from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import GenerationChunk
-from pdcluster.router.http_app import HttpLimits
 from pdcluster.router.openai_api import build_app
 from pdcluster.router.openai_models import MAX_STOP_CHARS, MAX_STOP_STRINGS
 

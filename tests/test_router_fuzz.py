@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from router_fakes import MAX_LEN, MODEL, FakeBackend
 from starlette.testclient import TestClient
 
-from pdcluster.router.http_app import HttpLimits
+from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.openai_api import build_app
 from pdcluster.router.openai_models import UNSUPPORTED
 

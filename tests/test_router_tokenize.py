@@ -47,7 +47,7 @@ def test_the_bench_takes_the_vocab_from_a_plain_vllm_servers_model_root(tok_dir,
     the tokenizer there, and asks for --vocab-size only when this machine has no such path."""
     import httpx
 
-    from pdcluster.bench import run as bench_run
+    from pdcluster.cluster.replay import run as bench_run
 
     def served(root):
         def get(url, **kw):

@@ -271,7 +271,7 @@ def test_a_cache_reset_voids_the_promises_of_finished_requests_but_not_of_runnin
 
 
 def local_picker(held: HeldBlocks, max_tokens: int = 8, n_d: int = 1) -> InstancePicker:
-    from pdcluster.router.local_prefill import LocalPrefillSpec
+    from pdcluster.proto.router_spec import LocalPrefillSpec
     from pdcluster.router.pending_blocks import PendingBlocks
 
     return InstancePicker("prefix_aware", [Inst("p0"), Inst("p1")], [Inst(f"d{i}") for i in range(n_d)], BS, held,
@@ -309,7 +309,7 @@ def test_over_the_threshold_or_on_a_stale_index_the_prefill_goes_to_p():
 
 
 def test_local_prefill_never_is_todays_routing():
-    from pdcluster.router.local_prefill import LocalPrefillSpec
+    from pdcluster.proto.router_spec import LocalPrefillSpec
 
     held = HeldBlocks()
     prompt = family(1, n=24)

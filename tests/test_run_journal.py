@@ -10,7 +10,7 @@ import pytest
 from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, make, run
 from test_timeline_views import sample_records, write_run
 
-from pdcluster.cluster.messages import DecodeDelta
+from pdcluster.proto.messages import DecodeDelta
 from pdcluster.router.timeline import RunStore, load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 

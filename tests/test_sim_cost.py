@@ -25,7 +25,7 @@ from pdcluster.cluster.sim.calibrate import (
     seed000_ttft_s,
 )
 from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError, _DecodeBatch, _sum_min_linear
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, resolve_sim_params
+from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, resolve_sim_params
 
 PARAMS = Path(__file__).resolve().parents[1] / "cluster" / "sim" / "params"
 

@@ -14,11 +14,11 @@ import zmq
 from e2e import free_port, free_port_run, settled, tiny_model_dir
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from pdcluster.cluster.auth import curve_keys, zmq_secure_client
-from pdcluster.cluster.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.cluster.sim.engine import SimEngineActor
-from pdcluster.cluster.spec import parse_spec
-from pdcluster.transfer.handle import TransferHandle
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from pdcluster.proto.spec import parse_spec
+from pdcluster.transfer.auth import curve_keys, zmq_secure_client
 
 BLOCK = 128
 

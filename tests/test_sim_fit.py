@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.bench.run import BenchConfig
 from pdcluster.cluster.cli import main
+from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.fit import FitError, fit, observations, with_numbers
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, parse_spec
+from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, parse_spec
 from pdcluster.router.timeline import load_run
 
 # The trace's first 100 requests (tests/data/README.md): the run uses 80.

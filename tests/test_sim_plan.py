@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from chromium import chromium_page
 
-from pdcluster.bench.run import BenchConfig
 from pdcluster.cluster.cli import main
+from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.plan import Config, Outcome, Slo, pareto, rank
-from pdcluster.cluster.spec import load_spec
+from pdcluster.proto.spec import load_spec
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 # C90's shape at a quarter of its length, fast enough that one P is not enough.

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.bench.records import BenchRequest
-from pdcluster.bench.run import BenchConfig
+from pdcluster.cluster.replay.records import BenchRequest
+from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.virtual.events import EXTERNAL, ORIGIN_NS, STEP, EventLoop
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import simulate
-from pdcluster.cluster.spec import load_spec, parse_spec
+from pdcluster.proto.spec import load_spec, parse_spec
 from pdcluster.router.prefix_index import chain_hashes, hittable_hashes
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

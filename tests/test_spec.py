@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.cluster.spec import ClusterSpec, SpecError, load_spec, parse_spec
+from pdcluster.proto.spec import ClusterSpec, SpecError, load_spec, parse_spec
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

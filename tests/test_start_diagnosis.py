@@ -7,7 +7,6 @@ import socket
 import pytest
 
 from pdcluster.cluster.engine_actor import plan_instance
-from pdcluster.cluster.spec import parse_spec
 from pdcluster.cluster.start_diagnosis import (
     ListenPort,
     PortInUse,
@@ -16,7 +15,8 @@ from pdcluster.cluster.start_diagnosis import (
     listen_ports,
     own_stderr_tail,
 )
-from pdcluster.router.kv_event_wire import engine_kv_events_config
+from pdcluster.proto.kv_event_wire import engine_kv_events_config
+from pdcluster.proto.spec import parse_spec
 
 
 def spec(connector: str = "pdc"):

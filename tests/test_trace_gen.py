@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.bench.trace_gen import FamilyTrace, write
-from pdcluster.bench.workloads import TRACE_BLOCK, load_mooncake, read_mooncake, trace_hit_ratio_from_ids
+from pdcluster.cluster.replay.workloads import TRACE_BLOCK, load_mooncake, read_mooncake, trace_hit_ratio_from_ids
 
 
 def test_families_share_their_history_and_nothing_else(tmp_path):

@@ -1,4 +1,4 @@
-"""Unit tests of the pure transfer plan (transfer/plan.py) and the transfer handle (transfer/handle.py)."""
+"""Unit tests of the pure transfer plan (transfer/plan.py) and the transfer handle (proto/handle.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdcluster.transfer.handle import HANDLE_KEY, PRODUCE_KEY, HandleError, TransferHandle, transfer_id_of
+from pdcluster.proto.handle import HANDLE_KEY, PRODUCE_KEY, HandleError, TransferHandle, transfer_id_of
 from pdcluster.transfer.plan import (
     GroupPlan,
     PlanError,

@@ -1,6 +1,6 @@
 """The NPU path against vLLM-Ascend 0.23.0.post1's own source (issue 17 item 4), statically:
 its model runner is vLLM's GPUModelRunner with its own KV tensors, so the connector is driven
-by vLLM 0.23's hooks (get_finished, failed loads as blocks: cluster/vllm_compat.py), and its
+by vLLM 0.23's hooks (get_finished, failed loads as blocks: transfer/vllm_compat.py), and its
 KV comes as a tuple per layer (transfer/paged_kv.py moves each part; tests/test_npu_kv_layout.py).
 What only an NPU can show is in the README's version matrix."""
 
@@ -11,8 +11,8 @@ import ast
 import pytest
 from vllm_source_ast import Source, fetched
 
-from pdcluster.cluster.devices import DEVICES
-from pdcluster.cluster.vllm_compat import API
+from pdcluster.proto.devices import DEVICES
+from pdcluster.transfer.vllm_compat import API
 
 PINS = DEVICES["npu"].pins
 RUNNER = "vllm_ascend.worker.model_runner_v1"

@@ -1,4 +1,4 @@
-"""The adapters cluster/vllm_compat.py names for vLLM < 0.32, on vLLM-shaped fakes: P's
+"""The adapters transfer/vllm_compat.py names for vLLM < 0.32, on vLLM-shaped fakes: P's
 block tables rebuilt from the scheduled requests, and D's failed load reported the old way
 (through get_finished, as the failed request's blocks)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdcluster.cluster.vllm_compat import API, BlockTables, TransferResults
+from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer.connector import PdcConnector, PdcMetadata, _Worker
 from pdcluster.transfer.grpc_client import LoadJob, LoadResults
-from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
+from pdcluster.transfer.vllm_compat import API, BlockTables, TransferResults
 
 
 def scheduled(new=(), cached=(), resumed=()):
@@ -100,7 +100,8 @@ def test_a_patch_is_installed_only_on_its_versions():
 def test_the_v2_runner_switch_is_not_set_on_versions_without_it(monkeypatch):
     import os
 
-    from pdcluster.cluster import vllm_compat, vllm_patches
+    from pdcluster.cluster import vllm_patches
+    from pdcluster.transfer import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "installed_version", lambda: "0.34.0")
     monkeypatch.setitem(vllm_patches._PATCH_SETS, "dsv4_cpu", ())  # the env only: no hooks in this process
@@ -112,7 +113,7 @@ def test_the_v2_runner_switch_is_not_set_on_versions_without_it(monkeypatch):
 
 
 def test_spec_fields_are_read_under_each_versions_name():
-    from pdcluster.cluster.vllm_compat import bounded_replay, tokens_per_state
+    from pdcluster.transfer.vllm_compat import bounded_replay, tokens_per_state
 
     assert tokens_per_state(SimpleNamespace(tokens_per_state=4)) == 4  # 0.32 and later
     assert tokens_per_state(SimpleNamespace(compress_ratio=128)) == 128  # 0.23, 0.26

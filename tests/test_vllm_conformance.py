@@ -1,6 +1,6 @@
 """The connector fits every supported vLLM, checked against each version's own source
 (cluster/vllm_sources.py fetches them; nothing of theirs is imported): each name
-cluster/vllm_compat.py lists exists where it says, each VllmApi flag is what the source
+transfer/vllm_compat.py lists exists where it says, each VllmApi flag is what the source
 shows, and PdcConnector implements each version's abstract hooks with signatures its
 callers can use. The checker itself is shown to fail on a broken copy of a base class."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from vllm_source_ast import Params, Source, fetched, incompatibility, own_methods
 
-from pdcluster.cluster.vllm_compat import API, CONNECTOR_BASE, SUPPORTED, USES, VllmApi, check_supported
+from pdcluster.transfer.vllm_compat import API, CONNECTOR_BASE, SUPPORTED, USES, VllmApi, check_supported
 
 CONNECTOR = Path(__file__).resolve().parents[1] / "transfer" / "connector.py"
 # The project's classes, and the vLLM classes whose hooks each must implement.
@@ -125,7 +125,7 @@ def test_the_checks_fail_when_a_hook_changes_its_parameters(tmp_path):
 
 
 def test_a_version_outside_the_set_is_refused_naming_it_and_the_set():
-    from pdcluster.cluster.vllm_compat import UnsupportedVllm
+    from pdcluster.transfer.vllm_compat import UnsupportedVllm
 
     with pytest.raises(UnsupportedVllm, match=r"vLLM 0\.31\.0 is installed; pdcluster supports vLLM 0\.23\.0, "
                                               r"0\.26\.0, 0\.32\.0, 0\.33\.0, 0\.34\.0"):

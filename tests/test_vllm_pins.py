@@ -1,4 +1,4 @@
-"""The versions deploy/setup.sh installs per device (cluster/devices.py pins) can be installed
+"""The versions deploy/setup.sh installs per device (proto/devices.py pins) can be installed
 together: checked against each package's declared requirements, read from their fetched
 sources (cluster/vllm_sources.py), nothing installed."""
 
@@ -11,8 +11,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from vllm_source_ast import fetched
 
-from pdcluster.cluster.devices import DEVICES
-from pdcluster.cluster.vllm_compat import SUPPORTED, installed_version
+from pdcluster.proto.devices import DEVICES
+from pdcluster.transfer.vllm_compat import SUPPORTED, installed_version
 
 NPU = DEVICES["npu"].pins
 

@@ -17,12 +17,12 @@ import grpc
 import pytest
 import torch
 
-from pdcluster.cluster.auth import GrpcAuth, grpc_authenticated_channel
+from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults
 from pdcluster.transfer.grpc_server import KvServer
-from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
 from pdcluster.transfer.sources import SourceTable

@@ -5,7 +5,7 @@ ranks' addresses. c10d's TCPStore would be one more port that anyone reaching it
 read and write, with no way to authenticate them; so P keeps each channel's keys in
 memory (`ChannelStores`) and D reaches them through the KV service's `ChannelStore`
 call, which the service's interceptor admits only with the cluster secret
-(cluster/auth.py). Both ends see a `dist.Store`: P a `LocalStore`, D a `RemoteStore`.
+(transfer/auth.py). Both ends see a `dist.Store`: P a `LocalStore`, D a `RemoteStore`.
 
 Each channel name has its own key space, made when D opens the channel and dropped
 with it. Only what a rendezvous uses is served: set, get (waiting for the key), add,

@@ -34,8 +34,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdcluster.cluster import vllm_compat
-from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that knows each version
+from pdcluster.proto.handle import HandleError, TransferHandle, transfer_id_of
+from pdcluster.transfer import vllm_compat
+from pdcluster.transfer.groups import describe_groups
+from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
+from pdcluster.transfer.grpc_server import NULL_BLOCK_ID, KvServer
+from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.plan import TransferPlan, plan_transfer
+from pdcluster.transfer.sources import SourceTable
+from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -43,13 +50,6 @@ from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that k
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from pdcluster.transfer.groups import describe_groups
-from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
-from pdcluster.transfer.grpc_server import NULL_BLOCK_ID, KvServer
-from pdcluster.transfer.handle import HandleError, TransferHandle, transfer_id_of
-from pdcluster.transfer.paged_kv import PagedKv
-from pdcluster.transfer.plan import TransferPlan, plan_transfer
-from pdcluster.transfer.sources import SourceTable
 
 if TYPE_CHECKING:
     import torch
@@ -273,7 +273,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         return False, {D_STATS_KEY: self._d_stats.pop(request.request_id, None)}
 
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        from pdcluster.cluster.vllm_compat import RequestStatus
+        from pdcluster.transfer.vllm_compat import RequestStatus
 
         if self._tables is not None:
             self._tables.forget(request.request_id)
@@ -367,7 +367,7 @@ def _cluster_secret() -> str:
     kept out of kv_connector_extra_config, which vLLM logs with the rest of its config."""
     import os
 
-    from pdcluster.cluster.auth import SECRET_ENV
+    from pdcluster.transfer.auth import SECRET_ENV
 
     secret = os.environ.get(SECRET_ENV)
     assert secret, f"{SECRET_ENV} is not set in this vLLM worker: the engine actor sets it before the engine starts"

@@ -119,8 +119,8 @@ def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, dead
                    auth_key: bytes) -> socket.socket:
     """A plain TCP connection beside the process group whose only job is to close when the peer
     dies; both ends prove the cluster secret first (P drops whatever else connects)."""
-    from pdcluster.cluster.auth import AuthError, handshake_socket
-    from pdcluster.cluster.network import host_port
+    from pdcluster.transfer.auth import AuthError, handshake_socket
+    from pdcluster.transfer.network import host_port
 
     if rank == 0:
         listener = socket.create_server((local_host, 0))
@@ -180,7 +180,7 @@ def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, n
 
 
 def channel_liveness_key(secret: str) -> bytes:
-    from pdcluster.cluster.auth import derive
+    from pdcluster.transfer.auth import derive
 
     return derive(secret, "channel-liveness")
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that knows each version
+from pdcluster.transfer.plan import GroupKind
+from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -40,7 +41,6 @@ from pdcluster.cluster.vllm_compat import (  # vLLM's, through the module that k
     bounded_replay,
     tokens_per_state,
 )
-from pdcluster.transfer.plan import GroupKind
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec

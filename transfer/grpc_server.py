@@ -7,7 +7,7 @@ run of blocks the forward pass has finished, and sleeping on the source table
 until the next layer is done. A finished prefill is simply a source whose
 every block is ready, so pull and push are the same code.
 
-Authentication: every call must carry a token of the cluster secret (cluster/auth.py);
+Authentication: every call must carry a token of the cluster secret (transfer/auth.py);
 the server's interceptor refuses any other before its handler or request deserializer
 runs, so a peer without the secret can read no transfer, release no lease, open no
 channel and hold no server thread.
@@ -28,10 +28,10 @@ from concurrent import futures
 import grpc
 import torch
 
-from pdcluster.cluster.auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
+from pdcluster.transfer.auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer.channel_store import StoreError
 from pdcluster.transfer.channels import STALE_CHANNEL, ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel

@@ -27,8 +27,8 @@ from pdcluster.cluster.sim.cost import Component
 from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler
+from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
-from pdcluster.transfer.handle import TransferHandle
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
 

@@ -48,7 +48,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdcluster.cluster.spec import read_yaml
+from pdcluster.proto.spec import read_yaml
 
 ComponentKind = Literal["full", "window", "compressed", "state"]
 

@@ -27,7 +27,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdcluster.cluster.messages import (
+from pdcluster.cluster.sim.block_pool import BlockPool
+from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
+from pdcluster.cluster.sim.cost import CostModel, SimParams
+from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch
+from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
+from pdcluster.cluster.sim.producer import ProducerSide
+from pdcluster.cluster.sim.request import SimRequest
+from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
+from pdcluster.cluster.sim.vocab import model_vocab
+from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
     EngineLoad,
@@ -38,20 +49,9 @@ from pdcluster.cluster.messages import (
     Role,
     TransferStats,
 )
-from pdcluster.cluster.network import host_port, instance_address, instance_planes
-from pdcluster.cluster.request_channel import ServesRequestChannel
-from pdcluster.cluster.sim.block_pool import BlockPool
-from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
-from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch
-from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
-from pdcluster.cluster.sim.producer import ProducerSide
-from pdcluster.cluster.sim.request import SimRequest
-from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
-from pdcluster.cluster.sim.vocab import model_vocab
-from pdcluster.cluster.spec import ClusterSpec
-from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
-from pdcluster.transfer.handle import TransferHandle
+from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.network import host_port, instance_address, instance_planes
+from pdcluster.transfer.request_channel import ServesRequestChannel
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SimEngineActor(ServesRequestChannel):
         self.producer: ProducerSide | None = None
         self.consumer: ConsumerSide | None = None
         if role == "prefill":
-            from pdcluster.cluster.devices import DEVICES
+            from pdcluster.proto.devices import DEVICES
 
             kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale)
             kv_port = spec.kv_port(role, index)
@@ -113,8 +113,8 @@ class SimEngineActor(ServesRequestChannel):
         self.started_s = time.time() - t0
 
     def _event_publisher(self) -> EventPublisher:
-        from pdcluster.cluster.auth import curve_keys
-        from pdcluster.router.kv_event_wire import engine_kv_events_config
+        from pdcluster.proto.kv_event_wire import engine_kv_events_config
+        from pdcluster.transfer.auth import curve_keys
 
         cfg = engine_kv_events_config(self.spec, self.role, self.index, self.address.bind)
         return EventPublisher(cfg["endpoint"], cfg["replay_endpoint"], topic=cfg["topic"],

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdcluster.cluster.sim.cost import CostModel, SimParams, StepWork
-from pdcluster.cluster.spec import ClusterSpec, parse_spec
+from pdcluster.proto.spec import ClusterSpec, parse_spec
 from pdcluster.router.timeline import RequestRecord, Run
 
 # The numbers docs/sim.md names as fitted: efficiencies and per-step overheads.

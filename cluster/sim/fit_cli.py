@@ -17,7 +17,7 @@ def _fail(message: str) -> None:
 def _cmd_fit(a: argparse.Namespace) -> None:
     from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError
     from pdcluster.cluster.sim.fit import FREE, FitError, fit, fitted_yaml, observations, residual_summary, run_spec
-    from pdcluster.cluster.spec import SpecError, resolve_sim_params
+    from pdcluster.proto.spec import SpecError, resolve_sim_params
     from pdcluster.router.timeline import load_run
 
     free = tuple(a.free.split(",")) if a.free else FREE

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdcluster.cluster.auth import CurveKeys, zmq_secure_server
+from pdcluster.transfer.auth import CurveKeys, zmq_secure_server
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "", buffer_steps: int = 10_000,
                  hwm: int = 100_000, data_parallel_rank: int = 0, *, curve: CurveKeys | None):
-        """`curve`: serve only the cluster's processes (CURVE, cluster/auth.py), as the engines'
+        """`curve`: serve only the cluster's processes (CURVE, transfer/auth.py), as the engines'
         patched vLLM publisher does; None only for tests of the wire format."""
         self._topic = topic.encode()
         self._rank = data_parallel_rank

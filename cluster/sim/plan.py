@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdcluster.bench.run import BenchConfig, build_workload
+from pdcluster.cluster.replay.run import BenchConfig, build_workload
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
-from pdcluster.cluster.spec import ClusterSpec
-from pdcluster.router.admission import AdmissionSpec
-from pdcluster.router.policies import POLICIES
+from pdcluster.proto.router_spec import POLICIES, AdmissionSpec
+from pdcluster.proto.spec import ClusterSpec
 
 PERCENTILES = {50: "p50", 75: "p75", 90: "p90", 99: "p99"}
 

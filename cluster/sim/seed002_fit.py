@@ -20,12 +20,12 @@ import math
 import time
 from pathlib import Path
 
-from pdcluster.bench.run import BenchConfig, build_workload
+from pdcluster.cluster.replay.run import BenchConfig, build_workload
 from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml, with_numbers
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
-from pdcluster.cluster.spec import SHIPPED_SIM_PARAMS, load_spec
+from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, load_spec
 
 SEED002_TTFT_S, SEED002_TPOT_S, SEED002_E2E_S = 12.68, 0.0103, 23.24
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

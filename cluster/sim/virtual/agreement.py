@@ -1,7 +1,7 @@
 """How closely two runs of one spec and load agree: the virtual clock's against the real-time
 sim's (issue 18 item 2), or a prediction against a real run (item 4).
 
-Figures are the formal phase's, as bench/metrics.py computes them from each run's results
+Figures are the formal phase's, as cluster/replay/metrics.py computes them from each run's results
 (the client's view: TTFT, TPOT, E2E mean and p90, the measured prefix-hit ratio), and the
 requests each instance served (every phase, from the records), compared per role busiest
 first: instances of a role are interchangeable, and the real router's choice between two equally
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdcluster.bench.metrics import PhaseSummary
+from pdcluster.cluster.replay.metrics import PhaseSummary
 from pdcluster.router.timeline import RequestRecord
 
 METRICS: tuple[tuple[str, str, str], ...] = (  # (label, PhaseSummary stats metric, statistic)

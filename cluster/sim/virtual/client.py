@@ -1,12 +1,12 @@
 """The load on the virtual clock: `pdc bench run`'s phases, arrivals and concurrency cap.
 
-As bench/run.py and bench/driver.py do it: phases one after the other, each drained before
+As cluster/replay/run.py and cluster/replay/driver.py do it: phases one after the other, each drained before
 the next (warm-up, seed, check, formal); in each, requests arrive at `send_offsets` (the
 driver's own generator: a trace's timestamps, or gamma gaps at `request_rate`, seeded the
 same; seed and check phases all at once), wait first come first served for one of
 `max_concurrency` slots, and count from when they are sent; past `duration_s` nothing more is
 sent. Each request ends as the driver's `RequestResult`, its chunks the tokens' times,
-so bench/metrics.py computes the figures from the same numbers. Not modelled: the HTTP hop
+so cluster/replay/metrics.py computes the figures from the same numbers. Not modelled: the HTTP hop
 (client, router and engines share one clock, and a token reaches the client when it is
 made) and resending after a 429.
 """
@@ -17,9 +17,9 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 
-from pdcluster.bench.driver import DriveConfig, send_offsets
-from pdcluster.bench.records import BenchRequest, RequestResult
-from pdcluster.bench.run import PHASE_ORDER, BenchConfig
+from pdcluster.cluster.replay.driver import DriveConfig, send_offsets
+from pdcluster.cluster.replay.records import BenchRequest, RequestResult
+from pdcluster.cluster.replay.run import PHASE_ORDER, BenchConfig
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.router import VirtualRouter

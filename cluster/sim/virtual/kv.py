@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdcluster.cluster.messages import TransferStats
 from pdcluster.cluster.sim.cost import CostModel
 from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler_config import KvHooks
 from pdcluster.cluster.sim.virtual.events import EventLoop
+from pdcluster.proto.messages import TransferStats
 
 
 @dataclass

@@ -8,7 +8,7 @@ only that equal blocks (same tokens, same history) have equal hashes and others 
 both chains give; vLLM's own hash function matters on the wire to the router, which the
 virtual clock does not have (the pools' events carry the router's hashes, which its indexes
 take as they are). A prefix family's shared part is hashed once per family: requests of
-one `family` (bench/workloads.py builds them as its prefix + their own suffix) start with
+one `family` (cluster/replay/workloads.py builds them as its prefix + their own suffix) start with
 the same tokens, as long as the first two members do (checked exactly), and each later
 member's first and last shared block are checked against them too. A prepared prompt is
 kept by the request's place in the load, so a sweep over cluster configurations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdcluster.bench.records import BenchRequest
+from pdcluster.cluster.replay.records import BenchRequest
 from pdcluster.router.prefix_index import RouterHash, extend_chain_bytes, token_bytes
 
 
@@ -107,6 +107,6 @@ class PromptCache:
         for lo in (0, max(0, shared - bs)):
             assert tokens[lo:lo + bs] == first[lo:lo + bs] or lo + bs > shared, (
                 f"a request of family {family!r} differs from the family's first within the "
-                f"{shared} tokens they should share: not a prefix family (bench/workloads.py)")
+                f"{shared} tokens they should share: not a prefix family (cluster/replay/workloads.py)")
         known = shared // bs
         return _prompt(tokens, bs, fam.first.block_hashes[:known], shared, fam.shared_range)

@@ -21,19 +21,20 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from pdcluster.cluster.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec
+from pdcluster.cluster.launch import prefill_cost
 from pdcluster.cluster.sim import kv_wire
 from pdcluster.cluster.sim.request import Delta, SimRequest
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.cluster.sim.virtual.instance import VirtualInstance
 from pdcluster.cluster.sim.virtual.kv import VirtualKv
 from pdcluster.cluster.sim.virtual.prompts import PreparedPrompt
-from pdcluster.cluster.spec import ClusterSpec
+from pdcluster.proto.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec
+from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.lifecycle import CheckLost, Command, Decode, Dispatch, Finished, Lifecycle, Prefill, Routed
 from pdcluster.router.pending_blocks import PendingBlocks
-from pdcluster.router.prefill_cost import prefill_cost
-from pdcluster.router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, InstanceIndex, RouterHash
+from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 from pdcluster.router.routing import InstancePicker
 from pdcluster.router.timeline import RequestRecord
 
@@ -80,7 +81,7 @@ class _IndexLookup:
 
 def index_events(events: list) -> list:
     """A pool's events (cluster/sim/kv_wire.py, vLLM's structs) as the index reads them
-    (router/kv_event_wire.py decodes the same fields off the wire)."""
+    (proto/kv_event_wire.py decodes the same fields off the wire)."""
     out = []
     for ev in events:  # the pool's lists are the index's to read (nothing else holds them): not copied
         assert not getattr(ev, "block_hashes", None) or isinstance(ev.block_hashes[0], bytes), (

@@ -1,13 +1,13 @@
 """`simulate`: one cluster spec, one load, on the virtual clock, in one call.
 
     run = simulate(load_spec("deploy/p8d8-sim.yaml"), BenchConfig.from_preset("c90"))
-    run.summaries["formal"]            # bench/metrics.py's PhaseSummary, as `pdc bench run` reports
+    run.summaries["formal"]            # cluster/replay/metrics.py's PhaseSummary, as `pdc bench run` reports
     run.records                        # router/timeline.py's RequestRecords, as a run directory holds
     write_virtual_run(run, out_dir)    # both on disk: `pdc timeline summary OUT/timeline` reads it
 
 The spec is a simulated cluster's (`engine: sim` and its `sim:` section), or a vLLM one
 with a parameter file given (`params=`): the same engine args, the cost model instead of
-the model. The load is `pdc bench run`'s (bench/run.py build_workload), or requests given.
+the model. The load is `pdc bench run`'s (cluster/replay/run.py build_workload), or requests given.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdcluster.bench import workloads
-from pdcluster.bench.metrics import PhaseSummary, summarize_phases
-from pdcluster.bench.outputs import write_run
-from pdcluster.bench.records import BenchRequest, RequestResult
-from pdcluster.bench.run import BenchConfig, build_workload, expected_after_failures
+from pdcluster.cluster.replay import workloads
+from pdcluster.cluster.replay.metrics import PhaseSummary, summarize_phases
+from pdcluster.cluster.replay.outputs import write_run
+from pdcluster.cluster.replay.records import BenchRequest, RequestResult
+from pdcluster.cluster.replay.run import BenchConfig, build_workload, expected_after_failures
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.scheduler_config import SchedulerConfig
@@ -38,7 +38,7 @@ from pdcluster.cluster.sim.virtual.kv import VirtualKv
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.router import VirtualRouter
 from pdcluster.cluster.sim.vocab import spec_vocab
-from pdcluster.cluster.spec import ClusterSpec, SimSpec, SpecError, resolve_sim_params
+from pdcluster.proto.spec import ClusterSpec, SimSpec, SpecError, resolve_sim_params
 from pdcluster.router.timeline import ClockOffset, InstanceMeta, RequestRecord, RunMeta, RunStore, versions
 
 

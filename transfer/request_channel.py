@@ -8,7 +8,7 @@ as much to await, and each streamed item another message (bench/README.md,
 "The router's own overhead"); here a call is one msgpack frame, and everything
 a side has for the other in one event-loop turn goes in one frame.
 
-Wire (cluster/channel_wire.py): the engine listens on its node's address, the
+Wire (transfer/channel_wire.py): the engine listens on its node's address, the
 router connects, both prove they hold the cluster secret, then typed msgpack frames.
 
 Liveness: when the engine's process exits, the kernel closes its end of the
@@ -31,8 +31,9 @@ from collections.abc import Awaitable, Callable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pdcluster.cluster.auth import AuthError, ClientHandshake
-from pdcluster.cluster.channel_wire import (
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.transfer.auth import AuthError, ClientHandshake
+from pdcluster.transfer.channel_wire import (
     CALLS,
     ENGINE_INBOX,
     ROUTER_INBOX,
@@ -49,8 +50,7 @@ from pdcluster.cluster.channel_wire import (
     ServerHandshake,
     channel_key,
 )
-from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
-from pdcluster.cluster.network import InstanceAddress, host_port
+from pdcluster.transfer.network import InstanceAddress, host_port
 
 log = logging.getLogger(__name__)
 

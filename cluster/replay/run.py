@@ -20,12 +20,12 @@ from pathlib import Path
 
 import httpx
 
-from pdcluster.bench import workloads
-from pdcluster.bench.driver import DriveConfig, run_phase
-from pdcluster.bench.metrics import PhaseSummary, summarize_phases
-from pdcluster.bench.outputs import format_phase_breakdown, format_summary, write_run
-from pdcluster.bench.presets import PRESETS
-from pdcluster.bench.records import BenchRequest, RequestResult
+from pdcluster.cluster.replay import workloads
+from pdcluster.cluster.replay.driver import DriveConfig, run_phase
+from pdcluster.cluster.replay.metrics import PhaseSummary, summarize_phases
+from pdcluster.cluster.replay.outputs import format_phase_breakdown, format_summary, write_run
+from pdcluster.cluster.replay.presets import PRESETS
+from pdcluster.cluster.replay.records import BenchRequest, RequestResult
 from pdcluster.router.timeline import RequestRecord, load_run
 
 PHASE_ORDER = ("warmup", "seed", "check", "formal")

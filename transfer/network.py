@@ -100,7 +100,7 @@ LOOPBACK_ADDRESS = InstanceAddress(LOOPBACK, LOOPBACK)
 def instance_planes(address: InstanceAddress, request_channel: str, kv_event_ports: tuple[int, int]):
     """An instance's PlaneAddresses: its request channel (bound already) and its KV-event
     sockets (publish, replay ports from the spec), all at its advertised address."""
-    from pdcluster.cluster.messages import PlaneAddresses
+    from pdcluster.proto.messages import PlaneAddresses
 
     pub, replay = kv_event_ports
     return PlaneAddresses(address.advertise, request_channel, f"tcp://{host_port(address.advertise, pub)}",

@@ -9,7 +9,7 @@ the connector implements each version's abstract hooks.
 
 What differs, and how the project adapts (`VllmApi`, one per version; and elsewhere):
 - 0.23 publishes KV events as tagged arrays, later versions as tagged maps: the router's
-  decoder tells them apart by their first byte (router/kv_event_wire.py).
+  decoder tells them apart by their first byte (proto/kv_event_wire.py).
 - 0.23 and 0.26 have no `KVConnectorTransferResults`: the worker calls `get_finished()`,
   which PdcConnector builds on its `get_transfer_results()`, and a failed load is reported
   the old way, as the failed request's blocks (`get_block_ids_with_load_errors()`). vLLM's
@@ -148,7 +148,7 @@ USES: tuple[Symbol, ...] = (
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_connector_module_path"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.kv_load_failure_policy"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig.engine_id"),
-    # the KV events the router decodes (router/kv_event_wire.py: maps, or 0.23's tagged arrays)
+    # the KV events the router decodes (proto/kv_event_wire.py: maps, or 0.23's tagged arrays)
     *(Symbol("vllm.distributed.kv_events", name) for name in (
         "BlockStored.block_hashes", "BlockStored.parent_block_hash", "BlockStored.token_ids", "BlockStored.block_size",
         "BlockStored.medium", "BlockStored.extra_keys", "BlockStored.group_idx", "BlockRemoved.block_hashes",
@@ -214,7 +214,7 @@ class TransferResults:
 
 
 # The vLLM names the connector and patches use, and where each lives: `from
-# pdcluster.cluster.vllm_compat import X` imports it on first use (this module imports no vLLM).
+# pdcluster.transfer.vllm_compat import X` imports it on first use (this module imports no vLLM).
 _LAZY = {
     **dict.fromkeys(("KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorWorkerMetadata",
                      "SupportsHMA"), CONNECTOR_BASE),

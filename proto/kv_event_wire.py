@@ -14,11 +14,40 @@ follows them is router/kv_events.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from pdcluster.router.prefix_index import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+EngineHash = int | bytes  # vLLM's ExternalBlockHash: bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """vLLM's BlockStored, as the router needs it: engine hashes of consecutive blocks."""
+
+    block_hashes: Sequence[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: Sequence[int]  # all the blocks' tokens, block after block
+    block_size: int
+    group_idx: int = 0
+    medium: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # one per block, or None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: Sequence[EngineHash]
+    group_idx: int = 0
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 KV_EVENTS_TOPIC = "kv"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay marker
@@ -28,7 +57,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay 
 
 def engine_kv_events_config(spec: Any, role: str, index: int, host: str = "127.0.0.1") -> dict[str, Any]:
     """vLLM's KVEventsConfig fields for one instance (a ClusterSpec's `router.kv_events_port`),
-    both sockets on `host`, the instance's bind address (cluster/network.py). vLLM's own
+    both sockets on `host`, the instance's bind address (transfer/network.py). vLLM's own
     publisher would connect, not bind, a PUB endpoint that is not a wildcard: the engines'
     publisher is patched to bind it, with CURVE (cluster/vllm_patches.py, kv_events_curve).
     Any number of feeds (the router, a test, a tool) can follow one engine."""

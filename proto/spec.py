@@ -15,12 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from pdcluster.cluster.devices import DEVICES
-from pdcluster.router.admission import AdmissionSpec
-from pdcluster.router.http_app import HttpLimits
-from pdcluster.router.local_prefill import LocalPrefillSpec
-from pdcluster.router.migration import DEFAULT_MIGRATION_LIMIT
-from pdcluster.router.policies import Policy
+from pdcluster.proto.devices import DEVICES
+from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT, AdmissionSpec, HttpLimits, LocalPrefillSpec, Policy
 
 
 class SpecError(ValueError):
@@ -82,6 +78,9 @@ class EngineSpec(_Strict):
         merged["extra"] = {**base.extra, **self.extra}
         return EngineSpec(**merged)
 
+
+# Every plane between the cluster's processes proves the secret (transfer/auth.py): this long at least.
+MIN_SECRET_CHARS = 16
 
 DEFAULT_ENGINE = EngineSpec(
     kind="vllm", block_size=128, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=64,
@@ -152,7 +151,7 @@ class TransferSpec(_Strict):
     mode: Literal["push", "pull"] = "push"
     # grpc: the KV bytes inside the gRPC stream; torch_dist: gRPC only announces each
     # chunk, the bytes go over a torch.distributed pair channel (gloo on cpu, nccl on
-    # cuda, hccl on npu: cluster/devices.py).
+    # cuda, hccl on npu: proto/devices.py).
     backend: Literal["grpc", "torch_dist"] = "grpc"
     base_port: int = Field(18600, ge=1024, le=65000, description="P instance i serves KV on base_port + i")
     lease_s: float = Field(60.0, gt=0, description="P frees a request's blocks if D has not acknowledged by then")
@@ -199,7 +198,7 @@ class SimSpec(_Strict):
 
 
 class NetworkSpec(_Strict):
-    """The address every instance's planes bind and advertise (cluster/network.py)."""
+    """The address every instance's planes bind and advertise (transfer/network.py)."""
 
     # auto: loopback when the Ray cluster has one node at `pdc up`, else the node's address.
     mode: Literal["auto", "loopback", "node"] = "auto"
@@ -231,7 +230,7 @@ class NetworkSpec(_Strict):
 class AuthSpec(_Strict):
     """Secrets (shown masked in dumps, logs and run metadata)."""
 
-    # Every plane between the cluster's processes proves it (cluster/auth.py). Unset: the env
+    # Every plane between the cluster's processes proves it (transfer/auth.py). Unset: the env
     # var PDC_CLUSTER_SECRET, else `pdc up` generates one for this cluster's life.
     secret: SecretStr | None = None
     # The router's HTTP API answers 401 without `Authorization: Bearer <one of these>`
@@ -241,8 +240,6 @@ class AuthSpec(_Strict):
     @field_validator("secret")
     @classmethod
     def _long_enough(cls, secret: SecretStr | None) -> SecretStr | None:
-        from pdcluster.cluster.auth import MIN_SECRET_CHARS
-
         if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
             raise ValueError(f"must have at least {MIN_SECRET_CHARS} characters")
         return secret
@@ -441,7 +438,7 @@ def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) 
     })
 
 
-SHIPPED_SIM_PARAMS = Path(__file__).resolve().parent / "sim" / "params"
+SHIPPED_SIM_PARAMS = Path(__file__).resolve().parent.parent / "cluster" / "sim" / "params"
 
 
 def resolve_sim_params(params: str, resolve) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdcluster.bench.records import BenchRequest
+from pdcluster.cluster.replay.records import BenchRequest
 
 TRACE_BLOCK = 512  # Mooncake: one hash id per 512 tokens
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.replay.records import RequestResult
 
 # The per-request metrics AISBench tabulates, in its row order (plus ITL).
 METRICS: tuple[str, ...] = (

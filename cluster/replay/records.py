@@ -1,7 +1,7 @@
 """What the load replayer sends and what it observes, one dataclass each.
 
-Workloads (bench/workloads.py) produce `BenchRequest`s; the driver
-(bench/driver.py) turns each into a `RequestResult`; metrics (bench/metrics.py)
+Workloads (cluster/replay/workloads.py) produce `BenchRequest`s; the driver
+(cluster/replay/driver.py) turns each into a `RequestResult`; metrics (cluster/replay/metrics.py)
 reduce results to AISBench-style statistics. Times are client-side
 `time.monotonic()` seconds.
 """

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from pdcluster.bench.metrics import LATENCY_METRICS, METRICS, UNITS, PhaseSummary, Stats, per_request
-from pdcluster.bench.records import RequestResult
+from pdcluster.cluster.replay.metrics import LATENCY_METRICS, METRICS, UNITS, PhaseSummary, Stats, per_request
+from pdcluster.cluster.replay.records import RequestResult
 from pdcluster.router.attribution import attribute, critical_path
 from pdcluster.router.timeline import RequestRecord
 

@@ -1,7 +1,7 @@
 """Typed messages between the router and the P/D engine actors.
 
 Everything that crosses between them (a Ray call, or a request channel frame:
-cluster/channel_wire.py) is one of these frozen dataclasses: pickled by Ray, msgpack
+transfer/channel_wire.py) is one of these frozen dataclasses: pickled by Ray, msgpack
 typed by msgspec on the request channel. Token ids, never text: the router owns the
 tokenizer, engines run with `skip_tokenizer_init=True`.
 """
@@ -117,7 +117,7 @@ class DecodeDelta:
 
 @dataclass(frozen=True)
 class PlaneAddresses:
-    """Where one instance's planes listen, as it advertises them (cluster/network.py)."""
+    """Where one instance's planes listen, as it advertises them (transfer/network.py)."""
 
     host: str = ""  # the address its planes bind (or advertise, with network.bind_all)
     request_channel: str = ""  # host:port

@@ -59,7 +59,7 @@ DEVICES: dict[str, Device] = {
 }
 
 
-if __name__ == "__main__":  # deploy/setup.sh: `python cluster/devices.py DEVICE` prints its install lines
+if __name__ == "__main__":  # deploy/setup.sh: `python proto/devices.py DEVICE` prints its install lines
     import sys
 
     print("\n".join(DEVICES[sys.argv[1]].install))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcluster.bench.records import BenchRequest, RequestResult
+from pdcluster.cluster.replay.records import BenchRequest, RequestResult
 
 
 @dataclass(frozen=True)

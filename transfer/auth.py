@@ -35,10 +35,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pdcluster.proto.spec import MIN_SECRET_CHARS
+
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "PDC_CLUSTER_SECRET"
-MIN_SECRET_CHARS = 16
 
 
 class AuthError(Exception):

@@ -1,8 +1,8 @@
 """The request channel's wire: its messages, their codec, and one framed TCP connection.
 
-Wire: the engine listens on its node's address (cluster/network.py; it may serve
+Wire: the engine listens on its node's address (transfer/network.py; it may serve
 several routers, a connection each), the router connects. Before anything else, both
-prove they hold the cluster secret (cluster/auth.py's handshake: the engine reads one
+prove they hold the cluster secret (transfer/auth.py's handshake: the engine reads one
 fixed-size proof and drops a connection that sends anything else). Then each frame is a
 4-byte big-endian length and a msgpack list of typed messages (msgspec: the decoder
 builds exactly these classes and the messages.py dataclasses inside them, and nothing
@@ -11,7 +11,7 @@ router `PrefillReply`, `DecodeReply`. Plain asyncio TCP rather than ZMQ: ZMQ's I
 thread adds a thread hop each way (a round trip ~200 us here against ~110; P's and D's
 calls at one connection 0.67 -> 0.32 ms, bench/README.md "The router's own overhead").
 
-The channel itself (who listens, who calls, liveness) is cluster/request_channel.py.
+The channel itself (who listens, who calls, liveness) is transfer/request_channel.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Literal
 
 import msgspec
 
-from pdcluster.cluster.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClientHandshake, ServerHandshake, derive
-from pdcluster.cluster.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
-from pdcluster.cluster.network import host_port
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClientHandshake, ServerHandshake, derive
+from pdcluster.transfer.network import host_port
 
 log = logging.getLogger(__name__)
 
