@@ -1,18 +1,15 @@
-"""The router on the virtual clock: router/pd_dispatch.py's request path, without the network.
+"""The router on the virtual clock: a driver of router/lifecycle.py, without the network.
 
-What decides is the router's own code: `InstancePicker` (router/routing.py) with the spec's
-policy, pending blocks (router/pending_blocks.py), prefill-cost model (router/prefill_cost.py)
-and local-prefill rule; admission (router/admission.py); one `InstanceIndex` per instance
-(router/prefix_index.py) fed every KV cache event its pool publishes. The real router gets
-those events over ZMQ a moment after each step; here they are applied at the step's end.
-Records are filled by router/recording.py from the same messages the engines send
-(PrefillResult, DecodeDelta, TransferStats), every time on the virtual clock.
-
-Request path, as the dispatcher's: push mode sends D and P the request at once (D starts
-its load when its scheduler admits it, and takes each block as P makes it ready); pull mode
-sends D the request when P is done; a route that prefills on D sends D alone. Not modelled:
-network and router CPU time (a request reaches P and D the moment it arrives), failures,
-migrations, timeouts, client aborts.
+The request's sequence is the lifecycle's, as the real router's (router/pd_dispatch.py); what
+decides is the router's own code: `InstancePicker` (router/routing.py) with the spec's policy,
+pending blocks, prefill-cost model and local-prefill rule; admission; one `InstanceIndex` per
+instance (router/prefix_index.py) fed every KV cache event its pool publishes. The real router
+gets those events over ZMQ a moment after each step; here they are applied at the step's end.
+The lifecycle's commands become SimRequests added to the virtual instances (push: D and P at
+once, D loading each block as P makes it ready; pull: D when P is done; local prefill: D alone),
+and their deltas its inputs, every time on the virtual clock. Not modelled: network and router
+CPU time (a request reaches P and D the moment it arrives), failures, migrations, timeouts,
+client aborts.
 """
 
 from __future__ import annotations
