@@ -171,7 +171,7 @@ def _p_main(shape: Shape, grpc_chunks: list[int], jobs: int, core: int | None, r
             secret: str = BENCH_SECRET, streams: int = 1) -> None:
     """P: KV services (one per chunk size) over shape's blocks, a gloo channel, raw TCP sockets on
     `host`; their addresses go to ready.put(); then it serves D's commands until "quit"."""
-    from pdcluster.transfer.dist_channel import send_blocks
+    from pdcluster.transfer.dist_blocks import send_blocks
     from pdcluster.transfer.grpc_server import KvServer
     from pdcluster.transfer.paged_kv import PagedKv
     from pdcluster.transfer.sources import SourceTable
@@ -242,7 +242,7 @@ class Bench:
                  p: dict | None = None, streams: int = 1, secret: str = BENCH_SECRET):
         from pdcluster.transfer.auth import GrpcAuth
         from pdcluster.transfer.channels import ChannelPool
-        from pdcluster.transfer.dist_channel import channel_liveness_key
+        from pdcluster.transfer.dist_liveness import channel_liveness_key
         from pdcluster.transfer.grpc_client import KvFetcher, kv_stub
         from pdcluster.transfer.paged_kv import PagedKv
 
@@ -312,7 +312,7 @@ class Bench:
         return elapsed
 
     def gloo(self, chunk: int, shuffled: bool = False) -> float:
-        from pdcluster.transfer.dist_channel import count_chunks, recv_blocks
+        from pdcluster.transfer.dist_blocks import count_chunks, recv_blocks
 
         d_ids = block_ids(self.shape, shuffled, seed=2)
         layers = [(t, d_ids) for t in self.dst.values()]

@@ -33,19 +33,27 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdcluster.cluster.lab_procs import (
+    _kill_all,
+    _link_exists,
+    _netns_list,
+    _netns_pids,
+    _proc,
+    _rss_kb,
+    _session_pids,
+)
+from pdcluster.cluster.lab_ray import LABEL_KEY, RayNode, ray_nodes, use_ray_token, wait_for_nodes  # noqa: F401
 
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
 from pdcluster.cluster.lab_tc import LabError, LinkControl, tbf_args
 from pdcluster.cluster.lab_tc import run as _run
 
-LABEL_KEY = "pdc-host"
 HEAD_LABEL = "head"
 IFNAMSIZ = 15  # the kernel's limit on an interface name
 # GCS checks each node every period; `failure_threshold` failed checks in a row (each waits up to
@@ -83,14 +91,6 @@ class LabHost:
 Host = str | int | LabHost  # see Lab.host
 
 
-@dataclass(frozen=True)
-class RayNode:
-    node_id: str
-    address: str
-    label: str
-    alive: bool
-
-
 # ---- pure parts (the address plan and names are Lab.plan) ----
 
 def find_overlaps(subnet: str, routes: list[dict], addrs: list[dict]) -> list[str]:
@@ -113,89 +113,6 @@ def find_overlaps(subnet: str, routes: list[dict], addrs: list[dict]) -> list[st
 
 
 # ---- the machine ----
-
-def _link_exists(ifname: str) -> bool:
-    return _run(["ip", "link", "show", "dev", ifname], check=False).returncode == 0
-
-
-def _netns_list() -> set[str]:
-    return {line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()}
-
-
-def _netns_pids(netns: str) -> list[int]:
-    out = _run(["ip", "netns", "pids", netns], check=False)
-    return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
-
-
-def _proc(pid: int | str, what: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/{what}").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""  # gone meanwhile
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` (not zombies: those only wait for PID 1 to reap them)."""
-    stats = {int(pid): _proc(pid, "stat").rsplit(")", 1)[-1].split() for pid in filter(str.isdigit, os.listdir("/proc"))}
-    return [pid for pid, f in stats.items() if len(f) > 3 and f[3] == str(sid) and f[0] != "Z"]  # state ppid pgrp sid
-
-
-def _rss_kb(pid: int) -> int:
-    m = re.search(r"VmRSS:\s+(\d+)", _proc(pid, "status"))
-    return int(m.group(1)) if m else 0
-
-
-# /proc/PID/stat's flags: the task is in do_exit (it never returns to user space).
-_PF_EXITING = 0x4
-_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
-
-
-def _can_act(pid: int) -> bool:
-    """Whether a process can still run code of its own: it exists, is not exiting, and has no
-    SIGKILL pending. A killed process may take seconds to leave (in uninterruptible sleep, or
-    freeing gigabytes of memory on a loaded machine), but it never runs again."""
-    stat = _proc(pid, "stat").rsplit(")", 1)[-1].split()  # state ppid pgrp ... flags is the 7th
-    if len(stat) < 7 or stat[0] in ("Z", "X", "x") or int(stat[6]) & _PF_EXITING:
-        return False
-    pending = re.findall(r"^(?:SigPnd|ShdPnd):\s+([0-9a-f]+)", _proc(pid, "status"), re.M)
-    return not any(int(mask, 16) & _SIGKILL_BIT for mask in pending)
-
-
-def _kill_all(find, reap: bool, timeout_s: float = 10.0) -> None:
-    """SIGKILL what `find()` lists until none of it can act any more (`_can_act`). `reap`: then wait
-    (a few seconds at most) until the processes are gone and PID 1 has reaped them, so that a `ps`
-    right after shows no zombie of ours; one still exiting then is left to finish on its own."""
-    deadline, killed = time.monotonic() + timeout_s, set()
-    while pids := [pid for pid in find() if _can_act(pid)]:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        killed.update(pids)
-        if time.monotonic() > deadline:
-            raise LabError(f"processes still running after SIGKILL: {pids}")
-        time.sleep(0.05)
-    while reap and any(Path(f"/proc/{pid}").exists() for pid in killed) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def use_ray_token() -> None:
-    """Ray token auth for the lab's nodes and for this process, with the machine's own Ray token
-    (~/.ray/auth_token, made if missing), as one real cluster shares one token. Why not disabled:
-    a process that ever ran a local ray.init() is in token mode for good (Ray's default since 2.52),
-    and its driver then refuses every call from nodes without the token."""
-    from ray._private.authentication import authentication_token_setup as ray_auth
-    from ray._raylet import AuthenticationTokenLoader
-
-    if os.environ.get(ray_auth.AUTH_MODE_ENV_VAR, "token").lower() != "token":
-        raise LabError(f"{ray_auth.AUTH_MODE_ENV_VAR}={os.environ[ray_auth.AUTH_MODE_ENV_VAR]} in this process, "
-                       "but the lab's Ray uses token auth: unset it")
-    loader = AuthenticationTokenLoader.instance()
-    if not loader.has_token(ignore_auth_mode=True):
-        ray_auth.generate_and_save_token()
-        loader.reset_cache()
-    if ray_auth.AUTH_MODE_ENV_VAR not in os.environ:
-        ray_auth._enable_token_auth()  # the lab's own GCS calls (ray_nodes) carry the token
-
 
 def _free_ports(n: int) -> list[int]:
     """n distinct ports free on every address (the sockets are held together so that they differ)."""
@@ -448,27 +365,11 @@ class Lab(LinkControl):
 
     def ray_nodes(self) -> list[RayNode]:
         """Every node Ray's GCS knows in this lab, dead ones included."""
-        from ray._raylet import GcsClient
-        from ray.core.generated.gcs_pb2 import GcsNodeInfo
-
-        use_ray_token()
-        infos = GcsClient(address=self.ray_address).get_all_node_info(timeout=10).values()
-        return [RayNode(node_id=i.node_id.hex(), address=i.node_manager_address, label=i.labels.get(LABEL_KEY, ""),
-                        alive=i.state == GcsNodeInfo.GcsNodeState.ALIVE) for i in infos]
+        return ray_nodes(self.ray_address)
 
     def wait_for_nodes(self, want: dict[str, str], timeout_s: float = 60.0, exclude: set[str] = frozenset()) -> None:
         """Until each label -> address of `want` has a live node (not one of `exclude`)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                have = {(n.label, n.address) for n in self.ray_nodes() if n.alive and n.node_id not in exclude}
-            except Exception:  # GCS not answering yet
-                have = set()
-            if not (missing := set(want.items()) - have):
-                return
-            if time.monotonic() > deadline:
-                raise LabError(f"Ray nodes not up after {timeout_s:.0f} s: {sorted(missing)}; logs in {self.state_dir}")
-            time.sleep(0.2)
+        wait_for_nodes(self.ray_address, want, timeout_s, exclude, logs=self.state_dir)
 
     # ---- teardown ----
 

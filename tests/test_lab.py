@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.cluster import lab, lab_tc
+from pdcluster.cluster import lab_procs, lab_tc
 from pdcluster.cluster.lab import (
     IFNAMSIZ,
     LABEL_KEY,
@@ -212,14 +212,14 @@ def test_a_killed_process_cannot_act_before_it_is_reaped():
     again. Exiting and SIGKILL-pending processes are the same case the lab met under load."""
     proc = _spawn_sleeper()
     try:
-        assert lab._can_act(proc.pid)
+        assert lab_procs._can_act(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
-        _wait_until(lambda: not lab._can_act(proc.pid))
+        _wait_until(lambda: not lab_procs._can_act(proc.pid))
         assert Path(f"/proc/{proc.pid}").exists(), "not yet reaped: the case kill_host must not wait on"
     finally:
         proc.kill()
         proc.wait()
-    assert not lab._can_act(proc.pid)  # gone
+    assert not lab_procs._can_act(proc.pid)  # gone
 
 
 def test_kill_all_returns_once_nothing_listed_can_act():
@@ -228,8 +228,8 @@ def test_kill_all_returns_once_nothing_listed_can_act():
         pids = [p.pid for p in procs]
         # `find` keeps listing them (as `ip netns pids` lists a process until it has left): killed
         # and not yet reaped is enough, with no error.
-        lab._kill_all(lambda: pids, reap=False, timeout_s=5.0)
-        assert not any(lab._can_act(pid) for pid in pids)
+        lab_procs._kill_all(lambda: pids, reap=False, timeout_s=5.0)
+        assert not any(lab_procs._can_act(pid) for pid in pids)
     finally:
         for p in procs:
             p.kill()
@@ -237,11 +237,11 @@ def test_kill_all_returns_once_nothing_listed_can_act():
 
 
 def test_kill_all_names_what_it_could_not_kill(monkeypatch):
-    monkeypatch.setattr(lab.os, "kill", lambda pid, sig: None)  # SIGKILL that never lands
+    monkeypatch.setattr(lab_procs.os, "kill", lambda pid, sig: None)  # SIGKILL that never lands
     proc = _spawn_sleeper()
     try:
         with pytest.raises(LabError, match=f"still running after SIGKILL: \\[{proc.pid}\\]"):
-            lab._kill_all(lambda: [proc.pid], reap=False, timeout_s=0.2)
+            lab_procs._kill_all(lambda: [proc.pid], reap=False, timeout_s=0.2)
     finally:
         monkeypatch.undo()  # os.kill is everyone's
         proc.kill()

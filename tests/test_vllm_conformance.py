@@ -15,8 +15,10 @@ from vllm_source_ast import Params, Source, fetched, incompatibility, own_method
 from pdcluster.transfer.vllm_compat import API, CONNECTOR_BASE, SUPPORTED, USES, VllmApi, check_supported
 
 CONNECTOR = Path(__file__).resolve().parents[1] / "transfer" / "connector.py"
-# The project's classes, and the vLLM classes whose hooks each must implement.
-IMPLEMENTS = {"PdcConnector": ("KVConnectorBase_V1", "SupportsHMA"), "PullTimings": ("KVConnectorWorkerMetadata",)}
+CONNECTOR_META = CONNECTOR.with_name("connector_meta.py")
+# The project's classes (and their files), and the vLLM classes whose hooks each must implement.
+IMPLEMENTS = {"PdcConnector": (CONNECTOR, ("KVConnectorBase_V1", "SupportsHMA")),
+              "PullTimings": (CONNECTOR_META, ("KVConnectorWorkerMetadata",))}
 # Each VllmApi flag, and the name in the source that decides it.
 FLAG_SYMBOLS = {
     "transfer_results": (CONNECTOR_BASE, "KVConnectorTransferResults"),
@@ -50,12 +52,12 @@ def missing_symbols(src: Source, version: str) -> list[str]:
     return out
 
 
-def unimplemented_hooks(src: Source, connector: Path = CONNECTOR) -> list[str]:
+def unimplemented_hooks(src: Source) -> list[str]:
     """Each abstract method of the vLLM bases not implemented, or implemented with a signature
     vLLM cannot call; and each override of a base method vLLM would call wrongly."""
     out = []
-    for ours, bases in IMPLEMENTS.items():
-        mine = own_methods(connector, ours)
+    for ours, (path, bases) in IMPLEMENTS.items():
+        mine = own_methods(path, ours)
         for base in bases:
             assert src.find_class(CONNECTOR_BASE, base), f"{base} is not in this version's {CONNECTOR_BASE}"
             for name, params in src.abstract_methods(CONNECTOR_BASE, base).items():

@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.proto.handle import HandleError, TransferHandle, transfer_id_of
 from pdcluster.transfer import vllm_compat
 from pdcluster.transfer.groups import describe_groups
-from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, PullTiming
-from pdcluster.transfer.grpc_server import NULL_BLOCK_ID, KvServer
-from pdcluster.transfer.paged_kv import PagedKv
+from pdcluster.transfer.grpc_client import LoadJob
+from pdcluster.transfer.grpc_server import NULL_BLOCK_ID
 from pdcluster.transfer.plan import TransferPlan, plan_transfer
-from pdcluster.transfer.sources import SourceTable
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -61,71 +58,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from pdcluster.transfer.connector_meta import ConnectorSettings, PdcMetadata, PullTimings, SourceEnd, SourceStep
+from pdcluster.transfer.connector_worker import _Worker
+
 log = logging.getLogger(__name__)
 
 # kv_transfer_params key of D's per-request report (returned in D's final output).
 D_STATS_KEY = "pdc_d_stats"
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """From kv_connector_extra_config (set by cluster/engine_actor.py)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # P's KV server; 0: any free port
-    advertise_host: str | None = None  # address D should dial; default: host
-    lease_s: float = 60.0
-    timeout_s: float = 30.0
-    chunk_bytes: int = 1 << 20
-    break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
-    channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
-    transport: str = "grpc"  # what the handles P returns ask for (pull mode; the router may change it)
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-
-@dataclass(frozen=True)
-class SourceStep:
-    """P: this step computes `transfer_id`'s prompt up to `step_tokens`, in these blocks."""
-
-    transfer_id: str
-    request_id: str
-    num_tokens: int
-    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, P's whole block table
-    step_tokens: int
-
-
-@dataclass(frozen=True)
-class SourceEnd:
-    """P: the request ended; its blocks stay until D releases them or the lease expires."""
-
-    transfer_id: str
-    aborted: bool  # P did not finish the prefill: D must not wait for it
-
-
-@dataclass
-class PdcMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step."""
-
-    steps: list[SourceStep] = field(default_factory=list)  # P
-    ends: list[SourceEnd] = field(default_factory=list)  # P
-    preempted: list[str] = field(default_factory=list)  # P: request ids whose blocks P took back
-    loads: list[LoadJob] = field(default_factory=list)  # D: what to receive (or only release)
-    cancels: list[str] = field(default_factory=list)  # D: request ids whose load must stop
-
-
-@dataclass
-class PullTimings(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: how each finished pull went (for the request's timeline)."""
-
-    pulls: dict[str, PullTiming] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
-        return PullTimings({**self.pulls, **other.pulls})
 
 
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
@@ -360,88 +299,3 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self._worker is not None:
             self._worker.stop()
-
-
-def _cluster_secret() -> str:
-    """The cluster secret, from the env the engine actor set before vLLM started this worker:
-    kept out of kv_connector_extra_config, which vLLM logs with the rest of its config."""
-    import os
-
-    from pdcluster.transfer.auth import SECRET_ENV
-
-    secret = os.environ.get(SECRET_ENV)
-    assert secret, f"{SECRET_ENV} is not set in this vLLM worker: the engine actor sets it before the engine starts"
-    return secret
-
-
-class _Worker:
-    """Worker-side state: the source table and KV server on P, the fetcher on D."""
-
-    def __init__(self, conn: PdcConnector, kv_caches: dict[str, torch.Tensor]):
-        cfg = conn._kv_cache_config
-        groups = {name: i for i, g in enumerate(cfg.kv_cache_groups) for name in g.layer_names}
-        self.kv = PagedKv(kv_caches, groups, cfg.num_blocks)
-        self.settings = conn.settings
-        self._timings: dict[str, PullTiming] = {}  # loads finished since the last step's metadata
-        # D on vLLM < 0.32: each load's blocks until it ends, and those of failed loads until
-        # vLLM asks (get_block_ids_with_load_errors): its only word for a failed load.
-        self._failed_as_blocks = not conn.api.transfer_results
-        self._load_blocks: dict[str, set[int]] = {}
-        self._error_blocks: set[int] = set()
-        self.sources: SourceTable | None = None
-        self.server = self.fetcher = None
-        s = conn.settings
-        secret = _cluster_secret()
-        if conn.is_producer:
-            self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
-            self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
-                                   secret=secret, wait_s=s.timeout_s, break_prefix=s.break_prefix,
-                                   channel_backend=s.channel_backend, advertise=s.advertise_host)
-        else:
-            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret)
-
-    def start(self, meta: PdcMetadata) -> None:
-        if self.sources is not None:
-            for request_id in meta.preempted:
-                self.sources.preempted(request_id)
-            for step in meta.steps:
-                self.sources.step(step.transfer_id, step.request_id, step.num_tokens, step.block_ids,
-                                  step.step_tokens)
-            for end in meta.ends:
-                self.sources.finish(end.transfer_id, self.settings.lease_s, aborted=end.aborted)
-        if meta.loads or meta.cancels:
-            assert self.fetcher is not None, "a load job reached a producer: kv_role misconfigured"
-            for job in meta.loads:
-                if self._failed_as_blocks:
-                    self._load_blocks[job.request_id] = {b for g in job.plan.groups for b in g.local_block_ids}
-                self.fetcher.submit(job)
-            for request_id in meta.cancels:
-                self.fetcher.cancel(request_id)
-
-    def results(self) -> KVConnectorTransferResults:
-        out = KVConnectorTransferResults(finished_sending=self.sources.take_finished() if self.sources else set())
-        if self.fetcher is not None:
-            r = self.fetcher.take_results()
-            out.finished_recving, out.failed_recving = r.finished, r.failed
-            self._timings.update(r.timings)
-            if self._failed_as_blocks:
-                for request_id in r.failed:
-                    self._error_blocks |= self._load_blocks.get(request_id, set())
-                for request_id in r.finished:  # failed ones are in finished too
-                    self._load_blocks.pop(request_id, None)
-        return out
-
-    def take_error_blocks(self) -> set[int]:
-        out, self._error_blocks = self._error_blocks, set()
-        return out
-
-    def take_timings(self) -> PullTimings | None:
-        if not self._timings:
-            return None
-        out, self._timings = PullTimings(self._timings), {}
-        return out
-
-    def stop(self) -> None:
-        for part in (self.server, self.fetcher):
-            if part is not None:
-                part.stop()

@@ -55,12 +55,13 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import torch
 import torch.distributed as dist
+
+from pdcluster.transfer.dist_liveness import _liveness_pair, _PeerState, _watch
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ ROLES = {"p": 0, "d": 1}  # P serves KV (rank 0, hosts the store), D receives it
 TAG_SPACE_BITS = 30  # each rank's share of the C-int tag space
 BACKENDS = ("gloo", "nccl", "hccl")
 TAGGED_BACKENDS = ("gloo",)  # backends that match send to recv by tag (the others: by posting order)
+
 
 
 class ChannelError(RuntimeError):
@@ -110,46 +112,6 @@ def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.
     raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
 
 
-# The liveness connection: its peer's host vanishing (no FIN) ends it within ~11 s.
-_KEEPALIVE = ((socket.SO_KEEPALIVE, 1, socket.SOL_SOCKET), (socket.TCP_KEEPIDLE, 5, socket.IPPROTO_TCP),
-              (socket.TCP_KEEPINTVL, 2, socket.IPPROTO_TCP), (socket.TCP_KEEPCNT, 3, socket.IPPROTO_TCP))
-
-
-def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, deadline: float,
-                   auth_key: bytes) -> socket.socket:
-    """A plain TCP connection beside the process group whose only job is to close when the peer
-    dies; both ends prove the cluster secret first (P drops whatever else connects)."""
-    from pdcluster.transfer.auth import AuthError, handshake_socket
-    from pdcluster.transfer.network import host_port
-
-    if rank == 0:
-        listener = socket.create_server((local_host, 0))
-        try:
-            store.set(key, host_port(local_host, listener.getsockname()[1]))
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError("D never connected its liveness socket")
-                listener.settimeout(remaining)
-                conn, peer = listener.accept()
-                try:
-                    handshake_socket(conn, auth_key, server=True, timeout_s=max(0.01, deadline - time.monotonic()))
-                    break
-                except (AuthError, OSError) as err:
-                    log.warning("channel liveness socket: refused %s: %s", peer, err)
-                    conn.close()
-        finally:
-            listener.close()
-    else:
-        host, port = store.get(key).decode().rsplit(":", 1)
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=max(deadline - time.monotonic(), 0.01))
-        handshake_socket(conn, auth_key, server=False, timeout_s=max(0.01, deadline - time.monotonic()))
-    for opt, value, level in _KEEPALIVE:
-        conn.setsockopt(level, opt, value)
-    conn.settimeout(None)
-    return conn
-
-
 def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, name: str, local_host: str,
                  auth_key: bytes) -> TensorChannel:
     """Open P's or D's end of the pair channel `name`; returns once both ends are connected.
@@ -177,12 +139,6 @@ def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, n
         peer = "D never joined" if rank == 0 else "P did not complete the rendezvous"
         raise ChannelError(f"{where}: {peer} within {timeout_s:.1f} s: {err}") from err
     return TensorChannel(pg, rank, backend, timeout_s, name, store, alive)
-
-
-def channel_liveness_key(secret: str) -> bytes:
-    from pdcluster.transfer.auth import derive
-
-    return derive(secret, "channel-liveness")
 
 
 class Pending:
@@ -242,22 +198,6 @@ class Pending:
             fn()
         self._done = True
         self._keep = ()
-
-
-class _PeerState:
-    def __init__(self):
-        self.gone: str | None = None
-        self.closed = False
-
-
-def _watch(alive: socket.socket, state: _PeerState, peer: str) -> None:
-    # The peer never writes to this connection: any return is its end closing.
-    try:
-        why = "closed the channel or died" if not alive.recv(1) else "broke the channel protocol"
-    except OSError as err:
-        why = f"is unreachable ({err})"
-    if not state.closed:
-        state.gone = f"{peer} {why}"
 
 
 class PairBusy(TimeoutError):
@@ -413,82 +353,3 @@ class TensorChannel:
             pass
         self._pg = None
         self._store = None
-
-
-# ---------------------------------------------------------------- paged blocks over a channel
-
-
-def chunk_runs(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
-    """(first, count) runs of at most chunk_blocks blocks: both sides cut a plan identically."""
-    return [(f, min(chunk_blocks, num_blocks - f)) for f in range(0, num_blocks, chunk_blocks)]
-
-
-def chunk_blocks_for(view: torch.Tensor, chunk_bytes: int) -> int:
-    return max(1, chunk_bytes // (view[0].numel() * view.element_size()))
-
-
-def count_chunks(layers: Sequence[tuple[torch.Tensor, Sequence[int]]], chunk_bytes: int) -> int:
-    """How many tags a transfer of these (block-first view, block ids) layers uses."""
-    return sum(len(chunk_runs(len(ids), chunk_blocks_for(v, chunk_bytes))) for v, ids in layers)
-
-
-def _run_slice(ids: Sequence[int]) -> slice | None:
-    first = ids[0]
-    return slice(first, first + len(ids)) if all(b == first + i for i, b in enumerate(ids)) else None
-
-
-def _chunks(layers, chunk_bytes):
-    for view, ids in layers:
-        ids = list(ids)
-        for first, count in chunk_runs(len(ids), chunk_blocks_for(view, chunk_bytes)):
-            yield view, ids[first:first + count]
-
-
-def _pipelined(posts, window: int) -> None:
-    inflight: deque[Pending] = deque()
-    for post in posts:
-        if len(inflight) >= window:
-            inflight.popleft().wait()
-        inflight.append(post())
-    while inflight:
-        inflight.popleft().wait()
-
-
-def send_blocks(ch: TensorChannel, layers: Sequence[tuple[torch.Tensor, Sequence[int]]], first_tag: int,
-                chunk_bytes: int, window: int = 8) -> None:
-    """Send blocks of block-first views (vLLM's per-layer KV tensors, block dim first), chunk k under
-    first_tag + k, at most `window` chunks in flight. A run of consecutive block ids in a
-    contiguous view goes without a copy; other runs are gathered first. Gloo costs 0.2-0.5 ms
-    a message on the 2-core test machine: 16 MiB chunks ran at raw-TCP speed, 1 MiB at half
-    of it (bench/stream_throughput.py)."""
-    _pipelined((_send_post(ch, v, ids, first_tag + k) for k, (v, ids) in enumerate(_chunks(layers, chunk_bytes))),
-               window)
-
-
-def _send_post(ch, view, ids, tag):
-    def post():
-        run = _run_slice(ids)
-        if run is not None and view[run].is_contiguous():
-            src = view[run]
-        else:
-            src = view.index_select(0, torch.tensor(ids, device=view.device))
-        return ch.send_async(src, tag)
-    return post
-
-
-def _recv_post(ch, view, ids, tag):
-    def post():
-        run = _run_slice(ids)
-        if run is not None and view[run].is_contiguous():
-            return ch.recv_async(view[run], tag)  # straight into the cache
-        tmp = torch.empty((len(ids), *view.shape[1:]), dtype=view.dtype, device=view.device)
-        idx = torch.tensor(ids, device=view.device)
-        return ch.recv_async(tmp, tag).then(lambda: view.index_copy_(0, idx, tmp), keep=tmp)
-    return post
-
-
-def recv_blocks(ch: TensorChannel, layers: Sequence[tuple[torch.Tensor, Sequence[int]]], first_tag: int,
-                chunk_bytes: int, window: int = 8) -> None:
-    """Receive what send_blocks sent into these blocks (same chunking, same tags)."""
-    _pipelined((_recv_post(ch, v, ids, first_tag + k) for k, (v, ids) in enumerate(_chunks(layers, chunk_bytes))),
-               window)

@@ -89,7 +89,7 @@ class KvFetcher:
         one fails at once (its request recomputes or fails, per transfer.on_failure) rather than
         join a queue it would only leave after its time is up. Each load has `timeout_s` from
         its submission, its wait for a thread included."""
-        from pdcluster.transfer.dist_channel import channel_liveness_key
+        from pdcluster.transfer.dist_liveness import channel_liveness_key
 
         tune_malloc_for_transfer()
         self._engine_id = engine_id

@@ -279,7 +279,7 @@ class KvServer:
                  *, secret: str, wait_s: float = 30.0, break_prefix: str | None = None,
                  channel_backend: str | None = None, channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES,
                  max_streams: int = MAX_STREAMS, advertise: str | None = None):
-        from pdcluster.transfer.dist_channel import channel_liveness_key
+        from pdcluster.transfer.dist_liveness import channel_liveness_key
 
         tune_malloc_for_transfer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + UNARY_THREADS,

@@ -1,0 +1,65 @@
+"""The lab's Ray (cluster/lab.py): its token authentication, and the nodes its GCS knows, each
+with the lab host's label."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from pdcluster.cluster.lab_tc import LabError
+
+LABEL_KEY = "pdc-host"  # the Ray node label naming a lab host
+
+
+@dataclass(frozen=True)
+class RayNode:
+    node_id: str
+    address: str
+    label: str
+    alive: bool
+
+
+def use_ray_token() -> None:
+    """Ray token auth for the lab's nodes and for this process, with the machine's own Ray token
+    (~/.ray/auth_token, made if missing), as one real cluster shares one token. Why not disabled:
+    a process that ever ran a local ray.init() is in token mode for good (Ray's default since 2.52),
+    and its driver then refuses every call from nodes without the token."""
+    from ray._private.authentication import authentication_token_setup as ray_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    if os.environ.get(ray_auth.AUTH_MODE_ENV_VAR, "token").lower() != "token":
+        raise LabError(f"{ray_auth.AUTH_MODE_ENV_VAR}={os.environ[ray_auth.AUTH_MODE_ENV_VAR]} in this process, "
+                       "but the lab's Ray uses token auth: unset it")
+    loader = AuthenticationTokenLoader.instance()
+    if not loader.has_token(ignore_auth_mode=True):
+        ray_auth.generate_and_save_token()
+        loader.reset_cache()
+    if ray_auth.AUTH_MODE_ENV_VAR not in os.environ:
+        ray_auth._enable_token_auth()  # the lab's own GCS calls (ray_nodes) carry the token
+
+
+def ray_nodes(address: str) -> list[RayNode]:
+    """Every node the GCS at `address` knows, dead ones included, with its lab label."""
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    use_ray_token()
+    infos = GcsClient(address=address).get_all_node_info(timeout=10).values()
+    return [RayNode(node_id=i.node_id.hex(), address=i.node_manager_address, label=i.labels.get(LABEL_KEY, ""),
+                    alive=i.state == GcsNodeInfo.GcsNodeState.ALIVE) for i in infos]
+
+
+def wait_for_nodes(address: str, want: dict[str, str], timeout_s: float, exclude: set[str], logs: str) -> None:
+    """Until each label -> address of `want` has a live node (not one of `exclude`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            have = {(n.label, n.address) for n in ray_nodes(address) if n.alive and n.node_id not in exclude}
+        except Exception:  # GCS not answering yet
+            have = set()
+        if not (missing := set(want.items()) - have):
+            return
+        if time.monotonic() > deadline:
+            raise LabError(f"Ray nodes not up after {timeout_s:.0f} s: {sorted(missing)}; logs in {logs}")
+        time.sleep(0.2)

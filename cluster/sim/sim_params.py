@@ -1,0 +1,191 @@
+"""A cost-model parameter file (params/*.yaml): a model's shape, a device, a link, overheads and
+efficiencies, each number commented with its source. `SimParams.load(path)` reads and validates
+one; every problem raises `SimParamsError` naming the file and the field. The model that answers
+with them is cluster/sim/cost.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdcluster.proto.spec import read_yaml
+
+ComponentKind = Literal["full", "window", "compressed", "state"]
+
+
+class SimParamsError(ValueError):
+    """An invalid parameter file; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One kind of per-request state, as vLLM's KV cache groups are."""
+
+    name: str  # "full_kv", "swa_kv", "c4_kv", "c4_indexer", "c128_kv", ... (from the params file)
+    kind: ComponentKind
+    bytes_per_block: int  # one block of `block_size` tokens, summed over its layers (state: the one slot)
+    window_tokens: int = 0  # window: only the last window_tokens are kept and moved
+    compress_ratio: int = 1  # compressed: one entry per compress_ratio tokens (bytes_per_block accounts for it)
+
+
+# ---- the parameter file ------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttentionTerm(_Strict):
+    """One kind of attention over the context, in `layers` layers.
+
+    A query at context length t (itself and every token before it) sees
+    keys(t) entries: min(t, window) with a window; t // compress_ratio
+    compressed entries, at most topk of them when top-k sparse; t otherwise.
+    Each (query, key) pair costs 4 x heads x head_dim FLOPs (QK^T and PV), or
+    2 x heads x head_dim for scores only (an indexer); each key read costs
+    bytes_per_key.
+    """
+
+    name: str
+    layers: int = Field(gt=0)
+    heads: int = Field(gt=0, description="query heads")
+    head_dim: int = Field(gt=0)
+    window: int = Field(0, ge=0, description="keys: the last `window` tokens (0: no window)")
+    compress_ratio: int = Field(1, ge=1, description="keys: one entry per compress_ratio tokens")
+    topk: int = Field(0, ge=0, description="keys: at most topk selected entries (0: all)")
+    scores_only: bool = Field(False, description="QK^T only (an indexer's scores), no PV")
+    bytes_per_key: int = Field(gt=0, description="bytes of one key entry (K and V) in one layer")
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> AttentionTerm:
+        if self.window and (self.compress_ratio > 1 or self.topk):
+            raise ValueError(f"attention term {self.name!r}: a window term has no compress_ratio or topk "
+                             f"(list a window and a compressed term separately)")
+        return self
+
+    @property
+    def flops_per_pair(self) -> int:
+        return (2 if self.scores_only else 4) * self.heads * self.head_dim * self.layers
+
+
+class ComponentSpec(_Strict):
+    """One component of a request's state, as the parameter file gives it (sizes per entry, not per block)."""
+
+    name: str
+    kind: ComponentKind
+    layers: int = Field(gt=0)
+    bytes_per_entry: int = Field(gt=0, description="one token's (compressed: one entry's) bytes in one layer; "
+                                                    "state: the slot's bytes in one layer")
+    window_tokens: int = Field(0, ge=0)
+    compress_ratio: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ComponentSpec:
+        if (self.kind == "window") != (self.window_tokens > 0):
+            raise ValueError(f"component {self.name!r}: window_tokens must be set for kind window, and only then")
+        if (self.kind == "compressed") != (self.compress_ratio > 1):
+            raise ValueError(f"component {self.name!r}: compress_ratio > 1 for kind compressed, and only then")
+        return self
+
+
+class ModelShape(_Strict):
+    layers: int = Field(gt=0)
+    body_params: float = Field(gt=0, description="weights one token goes through, LM head and embeddings excluded")
+    lm_head_params: float = Field(ge=0, description="the LM head, run once per sampled position")
+    weight_bytes_per_step: float = Field(gt=0, description="weight bytes one instance reads per decode step")
+    attention: tuple[AttentionTerm, ...] = Field(min_length=1)
+    components: tuple[ComponentSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelShape:
+        for what, items in (("attention", self.attention), ("components", self.components)):
+            names = [i.name for i in items]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{what}: names repeat ({', '.join(names)})")
+        return self
+
+
+class DeviceSpec(_Strict):
+    name: str
+    gemm_flops: float = Field(gt=0, description="peak FLOP/s of the weights' matmuls (their dtype)")
+    attention_flops: float = Field(gt=0, description="peak FLOP/s of attention (bf16)")
+    hbm_bytes_per_s: float = Field(gt=0)
+    kv_cache_bytes: float = Field(gt=0, description="device memory left for the KV cache")
+
+
+class Efficiency(_Strict):
+    gemm: float = Field(gt=0, le=1, description="fraction of gemm_flops the weights' matmuls reach")
+    attention: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over themselves")
+    attention_history: float = Field(gt=0, le=1, description="fraction of attention_flops: new tokens over history")
+    prefill_kv_read: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: a prefill's context KV read")
+    memory_bandwidth: float = Field(gt=0, le=1, description="fraction of HBM bandwidth: the weights every step "
+                                                             "reads, and the KV of decoding requests")
+
+
+class Overheads(_Strict):
+    prefill_step_s: float = Field(ge=0, description="fixed time of a step with prefill chunks")
+    decode_step_s: float = Field(ge=0, description="fixed time of a decode-only step (one iteration)")
+    decode_request_s: float = Field(0, ge=0, description="host time per decode-shaped request per step (its "
+                                                         "scheduling, inputs, sampling and output), on top of "
+                                                         "the step's fixed time")
+    hidden_device_s: float = Field(0, ge=0, description="device work that runs while the host launches ops "
+                                                        "(eager mode), hidden inside the fixed time")
+
+
+class Speculative(_Strict):
+    draft_tokens: int = Field(ge=1, description="tokens proposed per request per iteration")
+    accept_length: float = Field(ge=1, description="tokens emitted per request per iteration, on average")
+    draft_s: float = Field(0, ge=0, description="the draft model's time per iteration")
+
+    @model_validator(mode="after")
+    def _accept_fits(self) -> Speculative:
+        if self.accept_length > self.draft_tokens + 1:
+            raise ValueError(f"accept_length ({self.accept_length}) > draft_tokens + 1 ({self.draft_tokens + 1})")
+        return self
+
+
+class DecodeSpec(_Strict):
+    speculative: Speculative | None = None
+
+
+class LinkSpec(_Strict):
+    bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+
+
+class SimParams(_Strict):
+    """One parameter file, loaded and validated."""
+
+    name: str
+    model: ModelShape
+    device: DeviceSpec
+    efficiency: Efficiency
+    overheads: Overheads
+    decode: DecodeSpec = DecodeSpec()
+    link: LinkSpec
+
+    @classmethod
+    def load(cls, path: str | Path) -> SimParams:
+        path = Path(path)
+        return cls.parse(read_yaml(path, SimParamsError), str(path))
+
+    @classmethod
+    def parse(cls, data: object, source: str = "<params>") -> SimParams:
+        if not isinstance(data, dict):
+            raise SimParamsError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            lines = [f"{source}: invalid sim parameters"]
+            for e in err.errors():
+                where = ".".join(str(part) for part in e["loc"])
+                msg = e["msg"].removeprefix("Value error, ")
+                lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+            raise SimParamsError("\n".join(lines)) from None
+
+
+# ---- sums of keys over a chunk's queries ---------------------------------------------------------

@@ -1,0 +1,77 @@
+"""What the connector's two sides (transfer/connector.py) pass each step: the scheduler side's
+orders to the worker (sources' steps and ends on P, loads and cancels on D, in `PdcMetadata`),
+the worker's pull timings back (`PullTimings`), and the settings both read from vLLM's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdcluster.transfer.grpc_client import LoadJob, PullTiming
+from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+if TYPE_CHECKING:
+    pass
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """From kv_connector_extra_config (set by cluster/engine_actor.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # P's KV server; 0: any free port
+    advertise_host: str | None = None  # address D should dial; default: host
+    lease_s: float = 60.0
+    timeout_s: float = 30.0
+    chunk_bytes: int = 1 << 20
+    break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
+    channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
+    transport: str = "grpc"  # what the handles P returns ask for (pull mode; the router may change it)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class SourceStep:
+    """P: this step computes `transfer_id`'s prompt up to `step_tokens`, in these blocks."""
+
+    transfer_id: str
+    request_id: str
+    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, P's whole block table
+    step_tokens: int
+
+
+@dataclass(frozen=True)
+class SourceEnd:
+    """P: the request ended; its blocks stay until D releases them or the lease expires."""
+
+    transfer_id: str
+    aborted: bool  # P did not finish the prefill: D must not wait for it
+
+
+@dataclass
+class PdcMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    steps: list[SourceStep] = field(default_factory=list)  # P
+    ends: list[SourceEnd] = field(default_factory=list)  # P
+    preempted: list[str] = field(default_factory=list)  # P: request ids whose blocks P took back
+    loads: list[LoadJob] = field(default_factory=list)  # D: what to receive (or only release)
+    cancels: list[str] = field(default_factory=list)  # D: request ids whose load must stop
+
+
+@dataclass
+class PullTimings(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: how each finished pull went (for the request's timeline)."""
+
+    pulls: dict[str, PullTiming] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
+        return PullTimings({**self.pulls, **other.pulls})
