@@ -1,6 +1,7 @@
-"""The folders depend one way (docs/architecture.md, "Layers"): every import, those inside
-functions too, goes to the module's own folder or one below it; bench/ is on top and no product
-module imports it; the engines import nothing of the router."""
+"""The shape of the tree. The folders depend one way (docs/architecture.md, "Layers"): every
+import, those inside functions too, goes to the module's own folder or one below it; bench/ is on
+top and no product module imports it; the engines import nothing of the router; and no file is
+over 400 lines."""
 
 from __future__ import annotations
 
@@ -75,3 +76,14 @@ def test_a_violation_is_found_at_any_depth(tmp_path):
     (tmp_path / "router" / "x.py").write_text("from pdcluster.proto.types import f\n")
     assert layer_violations(tmp_path, ("proto", "router")) == [
         "proto/types.py:5 imports pdcluster.router.x (proto/ is below router/)"]
+
+
+MAX_LINES = 400  # past it, a file is split along its ideas before it grows
+
+
+def test_no_hand_written_source_file_is_over_400_lines():
+    files = [p for folder in (*LAYERS, "tests") for p in (ROOT / folder).rglob("*.py")
+             if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+    assert len(files) > 200
+    long = sorted(f"{p.relative_to(ROOT)}: {n} lines" for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES)
+    assert not long, "\n".join(long)
