@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from pdcluster.proto.engine import Engine
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -62,7 +63,7 @@ def instant_deltas(req: DecodeRequest, tokens_per_delta: int = 1) -> list[Decode
     return out
 
 
-class InstantEngine(ServesRequestChannel):
+class InstantEngine(ServesRequestChannel, Engine):
     """Ray actor body (wrapped with ray.remote by the benchmark), with EngineActor's interface."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int, tokens_per_delta: int = 1):

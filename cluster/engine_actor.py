@@ -20,6 +20,7 @@ from typing import Any
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
 from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
 from pdcluster.proto.devices import DEVICES
+from pdcluster.proto.engine import Engine
 from pdcluster.proto.kv_event_wire import engine_kv_events_config
 from pdcluster.proto.messages import (
     DecodeDelta,
@@ -189,7 +190,7 @@ class StreamPacing:
         return pending >= self.tokens and since_last_ns >= self.min_gap_ns
 
 
-class EngineActor(ServesRequestChannel):
+class EngineActor(ServesRequestChannel, Engine):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):

@@ -37,6 +37,7 @@ from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
 from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
+from pdcluster.proto.engine import Engine
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import (
     DecodeDelta,
@@ -64,7 +65,7 @@ class SimStats:
     lag_resets: int  # steps that started more than max_lag_s late: the CPU could not keep up
 
 
-class SimEngineActor(ServesRequestChannel):
+class SimEngineActor(ServesRequestChannel, Engine):
     """Ray actor body (wrapped with ray.remote by the launcher)."""
 
     def __init__(self, spec: ClusterSpec, role: Role, index: int):
