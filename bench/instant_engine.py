@@ -5,7 +5,7 @@ engine actor's request channel (transfer/request_channel.py). To measure the rou
 front of these instead of real engines: the same method names and messages as
 `cluster.engine_actor.EngineActor` (proto/messages.py), no model, no KV.
 
-- `prefill` returns a PrefillResult at once, `handle=None` (nothing for D to
+- `prefill` returns a PrefillResult at once, `connector_params=None` (nothing for D to
   pull; the router then sends D no handle, as for a prompt P held no KV for);
 - `decode` yields `max_tokens` tokens at once, `tokens_per_delta` per
   DecodeDelta (1: one message per token, as a vLLM engine streams each step),
@@ -40,8 +40,8 @@ from pdcluster.transfer.request_channel import ServesRequestChannel
 
 
 def instant_prefill(req: PrefillRequest) -> PrefillResult:
-    """What `prefill` answers (pure): no handle, no hit."""
-    return PrefillResult(request_id=req.request_id, handle=None, prompt_tokens=len(req.prompt_token_ids),
+    """What `prefill` answers (pure): nothing for D, no hit."""
+    return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=len(req.prompt_token_ids),
                          p_cached_tokens=0)
 
 

@@ -233,13 +233,13 @@ class CallsAlone:
         async def one(rid: str) -> None:
             if path == "channel":
                 p, d = self.channels
-                pre = await p.call("prefill", PrefillRequest(rid, prompt, sampling)).next()
-                call = d.call("decode", DecodeRequest(rid, prompt, sampling, pre.handle))
+                await p.call("prefill", PrefillRequest(rid, prompt, sampling)).next()
+                call = d.call("decode", DecodeRequest(rid, prompt, sampling, None))  # no KV: an instant engine
                 while not call.done:
                     await call.next()
                 return
-            pre = await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
-            req = DecodeRequest(rid, prompt, sampling, pre.handle)
+            await self.prefill.prefill.remote(PrefillRequest(rid, prompt, sampling))
+            req = DecodeRequest(rid, prompt, sampling, None)
             if path == "ray_one_reply":
                 await self.decode.decode_in_one_reply.remote(req)
             else:

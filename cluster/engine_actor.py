@@ -84,7 +84,6 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         "break_prefix": spec.transfer.break_transfers_with_prefix,
         # P serves torch_dist transfers over this backend when a handle asks for them.
         "channel_backend": DEVICES[spec.device].collective_backend,
-        "transport": spec.transfer.backend,
     }
     args: dict[str, Any] = dict(
         model=spec.model.path,
@@ -151,12 +150,14 @@ def prefill_kv_params(connector: str, transfer_id: str) -> dict:
     return {PRODUCE_KEY: transfer_id}
 
 
-def decode_kv_params(connector: str, handle: dict | None) -> dict | None:
-    """What D's request carries: P's kv_transfer_params, as P's connector returned them."""
-    if connector == "nixl" and handle:
+def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
+    """What D's request carries to its connector, as vLLM's kv_transfer_params: the router's
+    handle (pdcluster's connector), or P's connector's own params (vLLM's NIXL)."""
+    if connector == "nixl":
         # Without P's hit count, D's num_cached_tokens is its own (local + pulled).
-        return {k: v for k, v in handle.items() if k != "remote_prefill_cached_tokens"}
-    return handle
+        params = req.connector_params
+        return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"} if params else None
+    return req.handle.to_params() if req.handle is not None else None
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
@@ -295,7 +296,9 @@ class EngineActor(ServesRequestChannel, Engine):
             final = out
         assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
         return PrefillResult(
-            request_id=req.request_id, handle=final.kv_transfer_params, prompt_tokens=len(req.prompt_token_ids),
+            request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
+            # pdcluster's connector returns the handle the router built already: only another's matter.
+            connector_params=final.kv_transfer_params if self.connector != "pdc" else None,
             p_cached_tokens=final.num_cached_tokens or 0, engine=EngineTimes.from_vllm(final.metrics),
         )
 
@@ -303,7 +306,7 @@ class EngineActor(ServesRequestChannel, Engine):
         from pdcluster.transfer.connector import D_STATS_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
-        sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req.handle))
+        sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req))
         pending: list[int] = []  # tokens not sent yet, and when vLLM handed each over
         pending_ns: list[int] = []
         last_sent = 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from pdcluster.proto.handle import TransferHandle
+
 Role = Literal["prefill", "decode"]
 
 
@@ -61,8 +63,9 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class PrefillResult:
     request_id: str
-    # kv_transfer_params P's connector returned: a TransferHandle as a dict (None if P held no KV).
-    handle: dict | None
+    # What another connector than pdcluster's returned in kv_transfer_params (vLLM's NIXL: where
+    # D reads P's blocks), passed on to D; None with pdcluster's, whose handle the router builds.
+    connector_params: dict | None
     prompt_tokens: int
     p_cached_tokens: int  # P's own prefix-cache hit
     engine: EngineTimes = EngineTimes()
@@ -73,7 +76,10 @@ class DecodeRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
-    handle: dict | None
+    # Where P's KV is, built by the router (with the transport it chose); None: D prefills the
+    # prompt itself, or another connector's `connector_params` say where.
+    handle: TransferHandle | None
+    connector_params: dict | None = None  # P's connector's kv_transfer_params, as P returned them
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ The sequence (docs/architecture.md walks it with the functions that do it):
 
     start          -> Routed, then per route:
                         local prefill: Decode(no handle)                 D alone
-                        push:          Decode(router's handle), Prefill  D asks P while P computes
+                        push:          Decode(the handle), Prefill       D asks P while P computes
                         pull:          Prefill                           D after P's answer
-    prefill_answered -> (pull) Decode(P's handle); (push) nothing, or D's deferred last chunk
+    prefill_answered -> (pull) Decode(the handle); (push) nothing, or D's deferred last chunk
     decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished
     *_failed         -> a lost instance: Abort, Routed, ... (the request moves, router/migration.py);
                         else Abort, Finished(error)
@@ -104,6 +104,7 @@ class _Attempt(Generic[I]):
     sampling: SamplingSpec
     engine_rid: str
     push: bool
+    handle: TransferHandle | None = None  # where D finds P's KV (None: D prefills, or another connector's)
     pre: PrefillResult | None = None
     p_waiting: bool = False  # P was asked and has not answered (or failed)
     d_running: bool = False  # D was asked and has not finished
@@ -166,8 +167,7 @@ class Lifecycle(Generic[I]):
             return self._deliver(a, a.deferred, now_ns)
         if a.push:
             return []
-        handle = self._with_transport(result.handle)
-        return self._send_decode(a, handle)
+        return self._send_decode(a, a.handle, result.connector_params)
 
     def prefill_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
         a = self._current(attempt)
@@ -281,20 +281,26 @@ class Lifecycle(Generic[I]):
         # P's load counts from the pick: a request right behind this one must see it.
         a.p_slot.enter_context(picker.prefilling(route, len(prompt)))
         prefill = PrefillRequest(engine_rid, prompt, sampling, transfer_id=self.dispatch.transfer_id(rec.request_id))
+        # The transfer's handle, named here once: where P's KV will be, under the transfer's name,
+        # over the transport the router chose. A P without a KV server (another connector's, such
+        # as vLLM's NIXL) names its own in its answer (`connector_params`).
+        if getattr(p, "kv_address", None):
+            a.handle = TransferHandle(p.engine_id, p.kv_address, prefill.transfer_id, len(prompt),
+                                      self.dispatch.transport)
         if a.push:
-            # D first, with the handle the router can name in advance: D allocates its blocks and
-            # asks P for them while P computes them. D's tokens need not wait for P's answer: once
-            # D has every layer's KV, P's last layer's MLP, sampling and reply are no business of D's.
-            handle = TransferHandle(getattr(p, "engine_id", ""), getattr(p, "kv_address", None) or "",
-                                    prefill.transfer_id, len(prompt), self.dispatch.transport)
-            out += self._send_decode(a, handle.to_params())
+            # D first: D allocates its blocks and asks P for them while P computes them. D's
+            # tokens need not wait for P's answer: once D has every layer's KV, P's last layer's
+            # MLP, sampling and reply are no business of D's.
+            out += self._send_decode(a, a.handle)
         a.p_waiting = True
         return out + [Prefill(a.number, p, prefill)]
 
-    def _send_decode(self, a: _Attempt[I], handle: dict | None) -> list[Command]:
+    def _send_decode(self, a: _Attempt[I], handle: TransferHandle | None,
+                     connector_params: dict | None = None) -> list[Command]:
         a.d_running = True
         a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens))
-        return [Decode(a.number, a.route.decode, DecodeRequest(a.engine_rid, a.prompt, a.sampling, handle))]
+        return [Decode(a.number, a.route.decode,
+                       DecodeRequest(a.engine_rid, a.prompt, a.sampling, handle, connector_params))]
 
     def _take(self, a: _Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
         """D's output, recorded; the last one waits for P's answer in push mode (for the record)."""
@@ -376,13 +382,6 @@ class Lifecycle(Generic[I]):
         # P never answered: out of P's load, its promise of blocks not kept (the picker's
         # `prefilling` marks P done only on a clean exit).
         a.p_slot.__exit__(BackendError, BackendError("P did not answer"), None)
-
-    def _with_transport(self, params: dict | None) -> dict | None:
-        """P's handle (pull mode), asking for this router's transport; other connectors' params as they are."""
-        handle = TransferHandle.from_params(params)
-        if handle is None or handle.transport == self.dispatch.transport:
-            return params
-        return {**params, **dataclasses.replace(handle, transport=self.dispatch.transport).to_params()}
 
 
 def _chunk(route: Route, p_cached_tokens: int, delta: DecodeDelta) -> GenerationChunk:

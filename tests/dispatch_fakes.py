@@ -116,7 +116,7 @@ class FakeEngine:
             self.prefill_calls.append(req)
             outcome = self.prefill_outcome
             if outcome is None:
-                outcome = PrefillResult(request_id=req.request_id, handle={"from": id(self), "rid": req.request_id},
+                outcome = PrefillResult(request_id=req.request_id, connector_params=None,
                                         prompt_tokens=len(req.prompt_token_ids), p_cached_tokens=self.p_cached)
             call = FakeCall([outcome])
             self.prefill_pending.append(call)
@@ -158,3 +158,11 @@ async def expect_error(disp: PDDispatcher, rid: str = "r0") -> tuple[BackendErro
         async for c in disp.generate(rid, PROMPT, SAMPLING):
             got.append(c)
     return ei.value, got
+
+
+async def until(condition, timeout_s: float = 5.0, what: str = "the condition") -> None:
+    """Return once condition() holds, checking at every turn of the event loop; fail after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.001)

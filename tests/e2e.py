@@ -198,3 +198,16 @@ def evil_pickle(marker) -> bytes:
 
     return pickle.dumps([RunsCode(marker)], protocol=5)
 
+
+def run_with(run_dir: str, request_ids, timeout: float = 10.0):
+    """The run, once it holds a record of every one of `request_ids`: the router appends a
+    request's record as the request ends, a moment after the client has its last byte."""
+    from pdcluster.router.timeline import load_run
+
+    want = set(request_ids)
+
+    def complete_run():
+        run = load_run(run_dir)
+        return run if want <= {r.request_id for r in run.records} else None
+
+    return wait_until(complete_run, timeout, interval=0.05, what=f"records of {len(want)} requests")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dispatch_fakes import PROMPT, SAMPLING, FakeEngine, make, run
+from dispatch_fakes import PROMPT, SAMPLING, FakeEngine, make, run, until
 
 
 def _close_after_first_token(disp, **after) -> tuple[list, int]:
@@ -54,7 +54,7 @@ def test_cancelling_the_task_that_drives_the_stream_records_it_too(cancelled):
                 await asyncio.sleep(10)  # the client reads slowly
 
         task = asyncio.create_task(drive())
-        await asyncio.sleep(0.05)
+        await until(lambda: d.decode_pending and d.decode_pending[0].pos > 0, what="the first token read")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await gen.aclose()

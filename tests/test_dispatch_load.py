@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, make, run
+from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, make, run, until
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -22,10 +22,10 @@ def test_a_request_right_behind_another_sees_its_load_on_p(cancelled, mode):
 
     async def main():
         short = asyncio.create_task(disp.generate("short", PROMPT, SAMPLING).__anext__())
-        await asyncio.sleep(0.01)
+        await until(lambda: sum(len(p.prefill_calls) for p in ps) == 1, what="the short request's prefill")
         assert [len(p.prefill_calls) for p in ps] == [1, 0], "the short request should be on prefill-0"
         longs = [asyncio.create_task(disp.generate(f"long{i}", long_prompt, SAMPLING).__anext__()) for i in range(2)]
-        await asyncio.sleep(0.05)
+        await until(lambda: sum(len(p.prefill_calls) for p in ps) == 3, what="both long requests' prefills")
         calls = [[len(r.prompt_token_ids) for r in p.prefill_calls] for p in ps]
         for t in [short, *longs]:
             t.cancel()

@@ -4,7 +4,6 @@ D asks over gRPC, the blocks move on the pair. Fakes in tests/transfer_fakes.py.
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 import torch
@@ -83,7 +82,7 @@ def test_a_channel_only_p_saw_die_is_replaced_and_the_transfer_goes_through(gloo
 def test_gloo_channel_push_streams_as_layers_become_ready(gloo_pair):
     p, d = gloo_pair()
     d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (3, 2, 1, 0), transport="torch_dist"))
-    time.sleep(0.2)
+    wait_until_true(lambda: p.sources.waiting == 1)  # D asked before P ran the request
     p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7),), 3 * BLOCK_SIZE)
     p.sources.layer_done(LAYERS[0])
     p.sources.step_done()

@@ -178,13 +178,12 @@ def test_broken_transfer_errors_and_d_frees_blocks(cluster):
     p, d = cluster.prefill[0].actor, cluster.decode[0].actor
     prompt = list(range(3, 1003))
     sampling = SamplingSpec(max_tokens=4, temperature=0, ignore_eos=True)
-    pre = ray.get(p.prefill.remote(PrefillRequest("broken-1", prompt, sampling)))
-    handle = TransferHandle.from_params(pre.handle)
+    ray.get(p.prefill.remote(PrefillRequest("broken-1", prompt, sampling)))  # the transfer's name: its request id
     # D is sent to a port where nothing listens: the pull fails.
-    broken = TransferHandle(handle.engine_id, f"127.0.0.1:{_closed_port()}", handle.transfer_id, handle.num_tokens)
+    broken = TransferHandle(cluster.prefill[0].engine_id, f"127.0.0.1:{_closed_port()}", "broken-1", len(prompt))
     t0 = time.monotonic()
     deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
-        DecodeRequest("broken-1", prompt, sampling, broken.to_params()))]
+        DecodeRequest("broken-1", prompt, sampling, broken))]
     assert deltas[-1].finish_reason == "error"
     assert time.monotonic() - t0 < cluster.spec.transfer.timeout_s
     wait_until(lambda: ray.get(d.load.remote()).kv_cache_usage == 0.0, 10, what="D frees the failed request's blocks")
@@ -200,7 +199,8 @@ def test_killed_prefill_errors_then_recovers(cluster):
     t = threading.Thread(target=lambda: result.setdefault("r", complete(cluster.url, prompt)))
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.3)  # P is prefilling
+    wait_until(lambda: ray.get(cluster.prefill[0].actor.load.remote()).running, 10, interval=0.02,
+               what="P prefilling the request")
     # P's actor and its engine process die at once, as with a lost node. (ray.kill takes
     # a while on a busy machine: in one CI run P finished and pushed the KV meanwhile.)
     kill_process_tree(p_pid)

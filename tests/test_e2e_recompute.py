@@ -39,12 +39,11 @@ def cluster():
 def pd_tokens(cluster, request_id, prompt, break_handle=False):
     p, d = cluster.prefill[0].actor, cluster.decode[0].actor
     sampling = SamplingSpec(max_tokens=8, temperature=0, ignore_eos=True)
-    pre = ray.get(p.prefill.remote(PrefillRequest(request_id, prompt, sampling)))
-    handle = TransferHandle.from_params(pre.handle)
-    if break_handle:
-        handle = TransferHandle(handle.engine_id, f"127.0.0.1:{free_port()}", handle.transfer_id, handle.num_tokens)
+    ray.get(p.prefill.remote(PrefillRequest(request_id, prompt, sampling)))  # the transfer's name: its request id
+    address = f"127.0.0.1:{free_port()}" if break_handle else cluster.prefill[0].kv_address
+    handle = TransferHandle(cluster.prefill[0].engine_id, address, request_id, len(prompt))
     deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
-        DecodeRequest(request_id, prompt, sampling, handle.to_params()))]
+        DecodeRequest(request_id, prompt, sampling, handle))]
     return [t for delta in deltas for t in delta.new_token_ids], deltas[-1]
 
 

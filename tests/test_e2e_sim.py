@@ -14,7 +14,15 @@ import time
 import httpx
 import pytest
 import ray
-from e2e import FAULT_PREFIX, assert_no_kv_in_use, cluster_spec_for, complete, local_prefill_as, running_cluster
+from e2e import (
+    FAULT_PREFIX,
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    complete,
+    local_prefill_as,
+    run_with,
+    running_cluster,
+)
 from routing_checks import records_of
 
 from pdcluster.router.attribution import attribute
@@ -59,8 +67,7 @@ def family_run(cluster):
     base = family(1)
     prompts = [base, base[:2900] + family(2, 100), base[:2900] + family(3, 150), family(4, 1000)]
     bodies = served(cluster, prompts)
-    time.sleep(0.5)  # the router appends a record as a request ends
-    records = {r.request_id: r for r in load_run(cluster.run_dir).records}
+    records = {r.request_id: r for r in run_with(cluster.run_dir, [b["id"] for b in bodies]).records}
     return prompts, bodies, [records[b["id"]] for b in bodies]
 
 

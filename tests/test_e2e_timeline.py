@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from e2e import cluster_spec_for, running_cluster, transfer_as
+from e2e import cluster_spec_for, run_with, running_cluster, transfer_as
 
 from pdcluster.router.attribution import attribute, critical_path
-from pdcluster.router.timeline import EVENT_ORDER, load_run
+from pdcluster.router.timeline import EVENT_ORDER
 
 pytestmark = pytest.mark.e2e
 
@@ -63,8 +63,7 @@ def batch(cluster):
                 rid, ttft = stream_ttft(http, cluster.url, p)
                 client[rid] = (kind, ttft)
     client[warmup] = ("warmup", None)
-    time.sleep(0.5)  # the router appends a record as the request ends
-    return client, load_run(cluster.run_dir)
+    return client, run_with(cluster.run_dir, client)
 
 
 def test_every_record_has_all_events_in_causal_order(batch):
@@ -154,8 +153,7 @@ def test_push_hides_the_transfer_under_the_prefill(cluster, batch):
                 for _ in range(3):
                     rid, _ = stream_ttft(http, cluster.url, [rng.randrange(3, 1000) for _ in range(6144)])
                     records[rid] = mode
-    time.sleep(0.5)
-    for rec in load_run(cluster.run_dir).records:
+    for rec in run_with(cluster.run_dir, records).records:
         mode = records.get(rec.request_id)
         if mode is None:
             continue

@@ -186,7 +186,7 @@ def test_push_streams_layers_as_the_forward_pass_writes_them(make_p, make_d):
     real_write = d.kv.write
     d.kv.write = lambda layer, ids, data: (writes.append((layer, list(ids))), real_write(layer, ids, data))
     d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), local))
-    time.sleep(0.1)  # D is waiting on P now
+    wait_until_true(lambda: p.sources.waiting == 1)  # D is waiting on P now
 
     # Step 1 computes tokens [0, 2.5 blocks): blocks 0 and 1 complete.
     p.sources.step("r1", "r1", 4 * BLOCK_SIZE, ((2, 5, 7),), int(2.5 * BLOCK_SIZE))
@@ -228,7 +228,7 @@ def test_push_aborted_prefill_fails_the_load(make_p, make_d):
 def test_cancelled_load_stops_waiting_for_p(make_p, make_d):
     p, d = make_p(), make_d(timeout_s=30.0)
     d.fetcher.submit(make_job(p.server.address, (0, 1), (0, 1), num_blocks=2))
-    time.sleep(0.2)  # waiting for a P that never runs the request
+    wait_until_true(lambda: p.sources.waiting == 1)  # waiting for a P that never runs the request
     t0 = time.monotonic()
     d.fetcher.cancel("d-r1")
 

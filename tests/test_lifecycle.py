@@ -35,8 +35,8 @@ def lifecycle(disp: Dispatch, max_tokens: int = 4, rid: str = "r0") -> Lifecycle
     return Lifecycle(disp, rid, list(PROMPT), SamplingSpec(max_tokens=max_tokens), arrival_ns=100)
 
 
-def answer(cached: int = 0, handle: dict | None = None) -> PrefillResult:
-    return PrefillResult("r0", handle, len(PROMPT), cached, EngineTimes(110, 120, 150))
+def answer(cached: int = 0, connector_params: dict | None = None) -> PrefillResult:
+    return PrefillResult("r0", connector_params, len(PROMPT), cached, EngineTimes(110, 120, 150))
 
 
 def last(tokens: list[int], reason: str = "length") -> DecodeDelta:
@@ -52,16 +52,17 @@ def idle(disp: Dispatch) -> bool:
     return not any(disp.picker.in_flight().values()) and disp.in_flight == 0
 
 
-def test_pull_prefill_then_decode_with_p_s_handle_then_tokens_then_the_record():
+def test_pull_prefill_then_decode_with_the_router_s_handle_then_tokens_then_the_record():
     disp = dispatch("pull")
     lc = lifecycle(disp)
     routed, prefill = lc.start(now_ns=105)
     assert isinstance(routed, Routed) and isinstance(prefill, Prefill) and prefill.instance.name == "prefill-0"
     assert prefill.request.transfer_id == "r0-0" and lc.waiting_for_prefill and not lc.waiting_for_decode
     assert disp.picker.in_flight() == {"prefill-0": 1, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
-    handle = TransferHandle("engine-p0", "10.0.0.0:18600", "r0-0", 5).to_params()
-    [decode] = lc.prefill_answered(0, answer(cached=4, handle=handle), now_ns=200)
-    assert isinstance(decode, Decode) and decode.request.handle == handle and decode.instance.name == "decode-0"
+    [decode] = lc.prefill_answered(0, answer(cached=4), now_ns=200)
+    assert isinstance(decode, Decode) and decode.instance.name == "decode-0"
+    assert decode.request.handle == TransferHandle("engine-p0", "10.0.0.0:18600", "r0-0", 5, "grpc")
+    assert decode.request.connector_params is None
     assert disp.picker.in_flight() == {"prefill-0": 0, "prefill-1": 0, "decode-0": 1, "decode-1": 0}
     [emit] = lc.decode_output(0, DecodeDelta([7]), now_ns=210)
     assert emit.chunk.new_token_ids == [7] and emit.chunk.p_cached_tokens == 4 and emit.chunk.finish_reason is None
@@ -75,13 +76,19 @@ def test_pull_prefill_then_decode_with_p_s_handle_then_tokens_then_the_record():
     assert idle(disp)
 
 
-def test_pull_asks_p_s_handle_for_the_dispatch_s_transport():
+def test_the_handle_names_the_dispatch_s_transport_and_another_connector_s_params_pass_on():
     disp = dispatch("pull")
     disp.transport = "torch_dist"
     lc = lifecycle(disp)
     lc.start(0)
-    [decode] = lc.prefill_answered(0, answer(handle=TransferHandle("e", "h:1", "r0-0", 5).to_params()), 1)
-    assert TransferHandle.from_params(decode.request.handle).transport == "torch_dist"
+    [decode] = lc.prefill_answered(0, answer(), 1)
+    assert decode.request.handle.transport == "torch_dist"
+    # A P without a KV server (vLLM's NIXL connector): no handle; what P's connector said goes to D.
+    disp = Dispatch(InstancePicker("round_robin", [Inst("prefill-0")], [Inst("decode-0")], block_size=4))
+    lc = lifecycle(disp)
+    lc.start(0)
+    [decode] = lc.prefill_answered(0, answer(connector_params={"remote_engine_id": "p"}), 1)
+    assert decode.request.handle is None and decode.request.connector_params == {"remote_engine_id": "p"}
 
 
 def test_push_sends_d_the_router_s_handle_first_and_the_last_chunk_waits_for_p():
@@ -89,8 +96,7 @@ def test_push_sends_d_the_router_s_handle_first_and_the_last_chunk_waits_for_p()
     lc = lifecycle(disp)
     routed, decode, prefill = lc.start(0)
     assert kinds([routed, decode, prefill]) == ["Routed", "Decode", "Prefill"]
-    assert TransferHandle.from_params(decode.request.handle) == TransferHandle(
-        "engine-p0", "10.0.0.0:18600", prefill.request.transfer_id, 5, "grpc")
+    assert decode.request.handle == TransferHandle("engine-p0", "10.0.0.0:18600", prefill.request.transfer_id, 5, "grpc")
     assert lc.waiting_for_prefill and lc.waiting_for_decode
     assert kinds(lc.decode_output(0, DecodeDelta([7]), 10)) == ["Emit"]  # D's tokens do not wait for P
     assert lc.decode_output(0, last([8]), 20) == []  # the last one does: P's hit goes in it

@@ -17,6 +17,7 @@ from dispatch_fakes import (
     expect_error,
     make,
     run,
+    until,
 )
 
 from pdcluster.proto.handle import TransferHandle
@@ -69,7 +70,7 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
     (preq,) = p.prefill_calls
     assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x-0")
     (dreq,) = d.decode_calls
-    assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, {"from": id(p), "rid": "req-x"})
+    assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, TransferHandle("e-p0", "10.0.0.1:5000", "req-x-0", len(PROMPT)))
     assert cancelled == []  # a normally finished stream is not cancelled
 
 
@@ -219,7 +220,7 @@ def test_cancelled_during_prefill_cancels_the_prefill(cancelled):
             return await gen.__anext__()
 
         task = asyncio.create_task(first())
-        await asyncio.sleep(0.05)
+        await until(lambda: p.prefill_pending, what="P's prefill call")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -239,7 +240,7 @@ def test_push_sends_d_the_router_built_handle_before_p_answers_and_d_finishes_wi
     got = run(collect(disp, "req-p"))
     # D got its request (and P's address) while P was still computing.
     (dreq,) = d.decode_calls
-    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p-0", len(PROMPT)).to_params()
+    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p-0", len(PROMPT))
     assert p.prefill_calls[0].transfer_id == "req-p-0"
     # D's tokens flow before P answers; P never did: the last waits for P until the deadline,
     # then goes without P's hit (D had every layer's KV: the request is whole), and P's call
@@ -286,17 +287,18 @@ def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
 
     run(main())
     assert [r.transfer_id for r in p.prefill_calls] == ["same-0", "same-1"]
-    assert [TransferHandle.from_params(r.handle).transfer_id for r in d.decode_calls] == ["same-0", "same-1"]
+    assert [r.handle.transfer_id for r in d.decode_calls] == ["same-0", "same-1"]
 
 
-def test_pull_asks_p_handle_for_the_routers_transport(cancelled):
-    handle = TransferHandle("e-p0", "10.0.0.1:5000", "t-0", 5).to_params()
-    p = FakeEngine(prefill_outcome=PrefillResult("r0", handle, 5, 0))
+def test_pull_hands_d_the_router_s_handle_with_its_transport_and_another_connector_s_params(cancelled):
+    nixl = {"remote_engine_id": "p", "remote_block_ids": [1, 2]}
+    p = FakeEngine(prefill_outcome=PrefillResult("r0", nixl, 5, 0))
     d = FakeEngine()
     disp = make([p], [d])
     disp.transport = "torch_dist"
     run(collect(disp))
-    assert TransferHandle.from_params(d.decode_calls[0].handle).transport == "torch_dist"
+    assert d.decode_calls[0].handle == TransferHandle("e-p0", "10.0.0.1:5000", "r0-0", 5, "torch_dist")
+    assert d.decode_calls[0].connector_params == nixl  # what P's connector said, passed on as it is
 
 
 def test_push_handle_names_the_transport(cancelled):
@@ -304,4 +306,4 @@ def test_push_handle_names_the_transport(cancelled):
     disp = make([p], [d], mode="push")
     disp.transport = "torch_dist"
     run(collect(disp))
-    assert TransferHandle.from_params(d.decode_calls[0].handle).transport == "torch_dist"
+    assert d.decode_calls[0].handle.transport == "torch_dist"

@@ -20,9 +20,9 @@ from dispatch_fakes import (
     expect_error,
     make,
     run,
+    until,
 )
 
-from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import (
     DecodeDelta,
     TransferStats,
@@ -121,7 +121,7 @@ def test_an_instance_restarted_on_another_node_is_dialled_at_its_new_addresses(c
     assert disp.prefill[0].kv_address == disp.picker.prefill[0].kv_address == "10.0.0.7:5000"
     assert abs(disp.clocks["prefill-0"].offset_ns - 5_000_000_000) < 1_000_000_000
     run(collect(disp))
-    assert TransferHandle.from_params(d.decode_calls[0].handle).address == "10.0.0.7:5000"
+    assert d.decode_calls[0].handle.address == "10.0.0.7:5000"
 
 
 class NothingHeld:
@@ -159,7 +159,7 @@ def test_a_promise_stands_for_a_good_prefill_and_is_withdrawn_when_p_fails_or_th
     async def leave_early(disp):
         gen = disp.generate("r-gone", prompt, SAMPLING)
         task = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.05)  # P is prefilling (it never answers)
+        await until(lambda: hung_p.prefill_pending, what="P's prefill call")  # it never answers
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -15,7 +15,7 @@ MS = 1_000_000
 
 
 def prefill_result(queued=10, scheduled=11, done=50, cached=256):
-    return PrefillResult("r", handle=None, prompt_tokens=1000, p_cached_tokens=cached,
+    return PrefillResult("r", connector_params=None, prompt_tokens=1000, p_cached_tokens=cached,
                          engine=EngineTimes(queued * MS, scheduled * MS, done * MS))
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 from channel_fakes import SAMPLING, SECRET, Body, LocalActor, connected, decode_req, items, prefill_req
 
-from pdcluster.proto.messages import PrefillRequest, PrefillResult
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest, PrefillResult
 from pdcluster.transfer.request_channel import (
     EngineCallFailed,
     EngineChannel,
@@ -191,7 +192,7 @@ def test_a_prompt_of_128k_ids_crosses_in_pieces_and_arrives_whole():
         return prompt, results
 
     prompt, results = asyncio.run(main())
-    assert [r.handle["ids"] for r in results] == [prompt[i:] for i in range(3)]
+    assert [r.connector_params["ids"] for r in results] == [prompt[i:] for i in range(3)]
 
 
 def test_two_routers_on_one_engine_each_get_their_own_replies():
@@ -239,3 +240,19 @@ def test_an_engine_whose_port_refuses_fails_the_connect_naming_it():
 
     with pytest.raises(EngineUnavailable, match=r"cannot connect to prefill-3's request channel at 127\.0\.0\.1:\d+"):
         asyncio.run(main())
+
+
+def test_the_handle_crosses_typed_and_a_malformed_one_is_refused_at_the_wire():
+    from pdcluster.proto.handle import TransferHandle
+    from pdcluster.transfer.channel_wire import ENGINE_INBOX, DecodeCall, _encode
+
+    handle = TransferHandle("e-p0", "10.0.0.1:18600", "r0-0", 3, "torch_dist")
+    call = DecodeCall(7, DecodeRequest("r0", [1, 2, 3], SAMPLING, handle))
+    [back] = ENGINE_INBOX.decode(_encode([call]))
+    assert back == call and isinstance(back.request.handle, TransferHandle)
+    # What a peer could send instead: a handle with no port, one of an unknown transport.
+    for bad in ({"address": "nowhere"}, {"transport": "carrier-pigeon"}):
+        raw = msgspec.msgpack.decode(_encode([call]))
+        raw[0][2]["handle"].update(bad)
+        with pytest.raises(msgspec.ValidationError):
+            ENGINE_INBOX.decode(msgspec.msgpack.encode(raw))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -55,14 +56,18 @@ async def serve(p, d, tokens: list[int], rid: str, push: bool = True, max_tokens
     async def decode(handle):
         return [delta async for delta in d.decode(DecodeRequest(rid, tokens, s, handle))]
 
+    handle = TransferHandle(p.engine_id, p.kv_address, rid, len(tokens))  # as the router names it
     if push:
-        handle = TransferHandle(p.engine_id, p.kv_address, rid, len(tokens)).to_params()
         deltas = asyncio.ensure_future(decode(handle))
-        await asyncio.sleep(0.3)  # D is asking before P starts, as when the router sends both at once
+        # D is asking before P starts, as when the router sends both at once.
+        deadline = time.monotonic() + 10
+        while p.producer.sources.waiting == 0:
+            assert time.monotonic() < deadline and not deltas.done(), "D never asked P"
+            await asyncio.sleep(0.01)
         pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
         return pre, await deltas
     pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
-    return pre, await decode(pre.handle)
+    return pre, await decode(handle)
 
 
 async def all_free(*engines, timeout: float = 5):
@@ -133,9 +138,10 @@ def test_d_rejects_bytes_that_do_not_match_the_prompt():
     async def run():
         async with p_and_d(sim_spec()) as (p, d):
             tokens = prompt(4, 1000)
-            pre = await p.prefill(PrefillRequest("bad", tokens, SamplingSpec(max_tokens=4), transfer_id="bad"))
+            await p.prefill(PrefillRequest("bad", tokens, SamplingSpec(max_tokens=4), transfer_id="bad"))
             p.producer.kv.view("full_kv").zero_()  # P's blocks lose their content
-            deltas = [x async for x in d.decode(DecodeRequest("bad", tokens, SamplingSpec(max_tokens=4), pre.handle))]
+            handle = TransferHandle(p.engine_id, p.kv_address, "bad", len(tokens))
+            deltas = [x async for x in d.decode(DecodeRequest("bad", tokens, SamplingSpec(max_tokens=4), handle))]
             assert deltas[-1].finish_reason == "error"
             assert "does not match the prompt" in deltas[-1].transfer.error
             await all_free(p, d)
@@ -178,7 +184,7 @@ def test_bad_requests_fail_with_a_clear_error():
         async with p_and_d(sim_spec()) as (p, d):
             with pytest.raises(ValueError, match="max_model_len"):
                 await p.prefill(PrefillRequest("long", prompt(6, 16384), SamplingSpec()))
-            handle = TransferHandle(p.engine_id, p.kv_address, "x", 10).to_params()
+            handle = TransferHandle(p.engine_id, p.kv_address, "x", 10)
             with pytest.raises(ValueError, match="the handle covers 10 tokens"):
                 [x async for x in d.decode(DecodeRequest("x", prompt(7, 20), SamplingSpec(), handle))]
             await all_free(p, d)

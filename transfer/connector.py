@@ -11,9 +11,9 @@ Flow of one request. The router names the transfer (transfer_id) and sends:
    block table and how far the step computes it; the worker's source table
    (transfer/sources.py) marks each layer ready as the forward pass writes it
    (`save_kv_layer`). When the prefill ends, `request_finished` keeps the blocks
-   (delay free) under a lease and returns a TransferHandle.
-2. D the same prompt with a TransferHandle (P's address, transfer_id, prompt
-   length). `get_num_new_matched_tokens` offers the tokens past D's own prefix
+   (delay free) under a lease.
+2. D the same prompt with the TransferHandle the router built (P's engine id and KV
+   address, transfer_id, prompt length, transport). `get_num_new_matched_tokens` offers the tokens past D's own prefix
    hit as external, loaded asynchronously; `update_state_after_alloc` plans, per
    KV-cache group, which block indices of P's table go into which of D's blocks.
 3. D's worker asks P's KV server for those blocks; P streams each layer's blocks
@@ -22,9 +22,9 @@ Flow of one request. The router names the transfer (transfer_id) and sends:
    failed_recving: vLLM errors the request, or recomputes it
    (kv_load_failure_policy).
 
-Push or pull is only the order in which the router sends: D's request with P's
-(router-built) handle at the same time as P's (push: the transfer runs under
-P's forward pass, layer by layer), or after P returned its handle (pull).
+Push or pull is only the order in which the router sends: D's request at the same
+time as P's (push: the transfer runs under P's forward pass, layer by layer), or
+after P answered (pull).
 """
 
 from __future__ import annotations
@@ -227,17 +227,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         # Keep the blocks either way: a D may be reading them right now. An aborted
         # source ends as soon as its readers stop.
         self._pending.ends.append(SourceEnd(transfer_id, aborted=not done))
-        if not done:
-            return True, None
-        handle = TransferHandle(engine_id=self.engine_id, address=self._advertised_address(),
-                                transfer_id=transfer_id, num_tokens=request.num_prompt_tokens,
-                                transport=self.settings.transport)
-        return True, handle.to_params()
-
-    def _advertised_address(self) -> str:
-        s = self.settings
-        assert s.port, "P's KV server port must be fixed in the config: the scheduler cannot ask the worker"
-        return f"{s.advertise_host or s.host}:{s.port}"
+        # Nothing for the router: it named the transfer's handle itself when it picked this P.
+        return True, None
 
     @staticmethod
     def _handle_of(request: Request) -> TransferHandle | None:

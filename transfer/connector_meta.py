@@ -28,7 +28,6 @@ class ConnectorSettings:
     chunk_bytes: int = 1 << 20
     break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
     channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
-    transport: str = "grpc"  # what the handles P returns ask for (pull mode; the router may change it)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

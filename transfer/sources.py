@@ -59,6 +59,7 @@ class SourceTable:
         self._cond = threading.Condition()
         self._sources: dict[str, Source] = {}  # transfer_id -> source
         self._stepping: list[Source] = []  # sources the running step computes
+        self.waiting = 0  # readers waiting for a transfer this P has not seen yet (a D that asked first)
 
     # ------------------------------------------------------------ the forward pass (P's worker thread)
 
@@ -130,7 +131,11 @@ class SourceTable:
                     return src
                 if now >= deadline:
                     raise SourceError(f"no transfer {transfer_id} on this P (not scheduled within {wait_s:.1f} s)")
-                self._cond.wait(deadline - now)
+                self.waiting += 1
+                try:
+                    self._cond.wait(deadline - now)
+                finally:
+                    self.waiting -= 1
 
     def wait_for_progress(self, src: Source, seen: dict[str, int], timeout_s: float) -> None:
         """Block until some layer of `src` is readier than `seen`, or it aborted, or the timeout."""

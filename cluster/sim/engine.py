@@ -38,7 +38,6 @@ from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
 from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
 from pdcluster.proto.engine import Engine
-from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -186,9 +185,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
             raise
         if delta.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
-        handle = TransferHandle(self.engine_id, self.kv_address, transfer_id, sreq.num_prompt_tokens,
-                                self.spec.transfer.backend)
-        return PrefillResult(request_id=req.request_id, handle=handle.to_params(), prompt_tokens=sreq.num_prompt_tokens,
+        return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=sreq.num_prompt_tokens,
                              p_cached_tokens=max(0, sreq.num_cached_tokens),
                              engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
 
@@ -196,7 +193,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         assert self.role == "decode", f"{self.name} got a decode: the router mixed up P and D"
         sched = self._started()
         rid = self._request_id(req.request_id)
-        handle = TransferHandle.from_params(req.handle)
+        handle = req.handle
         if handle is not None and handle.num_tokens != len(req.prompt_token_ids):
             raise ValueError(f"decode {req.request_id}: the handle covers {handle.num_tokens} tokens, the prompt "
                              f"has {len(req.prompt_token_ids)}")
