@@ -29,9 +29,9 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     # vLLM's output_kind FINAL_ONLY, as its server sets for a request that is not streamed:
     # D sends one delta at the end, every token in it with its time (DecodeDelta.token_ns),
-    # instead of one every DELTA_INTERVAL_NS. The router asks for it when it has nothing to
-    # do with tokens before the end (not streamed, no stop strings); each delta cost the
-    # router ~60 us of CPU (bench/README.md, "The router's own overhead").
+    # instead of one per `router.stream_interval` tokens. The router asks for it when it has
+    # nothing to do with tokens before the end (not streamed, no stop strings): every delta
+    # costs the router CPU (bench/README.md, "The router's own overhead").
     final_only: bool = False
 
 

@@ -199,8 +199,9 @@ def test_killed_prefill_errors_then_recovers(cluster):
     t = threading.Thread(target=lambda: result.setdefault("r", complete(cluster.url, prompt)))
     t0 = time.monotonic()
     t.start()
-    wait_until(lambda: ray.get(cluster.prefill[0].actor.load.remote()).running, 10, interval=0.02,
-               what="P prefilling the request")
+    # From the moment the router picks P: the earliest, since the risk is P done before the kill.
+    wait_until(lambda: ray.get(cluster.router.__ray_call__.remote(lambda r: r.dispatcher.in_flight["prefill-0"])),
+               10, interval=0.01, what="the router sending P the request")
     # P's actor and its engine process die at once, as with a lost node. (ray.kill takes
     # a while on a busy machine: in one CI run P finished and pushed the KV meanwhile.)
     kill_process_tree(p_pid)
