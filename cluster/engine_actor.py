@@ -317,10 +317,9 @@ class EngineActor(ServesRequestChannel, Engine):
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            # Per step by default, as vLLM streams (router.stream_interval / stream_coalesce_ms
-            # coalesce: each message costs the router ~60 us of CPU, ~125 us as its own SSE
-            # event, bench/README.md). final_only: the last alone. The first token goes at once;
-            # token_ns keeps every token's time either way.
+            # Per step by default, as vLLM streams; router.stream_interval / stream_coalesce_ms
+            # coalesce, since every message costs the router CPU. final_only: the last alone. The
+            # first token goes at once; token_ns keeps every token's time either way.
             if not out.finished and (req.sampling.final_only or last_sent and not stream.due(len(pending), now - last_sent)):
                 continue
             last_sent = now
