@@ -144,7 +144,10 @@ def test_d_killed_mid_local_prefill_ends_in_an_error_and_d_comes_back(cluster):
 
         t = threading.Thread(target=stream)
         t.start()
-        time.sleep(0.15)  # the router has sent it; D is in its prefill (about a second for 8,000 tokens here)
+        # The router has sent it (D's load counts from the router's call): D is in its prefill,
+        # about a second for 8,000 tokens here.
+        wait_until(lambda: ray.get(cluster.router.__ray_call__.remote(lambda r: r.dispatcher.in_flight["decode-0"])),
+                   10, interval=0.01, what="the router sending D the request")
         ray.kill(d.actor, no_restart=False)
         t.join(timeout=90)
     assert not t.is_alive(), "the request hung after D died"
