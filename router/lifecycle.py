@@ -130,7 +130,6 @@ class Lifecycle(Generic[I]):
         self.sent: list[int] = []  # output tokens the client has
         self.avoid: set[str] = set()  # instances lost under this request
         self.attempt: _Attempt[I] | None = None
-        self.error: BackendError | None = None
         self.done = False  # Finished was emitted
         self._closed = False
         self._attempts = itertools.count()
@@ -358,7 +357,7 @@ class Lifecycle(Generic[I]):
 
     def _fail(self, err: BackendError) -> list[Command]:
         out = self._end_attempt()
-        self.rec.error, self.error = str(err), err
+        self.rec.error = str(err)
         return self._finish(out, err)
 
     def _finish(self, out: list[Command], err: BackendError | None = None) -> list[Command]:

@@ -110,7 +110,6 @@ class _Flight:
     p_req: SimRequest | None = None
     d_req: SimRequest | None = None
     attempt: int = -1
-    local: bool = False  # D prefills it alone: no blocks come from P
 
 
 class VirtualRouter:
@@ -168,7 +167,6 @@ class VirtualRouter:
         for cmd in commands:
             if isinstance(cmd, Routed):
                 flight.attempt, route = cmd.attempt, cmd.route
-                flight.local = route.local_prefill
                 if not route.local_prefill:  # before P computes anything: P's steps make D's blocks ready
                     rid = flight.lc.rec.request_id
                     self.kv.expect(f"{rid}#d", len(flight.prompt.tokens), route.prefill.name, f"{rid}#p",
@@ -177,8 +175,8 @@ class VirtualRouter:
                 flight.p_req = self._sim_request(flight, "p", 1, 0, lambda d: self._p_delta(flight, d))
                 self.instances[cmd.instance.name].add(flight.p_req)
             elif isinstance(cmd, Decode):
-                # From P (the handle is the real connector's business; P's answer here carries none).
-                external = 0 if flight.local else len(flight.prompt.tokens)
+                # The prompt's KV comes from P when the request names where (not for a local prefill).
+                external = len(flight.prompt.tokens) if cmd.request.handle is not None else 0
                 flight.d_req = self._sim_request(flight, "d", cmd.request.sampling.max_tokens, external,
                                                  lambda d: self._d_delta(flight, d))
                 self.instances[cmd.instance.name].add(flight.d_req)
