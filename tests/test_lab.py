@@ -11,11 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from e2e import wait_until
 
 from pdcluster.cluster import lab_procs, lab_tc
 from pdcluster.cluster.lab import (
@@ -200,13 +200,6 @@ def _spawn_sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 
-def _wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_a_killed_process_cannot_act_before_it_is_reaped():
     """A SIGKILLed child stays a zombie until its parent waits: it exists, yet can never act
     again. Exiting and SIGKILL-pending processes are the same case the lab met under load."""
@@ -214,7 +207,7 @@ def test_a_killed_process_cannot_act_before_it_is_reaped():
     try:
         assert lab_procs._can_act(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
-        _wait_until(lambda: not lab_procs._can_act(proc.pid))
+        wait_until(lambda: not lab_procs._can_act(proc.pid), 10, interval=0.01, what="the killed child unable to act")
         assert Path(f"/proc/{proc.pid}").exists(), "not yet reaped: the case kill_host must not wait on"
     finally:
         proc.kill()

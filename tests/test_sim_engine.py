@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
 import zmq
+from dispatch_fakes import until
 from e2e import free_port, free_port_run, settled, tiny_model_dir
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
@@ -60,10 +60,8 @@ async def serve(p, d, tokens: list[int], rid: str, push: bool = True, max_tokens
     if push:
         deltas = asyncio.ensure_future(decode(handle))
         # D is asking before P starts, as when the router sends both at once.
-        deadline = time.monotonic() + 10
-        while p.producer.sources.waiting == 0:
-            assert time.monotonic() < deadline and not deltas.done(), "D never asked P"
-            await asyncio.sleep(0.01)
+        await until(lambda: p.producer.sources.waiting or deltas.done(), 10, what="D asking P")
+        assert not deltas.done(), "D ended before it asked P"
         pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
         return pre, await deltas
     pre = await p.prefill(PrefillRequest(rid, tokens, s, transfer_id=rid))
