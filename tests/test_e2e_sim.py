@@ -9,7 +9,6 @@ and D the router picks.
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from e2e import (
     local_prefill_as,
     run_with,
     running_cluster,
+    wait_until,
 )
 from routing_checks import records_of
 
@@ -157,7 +157,8 @@ def test_local_prefills_slow_the_decodes_they_share_steps_with_and_the_summary_m
         long = [threading.Thread(target=served, args=(cluster, [family(40 + i, 2100)], 300)) for i in range(4)]
         for t in long:
             t.start()
-        time.sleep(1.0)  # all four decoding (2,100 > 2,048: through P)
+        wait_until(lambda: sum(ray.get(d.actor.load.remote()).running for d in cluster.decode) == 4, 60,
+                   interval=0.05, what="all four decoding (2,100 > 2,048: through P)")
         local_bodies = served(cluster, [family(60 + i, 2000) for i in range(20)], max_tokens=1)
         for t in long:
             t.join()
