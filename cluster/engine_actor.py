@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
-from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_model
+from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_device, patch_sets_for_model
 from pdcluster.proto.devices import DEVICES
 from pdcluster.proto.engine import Engine
 from pdcluster.proto.kv_event_wire import engine_kv_events_config
@@ -116,7 +116,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
     device = DEVICES[spec.device]
     env: dict[str, str] = {}
     # Run-time vLLM fixes (cluster/vllm_patches.py): every engine's, the model's, NIXL's on CPU.
-    patch_sets = ["exit_with_parent", "kv_events_curve", *patch_sets_for_model(spec.model.path, spec.device)]
+    patch_sets = ["exit_with_parent", "kv_events_curve", *patch_sets_for_device(spec.device),
+                  *patch_sets_for_model(spec.model.path, spec.device)]
     if spec.transfer.connector == "nixl":
         _use_nixl(spec, kv_port, engine_id, address.advertise, args, env)
         if spec.device == "cpu":

