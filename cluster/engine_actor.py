@@ -324,20 +324,9 @@ class EngineActor(ServesRequestChannel, Engine):
             if not out.finished and (req.sampling.final_only or last_sent and not stream.due(len(pending), now - last_sent)):
                 continue
             last_sent = now
-            transfer = None
             # Our connector's report; absent without a handle, or with vLLM's NixlConnector.
-            report = (out.kv_transfer_params or {}).get(D_STATS_KEY) if out.finished else None
-            if report is not None:
-                transfer = TransferStats(
-                    d_cached_tokens=report.get("d_cached_tokens", 0),
-                    transferred_tokens=report.get("transferred_tokens", 0),
-                    blocks_per_group=tuple(report.get("blocks_per_group", ())),
-                    bytes_per_group=tuple(report.get("bytes_per_group", ())),
-                    error=report.get("error"),
-                    transfer_start_ns=report.get("transfer_start_ns", 0),
-                    transfer_end_ns=report.get("transfer_end_ns", 0),
-                    kv_ready_ns=report.get("kv_ready_ns", 0),
-                )
+            transfer = TransferStats.from_params((out.kv_transfer_params or {}).get(D_STATS_KEY)) \
+                if out.finished else None
             yield DecodeDelta(new_token_ids=pending, token_ns=tuple(pending_ns),
                               finish_reason=completion.finish_reason if out.finished else None,
                               transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,

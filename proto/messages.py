@@ -84,7 +84,12 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What D's connector reports for one request, from the D side."""
+    """D's report of one request's transfer: the one shape from D's KV side to the record.
+
+    D's side writes it in three moves: `planned` when it plans the load, `pulled` when the pull
+    ends, `failed` when nothing usable came. The vLLM connector (transfer/connector.py), the
+    simulated engine (cluster/sim/consumer.py) and the virtual clock (cluster/sim/virtual/kv.py)
+    all do; vLLM carries it out of EngineCore as builtins (`to_params` / `from_params`)."""
 
     d_cached_tokens: int = 0  # D's own prefix-cache hit
     transferred_tokens: int = 0
@@ -95,6 +100,40 @@ class TransferStats:
     transfer_start_ns: int = 0
     transfer_end_ns: int = 0
     kv_ready_ns: int = 0  # D's scheduler saw the pull finish
+
+    @classmethod
+    def planned(cls, d_cached_tokens: int, transferred_tokens: int, blocks_per_group: tuple[int, ...],
+                bytes_per_block: tuple[int, ...], transfer_start_ns: int = 0) -> TransferStats:
+        """D's plan: the tokens its cache holds and those coming from P, per KV-cache group the
+        blocks that come and their bytes."""
+        return cls(d_cached_tokens, transferred_tokens, tuple(blocks_per_group),
+                   tuple(n * b for n, b in zip(blocks_per_group, bytes_per_block)), transfer_start_ns=transfer_start_ns)
+
+    def pulled(self, start_ns: int, end_ns: int, bytes_per_group: tuple[int, ...] | None = None) -> TransferStats:
+        """The pull ran from `start_ns` to `end_ns`, moving `bytes_per_group` (default: as planned)."""
+        moved = self.bytes_per_group if bytes_per_group is None else tuple(bytes_per_group)
+        return replace(self, transfer_start_ns=start_ns, transfer_end_ns=end_ns, bytes_per_group=moved)
+
+    def failed(self, error: str, end_ns: int | None = None, moved_bytes: tuple[int, ...] | None = None) -> TransferStats:
+        """Nothing usable came from P: no tokens, no blocks; `moved_bytes` what arrived before
+        (default: what the pull reported)."""
+        return replace(self, error=error, d_cached_tokens=0, transferred_tokens=0,
+                       blocks_per_group=(0,) * len(self.blocks_per_group),
+                       bytes_per_group=self.bytes_per_group if moved_bytes is None else tuple(moved_bytes),
+                       transfer_end_ns=self.transfer_end_ns if end_ns is None else end_ns)
+
+    def to_params(self) -> dict:
+        """As builtins, for vLLM's kv_transfer_params (it crosses EngineCore's msgpack as a map)."""
+        import msgspec
+
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_params(cls, params: dict | None) -> TransferStats | None:
+        """Back from `to_params`, checked field by field (msgspec.ValidationError names a bad one)."""
+        import msgspec
+
+        return None if params is None else msgspec.convert(params, cls)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.proto.handle import HandleError, TransferHandle, transfer_id_of
+from pdcluster.proto.messages import TransferStats
 from pdcluster.transfer import vllm_compat
 from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import LoadJob
@@ -63,7 +65,7 @@ from pdcluster.transfer.connector_worker import _Worker
 
 log = logging.getLogger(__name__)
 
-# kv_transfer_params key of D's per-request report (returned in D's final output).
+# kv_transfer_params key of D's per-request report (TransferStats.to_params, in D's final output).
 D_STATS_KEY = "pdc_d_stats"
 
 
@@ -95,7 +97,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         # D: requests with a load in flight (planned, not yet reported back).
         self._loading: set[str] = set()
         # D: request_id -> its transfer report, until request_finished returns it.
-        self._d_stats: dict[str, dict] = {}
+        self._d_stats: dict[str, TransferStats] = {}
         # Worker side (set in register_kv_caches) ---------------------------
         self._worker: _Worker | None = None
         self.kv_address: str | None = None
@@ -130,13 +132,12 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending.loads.append(LoadJob(request.request_id, handle, plan))
         self._d_stats[request.request_id] = self._report(plan)
 
-    def _report(self, plan: TransferPlan) -> dict:
+    def _report(self, plan: TransferPlan) -> TransferStats:
         blocks = [0] * len(self.groups)
         for g in plan.groups:
             blocks[g.group] = g.num_blocks
-        return {"d_cached_tokens": plan.d_cached_tokens, "transferred_tokens": plan.transferred_tokens,
-                "blocks_per_group": blocks,
-                "bytes_per_group": [n * g.page_bytes for n, g in zip(blocks, self.groups)]}
+        return TransferStats.planned(plan.d_cached_tokens, plan.transferred_tokens, tuple(blocks),
+                                     tuple(g.page_bytes for g in self.groups))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         now_ns = time.monotonic_ns()
@@ -144,20 +145,17 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(timings, PullTimings):
             for request_id, t in timings.pulls.items():
                 if (report := self._d_stats.get(request_id)) is not None:
-                    report.update(transfer_start_ns=t.start_ns, transfer_end_ns=t.end_ns,
-                                  bytes_per_group=list(t.bytes_per_group))
+                    self._d_stats[request_id] = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
         for request_id in connector_output.finished_recving or ():
             self._loading.discard(request_id)
-            if (report := self._d_stats.get(request_id)) is not None:
-                report["kv_ready_ns"] = now_ns  # the scheduler sees the KV from this step on
+            if (report := self._d_stats.get(request_id)) is not None:  # the scheduler sees the KV from this step on
+                self._d_stats[request_id] = replace(report, kv_ready_ns=now_ns)
         # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
         # either way nothing came from P, and the report says so.
         # (vLLM < 0.32 has no failed_recving: there the report keeps what was planned.)
         for request_id in (connector_output.failed_recving if self.api.failed_recving else None) or ():
-            report = self._d_stats.get(request_id)
-            if report is not None:
-                report.update(transferred_tokens=0, d_cached_tokens=0, error="KV pull from P failed",
-                              blocks_per_group=[0] * len(self.groups))
+            if (report := self._d_stats.get(request_id)) is not None:
+                self._d_stats[request_id] = report.failed("KV pull from P failed")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._tables is not None and self.is_producer:
@@ -209,7 +207,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             # Aborted while its KV is arriving: stop the load (vLLM keeps the blocks until it reports).
             self._pending.cancels.append(request.request_id)
         self._handled.discard(request.request_id)
-        return False, {D_STATS_KEY: self._d_stats.pop(request.request_id, None)}
+        report = self._d_stats.pop(request.request_id, None)
+        return False, {D_STATS_KEY: report.to_params() if report is not None else None}
 
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         from pdcluster.transfer.vllm_compat import RequestStatus

@@ -9,9 +9,9 @@ row's key (payload.py), then waits out the *modelled* transfer, the full-size
 bytes over the modelled link (`link.modelled_end_ns`), before telling the
 scheduler the KV is ready: the request sees max(real end, modelled end).
 
-What it reports (`TransferReport`, on the request's last delta) counts blocks
+What it reports (`TransferStats`, on the request's last delta) counts blocks
 per component and their modelled full-size bytes, not the scaled bytes that
-moved.
+moved (those are counted in its `_Load`, beside each chunk's arrival).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import KvHooks, Scheduler
 from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import TransferStats
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import GroupPlan, TransferPlan
@@ -44,14 +45,11 @@ _PLAN_KIND = {"full": "full_attention", "compressed": "compressed", "window": "s
 
 
 @dataclass
-class TransferReport:
-    d_cached_tokens: int = 0
-    transferred_tokens: int = 0
-    blocks_per_group: tuple[int, ...] = ()
-    bytes_per_group: tuple[int, ...] = ()  # modelled, full size
-    error: str | None = None
-    transfer_start_ns: int = 0
-    transfer_end_ns: int = 0  # max(real end, modelled end)
+class _Load:
+    """One request's load: its report (bytes modelled, full size; the end max(real end, modelled
+    end)) and what really arrived."""
+
+    stats: TransferStats
     scaled_bytes: int = 0  # what really moved
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (monotonic ns, modelled bytes) per chunk
 
@@ -94,7 +92,7 @@ class ConsumerSide(KvHooks):
         self.fetcher = _NotifyingFetcher(engine_id, kv, timeout_s, max_workers=FETCH_THREADS, secret=secret,
                                          on_done=lambda rid: loop.call_soon_threadsafe(self._collect))
         self.handles: dict[str, TransferHandle] = {}
-        self.reports: dict[str, TransferReport] = {}
+        self.loads: dict[str, _Load] = {}
         self._planned: dict[str, tuple[GroupPlan, ...]] = {}
         self._owner: dict[int, str] = {}  # D block id -> the request loading into it
         self._lock = threading.Lock()
@@ -117,11 +115,9 @@ class ConsumerSide(KvHooks):
             groups.append(GroupPlan(gi, _PLAN_KIND[c.kind], tuple(range(last - k + 1, last + 1)),
                                     tuple(ids[last - k + 1:last + 1])))
         plan = TransferPlan(tuple(groups), d_cached_tokens=hit, transferred_tokens=n - hit)
-        self.reports[req.request_id] = TransferReport(
-            d_cached_tokens=hit, transferred_tokens=n - hit,
-            blocks_per_group=tuple(g.num_blocks for g in groups),
-            bytes_per_group=tuple(g.num_blocks * c.bytes_per_block for g, c in zip(groups, self.components)),
-            transfer_start_ns=time.monotonic_ns())
+        self.loads[req.request_id] = _Load(TransferStats.planned(
+            hit, n - hit, tuple(g.num_blocks for g in groups), tuple(c.bytes_per_block for c in self.components),
+            transfer_start_ns=time.monotonic_ns()))
         self._planned[req.request_id] = tuple(groups)
         with self._lock:
             for g in groups:
@@ -133,10 +129,10 @@ class ConsumerSide(KvHooks):
         with self._lock:
             rid = self._owner.get(block_ids[0])
             self.received_bytes += nbytes
-        report = self.reports.get(rid) if rid is not None else None
-        if report is not None:
-            report.arrivals.append((time.monotonic_ns(), len(block_ids) * self._component_of[layer].bytes_per_block))
-            report.scaled_bytes += nbytes
+        load = self.loads.get(rid) if rid is not None else None
+        if load is not None:
+            load.arrivals.append((time.monotonic_ns(), len(block_ids) * self._component_of[layer].bytes_per_block))
+            load.scaled_bytes += nbytes
 
     def cancel_load(self, req: SimRequest) -> None:
         self.fetcher.cancel(req.request_id)
@@ -145,7 +141,7 @@ class ConsumerSide(KvHooks):
         """A fetch ended (on the event loop): check it, then end the load once the modelled transfer has."""
         results = self.fetcher.take_results()
         for rid in results.finished:
-            report = self.reports.get(rid)
+            load = self.loads.get(rid)
             groups = self._planned.pop(rid, ())
             with self._lock:
                 for g in groups:
@@ -155,25 +151,23 @@ class ConsumerSide(KvHooks):
             real_end = timing.end_ns if timing else time.monotonic_ns()
             error = "KV pull from P failed" if rid in results.failed else None
             req = self.scheduler.requests.get(rid)
-            if req is None or report is None:  # aborted meanwhile: the scheduler frees its blocks now
+            if req is None or load is None:  # aborted meanwhile: the scheduler frees its blocks now
                 self.scheduler.load_ended(rid, error or "cancelled")
                 continue
             if error is None:
                 error = self._verify(req, groups)
+            stats = load.stats
             if error is not None:
-                report.error = error
-                report.transfer_end_ns = real_end
-                report.d_cached_tokens = report.transferred_tokens = 0
-                report.blocks_per_group = tuple(0 for _ in self.components)
-                report.bytes_per_group = tuple(0 for _ in self.components)
+                load.stats = stats.failed(error, end_ns=real_end, moved_bytes=(0,) * len(self.components))
                 self.scheduler.load_ended(rid, error)
                 continue
             # The arrivals pace the full-size bytes (transport grpc); over torch_dist D's writes are
             # not seen, and the whole transfer from its start is the floor.
-            floor_ns = report.transfer_start_ns + int(self.cost.transfer_s(sum(report.bytes_per_group)) * 1e9)
-            report.transfer_end_ns = max(real_end, floor_ns if not report.arrivals else
-                                         modelled_end_ns(report.transfer_start_ns, report.arrivals, self.link))
-            self._end_load_at(rid, report.transfer_end_ns)
+            start = stats.transfer_start_ns
+            floor_ns = start + int(self.cost.transfer_s(sum(stats.bytes_per_group)) * 1e9)
+            end = max(real_end, floor_ns if not load.arrivals else modelled_end_ns(start, load.arrivals, self.link))
+            load.stats = stats.pulled(start, end)
+            self._end_load_at(rid, end)
 
     def _end_load_at(self, rid: str, end_ns: int) -> None:
         """The load ends at end_ns: timers fire early (uvloop's by up to a millisecond), so re-arm
@@ -193,9 +187,10 @@ class ConsumerSide(KvHooks):
                         f"{g.num_blocks} blocks (D blocks {bad[:4]}...)")
         return None
 
-    def take_report(self, request_id: str) -> TransferReport | None:
+    def take_report(self, request_id: str) -> TransferStats | None:
         self.handles.pop(request_id, None)
-        return self.reports.pop(request_id, None)
+        load = self.loads.pop(request_id, None)
+        return load.stats if load is not None else None
 
     def stop(self) -> None:
         self.fetcher.stop()

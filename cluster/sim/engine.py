@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
@@ -47,7 +47,6 @@ from pdcluster.proto.messages import (
     PrefillRequest,
     PrefillResult,
     Role,
-    TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.network import host_port, instance_address, instance_planes
@@ -225,11 +224,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
                 report = self.consumer.take_report(rid)
                 transfer, cached = None, max(0, sreq.num_cached_tokens)
                 if report is not None:
-                    transfer = TransferStats(
-                        d_cached_tokens=report.d_cached_tokens, transferred_tokens=report.transferred_tokens,
-                        blocks_per_group=report.blocks_per_group, bytes_per_group=report.bytes_per_group,
-                        error=report.error, transfer_start_ns=report.transfer_start_ns,
-                        transfer_end_ns=report.transfer_end_ns, kv_ready_ns=sreq.kv_ready_ns)
+                    transfer = replace(report, kv_ready_ns=sreq.kv_ready_ns)
                     if report.error is None:
                         cached = report.d_cached_tokens + report.transferred_tokens
                 yield DecodeDelta(new_token_ids=held_ids + delta.token_ids, finish_reason=delta.finish_reason,

@@ -98,11 +98,10 @@ class VirtualKv:
         counts = self.cost.blocks_to_send(t.num_tokens, t.d_hit_tokens)
         arrivals = self._arrivals(t, counts)
         end_ns = modelled_end_ns(t.d_start_ns, arrivals, self.link)
-        t.stats = TransferStats(
-            d_cached_tokens=t.d_hit_tokens, transferred_tokens=t.num_tokens - t.d_hit_tokens,
-            blocks_per_group=tuple(counts[c.name] for c in self.cost.components),
-            bytes_per_group=tuple(counts[c.name] * c.bytes_per_block for c in self.cost.components),
-            transfer_start_ns=t.d_start_ns, transfer_end_ns=end_ns)
+        comps = self.cost.components
+        t.stats = TransferStats.planned(t.d_hit_tokens, t.num_tokens - t.d_hit_tokens,
+                                        tuple(counts[c.name] for c in comps),
+                                        tuple(c.bytes_per_block for c in comps)).pulled(t.d_start_ns, end_ns)
         # After whatever runs now (P's step is still ending: its request is held only after it).
         self.loop.at(self.loop.now_ns, lambda: self._p_release(t))
         d_name = self._d_of[t.d_request_id]
@@ -143,8 +142,8 @@ class VirtualKv:
     def _fail(self, t: _Transfer, error: str) -> None:
         t.done = True
         n = len(self.cost.components)
-        t.stats = TransferStats(error=error, blocks_per_group=(0,) * n, bytes_per_group=(0,) * n,
-                                transfer_start_ns=t.d_start_ns or 0, transfer_end_ns=self.loop.now_ns)
+        t.stats = TransferStats(blocks_per_group=(0,) * n, bytes_per_group=(0,) * n,
+                                transfer_start_ns=t.d_start_ns or 0).failed(error, end_ns=self.loop.now_ns)
         self._load_ended(self._d_of[t.d_request_id], t.d_request_id, error)
 
     def _p_preempted(self, t: _Transfer) -> None:

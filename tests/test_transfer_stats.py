@@ -1,0 +1,43 @@
+"""D's transfer report (proto/messages.py TransferStats): planned, pulled, failed, and across
+vLLM's boundary as builtins."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdcluster.proto.messages import TransferStats
+
+
+def planned(**kw) -> TransferStats:
+    """D holds 256 tokens, 512 come from P: 4 blocks of group 0 (100 B each), 1 of group 1 (7 B)."""
+    args = dict(d_cached_tokens=256, transferred_tokens=512, blocks_per_group=(4, 1), bytes_per_block=(100, 7)) | kw
+    return TransferStats.planned(**args)
+
+
+def test_a_plan_counts_each_groups_blocks_and_bytes():
+    s = planned(transfer_start_ns=5)
+    assert (s.blocks_per_group, s.bytes_per_group, s.transfer_start_ns, s.error) == ((4, 1), (400, 7), 5, None)
+
+
+def test_a_pull_sets_its_times_and_what_moved():
+    s = planned().pulled(10, 30)
+    assert (s.transfer_start_ns, s.transfer_end_ns, s.bytes_per_group) == (10, 30, (400, 7))
+    assert planned().pulled(10, 30, [380, 7]).bytes_per_group == (380, 7)
+
+
+def test_a_failure_leaves_no_tokens_or_blocks_and_says_why():
+    s = planned().pulled(10, 30, (200, 0)).failed("KV pull from P failed")
+    assert (s.d_cached_tokens, s.transferred_tokens, s.blocks_per_group) == (0, 0, (0, 0))
+    assert (s.error, s.bytes_per_group, s.transfer_end_ns) == ("KV pull from P failed", (200, 0), 30)
+    s = planned().failed("mismatch", end_ns=40, moved_bytes=(0, 0))
+    assert (s.bytes_per_group, s.transfer_end_ns) == ((0, 0), 40)
+
+
+def test_it_crosses_vllms_boundary_as_builtins_and_comes_back_checked():
+    s = planned().pulled(10, 30)
+    params = msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_params()))  # as EngineCore's msgpack carries it
+    assert isinstance(params, dict) and TransferStats.from_params(params) == s
+    assert TransferStats.from_params(None) is None
+    with pytest.raises(msgspec.ValidationError, match="blocks_per_group"):
+        TransferStats.from_params(params | {"blocks_per_group": "many"})
