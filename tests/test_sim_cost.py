@@ -182,6 +182,14 @@ def test_dsv4_blocks_to_send_past_d_hit():
     assert cm.blocks_to_send(DSV4_TOKENS, 0)["c4_kv"] == DSV4_BLOCKS
 
 
+def test_d_loads_the_last_blocks_of_each_component():
+    cm = model("dsv4-flash-910c")
+    loads = dict(zip((c.name for c in cm.components), cm.blocks_to_load(1000, 384)))  # blocks 0..7, D holds 0..2
+    assert loads["c4_kv"] == range(3, 8) and loads["c4_state"] == range(7, 8)
+    assert loads["swa_kv"] == range(6, 8)  # the window's 128 tokens, 872..999, straddle blocks 6 and 7
+    assert [len(r) for r in cm.blocks_to_load(1000, 384)] == list(cm.blocks_to_send(1000, 384).values())
+
+
 def test_window_sends_only_the_blocks_its_tail_touches():
     cm = model("dsv4-flash-910c")
     assert cm.blocks_to_send(128, 0)["swa_kv"] == 1  # tokens 0..127: one block

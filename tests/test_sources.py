@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdcluster.transfer.sources import SourceError, SourceTable
+from pdcluster.transfer.sources import SourceError, SourceTable, ready_blocks
 
 LAYERS = {"l0": 0, "l1": 0, "w0": 1}  # two full-attention layers (block 16), one window layer (block 4)
 BLOCK_SIZES = (16, 4)
@@ -207,3 +207,7 @@ def test_acquire_raises_after_wait_if_never_added():
     with pytest.raises(SourceError):
         table.acquire("t1", wait_s=0.1)
     assert 0.1 <= time.monotonic() - t0 < 1
+
+
+def test_a_block_is_readable_once_whole_and_the_last_once_the_prompt_is_done():
+    assert [ready_blocks(t, 40, 16) for t in (0, 15, 16, 39, 40)] == [0, 0, 1, 2, 3]

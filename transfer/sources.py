@@ -25,6 +25,13 @@ import time
 from dataclasses import dataclass, field
 
 
+def ready_blocks(ready_tokens: int, num_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a `num_tokens` prompt are readable once `ready_tokens` of it are
+    computed: the full ones, and the partial last one once the prompt is done. The virtual clock
+    (cluster/sim/virtual/kv.py) paces its arrivals by the same rule."""
+    return -(-num_tokens // block_size) if ready_tokens >= num_tokens else ready_tokens // block_size
+
+
 class SourceError(KeyError):
     """No readable source for that transfer (never registered, released, expired or aborted)."""
 
@@ -47,8 +54,7 @@ class Source:
 
     def ready_blocks(self, layer: str, group: int) -> int:
         """How many leading blocks of `group` are complete in `layer`."""
-        tokens, size = self.ready_tokens.get(layer, 0), self.block_sizes[group]
-        return -(-self.num_tokens // size) if tokens >= self.num_tokens else tokens // size
+        return ready_blocks(self.ready_tokens.get(layer, 0), self.num_tokens, self.block_sizes[group])
 
 
 class SourceTable:

@@ -105,15 +105,10 @@ class ConsumerSide(KvHooks):
 
     def start_load(self, req: SimRequest) -> None:
         handle = self.handles[req.request_id]
-        n, hit, bs = req.num_prompt_tokens, req.hit_tokens, self.block_size
-        counts = self.cost.blocks_to_send(n, hit)
+        n, hit = req.num_prompt_tokens, req.hit_tokens
         ids = list(req.blocks)
-        last = (n - 1) // bs
-        groups = []
-        for gi, c in enumerate(self.components):
-            k = counts[c.name]
-            groups.append(GroupPlan(gi, _PLAN_KIND[c.kind], tuple(range(last - k + 1, last + 1)),
-                                    tuple(ids[last - k + 1:last + 1])))
+        groups = [GroupPlan(gi, _PLAN_KIND[c.kind], tuple(load), tuple(ids[i] for i in load))
+                  for gi, (c, load) in enumerate(zip(self.components, self.cost.blocks_to_load(n, hit)))]
         plan = TransferPlan(tuple(groups), d_cached_tokens=hit, transferred_tokens=n - hit)
         self.loads[req.request_id] = _Load(TransferStats.planned(
             hit, n - hit, tuple(g.num_blocks for g in groups), tuple(c.bytes_per_block for c in self.components),

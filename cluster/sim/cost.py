@@ -313,6 +313,14 @@ class CostModel:
         self._check_tokens(num_tokens, d_cached_tokens)
         return {c.name: self._blocks(c, num_tokens, d_cached_tokens) for c in self.components}
 
+    def blocks_to_load(self, num_tokens: int, d_cached_tokens: int) -> tuple[range, ...]:
+        """Per component, in order, the indices of the prompt's blocks D loads from P: the last
+        `blocks_to_send` of them. The simulated D (consumer.py) plans its pulls by it, the
+        virtual clock (virtual/kv.py) its arrivals."""
+        last = (num_tokens - 1) // self.block_size
+        counts = self.blocks_to_send(num_tokens, d_cached_tokens)
+        return tuple(range(last - counts[c.name] + 1, last + 1) for c in self.components)
+
     def transfer_s(self, nbytes: int) -> float:
         """Link latency + bytes / bandwidth."""
         assert nbytes >= 0, f"transfer of {nbytes} bytes"

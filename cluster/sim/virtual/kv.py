@@ -26,6 +26,7 @@ from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler_config import KvHooks
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.proto.messages import TransferStats
+from pdcluster.transfer.sources import ready_blocks
 
 
 @dataclass
@@ -95,26 +96,22 @@ class VirtualKv:
         if t.done or t.d_start_ns is None or not t.ready or t.ready[-1][1] < t.num_tokens:
             return
         t.done = True
-        counts = self.cost.blocks_to_send(t.num_tokens, t.d_hit_tokens)
-        arrivals = self._arrivals(t, counts)
-        end_ns = modelled_end_ns(t.d_start_ns, arrivals, self.link)
-        comps = self.cost.components
-        t.stats = TransferStats.planned(t.d_hit_tokens, t.num_tokens - t.d_hit_tokens,
-                                        tuple(counts[c.name] for c in comps),
-                                        tuple(c.bytes_per_block for c in comps)).pulled(t.d_start_ns, end_ns)
+        loads = self.cost.blocks_to_load(t.num_tokens, t.d_hit_tokens)
+        end_ns = modelled_end_ns(t.d_start_ns, self._arrivals(t, loads), self.link)
+        t.stats = TransferStats.planned(t.d_hit_tokens, t.num_tokens - t.d_hit_tokens, tuple(map(len, loads)),
+                                        tuple(c.bytes_per_block for c in self.cost.components)
+                                        ).pulled(t.d_start_ns, end_ns)
         # After whatever runs now (P's step is still ending: its request is held only after it).
         self.loop.at(self.loop.now_ns, lambda: self._p_release(t))
         d_name = self._d_of[t.d_request_id]
         self.loop.at(end_ns, lambda: self._load_ended(d_name, t.d_request_id, None))
 
-    def _arrivals(self, t: _Transfer, counts: dict[str, int]) -> list[tuple[int, int]]:
-        """(ns, full-size bytes) of the blocks D asked for, as P made them ready."""
-        bs, n = self.block_size, t.num_tokens
-        last = (n - 1) // bs
-        wanted = [(c, last - counts[c.name] + 1) for c in self.cost.components]  # (component, first block)
+    def _arrivals(self, t: _Transfer, loads: tuple[range, ...]) -> list[tuple[int, int]]:
+        """(ns, full-size bytes) of the blocks D asked for (`loads`), as P made them ready."""
+        wanted = [(c, load.start) for c, load in zip(self.cost.components, loads)]  # (component, first block)
         arrivals, before = [], 0
         for at_ns, end in t.ready:
-            ready = last + 1 if end >= n else end // bs  # blocks of the prompt P holds
+            ready = ready_blocks(end, t.num_tokens, self.block_size)  # blocks of the prompt P holds
             if ready <= before:
                 continue
             nbytes = sum(max(0, ready - max(first, before)) * c.bytes_per_block for c, first in wanted)
