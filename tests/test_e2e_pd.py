@@ -247,9 +247,7 @@ def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, referenc
             break
         time.sleep(0.5)
         cores = engine_cores()
-    # (the children listed only on failure: a child that exits between the scan and name() raises)
-    assert cores, (f"no EngineCore process under decode-0's actor {before}; its children: "
-                   f"{[c.pid for c in psutil.Process(before).children(recursive=True)]}")
+    assert cores, f"no EngineCore process under decode-0's actor {before}; its children: {described(before)}"
     for core in cores:
         core.kill()
     t0 = time.monotonic()
@@ -269,6 +267,22 @@ def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, referenc
     tokens, _ = run(cluster, prompt)
     assert tokens == ref_tokens(reference, prompt)
     assert_no_kv_in_use(cluster)
+
+
+def described(pid: int) -> list[str]:
+    """pid's children, each as `pid status name cmdline` (what could be read: one may exit meanwhile)."""
+    import psutil
+
+    out = []
+    for c in psutil.Process(pid).children(recursive=True):
+        parts = [str(c.pid)]
+        for what in (c.status, c.name, lambda: " ".join(c.cmdline())[:80]):
+            try:
+                parts.append(str(what()))
+            except psutil.Error as err:
+                parts.append(type(err).__name__)
+        out.append(" ".join(parts))
+    return out
 
 
 def kill_process_tree(pid: int) -> None:

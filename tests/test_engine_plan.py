@@ -29,7 +29,7 @@ def test_prefill_instance_is_a_producer_on_its_own_port():
                                                "break_prefix": None, "channel_backend": "gloo"}
     assert kv["kv_load_failure_policy"] == "recompute"
     assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                     **engine_env(["exit_with_parent", "kv_events_curve"])}
+                     **engine_env(["exit_with_parent", "kv_events_curve", "fork_worker"])}
     assert "secret" not in str(p.engine_args)  # vLLM logs its config: the secret goes by env (EngineActor)
 
 
