@@ -1,3 +1,4 @@
+import pytest
 from dispatch_fakes import cancelled  # noqa: F401  (a fixture of the dispatcher's unit tests)
 from kv_event_fakes import engine, ports  # noqa: F401  (fixtures of the KV-event feed's tests)
 from lab_agents import agents  # noqa: F401  (the lab's end-to-end tests)
@@ -5,6 +6,30 @@ from router_fakes import fake_router, tok, tok_dir  # noqa: F401  (fixtures of t
 from transfer_fakes import gloo_pair, make_d, make_p, stub_to  # noqa: F401  (fixtures of the transfer's unit tests)
 
 
+def _shared(item) -> str | None:
+    marker = item.get_closest_marker("shared_cluster")
+    return marker.args[0] if marker else None
+
+
 def pytest_collection_modifyitems(config, items):
-    # End-to-end modules run after the unit tests: a unit failure shows in seconds.
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+    # End-to-end modules run after the unit tests: a unit failure shows in seconds. Modules that
+    # share a cluster (e2e.shared_cluster) run one after another, where the first of them stands.
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(_shared(item) or item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None,
+                                 first[_shared(item) or item.nodeid.split("::")[0]]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    # After the last test of the last module sharing a cluster (its module fixtures are gone
+    # by now): stop the cluster.
+    try:
+        return (yield)
+    finally:
+        name = _shared(item)
+        if name is not None and (nextitem is None or _shared(nextitem) != name):
+            from e2e import stop_shared_cluster
+
+            stop_shared_cluster(name)

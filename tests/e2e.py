@@ -200,14 +200,46 @@ def evil_pickle(marker) -> bytes:
 
 
 def run_with(run_dir: str, request_ids, timeout: float = 10.0):
-    """The run, once it holds a record of every one of `request_ids`: the router appends a
-    request's record as the request ends, a moment after the client has its last byte."""
+    """The run with the records of `request_ids` only, once it holds every one: the router
+    appends a request's record as the request ends, a moment after the client has its last
+    byte (and a shared cluster's run holds other modules' requests too)."""
+    from dataclasses import replace
+
     from pdcluster.router.timeline import load_run
 
     want = set(request_ids)
 
     def complete_run():
         run = load_run(run_dir)
-        return run if want <= {r.request_id for r in run.records} else None
+        if not want <= {r.request_id for r in run.records}:
+            return None
+        return replace(run, records=[r for r in run.records if r.request_id in want])
 
     return wait_until(complete_run, timeout, interval=0.05, what=f"records of {len(want)} requests")
+
+
+# ---------------------------------------------------------------- clusters e2e modules share
+
+_SHARED: dict[str, tuple] = {}  # name -> (its running_cluster context, the cluster)
+
+
+def shared_cluster(name: str, make_spec):
+    """The cluster that the modules marked `pytest.mark.shared_cluster(name)` share: the first
+    to ask starts it from `make_spec()`; each next one gets it with every instance healthy and
+    every prefix cache empty. conftest.py runs those modules one after another and stops it
+    after the last one's last test (`stop_shared_cluster`)."""
+    if name not in _SHARED:
+        context = running_cluster(make_spec())
+        _SHARED[name] = (context, context.__enter__())
+        return _SHARED[name][1]
+    cluster = _SHARED[name][1]
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180, interval=1,
+               what=f"shared cluster {name} healthy")
+    reset_caches(cluster)
+    return cluster
+
+
+def stop_shared_cluster(name: str) -> None:
+    context, _ = _SHARED.pop(name, (None, None))
+    if context is not None:
+        context.__exit__(None, None, None)

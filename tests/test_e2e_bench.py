@@ -7,18 +7,17 @@ expectation after the seed phase, and each request is joined with its timeline.
 from __future__ import annotations
 
 import pytest
-from e2e import cluster_spec_for, running_cluster
+from e2e import cluster_spec_for, run_with, shared_cluster
 
 from pdcluster.cluster.replay.run import BenchConfig, report, run_bench
 
-pytestmark = pytest.mark.e2e
+# One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-bench")
-    with running_cluster(spec) as c:
-        yield c
+    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +101,10 @@ def test_a_fit_of_this_run_predicts_another_load_within_the_stated_tolerance(clu
     from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
     from pdcluster.cluster.sim.virtual.run import simulate
     from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
-    from pdcluster.router.timeline import load_run
 
-    run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(tmp_path / "fit"), **FIT_LOAD),
-              log=lambda m: None)
-    result = fit_tiny(load_run(cluster.run_dir), 128)
+    fit_load = run_bench(BenchConfig(base_url=cluster.url, progress=False, out=str(tmp_path / "fit"), **FIT_LOAD),
+                         log=lambda m: None)
+    result = fit_tiny(run_with(cluster.run_dir, [r.request_id for r in fit_load.results]), 128)
     fitted = tmp_path / "fitted.yaml"
     fitted.write_text(fitted_yaml((SHIPPED_SIM_PARAMS / "tiny-qwen3-cpu.yaml").read_text(), result.numbers,
                                   "fitted", "this module's run"))

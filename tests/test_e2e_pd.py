@@ -21,8 +21,8 @@ from e2e import (
     cluster_spec_for,
     complete,
     reset_caches,
-    running_cluster,
     seed_prompts_000,
+    shared_cluster,
     tiny_model_dir,
     transfer_as,
     wait_until,
@@ -34,15 +34,14 @@ from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import load_run
 
-pytestmark = pytest.mark.e2e
+# One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
 BLOCK = 128
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-p1d1")
-    with running_cluster(spec) as c:
-        yield c
+    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
 
 
 @pytest.fixture(scope="module")

