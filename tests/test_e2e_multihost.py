@@ -1,14 +1,18 @@
 """P on one host, D on another, the router on a third: real vLLM engines in the multi-host lab.
 
-The lab (cluster/lab.py) makes two hosts (network namespaces, each a labelled Ray node)
-beside its head (the root namespace, where this test and the router run). The spec pins
-P to host1 and D to host2 by Ray labels; every plane binds its host's lab address. The
-intruders dial those addresses without the cluster secret.
+The lab (cluster/lab.py) makes three hosts (network namespaces, each a labelled Ray node)
+beside its head (the root namespace, where this test and the router run). The spec puts P
+on host1 or host2 (`pdc-host: in(host1, host2)`) and D on host3 by Ray labels; every plane
+binds its host's lab address. The intruders dial those addresses without the cluster secret.
+Last, P's host dies: Ray restarts P on the other one, at other addresses, and the router
+follows it there (push mode hands D P's new KV address; the KV-event feed dials P's new
+publisher), without restarting anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import httpx
 import pytest
@@ -17,32 +21,37 @@ from e2e import (
     assert_no_kv_in_use,
     cluster_spec_for,
     evil_pickle,
+    health,
     placed,
     reset_caches,
     running_cluster,
     seed_prompts_000,
     tiny_model_dir,
+    wait_until,
 )
 
 pytestmark = pytest.mark.e2e
 
 LAB_NAME, SUBNET = "pdcmh", "10.213.60.0/24"
 API_KEY = "sk-e2e-multihost"
+P_HOSTS = ("host1", "host2")
 
 
 @pytest.fixture(scope="module")
 def lab():
     from pdcluster.cluster.lab import Lab
 
-    with Lab.up(hosts=2, name=LAB_NAME, subnet=SUBNET) as lab:
+    with Lab.up(hosts=3, name=LAB_NAME, subnet=SUBNET) as lab:
         yield lab
 
 
 @pytest.fixture(scope="module")
 def cluster(lab):
-    spec = cluster_spec_for("e2e-multihost", ray_address=lab.ray_address, auth={"api_keys": [API_KEY]})
-    # Each role on its own host, by the lab's labels.
-    with running_cluster(placed(spec, prefill={"pdc-host": "host1"}, decode={"pdc-host": "host2"})) as c:
+    spec = cluster_spec_for("e2e-multihost", ray_address=lab.ray_address, auth={"api_keys": [API_KEY]},
+                            transfer={"mode": "push", "lease_s": 15}, router={"policy": "prefix_aware"})
+    # Each role on its own host, by the lab's labels; P may be restarted on the other of two.
+    with running_cluster(placed(spec, prefill={"pdc-host": f"in({', '.join(P_HOSTS)})"},
+                                decode={"pdc-host": "host3"})) as c:
         yield c
 
 
@@ -65,12 +74,13 @@ def run(cluster, prompt, max_tokens=3, key: str | None = API_KEY) -> tuple[list[
 
 def test_each_role_runs_on_its_host_and_every_plane_binds_that_hosts_address(lab, cluster):
     host = {i.name: i for i in cluster.infos}
-    for name, lab_host in (("prefill-0", lab.host("host1")), ("decode-0", lab.host("host2"))):
+    p_host = next(h for h in P_HOSTS if lab.host(h).address == host["prefill-0"].node_ip)
+    for name, lab_host in (("prefill-0", lab.host(p_host)), ("decode-0", lab.host("host3"))):
         info = host[name]
         assert info.node_ip == info.planes.host == lab_host.address, info
         for endpoint in (info.planes.request_channel, info.planes.kv_events, info.planes.kv_events_replay):
             assert endpoint.removeprefix("tcp://").startswith(f"{lab_host.address}:"), endpoint
-    assert host["prefill-0"].kv_address.startswith(f"{lab.host('host1').address}:")
+    assert host["prefill-0"].kv_address.startswith(f"{lab.host(p_host).address}:")
     assert cluster.spec.network.mode == "node"
     # The router runs on the head (the node `build_cluster` ran on), apart from both engines' hosts.
     head = next(n.node_id for n in lab.ray_nodes() if n.alive and n.address == lab.head_address)
@@ -187,3 +197,37 @@ def test_every_plane_on_a_lab_address_refuses_peers_without_the_secret(cluster, 
 
 def test_no_block_is_left_in_use(cluster):
     assert_no_kv_in_use(cluster)
+
+
+def p_node(cluster) -> str:
+    return ray.get(cluster.prefill[0].actor.info.remote(), timeout=60).node_ip
+
+
+def test_p_restarted_on_another_host_is_followed_there(lab, cluster):
+    """Last in the module: it kills a host."""
+    rng = random.Random(7)
+    before = p_node(cluster)
+    host_of = {lab.host(h).address: h for h in P_HOSTS}
+    assert before in host_of
+    first = [rng.randrange(5, 1000) for _ in range(1024 + 100)]
+    assert run(cluster, first)[1]["pd"]["transfer_error"] is None
+
+    lab.kill_host(host_of[before])
+    # Ray declares the node dead, restarts P on the other host; the router's channel reopens there.
+    wait_until(lambda: health(cluster)["prefill-0"] is False, 30, what="prefill-0 down")
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,
+               what="prefill-0 back, on the other host")
+    after = p_node(cluster)
+    assert after in host_of and after != before
+
+    # Push mode: D fetched from P's new KV address (a stale one fails after 5 s, as a transfer error).
+    second = [rng.randrange(5, 1000) for _ in range(1024 + 50)]
+    usage = run(cluster, second)[1]
+    assert usage["pd"]["transfer_error"] is None and usage["pd"]["transferred_tokens"] == len(second)
+    # The feed follows P's new publisher: it learns what the new P stored, and routes a repeat to it.
+    status = wait_until(lambda: (s := ray.get(cluster.router.kv_event_status.remote())["prefill-0"]).connected
+                        and s.blocks > 0 and s, 30, what="the feed following the new P")
+    assert status.connections >= 2 and not status.stale
+    again = run(cluster, second)[1]
+    assert again["pd"]["p_cached_tokens"] == 1024 and again["pd"]["transfer_error"] is None
+    assert_no_kv_in_use(cluster, timeout=30)
