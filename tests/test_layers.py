@@ -63,9 +63,13 @@ def test_the_engines_import_nothing_of_the_router():
     assert not bad, "\n".join(bad)
 
 
-def test_every_folder_is_in_a_layer():
+def test_every_folder_is_in_a_layer_and_installed():
     folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/__init__.py")}
     assert folders - {"tests"} == set(LAYERS)
+    # setup.py finds the packages under the folders it names (tests/test_packaging.py checks the wheel).
+    [names] = [ast.literal_eval(n.value) for n in ast.parse((ROOT / "setup.py").read_text()).body
+               if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["FOLDERS"]]
+    assert set(names) == set(LAYERS)
 
 
 def test_a_violation_is_found_at_any_depth(tmp_path):

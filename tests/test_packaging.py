@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_layers import LAYERS as FOLDERS
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("proto", "transfer", "router", "cluster", "bench")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+from e2e import wait_until
 
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer import frames
@@ -205,11 +206,9 @@ def stub_to():
         ch.close()
 
 
-def wait_until_true(cond, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
+def wait_until_true(cond, timeout: float = 3.0):
+    """e2e.wait_until at a transfer test's pace (a few ms between looks)."""
+    return wait_until(cond, timeout, interval=0.005)
 
 
 @pytest.fixture
