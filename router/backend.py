@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdcluster.proto.messages import SamplingSpec
+from pdcluster.router.openai_models import PdUsage
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,13 @@ class ModelCard:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """New tokens of one request. The last chunk has `finish_reason` and the counts."""
+    """New tokens of one request. The last chunk has `finish_reason`; each has the P/D report
+    as `usage.pd` shows it, whole on the last chunk and as known so far on the others (a client
+    that stops early, at a stop string, gets that one)."""
 
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
-    p_cached_tokens: int = 0  # prompt tokens P's prefix cache held
-    d_cached_tokens: int = 0  # prompt tokens D's prefix cache held
-    transferred_tokens: int = 0  # prompt tokens whose KV moved P -> D
-    transfer_error: str | None = None  # the pull failed and D recomputed (on_failure: recompute)
-    prefill_instance: str | None = None  # where the prompt was prefilled: a P, or D itself
-    local_prefill: bool = False  # D prefilled it (router/local_prefill.py): no P, no transfer
-    migrations: int = 0  # moves off a lost instance (router/migration.py), on the last chunk
+    pd: PdUsage | None = None
 
 
 class BackendError(Exception):

@@ -31,7 +31,6 @@ pick to the end of each part, and learns P's prefill times.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -53,8 +52,11 @@ from pdcluster.router.lifecycle_commands import (
     Finished,
     Prefill,
     Routed,
+    pd_final,
+    pd_so_far,
 )
 from pdcluster.router.migration import InstanceLost, continuation
+from pdcluster.router.openai_models import PdUsage
 from pdcluster.router.prefix_index import RouterHash
 from pdcluster.router.recording import forget_attempt, record_decode_end, record_prefill, record_route, record_tokens
 from pdcluster.router.routing import I, InstancePicker, NoInstanceUp, Route
@@ -111,6 +113,7 @@ class _Attempt(Generic[I]):
     got_token: bool = False
     held: DecodeDelta | None = None  # D's failed finish, while P's fate is checked
     deferred: DecodeDelta | None = None  # push: D's last delta, waiting for P's answer
+    so_far: PdUsage | None = None  # the P/D report the chunks before the last carry
     # Invariant: each stack holds its picker count exactly while that part runs (routing.py).
     p_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # P's load, pick to answer
     local_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's local slot, to 1st token
@@ -252,7 +255,8 @@ class Lifecycle(Generic[I]):
     def _begin_attempt(self, now_ns: int) -> list[Command]:
         rec, sent, first = self.rec, self.sent, not self.sent
         if len(sent) >= self.sampling.max_tokens:  # lost after its last token came: nothing left to do
-            return self._finish([Emit(GenerationChunk([], finish_reason="length", migrations=len(rec.migrations)))])
+            return self._finish([Emit(GenerationChunk([], "length", PdUsage(
+                p_cached_tokens=0, d_cached_tokens=0, transferred_tokens=0, migrations=len(rec.migrations))))])
         prompt, sampling = continuation(self.prompt, self.sampling, sent) if sent else (self.prompt, self.sampling)
         picker = self.dispatch.picker
         try:
@@ -329,10 +333,15 @@ class Lifecycle(Generic[I]):
             return self._fail(BackendError(f"decode on {route.decode.name} ended with {delta.finish_reason!r}: the KV "
                                            f"transfer from {route.prefill.name} failed or D aborted the request", 502,
                                            "kv_transfer_error"))
-        chunk = _chunk(route, a.pre.p_cached_tokens if a.pre else 0, delta)
+        p_cached, moves = a.pre.p_cached_tokens if a.pre else 0, len(self.rec.migrations)
+        if delta.finish_reason is not None:
+            pd = pd_final(route, p_cached, delta, moves)
+        else:  # one report per attempt and P answer, shared by its chunks: no cost per token
+            if a.so_far is None or a.so_far.p_cached_tokens != p_cached:
+                a.so_far = pd_so_far(route, p_cached, moves)
+            pd = a.so_far
+        chunk = GenerationChunk(delta.new_token_ids, delta.finish_reason, pd)
         self.sent += chunk.new_token_ids
-        if self.rec.migrations:
-            chunk = dataclasses.replace(chunk, migrations=len(self.rec.migrations))
         if delta.finish_reason is None:
             return [Emit(chunk)]
         return self._finish([Emit(chunk)])
@@ -382,17 +391,3 @@ class Lifecycle(Generic[I]):
         # `prefilling` marks P done only on a clean exit).
         a.p_slot.__exit__(BackendError, BackendError("P did not answer"), None)
 
-
-def _chunk(route: Route, p_cached_tokens: int, delta: DecodeDelta) -> GenerationChunk:
-    t = delta.transfer
-    final = delta.finish_reason is not None
-    return GenerationChunk(
-        new_token_ids=delta.new_token_ids, finish_reason=delta.finish_reason,
-        p_cached_tokens=p_cached_tokens,
-        # D prefilled it: D's own hit is all it had (the engine's count, on the last delta).
-        d_cached_tokens=t.d_cached_tokens if t else (delta.num_cached_tokens if route.local_prefill and final else 0),
-        transferred_tokens=t.transferred_tokens if t else 0,
-        transfer_error=t.error if t else None,
-        prefill_instance=(route.decode.name if route.local_prefill else route.prefill.name) if final else None,
-        local_prefill=route.local_prefill,
-    )

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal
 
-from pdcluster.proto.messages import DecodeRequest, PrefillRequest
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest
 from pdcluster.router.backend import BackendError, GenerationChunk
+from pdcluster.router.openai_models import PdUsage
 from pdcluster.router.routing import I, Route
 
 # -- commands: what the driver does
@@ -82,3 +83,25 @@ Command = Routed | Prefill | Decode | CheckLost | Abort | Emit | Finished
 class Failure:
     kind: Literal["lost", "timeout", "error"]  # the instance is gone / the deadline passed / it said so
     message: str = ""
+
+
+# -- the P/D report the client's chunks carry (`usage.pd`)
+
+
+def pd_so_far(route: Route, p_cached_tokens: int, migrations: int) -> PdUsage:
+    """Before D's last output: P's hit (0 until P answers) and the route's kind; D reports its
+    hit and the transfer only with its last output."""
+    return PdUsage(p_cached_tokens=p_cached_tokens, d_cached_tokens=0, transferred_tokens=0,
+                   local_prefill=route.local_prefill, migrations=migrations)
+
+
+def pd_final(route: Route, p_cached_tokens: int, last: DecodeDelta, migrations: int) -> PdUsage:
+    """The whole report, from D's last output and its transfer report."""
+    t = last.transfer
+    return PdUsage(
+        p_cached_tokens=p_cached_tokens,
+        # D prefilled it: D's own hit is all it had (the engine's count).
+        d_cached_tokens=t.d_cached_tokens if t else (last.num_cached_tokens if route.local_prefill else 0),
+        transferred_tokens=t.transferred_tokens if t else 0, transfer_error=t.error if t else None,
+        prefill_instance=route.decode.name if route.local_prefill else route.prefill.name,
+        local_prefill=route.local_prefill, migrations=migrations)

@@ -75,16 +75,14 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
 
 
 def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> Usage:
-    last = last or GenerationChunk([])
+    pd = last.pd if last is not None and last.pd is not None else \
+        PdUsage(p_cached_tokens=0, d_cached_tokens=0, transferred_tokens=0)
     return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion_tokens,
                  total_tokens=len(job.prompt_ids) + completion_tokens,
                  # The hit of the cache that served the prefill: P's, or D's own when D prefilled it.
                  prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=last.d_cached_tokens if last.local_prefill else last.p_cached_tokens),
-                 pd=PdUsage(p_cached_tokens=last.p_cached_tokens, d_cached_tokens=last.d_cached_tokens,
-                            transferred_tokens=last.transferred_tokens, transfer_error=last.transfer_error,
-                            prefill_instance=last.prefill_instance, local_prefill=last.local_prefill,
-                            migrations=last.migrations))
+                     cached_tokens=pd.d_cached_tokens if pd.local_prefill else pd.p_cached_tokens),
+                 pd=pd)
 
 
 async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:

@@ -20,6 +20,7 @@ from pdcluster.cluster.tiny_model import make_tiny_model
 from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.openai_api import build_app
+from pdcluster.router.openai_models import PdUsage
 
 MODEL = "tiny"
 MAX_LEN = 64
@@ -50,8 +51,8 @@ class FakeBackend(TokenBackend):
                     raise self.error
                 await asyncio.sleep(self.delay)
                 yield GenerationChunk([t])
-            yield GenerationChunk(self.final, finish_reason=self.finish, p_cached_tokens=3,
-                                  d_cached_tokens=1, transferred_tokens=5, prefill_instance="prefill-0")
+            yield GenerationChunk(self.final, self.finish, PdUsage(p_cached_tokens=3, d_cached_tokens=1,
+                                                                   transferred_tokens=5, prefill_instance="prefill-0"))
             done = True
         finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
             if not done and self.error is None:

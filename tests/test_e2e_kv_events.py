@@ -13,17 +13,15 @@ so families evict each other and predictions must follow the evictions too.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
-from e2e import cluster_spec_for, complete, running_cluster
+from e2e import cluster_spec_for, complete, run_with, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 from pdcluster.proto.kv_event_wire import feed_endpoints
 from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import hittable_hashes
-from pdcluster.router.timeline import load_run
 from pdcluster.transfer.auth import curve_keys
 
 pytestmark = pytest.mark.e2e
@@ -95,14 +93,8 @@ def served(cluster, feed) -> list[Served]:
 
 def routes(cluster, ids: list[str], timeout: float = 10) -> dict[str, tuple[str, str]]:
     """response id -> (P, D) from the run's timelines (a record is written as its request ends)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        recs = {r.request_id: (r.prefill_instance, r.decode_instance) for r in load_run(cluster.run_dir).records}
-        if all(i in recs for i in ids) or time.monotonic() > deadline:
-            missing = [i for i in ids if i not in recs]
-            assert not missing, f"no timeline record for {missing}"
-            return recs
-        time.sleep(0.1)
+    return {r.request_id: (r.prefill_instance, r.decode_instance)
+            for r in run_with(cluster.run_dir, ids, timeout).records}
 
 
 def test_predicted_hits_equal_what_p_and_d_report(cluster, served):

@@ -87,13 +87,6 @@ def fresh_prompt(n: int) -> list[int]:
     return [rng.randrange(5, 1000) for _ in range(n)]
 
 
-def in_flight(cluster, instance: str) -> float:
-    for line in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(f'pdc_in_flight{{instance="{instance}"}}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def served_by(cluster, responses: list[httpx.Response]) -> set[str | None]:
     """The decode instances that served these responses, from the run's timelines (a record is
     written as its request ends, keyed by the response's id)."""
@@ -170,8 +163,9 @@ def test_a_dead_decode_host_moves_its_requests_and_the_survivors_serve(lab, clus
     # Long decodes, four at once, until decode-1 decodes one of them.
     calls = [lambda: post(cluster, fresh_prompt(300), max_tokens=1500) for _ in range(4)]
     threads, out = in_parallel(calls)
-    wait_until(lambda: in_flight(cluster, "decode-1") > 0, 30, what="decode-1 streaming")
-    time.sleep(1.0)
+    # decode-1's engine runs one: its KV arrived and it decodes (a request still loading waits).
+    decode_1 = next(d for d in cluster.decode if d.name == "decode-1")
+    wait_until(lambda: ray.get(decode_1.actor.load.remote()).running > 0, 30, interval=0.1, what="decode-1 decoding")
     killed_at_ns = time.monotonic_ns()  # the router's clock too: the lab's hosts share this kernel
     lab.kill_host("host4")
     for t in threads:

@@ -240,13 +240,10 @@ def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, referenc
                     found.append(p)
         return found
 
-    cores = engine_cores()
-    for _ in range(60):  # seen once on a loaded machine: none found at the first look
-        if cores:
-            break
-        time.sleep(0.5)
-        cores = engine_cores()
-    assert cores, f"no EngineCore process under decode-0's actor {before}; its children: {described(before)}"
+    try:  # seen once on a loaded machine: none found at the first look
+        cores = wait_until(engine_cores, 30, interval=0.5, what="an EngineCore process under decode-0's actor")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; the actor {before}'s children: {described(before)}") from None
     for core in cores:
         core.kill()
     t0 = time.monotonic()

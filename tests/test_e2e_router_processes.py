@@ -6,7 +6,6 @@ request is answered and recorded once in the one run directory, and either route
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -98,11 +97,8 @@ def test_a_router_crashed_mid_load_leaves_its_run_readable_and_comes_back(cluste
     assert {u.file for u in crashed.unfinished} == {"requests.jsonl"}  # router 0's file: only it crashed
     assert len(crashed.unfinished) == statuses.count(None)
 
-    deadline = time.monotonic() + 90
-    while router0(lambda router: os.getpid()) in (None, before) or not router0(
-            lambda router: bool(router._server and router._server.started)):
-        assert time.monotonic() < deadline, "router 0 did not come back serving within 90 s"
-        time.sleep(0.5)
+    wait_until(lambda: router0(lambda router: os.getpid()) not in (None, before) and router0(
+        lambda router: bool(router._server and router._server.started)), 90, interval=0.5, what="router 0 back, serving")
     ids = []
     for i in range(8):  # new connections: some reach the restarted router
         res = complete(cluster.url, [9 + i] * 300, max_tokens=4, request_id=f"after-crash-{i}")
@@ -131,10 +127,7 @@ def test_with_one_router_dead_the_other_serves_and_metrics_name_the_dead_one(clu
     ray.kill(cluster.routers[1], no_restart=True)
     # Until its process is gone, and its listening socket with it: Ray calls an actor dead
     # sooner, while a connection could still be queued on that socket and then be reset.
-    deadline = time.monotonic() + 30
-    while _running(pid):
-        assert time.monotonic() < deadline, f"router-1 (pid {pid}) still running 30 s after ray.kill"
-        time.sleep(0.05)
+    wait_until(lambda: not _running(pid), 30, interval=0.05, what=f"router-1 (pid {pid}) gone after ray.kill")
     for i in range(8):  # a new connection each: the kernel hands them all to router 0 now
         res = complete(cluster.url, [7 + i] * 300, max_tokens=4, request_id=f"one-router-{i}")
         assert res.status_code == 200, res.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from dispatch_fakes import until
 from starlette.testclient import TestClient
 
 from pdcluster.router.http_app import BytesResponse, HttpApp, HttpRequest, StreamResponse, json_response
@@ -165,7 +166,7 @@ def test_aclose_finishes_a_generators_cleanup_even_if_the_closing_task_is_cancel
         closing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await closing
-        await asyncio.sleep(0.1)
+        await until(lambda: cleaned, what="the generator's cleanup run to its end")
 
     asyncio.run(main())
     assert cleaned == ["done"]

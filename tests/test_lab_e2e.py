@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e import wait_until
 from lab_agents import _connect, _rate_mbit, _until
 
 from pdcluster.cluster.lab import (
@@ -279,10 +280,9 @@ def test_killed_host_revived_gets_its_pinned_actor_back(lab, driver):
     [old] = [n.node_id for n in lab.ray_nodes() if n.label == host.label and n.alive]
     lab.kill_host(host)
     assert lab.host_pids(host) == []
-    deadline = time.monotonic() + HEALTH_CHECK_BOUND_S + 20  # a generous bound: this is not a timing test
-    while any(n.alive for n in lab.ray_nodes() if n.node_id == old) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [n.alive for n in lab.ray_nodes() if n.node_id == old] == [False]
+    # A generous bound: this is not a timing test.
+    wait_until(lambda: [n.alive for n in lab.ray_nodes() if n.node_id == old] == [False], HEALTH_CHECK_BOUND_S + 20,
+               interval=0.1, what="Ray declaring the killed host's node dead")
     lab.revive_host(host)
     [new] = [n for n in lab.ray_nodes() if n.label == host.label and n.alive]
     assert new.node_id != old and new.address == host.address

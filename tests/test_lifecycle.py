@@ -65,9 +65,9 @@ def test_pull_prefill_then_decode_with_the_router_s_handle_then_tokens_then_the_
     assert decode.request.connector_params is None
     assert disp.picker.in_flight() == {"prefill-0": 0, "prefill-1": 0, "decode-0": 1, "decode-1": 0}
     [emit] = lc.decode_output(0, DecodeDelta([7]), now_ns=210)
-    assert emit.chunk.new_token_ids == [7] and emit.chunk.p_cached_tokens == 4 and emit.chunk.finish_reason is None
+    assert emit.chunk.new_token_ids == [7] and emit.chunk.pd.p_cached_tokens == 4 and emit.chunk.finish_reason is None
     emit, abort, finished = lc.decode_output(0, last([8, 9, 10]), now_ns=220)
-    assert emit.chunk.finish_reason == "length" and emit.chunk.transferred_tokens == 5
+    assert emit.chunk.finish_reason == "length" and emit.chunk.pd.transferred_tokens == 5
     assert isinstance(abort, Abort) and finished == Finished(None)
     rec = lc.close(now_ns=230)
     assert list(rec.events) == ["arrival", "dispatch", "p_queued", "p_scheduled", "p_done", "first_token",
@@ -102,7 +102,7 @@ def test_push_sends_d_the_router_s_handle_first_and_the_last_chunk_waits_for_p()
     assert lc.decode_output(0, last([8]), 20) == []  # the last one does: P's hit goes in it
     assert not lc.waiting_for_decode and lc.waiting_for_prefill
     emit, _, finished = lc.prefill_answered(0, answer(cached=3), 30)
-    assert emit.chunk.p_cached_tokens == 3 and emit.chunk.finish_reason == "length" and finished == Finished(None)
+    assert emit.chunk.pd.p_cached_tokens == 3 and emit.chunk.finish_reason == "length" and finished == Finished(None)
     assert lc.close(40).events["p_done"] == 150 and idle(disp)
 
 
@@ -141,7 +141,7 @@ def test_a_decode_lost_mid_stream_goes_on_with_the_tokens_sent_and_the_rest_of_t
     [decode] = lc.prefill_answered(1, answer(), 40)
     assert decode.instance.name == "decode-1"  # decode-0 is avoided
     emit, _, _ = lc.decode_output(1, last([9, 10]), 50)
-    assert emit.chunk.migrations == 1
+    assert emit.chunk.pd.migrations == 1
     rec = lc.close(60)
     assert rec.token_ns == [20, 20, 50, 50] and rec.migrations[0].tokens_sent == 2 and idle(disp)
 

@@ -38,7 +38,7 @@ def test_a_decode_lost_mid_stream_goes_on_on_another_with_the_tokens_sent(cancel
     records = recorded(disp)
     chunks = run(collect(disp))
     assert tokens(chunks) == [10, 11, 12, 13]  # none twice, none missing
-    assert chunks[-1].finish_reason == "length" and chunks[-1].migrations == 1
+    assert chunks[-1].finish_reason == "length" and chunks[-1].pd.migrations == 1
     again = d1.decode_calls[0]
     assert again.prompt_token_ids == PROMPT + [10, 11] and again.sampling.max_tokens == SAMPLING.max_tokens - 2
     assert p.prefill_calls[1].prompt_token_ids == PROMPT + [10, 11]  # through P again: P's cache has the prompt
@@ -107,7 +107,7 @@ def test_in_push_mode_a_p_lost_after_d_has_its_kv_does_not_end_the_request(cance
     d = FakeEngine(decode_queued=True)  # D's tokens come at once
     disp = make([p], [d], mode="push")
     chunks = run(collect(disp))
-    assert tokens(chunks) == [10, 11, 12, 13] and chunks[-1].migrations == 0
+    assert tokens(chunks) == [10, 11, 12, 13] and chunks[-1].pd.migrations == 0
 
 
 def test_the_limit_ends_it_with_an_error_naming_the_lost_instances(cancelled):

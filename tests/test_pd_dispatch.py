@@ -62,10 +62,10 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
 
     assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
     assert [c.finish_reason for c in chunks] == [None, None, "length"]
-    assert all(c.p_cached_tokens == 4 for c in chunks)
+    assert all(c.pd.p_cached_tokens == 4 for c in chunks)
     last = chunks[-1]
-    assert (last.d_cached_tokens, last.transferred_tokens) == (2, 3)
-    assert all((c.d_cached_tokens, c.transferred_tokens) == (0, 0) for c in chunks[:-1])
+    assert (last.pd.d_cached_tokens, last.pd.transferred_tokens) == (2, 3)
+    assert all((c.pd.d_cached_tokens, c.pd.transferred_tokens) == (0, 0) for c in chunks[:-1])
 
     (preq,) = p.prefill_calls
     assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x-0")
@@ -245,7 +245,7 @@ def test_push_sends_d_the_router_built_handle_before_p_answers_and_d_finishes_wi
     # D's tokens flow before P answers; P never did: the last waits for P until the deadline,
     # then goes without P's hit (D had every layer's KV: the request is whole), and P's call
     # is cancelled.
-    assert [c.new_token_ids for c in got] == [[10], [11, 12], [13]] and got[-1].p_cached_tokens == 0
+    assert [c.new_token_ids for c in got] == [[10], [11, 12], [13]] and got[-1].pd.p_cached_tokens == 0
     assert p.prefill_pending[0] in cancelled
 
 
@@ -260,7 +260,7 @@ def test_push_tokens_flow_and_the_last_carries_ps_hit(cancelled):
     p, d = FakeEngine(p_cached=4), FakeEngine()
     chunks = run(collect(make([p], [d], mode="push"), "req-q"))
     assert [c.new_token_ids for c in chunks] == [[10], [11, 12], [13]]
-    assert chunks[-1].p_cached_tokens == 4 and cancelled == []
+    assert chunks[-1].pd.p_cached_tokens == 4 and cancelled == []
 
 
 def test_push_dead_prefill_ends_a_waiting_decode_at_once(cancelled):

@@ -66,7 +66,7 @@ def test_a_finish_queued_behind_deltas_ends_the_merged_chunk(cancelled):
     disp = make([FakeEngine()], [FakeEngine(decode_queued=True)])
     [chunk] = run(collect(disp))
     assert chunk.new_token_ids == [10, 11, 12, 13] and chunk.finish_reason == "length"
-    assert (chunk.d_cached_tokens, chunk.transferred_tokens) == (2, 3)
+    assert (chunk.pd.d_cached_tokens, chunk.pd.transferred_tokens) == (2, 3)
 
 
 def test_merging_deltas_keeps_times_only_when_every_token_has_one():
@@ -195,7 +195,7 @@ def test_a_short_remainder_is_served_by_d_alone_and_usage_says_so(cancelled, mod
     assert p.prefill_calls == []  # P never sees it
     (dreq,) = d.decode_calls
     assert dreq.handle is None and dreq.prompt_token_ids == PROMPT
-    last = chunks[-1]
+    last = chunks[-1].pd
     assert (last.local_prefill, last.prefill_instance, last.d_cached_tokens, last.p_cached_tokens,
             last.transferred_tokens) == (True, "decode-0", 4, 0, 0)
     (rec,) = records
