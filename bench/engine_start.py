@@ -27,7 +27,7 @@ def one_round(model: str, port: int) -> tuple[float, float]:
         "name": "bench-engine-start", "model": {"path": model, "tiny": {"arch": "qwen3", "seed": 0}},
         "engine": {"max_model_len": 8192, "max_num_batched_tokens": 8192, "dtype": "float32"},
         "prefill": {"resources": {"cpu_bind": ["0"]}}, "decode": {"resources": {"cpu_bind": ["1"]}},
-        "router": {"port": port + 9}, "transfer": {"base_port": port},
+        "router": {"port": port + 9, "kv_events_port": port + 2}, "transfer": {"base_port": port},
     }, base_dir=Path.cwd())
     t0 = time.monotonic()
     with running_cluster(spec) as cluster:
