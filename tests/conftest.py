@@ -14,11 +14,13 @@ def _shared(item) -> str | None:
 def pytest_collection_modifyitems(config, items):
     # End-to-end modules run after the unit tests: a unit failure shows in seconds. Modules that
     # share a cluster (e2e.shared_cluster) run one after another, where the first of them stands.
+    def group(item) -> str:  # the shared cluster's name, else the module
+        return _shared(item) or item.nodeid.split("::")[0]
+
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(_shared(item) or item.nodeid.split("::")[0], i)
-    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None,
-                                 first[_shared(item) or item.nodeid.split("::")[0]]))
+        first.setdefault(group(item), i)
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None, first[group(item)]))
 
 
 @pytest.hookimpl(wrapper=True)
