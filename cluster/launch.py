@@ -227,6 +227,11 @@ def teardown(cluster: Cluster) -> None:
         ray.kill(handle, no_restart=True)
 
 
+def start_local_ray() -> None:
+    """A local Ray on two CPUs in this process, as running_cluster starts one."""
+    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+
+
 @contextmanager
 def running_cluster(spec: ClusterSpec):
     """A Ray and `spec`'s cluster on it, for one driver's use (tests, benches): both gone afterwards,
@@ -236,7 +241,7 @@ def running_cluster(spec: ClusterSpec):
     if spec.ray_address:
         ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+        start_local_ray()
     try:
         cluster = build_cluster(spec)
         try:

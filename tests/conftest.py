@@ -11,8 +11,13 @@ def _shared(item) -> str | None:
     return marker.args[0] if marker else None
 
 
+def _local_ray(item) -> bool:
+    return item.get_closest_marker("local_ray") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    # End-to-end modules run after the unit tests: a unit failure shows in seconds. Modules that
+    # End-to-end modules run after the unit tests: a unit failure shows in seconds. Those on the
+    # session's local Ray (e2e.local_ray) run one after another, before the rest. Modules that
     # share a cluster (e2e.shared_cluster) run one after another, where the first of them stands.
     def group(item) -> str:  # the shared cluster's name, else the module
         return _shared(item) or item.nodeid.split("::")[0]
@@ -20,13 +25,13 @@ def pytest_collection_modifyitems(config, items):
     first: dict[str, int] = {}
     for i, item in enumerate(items):
         first.setdefault(group(item), i)
-    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None, first[group(item)]))
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None, not _local_ray(item), first[group(item)]))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     # After the last test of the last module sharing a cluster (its module fixtures are gone
-    # by now): stop the cluster.
+    # by now): stop the cluster; after the last on the local Ray: stop that Ray.
     try:
         return (yield)
     finally:
@@ -35,3 +40,7 @@ def pytest_runtest_teardown(item, nextitem):
             from e2e import stop_shared_cluster
 
             stop_shared_cluster(name)
+        if _local_ray(item) and (nextitem is None or not _local_ray(nextitem)):
+            from e2e import stop_local_ray
+
+            stop_local_ray()

@@ -64,11 +64,24 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     return parse_spec(data)
 
 
+@contextmanager
 def running_cluster(spec: ClusterSpec):
-    """cluster.launch.running_cluster, imported when used (it brings Ray and the router)."""
-    from pdcluster.cluster.launch import running_cluster
+    """`spec`'s cluster for one module: on the session's local Ray (`local_ray`), or, for a spec
+    with a ray_address (a lab's), as cluster.launch.running_cluster runs it, the local Ray
+    stopped first (one driver joins one Ray)."""
+    from pdcluster.cluster import launch
 
-    return running_cluster(spec)
+    if spec.ray_address:
+        stop_local_ray()
+        with launch.running_cluster(spec) as cluster:
+            yield cluster
+        return
+    local_ray()
+    cluster = launch.build_cluster(spec)
+    try:
+        yield cluster
+    finally:
+        launch.teardown(cluster)
 
 
 def placed(spec: ClusterSpec, **labels: dict[str, str]) -> ClusterSpec:
@@ -243,3 +256,43 @@ def stop_shared_cluster(name: str) -> None:
     context, _ = _SHARED.pop(name, (None, None))
     if context is not None:
         context.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------- the session's local Ray
+
+_REFERENCE: list = []  # the shared tiny-Qwen3 reference engine's actor, while the local Ray stands
+
+
+def local_ray() -> None:
+    """The local Ray that the modules marked `pytest.mark.local_ray` run on, one after another:
+    started by the first that asks, stopped by conftest.py after the last (`stop_local_ray`), so
+    that each module spends no Ray start and stop (~5 s here) and they can share engines."""
+    import ray
+
+    from pdcluster.cluster.launch import start_local_ray
+
+    if not ray.is_initialized():
+        start_local_ray()
+
+
+def stop_local_ray() -> None:
+    """Stop the local Ray if this process runs one (and whatever still runs on it)."""
+    import ray
+
+    assert not _SHARED, f"shared clusters still up: {sorted(_SHARED)}"
+    _REFERENCE.clear()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def shared_reference():
+    """The single tiny-Qwen3 float32 engine (cluster/reference_engine.py) that the local-Ray
+    modules compare with, on core 0: started by the first that asks, gone with the local Ray."""
+    import ray
+
+    from pdcluster.cluster.reference_engine import ReferenceEngine
+
+    local_ray()
+    if not _REFERENCE:
+        _REFERENCE.append(ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0"))
+    return _REFERENCE[0]

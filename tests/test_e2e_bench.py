@@ -12,7 +12,7 @@ from e2e import cluster_spec_for, run_with, shared_cluster
 from pdcluster.cluster.replay.run import BenchConfig, report, run_bench
 
 # One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
-pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
 
 
 @pytest.fixture(scope="module")

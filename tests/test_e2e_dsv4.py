@@ -29,7 +29,7 @@ from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import make_tiny_model
 from pdcluster.router.timeline import load_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
 # (block size, window) of each KV-cache group, in vLLM's order; window 0: moves every block past D's hit.
 GROUPS = ((256, 0), (4, 8), (64, 128), (64, 128), (64, 128), (8, 128))

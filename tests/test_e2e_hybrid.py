@@ -22,7 +22,7 @@ from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
 from pdcluster.router.timeline import load_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 BLOCK = 128
 
 

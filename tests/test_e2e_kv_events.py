@@ -24,7 +24,7 @@ from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import hittable_hashes
 from pdcluster.transfer.auth import curve_keys
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
 BS = 128
 PREFIX_BLOCKS = 3

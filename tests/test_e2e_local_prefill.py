@@ -36,7 +36,7 @@ from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 MAX_TOKENS = 256  # router.local_prefill.max_tokens here
 HISTORY = 1024  # 8 blocks D will hold
 
@@ -51,7 +51,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0", dtype="bfloat16")
+    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0", dtype="bfloat16")
+    yield reference
+    ray.kill(reference)  # the local Ray outlives this module
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:

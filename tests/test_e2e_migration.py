@@ -12,12 +12,18 @@ import threading
 import openai
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, health, running_cluster, tiny_model_dir, wait_until
+from e2e import (
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    health,
+    running_cluster,
+    shared_reference,
+    wait_until,
+)
 
-from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.router.timeline import load_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 PROMPT_TOKENS, MAX_TOKENS = 300, 400
 
 
@@ -29,7 +35,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+    return shared_reference()
 
 
 def kill_process_tree(pid: int) -> None:

@@ -11,11 +11,9 @@ import random
 
 import pytest
 import ray
-from e2e import cluster_spec_for, complete, running_cluster, tiny_model_dir
+from e2e import cluster_spec_for, complete, running_cluster, shared_reference
 
-from pdcluster.cluster.reference_engine import ReferenceEngine
-
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +29,7 @@ def cluster():
 
 
 def test_nixl_cluster_matches_a_single_engine(cluster):
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+    reference = shared_reference()
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (300, 1000, 3000)]
     for p in prompts + prompts[1:2]:  # the repeat hits P's prefix cache

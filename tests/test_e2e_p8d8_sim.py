@@ -18,7 +18,7 @@ from pdcluster.cluster.replay.run import BenchConfig, run_bench
 from pdcluster.proto.spec import load_spec
 from pdcluster.router.timeline import CAUSAL_CHAINS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PROMPT, SHARED = 32 * 1024 + 4, 29 * 1024  # C90's 90% block-aligned hit, at a quarter of its length
 

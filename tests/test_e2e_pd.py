@@ -23,19 +23,18 @@ from e2e import (
     reset_caches,
     seed_prompts_000,
     shared_cluster,
-    tiny_model_dir,
+    shared_reference,
     transfer_as,
     wait_until,
 )
 
-from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import load_run
 
 # One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
-pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
 BLOCK = 128
 
 
@@ -46,7 +45,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    return ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0")
+    return shared_reference()
 
 
 def ref_tokens(reference, prompt, max_tokens=16):

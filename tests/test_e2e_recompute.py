@@ -24,7 +24,7 @@ from e2e import (
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
 
 @pytest.fixture(scope="module")

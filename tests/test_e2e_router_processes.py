@@ -16,7 +16,7 @@ from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster
 
 from pdcluster.router.timeline import load_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
 REQUESTS = 24
 

@@ -10,7 +10,7 @@ import ray
 from e2e import assert_no_kv_in_use, cluster_spec_for, running_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 BLOCK = 128
 FAMILIES = Families(count=4, prefix_tokens=8 * BLOCK, suffix_tokens=100)  # 9 blocks a prompt
 KV_BLOCKS = 40  # per instance: 4 families of 9 blocks fit one P, 8 do not

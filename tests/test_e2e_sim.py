@@ -28,7 +28,7 @@ from routing_checks import records_of
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import EVENT_ORDER, load_run
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 BLOCK = 128
 FULL_KV_BYTES_PER_BLOCK = 14_680_064  # qwen3-0.6b-1dev: 128 tokens x 28 layers x 4,096 B
 SCALE = 1024

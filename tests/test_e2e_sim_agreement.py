@@ -27,7 +27,7 @@ from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 TOLERANCE = 0.05
 HIT_POINTS = 0.005
 COUNT_TOLERANCE = 2

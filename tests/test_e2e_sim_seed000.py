@@ -21,7 +21,7 @@ from routing_checks import records_of
 
 from pdcluster.cluster.sim.calibrate import SEED000_SUFFIX, SEED000_TTFT_S
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 TOLERANCE = 0.10
 REPEATS = 3
 

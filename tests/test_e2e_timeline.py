@@ -17,7 +17,7 @@ from pdcluster.router.attribution import attribute, critical_path
 from pdcluster.router.timeline import EVENT_ORDER
 
 # One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
-pytestmark = [pytest.mark.e2e, pytest.mark.shared_cluster("p1d1")]
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
 
 # Client TTFT vs the router's (arrival -> first token): the HTTP hop in front of
 # the router's clock and the SSE write after it, on loopback over a kept-alive
