@@ -169,7 +169,7 @@ def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluste
     import ray
 
     from pdcluster.bench.instant_engine import InstantEngine
-    from pdcluster.cluster.launch import ensure_model, settle_spec, start_routers
+    from pdcluster.cluster.launch import ensure_model, make_routers, settle_spec, start_routers
     from pdcluster.cluster.placement import alive_nodes
     from pdcluster.router.pd_dispatch import Instance
 
@@ -179,9 +179,9 @@ def start_pdcluster(model_dir: str, runs_dir: str, routers: int = 1) -> PdCluste
     handles = {f"{role}-0": engine_cls.options(num_cpus=0, max_concurrency=1000).remote(spec, role, 0)
                for role in ("prefill", "decode")}
     infos = ray.get([h.info.remote() for h in handles.values()])
-    insts = {i.name: Instance(i.name, handles[i.name], i.engine_id, i.kv_address) for i in infos}
-    actors, url, _ = start_routers(spec, [insts["prefill-0"]], [insts["decode-0"]], infos, detached=False,
-                                   started=[], body=_bench_router_class())
+    insts = {i.name: Instance.of(i, handles[i.name]) for i in infos}
+    actors = make_routers(spec, detached=False, started=[], body=_bench_router_class())
+    url, _ = start_routers(spec, actors, [insts["prefill-0"]], [insts["decode-0"]], infos)
     return PdCluster(url, actors, ray.get([a.pid.remote() for a in actors]), [i.pid for i in infos],
                      [handles["prefill-0"], handles["decode-0"]], ray.get(actors[0].has_policies.remote()),
                      spec.secret())

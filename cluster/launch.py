@@ -156,21 +156,21 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
             for i in range(getattr(spec, role).instances):
                 handle = engine_cls.options(**_engine_options(spec, role, i, detached)).remote(spec, role, i)
                 started.append((f"{role}-{i}", handle))
+        engines = list(started)
+        # The routers load the tokenizer while the engines start (RouterActor.__init__).
+        routers = make_routers(spec, detached, started)
         infos, failures = [], []
         deadline = time.monotonic() + start_timeout_s
-        for name, handle in started:  # every instance's fate: a spec's mistakes come out at once
+        for name, handle in engines:  # every instance's fate: a spec's mistakes come out at once
             try:
                 infos.append(ray.get(handle.info.remote(), timeout=max(1.0, deadline - time.monotonic())))
             except Exception as err:
                 failures.append(f"instance {name} failed to start: {_root_cause(err)}")
         if failures:
             raise ClusterStartError("\n".join(failures))
-        by_name = {i.name: i for i in infos}
-        prefill = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
-                   if n.startswith("prefill")]
-        decode = [Instance(n, h, by_name[n].engine_id, by_name[n].kv_address) for n, h in started
-                  if n.startswith("decode")]
-        routers, url, run_dir = start_routers(spec, prefill, decode, infos, detached, started)
+        prefill = [Instance.of(i, h) for i, (_, h) in zip(infos, engines) if i.role == "prefill"]
+        decode = [Instance.of(i, h) for i, (_, h) in zip(infos, engines) if i.role == "decode"]
+        url, run_dir = start_routers(spec, routers, prefill, decode, infos)
         return Cluster(spec, prefill, decode, routers, url, infos, run_dir)
     except BaseException:
         for _, handle in started:
@@ -178,17 +178,16 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
         raise
 
 
-def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
-                  detached: bool, started: list[tuple[str, ray.actor.ActorHandle]], body: type = RouterActor,
-                  ) -> tuple[list[ray.actor.ActorHandle], str, str | None]:
-    """Router 0, then routers 1.. on its node (SO_REUSEPORT shares a port within one host),
-    writing into its run directory; then each learns the others (for /metrics). Each is
-    added to `started` as it is made. Returns the routers, their URL and the run directory.
-    `body`: RouterActor, or a subclass (the benchmarks')."""
+def make_routers(spec: ClusterSpec, detached: bool, started: list[tuple[str, ray.actor.ActorHandle]],
+                 body: type = RouterActor) -> list[ray.actor.ActorHandle]:
+    """Routers 0..n-1 (router.processes), made now and started by `start_routers`: router 0 on
+    the driver's node or one with router.labels, the others on its node (SO_REUSEPORT shares a
+    port within one host). Each is added to `started` as it is made. `body`: RouterActor, or a
+    subclass (the benchmarks')."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     routers: list[ray.actor.ActorHandle] = []
-    url, node = "", None
+    node = None
     # Named before any router starts: a router Ray restarts after a crash writes into it again.
     run_dir = str(Path(spec.router.runs_dir) / new_run_id(spec.name)) if spec.router.record_timeline else None
     for k in range(spec.router.processes):
@@ -197,22 +196,34 @@ def start_routers(spec: ClusterSpec, prefill: list[Instance], decode: list[Insta
                           max_concurrency=1000, max_restarts=-1)
         if detached:
             opts["lifetime"] = "detached"
-        if node is None:  # router 0: the driver's node, or one with router.labels
+        if k == 0:
             opts.update(router_placement(spec, ray.get_runtime_context().get_node_id()))
         else:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        router = ray.remote(body).options(**opts).remote(spec, prefill, decode, infos, k, run_dir, prefill_cost(spec))
+        router = ray.remote(body).options(**opts).remote(spec, k, run_dir, prefill_cost(spec))
         started.append((router_name(k), router))
         routers.append(router)
+        if k == 0 and spec.router.processes > 1:
+            node = ray.get(router.node_id.remote(), timeout=120)
+    return routers
+
+
+def start_routers(spec: ClusterSpec, routers: list[ray.actor.ActorHandle], prefill: list[Instance],
+                  decode: list[Instance], infos: list[InstanceInfo]) -> tuple[str, str | None]:
+    """Start each router (make_routers') on these instances, router 0 first: the others write
+    into its run directory; then each learns the others (for /metrics). Returns the routers' URL
+    and the run directory."""
+    url, run_dir = "", None
+    for k, router in enumerate(routers):
         try:
-            url = ray.get(router.start.remote(run_dir), timeout=120)
+            url = ray.get(router.start.remote(prefill, decode, infos, run_dir), timeout=120)
         except Exception as err:
             raise ClusterStartError(f"{router_name(k)} failed to start: {_root_cause(err)}") from None
         if k == 0:
-            run_dir, node = ray.get([router.run_dir.remote(), router.node_id.remote()])  # as router 0 made it
+            run_dir = ray.get(router.run_dir.remote())  # as router 0 made it
     if len(routers) > 1:
         ray.get([r.set_peers.remote({router_name(j): p for j, p in enumerate(routers) if p is not r}) for r in routers])
-    return routers, url, run_dir
+    return url, run_dir
 
 
 def _root_cause(err: BaseException) -> str:

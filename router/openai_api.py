@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -125,13 +126,23 @@ async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterato
         await aclose(gen)
 
 
-def build_app(backend: TokenBackend, tokenizer_dir: str, limits: HttpLimits = HttpLimits()) -> HttpApp:
+def load_tokenizer(tokenizer_dir: str):
+    """The model's tokenizer as transformers loads it: a fast one (the Detokenizer steps the Rust
+    tokenizer), or a ValueError naming what was loaded instead."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if getattr(tokenizer, "backend_tokenizer", None) is None:  # Detokenizer steps the Rust tokenizer
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise ValueError(f"{tokenizer_dir}: the router needs a fast tokenizer (tokenizer.json); "
                          f"transformers loaded a {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits()) -> HttpApp:
+    """`tokenizer`: load_tokenizer's, or the directory to load it from."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    tokenizer_dir = tokenizer.name_or_path  # as from_pretrained was given it
     prompts = PromptTokenizer(tokenizer)
     app = HttpApp(limits)
 

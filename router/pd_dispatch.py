@@ -60,6 +60,11 @@ class Instance:
     engine_id: str = ""
     kv_address: str | None = None  # P: its KV server, where D asks for blocks
 
+    @classmethod
+    def of(cls, info: InstanceInfo, actor: ray.actor.ActorHandle) -> Instance:
+        """The instance `info` describes, reached through `actor`."""
+        return cls(info.name, actor, info.engine_id, info.kv_address)
+
 
 class PDDispatcher(TokenBackend):
     def __init__(self, prefill: list[Instance], decode: list[Instance], card: ModelCard, request_timeout_s: float,

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pdcluster.proto.messages import InstanceInfo
+from pdcluster.proto.names import NAMESPACE
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
@@ -47,6 +48,28 @@ def _check_port_free(host: str, port: int) -> None:
             raise RuntimeError(f"router.port {port} on {host} is not free: {err.strerror}") from None
 
 
+def _instances_key(spec: ClusterSpec) -> bytes:
+    return f"pdc-instances/{spec.name}".encode()
+
+
+def remember_instances(spec: ClusterSpec, infos: list[InstanceInfo]) -> None:
+    """Keep the cluster's instances where a router Ray restarts finds them (Ray's internal KV,
+    in the GCS): the launcher that handed them over may be long gone."""
+    import msgspec
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(_instances_key(spec), msgspec.json.encode(infos), overwrite=True, namespace=NAMESPACE)
+
+
+def recall_instances(spec: ClusterSpec) -> list[InstanceInfo]:
+    import msgspec
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    data = _internal_kv_get(_instances_key(spec), namespace=NAMESPACE)
+    assert data is not None, f"no instances kept for cluster {spec.name}: a router restarted before any started"
+    return msgspec.json.decode(data, type=list[InstanceInfo])
+
+
 class RouterActor:
     """Ray actor body (wrapped with ray.remote by the launcher).
 
@@ -57,15 +80,35 @@ class RouterActor:
     share one run directory, and each one's /metrics shows the sum of all (`set_peers`).
     """
 
-    def __init__(self, spec: ClusterSpec, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
-                 index: int = 0, run_dir: str | None = None, cost: PrefillCost | None = None):
-        """`run_dir`: the run's directory (the launcher names it before router 0 starts), so that
-        a router Ray restarts after a crash writes into the same run; it then starts serving by
-        itself, with the others as its peers (max_restarts=-1, cluster/launch.py). `cost`: P's
-        prefill time as the picker predicts it (cluster/sim/cost.py prefill_cost; None: fitted
-        from what P's engines report)."""
+    def __init__(self, spec: ClusterSpec, index: int = 0, run_dir: str | None = None, cost: PrefillCost | None = None):
+        """What needs no instance, most of a router's start (the model's tokenizer, i.e. transformers
+        and torch imported): the launcher makes the routers as it makes the engines, so this runs
+        while they start, and `start` takes the instances once they are up. `run_dir`: the run's
+        directory (the launcher names it before router 0 starts), so that a router Ray restarts
+        after a crash writes into the same run; it then starts serving by itself, with the
+        instances and peers it had (max_restarts=-1, cluster/launch.py). `cost`: P's prefill time
+        as the picker predicts it (cluster/sim/cost.py prefill_cost; None: fitted from what P's
+        engines report)."""
         assert cost is not None or spec.role_engine("prefill").kind != "sim", (
             "a simulated cluster's router predicts with the engines' cost model: pass prefill_cost(spec)")
+        assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
+        import ray
+
+        from pdcluster.router.openai_api import load_tokenizer
+
+        self.spec, self.index, self._run_dir, self._cost = spec, index, run_dir, cost
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.peers: dict = {}  # the other routers' actor handles by name (router.processes > 1)
+        self.tokenizer = load_tokenizer(spec.model.path)
+        self.dispatcher: PDDispatcher | None = None  # and the rest below: made by start, from the instances
+        self.store: RunStore | None = None
+        self._server = None
+        self._task: asyncio.Task | None = None
+        if self.restarted:  # nobody else will call start: ask this actor itself, once __init__ returns
+            me = ray.get_runtime_context().current_actor
+            threading.Thread(target=lambda: ray.get(me.resume.remote()), name="pdc-router-resume", daemon=True).start()
+
+    def _take_instances(self, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo]) -> None:
         from pdcluster.proto.kv_event_wire import feed_endpoints
         from pdcluster.proto.router_spec import HttpLimits
         from pdcluster.router.admission import AdmissionLimits
@@ -74,13 +117,7 @@ class RouterActor:
         from pdcluster.router.openai_api import build_app
         from pdcluster.transfer.auth import curve_keys
 
-        assert 0 <= index < spec.router.processes, f"router {index} of {spec.router.processes}"
-        self.spec, self.index = spec, index
-        self._run_dir = run_dir
-        import ray
-
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.peers: dict = {}  # the other routers' actor handles by name (router.processes > 1)
+        spec = self.spec
         block_size = spec.role_engine("prefill").block_size
         self.infos = infos
         # Every instance's KV cache events, whatever the policy: the predicted hits are
@@ -91,7 +128,7 @@ class RouterActor:
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
                                        pending=PendingBlocks() if spec.router.track_pending else None,
-                                       cost=cost if cost is not None else FittedCost(),
+                                       cost=self._cost if self._cost is not None else FittedCost(),
                                        local=spec.router.local_prefill,
                                        admission=AdmissionLimits.settle(
                                            spec.router.admission,
@@ -109,18 +146,12 @@ class RouterActor:
                                      pending_blocks if spec.router.track_pending else None)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.dispatcher.rejection_listeners.append(self.metrics.reject)
-        self.store: RunStore | None = None
-        self.app = build_app(self.dispatcher, spec.model.path, HttpLimits(
+        self.app = build_app(self.dispatcher, self.tokenizer, HttpLimits(
             spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))
         if spec.auth.api_keys:
             self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys])
         self.app.add("GET", "/metrics", self._metrics_page)
         self.app.add("GET", "/pdc/run", self._run_page)
-        self._server = None
-        self._task: asyncio.Task | None = None
-        if self.restarted:  # nobody else will call start: ask this actor itself, once __init__ returns
-            me = ray.get_runtime_context().current_actor
-            threading.Thread(target=lambda: ray.get(me.resume.remote()), name="pdc-router-resume", daemon=True).start()
 
     async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
         page = self.metrics.render()
@@ -151,9 +182,12 @@ class RouterActor:
         other routers of the cluster as its peers. Called by the router itself (the launcher is long gone)."""
         import ray
 
-        from pdcluster.proto.names import NAMESPACE, actor_name, router_name
+        from pdcluster.proto.names import actor_name, router_name
 
-        url = await self.start()
+        infos = recall_instances(self.spec)
+        handles = {i.name: ray.get_actor(actor_name(self.spec, i.name), namespace=NAMESPACE) for i in infos}
+        url = await self.start([Instance.of(i, handles[i.name]) for i in infos if i.role == "prefill"],
+                               [Instance.of(i, handles[i.name]) for i in infos if i.role == "decode"], infos)
         self.peers = {router_name(j): ray.get_actor(actor_name(self.spec, router_name(j)), namespace=NAMESPACE)
                       for j in range(self.spec.router.processes) if j != self.index}
         log.warning("router %d restarted after a crash; serving again at %s", self.index, url)
@@ -188,11 +222,15 @@ class RouterActor:
                        instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
         return RunStore(path, meta)
 
-    async def start(self, run_dir: str | None = None) -> str:
-        """Serve on router.host:port; return the base URL once it accepts connections.
-        run_dir: the run's directory (default: the one the launcher named)."""
+    async def start(self, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
+                    run_dir: str | None = None) -> str:
+        """Route to these instances and serve on router.host:port; return the base URL once it
+        accepts connections. run_dir: the run's directory (default: the one the launcher named)."""
         import uvicorn
 
+        self._take_instances(prefill, decode, infos)
+        if not self.restarted:
+            remember_instances(self.spec, infos)
         run_dir = run_dir or self._run_dir
         if self.spec.router.record_timeline:
             self.store = await self._open_run(self.infos, run_dir)
@@ -285,6 +323,8 @@ class RouterActor:
     async def stop(self) -> None:
         """Stop serving: requests still running after uvicorn's graceful second are ended (and
         recorded as ended by the stop); then the run's file is flushed and fsynced."""
+        if self.dispatcher is None:  # never started: nothing to end
+            return
         self.dispatcher.stopping = True
         try:
             if self._server is not None:
