@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
-from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_device, patch_sets_for_model
+from pdcluster.cluster.vllm_patches import (
+    check_model_runs_here,
+    engine_env,
+    patch_sets_for_device,
+    patch_sets_for_model,
+)
 from pdcluster.proto.devices import DEVICES
 from pdcluster.proto.engine import Engine
 from pdcluster.proto.kv_event_wire import engine_kv_events_config
@@ -205,6 +210,7 @@ class EngineActor(ServesRequestChannel, Engine):
         address = instance_address(spec.network, ray.util.get_node_ip_address())
         self.plan = plan_instance(spec, role, index, address)
         check_ports_free(listen_ports(spec, role, index, address.bind))
+        check_model_runs_here(spec.model.path, spec.device)
         self.connector = spec.transfer.connector
         os.environ.update(self.plan.env)  # before vLLM reads its env
         # vLLM's processes (its KV-event publisher, our connector in its worker) prove the

@@ -16,8 +16,14 @@ import time
 class ReferenceEngine:
     def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
                  block_size: int = 128, kv_cache_space_gib: int = 1, enable_prefix_caching: bool = False):
-        from pdcluster.cluster.vllm_patches import engine_env, patch_sets_for_device, patch_sets_for_model
+        from pdcluster.cluster.vllm_patches import (
+            check_model_runs_here,
+            engine_env,
+            patch_sets_for_device,
+            patch_sets_for_model,
+        )
 
+        check_model_runs_here(model, "cpu")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
         if cpu_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind

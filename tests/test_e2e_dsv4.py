@@ -27,9 +27,11 @@ from e2e import (
 
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import make_tiny_model
+from pdcluster.cluster.vllm_patches_dsv4 import missing_cpu_kernels
 from pdcluster.router.timeline import load_run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray,
+              pytest.mark.skipif(missing_cpu_kernels() is not None, reason=str(missing_cpu_kernels()))]
 
 # (block size, window) of each KV-cache group, in vLLM's order; window 0: moves every block past D's hit.
 GROUPS = ((256, 0), (4, 8), (64, 128), (64, 128), (64, 128), (8, 128))

