@@ -10,6 +10,7 @@ functions below, so it is unit-tested without an engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ from pdcluster.proto.messages import (
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
 from pdcluster.transfer.request_channel import ServesRequestChannel
+from pdcluster.transfer.sources import TransferIds
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +214,7 @@ class EngineActor(ServesRequestChannel, Engine):
         check_ports_free(listen_ports(spec, role, index, address.bind))
         check_model_runs_here(spec.model.path, spec.device)
         self.connector = spec.transfer.connector
+        self._transfer_ids = TransferIds(spec.transfer.lease_s)  # pdcluster's connector's, on P
         os.environ.update(self.plan.env)  # before vLLM reads its env
         # vLLM's processes (its KV-event publisher, our connector in its worker) prove the
         # cluster secret too; the env, unlike the engine args, is neither logged nor dumped.
@@ -295,12 +298,13 @@ class EngineActor(ServesRequestChannel, Engine):
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
-        sp = sampling_params(req.sampling, max_tokens=1,
-                             kv_transfer_params=prefill_kv_params(self.connector, req.transfer_id or req.request_id))
+        transfer_id = req.transfer_id or req.request_id
+        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector, transfer_id))
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
-                                           request_id=req.request_id):
-            final = out
+        with self._transfer_ids.taken(transfer_id) if self.connector == "pdc" else contextlib.nullcontext():
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
+                                               request_id=req.request_id):
+                final = out
         assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
         return PrefillResult(
             request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),

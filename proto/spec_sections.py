@@ -156,8 +156,9 @@ class TransferSpec(_Strict):
     chunk_bytes: int = Field(1 << 20, ge=4096, description="gRPC message payload size")
     on_failure: Literal["error", "recompute"] = Field(
         "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
-    # Fault injection, for tests: P breaks every transfer whose id starts with this
-    # prefix halfway through its blocks, as a lost connection would.
+    # Fault injection, for tests: the router gives the transfers of requests whose id starts
+    # with this prefix an id with it in front, and P breaks each halfway through its blocks, as
+    # a lost connection would.
     break_transfers_with_prefix: str | None = None
 
     @model_validator(mode="before")

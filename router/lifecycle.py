@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
@@ -81,7 +82,11 @@ class Dispatch(Generic[I]):
     admission: AdmissionLimits | None = None
     clock_of: Callable[[str], ClockOffset] = lambda name: SAME_CLOCK  # an instance's clock offset
     in_flight: int = 0  # requests taken in and not closed
-    _transfer_seq: itertools.count = field(default_factory=itertools.count)
+    fault_prefix: str | None = None  # transfer.break_transfers_with_prefix (tests): see new_id
+    # This router process's part of every engine request and transfer id: unique across router
+    # processes and restarts, never the client's (X-Request-Id), so no client names engine state.
+    id_prefix: str = field(default_factory=lambda: secrets.token_hex(6))
+    _id_seq: itertools.count = field(default_factory=itertools.count)
 
     def admit(self) -> Rejection | None:
         """Whether a request arriving now is refused (a 429), before anything is spent on it."""
@@ -89,9 +94,11 @@ class Dispatch(Generic[I]):
             return None
         return admit(self.admission, self.in_flight, self.picker.least_queued_s())
 
-    def transfer_id(self, request_id: str) -> str:
-        # Unique even when clients reuse request ids (X-Request-Id): P keys its sources by it.
-        return f"{request_id}-{next(self._transfer_seq)}"
+    def new_id(self, request_id: str) -> str:
+        """A fresh name for one attempt of `request_id` on the engines (its request id on P and D,
+        its transfer's id); a fault-injected request's has the prefix in front: P breaks it."""
+        own = f"pdc-{self.id_prefix}-{next(self._id_seq)}"
+        return self.fault_prefix + own if self.fault_prefix and request_id.startswith(self.fault_prefix) else own
 
 
 # -- one attempt: one route, one P (or none), one D
@@ -182,7 +189,7 @@ class Lifecycle(Generic[I]):
         if failure.kind == "lost":
             return self._lost(InstanceLost("prefill", p, failure.message), now_ns)
         if failure.kind == "timeout":
-            return self._fail(BackendError(f"prefill of {a.engine_rid} on {p} timed out after "
+            return self._fail(BackendError(f"prefill of {self.rec.request_id} on {p} timed out after "
                                            f"{self.dispatch.request_timeout_s:.0f} s", 504, "timeout"))
         return self._fail(BackendError(f"prefill on {p} failed: {failure.message}", 500))
 
@@ -274,7 +281,7 @@ class Lifecycle(Generic[I]):
             rec.decode_instance = d.name
         # Each attempt is a new request to the engines: an aborted earlier one may still be
         # leaving P's engine, and two requests of one id there would take each other's blocks.
-        engine_rid = rec.request_id if not rec.migrations else f"{rec.request_id}-moved-{len(rec.migrations)}"
+        engine_rid = self.dispatch.new_id(rec.request_id)
         a = self.attempt = _Attempt(next(self._attempts), route, first, prompt, sampling, engine_rid,
                                     push=self.dispatch.transfer_mode == "push")
         out: list[Command] = [Routed(a.number, route)]
@@ -283,7 +290,7 @@ class Lifecycle(Generic[I]):
             return out + self._send_decode(a, None)
         # P's load counts from the pick: a request right behind this one must see it.
         a.p_slot.enter_context(picker.prefilling(route, len(prompt)))
-        prefill = PrefillRequest(engine_rid, prompt, sampling, transfer_id=self.dispatch.transfer_id(rec.request_id))
+        prefill = PrefillRequest(engine_rid, prompt, sampling, transfer_id=engine_rid)
         # The transfer's handle, named here once: where P's KV will be, under the transfer's name,
         # over the transport the router chose. A P without a KV server (another connector's, such
         # as vLLM's NIXL) names its own in its answer (`connector_params`).

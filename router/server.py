@@ -135,6 +135,7 @@ class RouterActor:
                                            decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,
                                            request_timeout_s=spec.router.request_timeout_s),
                                        migration_limit=spec.router.migration_limit)
+        self.dispatcher.core.fault_prefix = spec.transfer.break_transfers_with_prefix
         # An instance restarted on another node publishes its KV events there.
         self.dispatcher.instance_listeners.append(
             lambda info: self.kv_events.redial(info.name, info.planes.kv_events, info.planes.kv_events_replay))

@@ -166,3 +166,9 @@ async def until(condition, timeout_s: float = 5.0, what: str = "the condition") 
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, f"{what} not reached within {timeout_s} s"
         await asyncio.sleep(0.001)
+
+
+def engine_ids(disp: PDDispatcher, *numbers: int) -> list[str]:
+    """The engine request ids (= transfer ids) of the dispatcher's attempts with these numbers,
+    counted over every request it sent (router/lifecycle.py: Dispatch.new_id)."""
+    return [f"pdc-{disp.core.id_prefix}-{n}" for n in numbers]

@@ -119,6 +119,17 @@ def _complete_or_error(url: str, request_id: str) -> int | None:
         return None
 
 
+def test_one_x_request_id_sent_to_both_routers_at_once_is_served_every_time(cluster, served):
+    """Issue 26 item 6: the engines' request and transfer ids were the client's id plus a count
+    per router process, so both routers could name one transfer on P (its step asserted)."""
+    prompts = [[40 + i] * 700 for i in range(8)]  # 8 connections: both routers get some (but 2 in 256)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: complete(cluster.url, p, max_tokens=4, request_id="same-id"), prompts))
+    assert [a.status_code for a in answers] == [200] * len(prompts), [a.text for a in answers]
+    assert all(len(a.json()["choices"][0]["token_ids"]) == 4 for a in answers)
+    assert_no_kv_in_use(cluster)
+
+
 def test_with_one_router_dead_the_other_serves_and_metrics_name_the_dead_one(cluster, served):
     """Last in this module: it kills router-1."""
     import ray

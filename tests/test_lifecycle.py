@@ -57,11 +57,12 @@ def test_pull_prefill_then_decode_with_the_router_s_handle_then_tokens_then_the_
     lc = lifecycle(disp)
     routed, prefill = lc.start(now_ns=105)
     assert isinstance(routed, Routed) and isinstance(prefill, Prefill) and prefill.instance.name == "prefill-0"
-    assert prefill.request.transfer_id == "r0-0" and lc.waiting_for_prefill and not lc.waiting_for_decode
+    assert prefill.request.transfer_id == prefill.request.request_id == f"pdc-{disp.id_prefix}-0"
+    assert lc.waiting_for_prefill and not lc.waiting_for_decode
     assert disp.picker.in_flight() == {"prefill-0": 1, "prefill-1": 0, "decode-0": 0, "decode-1": 0}
     [decode] = lc.prefill_answered(0, answer(cached=4), now_ns=200)
     assert isinstance(decode, Decode) and decode.instance.name == "decode-0"
-    assert decode.request.handle == TransferHandle("engine-p0", "10.0.0.0:18600", "r0-0", 5, "grpc")
+    assert decode.request.handle == TransferHandle("engine-p0", "10.0.0.0:18600", prefill.request.transfer_id, 5, "grpc")
     assert decode.request.connector_params is None
     assert disp.picker.in_flight() == {"prefill-0": 0, "prefill-1": 0, "decode-0": 1, "decode-1": 0}
     [emit] = lc.decode_output(0, DecodeDelta([7]), now_ns=210)
@@ -116,13 +117,30 @@ def test_push_a_p_failing_after_d_s_first_token_does_not_end_the_request():
     assert lc.close(40).error is None and idle(disp)
 
 
+def test_engine_ids_are_the_router_s_own_and_unique_across_router_processes():
+    """Two router processes (two Dispatches) given one client id name different engine requests
+    and transfers, and no id carries the client's (issue 26: two routers gave P one transfer id)."""
+    a, b = dispatch(), dispatch()
+    ids = [lc.start(0)[1].request for lc in (lifecycle(a, rid="cmpl-x"), lifecycle(b, rid="cmpl-x"),
+                                             lifecycle(a, rid="cmpl-x"))]
+    assert len({r.transfer_id for r in ids}) == len({r.request_id for r in ids}) == 3
+    assert not any("cmpl-x" in r.transfer_id for r in ids)
+
+
+def test_a_fault_injected_request_s_transfer_keeps_the_fault_prefix():
+    disp = dispatch(fault_prefix="cmpl-fault-")
+    broken = lifecycle(disp, rid="cmpl-fault-1").start(0)[1].request
+    plain = lifecycle(disp, rid="cmpl-1").start(0)[1].request
+    assert broken.transfer_id.startswith("cmpl-fault-pdc-") and plain.transfer_id.startswith("pdc-")
+
+
 def test_push_a_p_lost_before_the_first_token_moves_the_request_to_another_p():
     disp = dispatch("push")
     lc = lifecycle(disp)
     lc.start(0)
     abort, routed, decode, prefill = lc.prefill_failed(0, Failure("lost", "ActorDiedError"), 50)
     assert abort == Abort(0) and routed.attempt == 1 and prefill.instance.name == "prefill-1"
-    assert prefill.request.request_id == "r0-moved-1" and prefill.request.transfer_id == "r0-1"
+    assert prefill.request.request_id == prefill.request.transfer_id == f"pdc-{disp.id_prefix}-1"
     [move] = lc.rec.migrations
     assert (move.role, move.lost, move.tokens_sent, move.at_ns, move.to) == ("prefill", "prefill-0", 0, 50, "prefill-1")
     assert disp.picker.in_flight()["prefill-0"] == 0 and disp.picker.in_flight()["prefill-1"] == 1

@@ -14,6 +14,7 @@ from dispatch_fakes import (
     SAMPLING,
     FakeEngine,
     collect,
+    engine_ids,
     expect_error,
     make,
     run,
@@ -48,10 +49,10 @@ def test_round_robin_over_two_p_and_two_d(cancelled):
             await collect(disp, f"r{i}")
 
     run(main())
-    assert [r.request_id for r in ps[0].prefill_calls] == ["r0", "r2"]
-    assert [r.request_id for r in ps[1].prefill_calls] == ["r1", "r3"]
-    assert [r.request_id for r in ds[0].decode_calls] == ["r0", "r2"]
-    assert [r.request_id for r in ds[1].decode_calls] == ["r1", "r3"]
+    assert [r.request_id for r in ps[0].prefill_calls] == engine_ids(disp, 0, 2)
+    assert [r.request_id for r in ps[1].prefill_calls] == engine_ids(disp, 1, 3)
+    assert [r.request_id for r in ds[0].decode_calls] == engine_ids(disp, 0, 2)
+    assert [r.request_id for r in ds[1].decode_calls] == engine_ids(disp, 1, 3)
     assert cancelled == []
 
 
@@ -68,9 +69,10 @@ def test_chunks_and_decode_request_carry_prefill_results(cancelled):
     assert all((c.pd.d_cached_tokens, c.pd.transferred_tokens) == (0, 0) for c in chunks[:-1])
 
     (preq,) = p.prefill_calls
-    assert preq == PrefillRequest("req-x", PROMPT, SAMPLING, transfer_id="req-x-0")
+    [eid] = engine_ids(disp, 0)
+    assert preq == PrefillRequest(eid, PROMPT, SAMPLING, transfer_id=eid)
     (dreq,) = d.decode_calls
-    assert dreq == DecodeRequest("req-x", PROMPT, SAMPLING, TransferHandle("e-p0", "10.0.0.1:5000", "req-x-0", len(PROMPT)))
+    assert dreq == DecodeRequest(eid, PROMPT, SAMPLING, TransferHandle("e-p0", "10.0.0.1:5000", eid, len(PROMPT)))
     assert cancelled == []  # a normally finished stream is not cancelled
 
 
@@ -240,8 +242,9 @@ def test_push_sends_d_the_router_built_handle_before_p_answers_and_d_finishes_wi
     got = run(collect(disp, "req-p"))
     # D got its request (and P's address) while P was still computing.
     (dreq,) = d.decode_calls
-    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", "req-p-0", len(PROMPT))
-    assert p.prefill_calls[0].transfer_id == "req-p-0"
+    [eid] = engine_ids(disp, 0)
+    assert dreq.handle == TransferHandle("e-p0", "10.0.0.1:5000", eid, len(PROMPT))
+    assert p.prefill_calls[0].transfer_id == eid
     # D's tokens flow before P answers; P never did: the last waits for P until the deadline,
     # then goes without P's hit (D had every layer's KV: the request is whole), and P's call
     # is cancelled.
@@ -286,8 +289,9 @@ def test_transfer_ids_are_unique_when_request_ids_repeat(cancelled):
         await collect(disp, "same")
 
     run(main())
-    assert [r.transfer_id for r in p.prefill_calls] == ["same-0", "same-1"]
-    assert [r.handle.transfer_id for r in d.decode_calls] == ["same-0", "same-1"]
+    ids = [f"pdc-{disp.core.id_prefix}-{n}" for n in (0, 1)]
+    assert [r.transfer_id for r in p.prefill_calls] == [r.request_id for r in p.prefill_calls] == ids
+    assert [r.handle.transfer_id for r in d.decode_calls] == [r.request_id for r in d.decode_calls] == ids
 
 
 def test_pull_hands_d_the_router_s_handle_with_its_transport_and_another_connector_s_params(cancelled):
@@ -297,7 +301,8 @@ def test_pull_hands_d_the_router_s_handle_with_its_transport_and_another_connect
     disp = make([p], [d])
     disp.transport = "torch_dist"
     run(collect(disp))
-    assert d.decode_calls[0].handle == TransferHandle("e-p0", "10.0.0.1:5000", "r0-0", 5, "torch_dist")
+    assert d.decode_calls[0].handle == TransferHandle("e-p0", "10.0.0.1:5000", p.prefill_calls[0].transfer_id, 5,
+                                                      "torch_dist")
     assert d.decode_calls[0].connector_params == nixl  # what P's connector said, passed on as it is
 
 

@@ -20,6 +20,7 @@ from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.proto.spec import parse_spec
 from pdcluster.transfer.auth import curve_keys, zmq_secure_client
+from pdcluster.transfer.sources import TransferIdInUse
 
 BLOCK = 128
 
@@ -185,6 +186,23 @@ def test_bad_requests_fail_with_a_clear_error():
             handle = TransferHandle(p.engine_id, p.kv_address, "x", 10)
             with pytest.raises(ValueError, match="the handle covers 10 tokens"):
                 [x async for x in d.decode(DecodeRequest("x", prompt(7, 20), SamplingSpec(), handle))]
+            await all_free(p, d)
+    asyncio.run(run())
+
+
+def test_a_transfer_id_in_use_fails_that_prefill_and_p_serves_on():
+    """Issue 26: two prefills naming one transfer (two routers that counted alike, before ids were
+    the router's own) hit an assert in P's step; now the second is refused, the first served."""
+    async def run():
+        async with p_and_d(sim_spec(lease_s=1)) as (p, d):  # no D reads t: its lease frees it
+            s = SamplingSpec(max_tokens=1)
+            first = asyncio.ensure_future(p.prefill(PrefillRequest("a", prompt(8, 2000), s, transfer_id="t")))
+            await until(lambda: "t" in p.producer.sources._sources or first.done(), 10, what="P computing t")
+            with pytest.raises(TransferIdInUse, match="'t' is in use"):
+                await p.prefill(PrefillRequest("b", prompt(9, 2000), s, transfer_id="t"))
+            assert (await first).prompt_tokens == 2000
+            pre, deltas = await serve(p, d, prompt(10, 500), "after")
+            assert deltas[-1].finish_reason == "length"
             await all_free(p, d)
     asyncio.run(run())
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdcluster.transfer.sources import SourceError, SourceTable, ready_blocks
+from pdcluster.transfer.sources import SourceError, SourceTable, TransferIdInUse, TransferIds, ready_blocks
 
 LAYERS = {"l0": 0, "l1": 0, "w0": 1}  # two full-attention layers (block 16), one window layer (block 4)
 BLOCK_SIZES = (16, 4)
@@ -211,3 +211,33 @@ def test_acquire_raises_after_wait_if_never_added():
 
 def test_a_block_is_readable_once_whole_and_the_last_once_the_prompt_is_done():
     assert [ready_blocks(t, 40, 16) for t in (0, 15, 16, 39, 40)] == [0, 0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- P's engine: transfer ids in use
+
+
+def test_a_transfer_id_is_refused_while_its_source_may_exist(clock):
+    ids = TransferIds(lease_s=30, clock=clock)
+    ids.take("t1")
+    with pytest.raises(TransferIdInUse, match="'t1' is in use"):
+        ids.take("t1")  # running
+    ids.end("t1")
+    clock.advance(29)
+    with pytest.raises(TransferIdInUse):
+        ids.take("t1")  # within its lease: the worker may still hold its source
+    ids.take("t2")
+    clock.advance(1)
+    ids.take("t3")  # t1's lease is over: forgotten
+    assert len(ids) == 2
+    ids.take("t1")
+
+
+def test_an_id_s_lease_counts_from_its_first_end(clock):
+    ids = TransferIds(lease_s=30, clock=clock)
+    ids.take("t1")
+    ids.end("t1")
+    clock.advance(10)
+    ids.end("t1")  # a second end does not extend it
+    clock.advance(20)
+    ids.take("t9")
+    assert len(ids) == 1

@@ -19,6 +19,7 @@ a preemption takes before the blocks are reused.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -184,3 +185,48 @@ class SourceTable:
     def __len__(self) -> int:
         with self._cond:
             return len(self._sources)
+
+
+class TransferIdInUse(ValueError):
+    """A prefill named a transfer whose source may still exist on this P."""
+
+
+class TransferIds:
+    """The transfer ids P's engine took, from a prefill's start until its source can no longer be
+    in the worker's table (the prefill's end plus the lease). The router makes every id unique
+    (router/lifecycle.py: Dispatch.new_id); a prefill naming one still in use is refused here, in
+    P's engine actor, as an error for that request: in the worker's SourceTable the clash would
+    be an assert in the model runner, which ends vLLM's engine core."""
+
+    def __init__(self, lease_s: float, clock=time.monotonic):
+        self._lease_s = lease_s
+        self._clock = clock
+        self._running: set[str] = set()
+        self._ended: dict[str, float] = {}  # id -> when its source is gone at the latest (insertion order = that order)
+
+    def take(self, transfer_id: str) -> None:
+        now = self._clock()
+        while self._ended and (oldest := next(iter(self._ended.items())))[1] <= now:
+            del self._ended[oldest[0]]
+        if transfer_id in self._running or transfer_id in self._ended:
+            raise TransferIdInUse(f"transfer id {transfer_id!r} is in use on this P (the router names each "
+                                  "transfer once): request refused")
+        self._running.add(transfer_id)
+
+    def end(self, transfer_id: str) -> None:
+        """The prefill ended (done, failed or cancelled): its source goes within a lease."""
+        if transfer_id in self._running:
+            self._running.discard(transfer_id)
+            self._ended[transfer_id] = self._clock() + self._lease_s
+
+    @contextlib.contextmanager
+    def taken(self, transfer_id: str):
+        """`transfer_id` taken for the block (raises TransferIdInUse), ended after it."""
+        self.take(transfer_id)
+        try:
+            yield
+        finally:
+            self.end(transfer_id)
+
+    def __len__(self) -> int:
+        return len(self._running) + len(self._ended)

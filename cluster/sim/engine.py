@@ -173,15 +173,16 @@ class SimEngineActor(ServesRequestChannel, Engine):
         rid = self._request_id(req.request_id)
         transfer_id = req.transfer_id or req.request_id
         s = req.sampling
-        sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
-                                    stop_token_ids=frozenset(s.stop_token_ids)))
-        self.producer.produce(rid, transfer_id)
-        try:
-            while (delta := await sreq.out.get()).finish_reason is None:
-                pass
-        except asyncio.CancelledError:
-            sched.abort(rid)
-            raise
+        with self.producer.ids.taken(transfer_id):
+            sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
+                                        stop_token_ids=frozenset(s.stop_token_ids)))
+            self.producer.produce(rid, transfer_id)
+            try:
+                while (delta := await sreq.out.get()).finish_reason is None:
+                    pass
+            except asyncio.CancelledError:
+                sched.abort(rid)
+                raise
         if delta.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
         return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=sreq.num_prompt_tokens,
