@@ -12,7 +12,8 @@ Needs root and iproute2.
 Contracts:
 - All is named from `name` and written to `<PDC_LAB_DIR or /tmp/pdc-lab>/<name>/state.json` before
   it is made: `Lab.down_by_name(name)` removes it from any process, after a partial `up` too, and
-  nothing else (processes: by namespace, and the session of the `ray start --head` run here).
+  nothing else (processes: by namespace, and the session of the `ray start --head` run here); a
+  state file is trusted only in this user's own directory, with the plan's names (lab_state.py).
 - No route leaves the lab (no default route in a namespace, no NAT, ip_forward untouched), so every
   lab process gets `VLLM_HOST_IP`: vLLM finds its IP by a UDP connect towards 8.8.8.8.
 - Each Ray node has its own `--temp-dir`: a plain `ray.init()` elsewhere starts its own cluster.
@@ -49,6 +50,7 @@ from pdcluster.cluster.lab_procs import (
     _session_pids,
 )
 from pdcluster.cluster.lab_ray import LABEL_KEY, RayNode, ray_nodes, use_ray_token, wait_for_nodes  # noqa: F401
+from pdcluster.cluster.lab_state import DEFAULT_ROOT, check_names, lab_root, private_dir
 
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
 from pdcluster.cluster.lab_tc import LabError, LinkControl, tbf_args
@@ -60,10 +62,6 @@ IFNAMSIZ = 15  # the kernel's limit on an interface name
 # `timeout`) declare it dead: at most threshold x (period + timeout) after it vanished.
 HEALTH_CHECK = {"period_ms": 500, "timeout_ms": 1000, "failure_threshold": 3, "initial_delay_ms": 1000}
 HEALTH_CHECK_BOUND_S = HEALTH_CHECK["failure_threshold"] * (HEALTH_CHECK["period_ms"] + HEALTH_CHECK["timeout_ms"]) / 1e3
-
-
-def lab_root() -> Path:
-    return Path(os.environ.get("PDC_LAB_DIR", "/tmp/pdc-lab"))
 
 
 @dataclass
@@ -179,7 +177,8 @@ class Lab(LinkControl):
         if rate is not None:
             tbf_args(rate, latency)  # a bad rate or latency fails before anything is made
         lab._check_free()
-        Path(lab.state_dir).mkdir(parents=True)
+        private_dir(lab_root())
+        os.mkdir(lab.state_dir, 0o700)
         lab._save()  # from here on, down() finds whatever exists of the plan
         try:
             lab._make_network()
@@ -199,16 +198,23 @@ class Lab(LinkControl):
         """The lab `name`, from the state file `up` wrote (in any process)."""
         path = lab_root() / name / "state.json"
         try:
+            private_dir(private_dir(lab_root(), create=False) / name, create=False)
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise LabError(f"no lab {name!r} ({path} not found; pdc lab up --name {name})") from None
+        try:
+            planned = dataclasses.asdict(cls.plan(len(data.get("hosts") or ()) or 1, name, str(data.get("subnet"))))
+        except LabError as err:
+            raise LabError(f"{path}: {err}") from None
+        check_names(data, planned, path)
         return cls(**data | {"hosts": [LabHost(**h) for h in data["hosts"]]})
 
     @classmethod
     def down_by_name(cls, name: str = "pdclab") -> bool:
         """Remove the lab `name` if it has a state file; False if it had none."""
         if not (lab_root() / name / "state.json").exists():
-            with contextlib.suppress(OSError):  # an up that died before writing it made nothing else
+            with contextlib.suppress(OSError, LabError):  # an up that died before writing it made nothing else
+                private_dir(lab_root(), create=False)
                 (lab_root() / name).rmdir()
             return False
         cls.attach(name).down()
@@ -389,5 +395,6 @@ class Lab(LinkControl):
         if _link_exists(self.bridge):
             _run(["ip", "link", "del", self.bridge])
         shutil.rmtree(self.state_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path(self.state_dir).parent.rmdir()  # the labs' root too, if this was the last lab
+        if str(lab_root()) == DEFAULT_ROOT:  # the default root is the lab's own: gone with its last lab
+            with contextlib.suppress(OSError):
+                Path(self.state_dir).parent.rmdir()

@@ -7,6 +7,7 @@ real lab, is tests/test_lab_e2e.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -173,6 +174,68 @@ def test_state_file_round_trip_and_down_without_one(lab_dir):
     assert Lab.down_by_name("nolab") is False
     with pytest.raises(LabError, match="no lab 'nolab'"):
         Lab.attach("nolab")
+
+
+# ---- what the lab trusts (issue 26 item 8) ----
+
+
+def _saved(name: str = "own") -> Lab:
+    lab = Lab.plan(hosts=2, name=name)
+    os.mkdir(lab.state_dir, 0o700)
+    lab._save()
+    return lab
+
+
+def test_a_planted_state_file_is_refused_and_nothing_it_names_is_touched(lab_dir, tmp_path_factory):
+    """A state.json naming another directory made `pdc lab down` delete it (and would delete
+    links and kill processes it named)."""
+    victim = tmp_path_factory.mktemp("victim")
+    (victim / "keep").write_text("x")
+    lab = _saved()
+    state = Path(lab.state_dir) / "state.json"
+    saved = json.loads(state.read_text())
+    for field, value in (("state_dir", str(victim)), ("bridge", "eth0"), ("head_address", "10.0.0.9")):
+        state.write_text(json.dumps(saved | {field: value}))
+        with pytest.raises(LabError, match=f"names what this lab would not have made \\({field}\\)"):
+            Lab.down_by_name("own")
+    saved["hosts"][1]["netns"] = "somebody-elses"
+    state.write_text(json.dumps(saved))
+    with pytest.raises(LabError, match=r"hosts\[1\]\.netns"):
+        Lab.attach("own")
+    assert (victim / "keep").exists() and state.exists()
+
+
+@pytest.mark.parametrize("problem", ["other owner", "others write", "group writes", "a link"])
+def test_a_root_someone_else_could_write_is_refused(tmp_path, monkeypatch, problem):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    if problem == "other owner":
+        os.chown(root, 65534, 65534)
+    elif problem == "others write":
+        root.chmod(0o1777)  # as /tmp itself
+    elif problem == "group writes":
+        root.chmod(0o770)
+    else:
+        real, root = root, tmp_path / "link"
+        root.symlink_to(real)
+    monkeypatch.setenv("PDC_LAB_DIR", str(root))
+    want = {"other owner": "belongs to uid 65534", "others write": "can be written by others",
+            "group writes": "can be written by others", "a link": "is not a directory"}[problem]
+    with pytest.raises(LabError, match=want):
+        Lab.attach("x")
+    with pytest.raises(LabError, match=want):
+        Lab.up(hosts=1, name="x")  # before anything is made (needs root: the suite runs as root)
+    assert not (root / "x").exists()
+
+
+def test_the_root_and_a_lab_s_directory_are_made_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDC_LAB_DIR", str(tmp_path / "fresh"))
+    from pdcluster.cluster.lab_state import lab_root, private_dir
+
+    assert private_dir(lab_root()).stat().st_mode & 0o777 == 0o700
+    lab = _saved()
+    assert os.stat(lab.state_dir).st_mode & 0o777 == 0o700
+    assert Lab.attach("own") == lab
 
 
 def test_cli(lab_dir, capsys):
