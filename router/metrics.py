@@ -61,6 +61,8 @@ class RouterMetrics:
                                 ["reason"], registry=r)
         self.migrations = Counter("pdc_migrations", "requests moved off an instance lost under them "
                                   "(router/migration.py), by the lost instance's role", ["role"], registry=r)
+        self.record_failures = Counter("pdc_record_failures", "records a sink could not take (a full disk, "
+                                       "permissions): the requests were served all the same", ["sink"], registry=r)
         for reason in ("in_flight", "queue"):
             self.rejected.labels(reason=reason)  # every reason shows, at 0 until one happens
         # Each labels() call takes a lock and a dict lookup (~1.3 us); a request touches ~15 children.
@@ -82,6 +84,9 @@ class RouterMetrics:
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()
+
+    def record_failed(self, sink: str) -> None:
+        self.record_failures.labels(sink=sink).inc()
 
     def observe(self, rec: RequestRecord) -> None:
         self._outcome["error" if rec.error else "ok"].inc()

@@ -8,7 +8,8 @@ request's deadline into its inputs. Nothing waits forever: every wait is bounded
 deadline, and on any exit path the calls still running are aborted, which aborts them in vLLM.
 
 Each request leaves a RequestRecord (router/timeline.py), handed to the record sinks when it
-ends, however it ends.
+ends, however it ends. Recording is best effort for the request: a sink that raises (a full
+disk, a lost permission) is counted and logged once per sink, and the request goes on.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class PDDispatcher(TokenBackend):
         self.begin_sinks: list[RecordSink] = []  # hear each record as its request comes in (the run's journal)
         self.stopping = False  # the router is stopping: requests still running are ended by it
         self.rejection_listeners: list[Callable[[str], None]] = []  # each 429's reason (the metrics)
+        self.sink_failure_listeners: list[Callable[[str], None]] = []  # the failing sink's name, each time
+        self._failed_sinks: set[str] = set()  # logged once each
         # Instance clock - router clock; instances not measured count as on this clock.
         self.clocks: dict[str, ClockOffset] = {}
         # Instance name -> its request channel (connect_channels; tests pass fakes).
@@ -183,8 +186,7 @@ class PDDispatcher(TokenBackend):
             raise BackendError(rejection.message, 429, "rate_limit_exceeded", rejection.retry_after_s)
         lc = Lifecycle(self.core, request_id, prompt_token_ids, sampling,
                        time.monotonic_ns() if arrival_ns is None else arrival_ns)
-        for sink in self.begin_sinks:
-            sink(lc.rec)
+        self._hear(self.begin_sinks, lc.rec)
         deadline = time.monotonic() + self._timeout_s
         calls = _Calls()
         try:
@@ -211,9 +213,20 @@ class PDDispatcher(TokenBackend):
             raise
         finally:
             calls.abort()  # unless they ended: aborts the request inside P's and D's engines
-            rec = lc.close(time.monotonic_ns())
-            for sink in self.sinks:
+            self._hear(self.sinks, lc.close(time.monotonic_ns()))
+
+    def _hear(self, sinks: list[RecordSink], rec) -> None:
+        for sink in sinks:
+            try:
                 sink(rec)
+            except Exception as err:  # the request was served: its record is not worth failing it
+                name = getattr(sink, "__qualname__", repr(sink))
+                if name not in self._failed_sinks:
+                    self._failed_sinks.add(name)
+                    log.error("record sink %s failed (counted in pdc_record_failures_total from now on, "
+                              "logged once): %r", name, err)
+                for listener in self.sink_failure_listeners:
+                    listener(name)
 
     async def _start(self, lc: Lifecycle, calls: _Calls, cmd: Prefill | Decode | CheckLost) -> list:
         """One of the lifecycle's calls; the lifecycle's answer if it failed at once."""

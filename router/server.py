@@ -147,6 +147,7 @@ class RouterActor:
                                      pending_blocks if spec.router.track_pending else None)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.dispatcher.rejection_listeners.append(self.metrics.reject)
+        self.dispatcher.sink_failure_listeners.append(self.metrics.record_failed)
         self.app = build_app(self.dispatcher, self.tokenizer, HttpLimits(
             spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))
         if spec.auth.api_keys:

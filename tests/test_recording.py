@@ -111,6 +111,15 @@ def test_metrics_count_local_and_remote_prefills_per_d_with_the_reason():
     assert _metric(text, 'pdc_prefills_total{decode="decode-1",reason="long_remainder",where="remote"}') == 1
 
 
+def test_metrics_count_records_a_sink_could_not_take_per_sink():
+    m = RouterMetrics(lambda: {})
+    for sink in ("RunStore.append", "RunStore.begin", "RunStore.append"):
+        m.record_failed(sink)
+    text = m.render().decode()
+    assert _metric(text, 'pdc_record_failures_total{sink="RunStore.append"}') == 2
+    assert _metric(text, 'pdc_record_failures_total{sink="RunStore.begin"}') == 1
+
+
 def test_a_local_prefills_record_takes_d_s_own_hit_from_its_last_delta():
     rec = RequestRecord("r", local_prefill=True)
     record_decode_end(rec, DecodeDelta([7], finish_reason="length", num_cached_tokens=896,

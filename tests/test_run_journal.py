@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, make, run
+from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, collect, make, run
 from test_timeline_views import sample_records, write_run
 
 from pdcluster.proto.messages import DecodeDelta
@@ -81,3 +81,21 @@ def test_a_begun_line_with_its_record_is_not_unfinished_and_a_torn_one_is_skippe
     with pytest.warns(RuntimeWarning, match="torn last line"):
         got = load_run(path)
     assert [r.request_id for r in got.records] == [rec.request_id] and got.unfinished == []
+
+
+def test_a_full_disk_fails_no_request_and_is_counted_and_logged_once(tmp_path, caplog):
+    """Issue 26 item 7: with the records file on a full device every request got a 500 and no
+    engine was called. /dev/full: every write fails with ENOSPC."""
+    p, d = FakeEngine(), FakeEngine()
+    disp = make([p], [d])
+    store = journaled(disp, write_run(tmp_path / "run"))
+    store._file = open("/dev/full", "a", buffering=1)
+    failed = []
+    disp.sink_failure_listeners.append(failed.append)
+    with caplog.at_level("ERROR", logger="pdcluster.router.pd_dispatch"):
+        for rid in ("r0", "r1", "r2"):
+            assert run(collect(disp, rid))[-1].finish_reason == "length"
+    assert len(d.decode_calls) == 3 and disp.accepted_in_flight == 0
+    assert failed == ["RunStore.begin", "RunStore.append"] * 3
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and all("No space left on device" in m for m in logged), logged
