@@ -5,6 +5,11 @@ It gets the same run-time vLLM patches as a cluster engine of the same model
 
 What a P/D cluster's output must equal token for token, and the TTFT it is
 compared with. Host it in a Ray actor: `ray.remote(ReferenceEngine)`.
+
+`GreedyReference` is the same engine run inside its actor's process (vLLM's in-process
+engine core, one worker in-process): outputs only, since its latency has no engine-core
+process as the cluster's have; it starts sooner, one interpreter importing vLLM instead of two
+(bench/README.md, "The reference engines").
 """
 
 from __future__ import annotations
@@ -13,28 +18,36 @@ import os
 import time
 
 
+def _engine_args(model: str, cpu_bind: str | None, max_model_len: int, dtype: str, block_size: int,
+                 kv_cache_space_gib: int, enable_prefix_caching: bool, in_process: bool) -> dict:
+    """The engine's arguments, after this process's env is set for them: vLLM's CPU settings and
+    the run-time vLLM fixes the model needs, as the cluster's engines get them
+    (cluster/vllm_patches.py), for this process and the engine processes it starts."""
+    from pdcluster.cluster import vllm_patches
+
+    vllm_patches.check_model_runs_here(model, "cpu")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
+    if cpu_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    model_sets = vllm_patches.patch_sets_for_model(model, "cpu")
+    os.environ.update(vllm_patches.engine_env([*vllm_patches.patch_sets_for_device("cpu"), *model_sets]))
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        for patch_set in model_sets:  # no engine process starts here to apply them (vllm_site)
+            vllm_patches.apply(patch_set)
+    return dict(model=model, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching,
+                block_size=block_size, max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype,
+                enforce_eager=True)
+
+
 class ReferenceEngine:
     def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
                  block_size: int = 128, kv_cache_space_gib: int = 1, enable_prefix_caching: bool = False):
-        from pdcluster.cluster.vllm_patches import (
-            check_model_runs_here,
-            engine_env,
-            patch_sets_for_device,
-            patch_sets_for_model,
-        )
-
-        check_model_runs_here(model, "cpu")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
-        if cpu_bind is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
-        # The run-time vLLM fixes the model needs, as the cluster's engines get them
-        # (cluster/vllm_patches.py): env for this process and the engine processes it starts.
-        os.environ.update(engine_env([*patch_sets_for_device("cpu"), *patch_sets_for_model(model, "cpu")]))
+        args = _engine_args(model, cpu_bind, max_model_len, dtype, block_size, kv_cache_space_gib,
+                            enable_prefix_caching, in_process=False)
         from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM
 
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model, skip_tokenizer_init=True, enable_prefix_caching=enable_prefix_caching, block_size=block_size,
-            max_model_len=max_model_len, max_num_batched_tokens=max_model_len, dtype=dtype, enforce_eager=True))
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     async def _run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, dict[str, float]]:
         from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
@@ -70,3 +83,30 @@ class ReferenceEngine:
     async def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes (with enable_prefix_caching): for cold-vs-warm benchmarks."""
         return await self.llm.reset_prefix_cache()
+
+
+class GreedyReference:
+    """The reference engine in its actor's own process: `greedy` outputs only (module docstring)."""
+
+    def __init__(self, model: str, cpu_bind: str | None = "0", max_model_len: int = 8192, dtype: str = "float32",
+                 block_size: int = 128, kv_cache_space_gib: int = 1):
+        args = _engine_args(model, cpu_bind, max_model_len, dtype, block_size, kv_cache_space_gib,
+                            enable_prefix_caching=False, in_process=True)
+        from pdcluster.transfer.vllm_compat import EngineArgs, LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        self._ids = 0
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy output tokens (EOS ignored)."""
+        from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
+
+        self._ids += 1
+        rid = f"ref-{self._ids}"
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False))
+        final = None
+        while self.engine.has_unfinished_requests():
+            final = next((out for out in self.engine.step() if out.request_id == rid and out.finished), final)
+        assert final is not None, f"the reference engine ended {rid} without a final output"
+        return list(final.outputs[0].token_ids)

@@ -290,9 +290,9 @@ def shared_reference():
     modules compare with, on core 0: started by the first that asks, gone with the local Ray."""
     import ray
 
-    from pdcluster.cluster.reference_engine import ReferenceEngine
+    from pdcluster.cluster.reference_engine import GreedyReference
 
     local_ray()
     if not _REFERENCE:
-        _REFERENCE.append(ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0"))
+        _REFERENCE.append(ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0"))
     return _REFERENCE[0]

@@ -18,7 +18,7 @@ import pytest
 import ray
 from e2e import MODEL_CACHE, assert_no_kv_in_use, cluster_spec_for, running_cluster, serve_over_each_transport
 
-from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
 from pdcluster.router.timeline import load_run
 
@@ -60,7 +60,7 @@ def cluster(model_dir, hybrid):
 @pytest.fixture(scope="module")
 def served(cluster, model_dir):
     """Prompts around the window and block boundaries, some extending earlier ones (D holds a prefix)."""
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(model_dir, "0")
+    reference = ray.remote(num_cpus=0)(GreedyReference).remote(model_dir, "0")
     rng = random.Random(11)
     base = [rng.randrange(3, 1000) for _ in range(3000)]
     prompts = [base[:n] for n in (100, 255, 256, 257, 300, 600, 1000, 1000, 1500, 3000)]

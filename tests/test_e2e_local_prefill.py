@@ -31,7 +31,7 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.cluster.reference_engine import ReferenceEngine
+from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.router.attribution import attribute
 from pdcluster.router.timeline import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
@@ -51,7 +51,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(tiny_model_dir(), "0", dtype="bfloat16")
+    reference = ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0", dtype="bfloat16")
     yield reference
     ray.kill(reference)  # the local Ray outlives this module
 

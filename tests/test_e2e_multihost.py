@@ -57,9 +57,9 @@ def cluster(lab):
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    from pdcluster.cluster.reference_engine import ReferenceEngine
+    from pdcluster.cluster.reference_engine import GreedyReference
 
-    return ray.remote(num_cpus=0)(ReferenceEngine).options(label_selector={"pdc-host": "head"}).remote(
+    return ray.remote(num_cpus=0)(GreedyReference).options(label_selector={"pdc-host": "head"}).remote(
         tiny_model_dir(), "0")
 
 

@@ -157,6 +157,12 @@ USES: tuple[Symbol, ...] = (
     # the engine actor and its stat logger (cluster/engine_actor.py, cluster/engine_stats.py)
     Symbol("vllm.v1.engine.async_llm", "AsyncLLM.from_engine_args", params=("engine_args", "stat_loggers")),
     Symbol("vllm.engine.arg_utils", "AsyncEngineArgs"),
+    # the in-process reference (cluster/reference_engine.py: GreedyReference)
+    Symbol("vllm.engine.arg_utils", "EngineArgs"),
+    Symbol("vllm.v1.engine.llm_engine", "LLMEngine.from_engine_args", params=("engine_args",)),
+    Symbol("vllm.v1.engine.llm_engine", "LLMEngine.add_request"),
+    Symbol("vllm.v1.engine.llm_engine", "LLMEngine.step"),
+    Symbol("vllm.v1.engine.llm_engine", "LLMEngine.has_unfinished_requests"),
     Symbol("vllm.sampling_params", "SamplingParams"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig"),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
@@ -225,6 +231,7 @@ _LAZY = {
     "AsyncEngineArgs": "vllm", "SamplingParams": "vllm", "RequestOutputKind": "vllm.sampling_params",
     "AsyncLLM": "vllm.v1.engine.async_llm", "KVTransferConfig": "vllm.config", "KVEventsConfig": "vllm.config.kv_events",
     "TokensPrompt": "vllm.inputs", "StatLoggerBase": "vllm.v1.metrics.loggers",
+    "EngineArgs": "vllm.engine.arg_utils", "LLMEngine": "vllm.v1.engine.llm_engine",
 }
 
 
