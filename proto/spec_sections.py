@@ -231,6 +231,8 @@ class AuthSpec(_Strict):
     # The router's HTTP API answers 401 without `Authorization: Bearer <one of these>`
     # (/health stays open). Also from PDC_API_KEYS (comma-separated). None: open.
     api_keys: list[SecretStr] = Field(default_factory=list)
+    # With api_keys: /metrics open too (for a Prometheus scraping without a bearer token).
+    open_metrics: bool = False
 
     @field_validator("secret")
     @classmethod

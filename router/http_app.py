@@ -9,9 +9,9 @@ overhead), so the router speaks ASGI directly. Only what the router needs is her
   `max_body_bytes` it is a 413 (from Content-Length, before any of it is read), not
   complete within `body_timeout_s` a 408;
 - a handler returns `BytesResponse` (JSON via `json_response`) or `StreamResponse`;
-- optional API keys (`require_api_keys`): a request to an /v1 path without
-  `Authorization: Bearer <a key>` gets a 401 before its body is read (as vLLM's
-  `--api-key`; /health and the router's own pages stay open).
+- optional API keys (`require_api_keys`): a request without `Authorization: Bearer <a key>`
+  gets a 401 before its body is read, on every path but /health (vLLM's `--api-key` guards
+  /v1 only; /tokenize and /metrics cost and show as much) and /metrics where the spec opens it.
 
 A `StreamResponse` closes its chunk iterator when it ends, however it ends (done, failed,
 the client went away, or it stopped reading for `stall_s`): closing runs the iterator's
@@ -163,18 +163,22 @@ class HttpApp:
         self.limits = limits
         self.routes: dict[tuple[str, str], Handler] = {}
         self._api_keys: tuple[bytes, ...] = ()  # empty: no key asked for
+        self._open_paths: frozenset[str] = frozenset()
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         assert (method, path) not in self.routes, f"{method} {path} is routed twice"
         self.routes[(method, path)] = handler
 
-    def require_api_keys(self, keys: list[str]) -> None:
-        """From now on, /v1 paths answer 401 without `Authorization: Bearer <one of keys>`."""
+    def require_api_keys(self, keys: list[str], open_paths: tuple[str, ...] = ("/health",)) -> None:
+        """From now on, every path but `open_paths` answers 401 without `Authorization: Bearer
+        <one of keys>`: /tokenize, /detokenize and the router's own pages spend its CPU and show
+        what it serves as much as /v1 does."""
         assert all(keys), "an empty API key would let anyone in"
         self._api_keys = tuple(f"Bearer {k}".encode("latin-1") for k in keys)
+        self._open_paths = frozenset(open_paths)
 
     def _authorized(self, scope: dict) -> bool:
-        if not self._api_keys or not scope["path"].startswith("/v1"):
+        if not self._api_keys or scope["path"] in self._open_paths:
             return True
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         # Every key compared, in constant time: how long a refusal takes says nothing of the keys.

@@ -151,7 +151,8 @@ class RouterActor:
         self.app = build_app(self.dispatcher, self.tokenizer, HttpLimits(
             spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))
         if spec.auth.api_keys:
-            self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys])
+            self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys],
+                                      ("/health", "/metrics") if spec.auth.open_metrics else ("/health",))
         self.app.add("GET", "/metrics", self._metrics_page)
         self.app.add("GET", "/pdc/run", self._run_page)
 

@@ -39,21 +39,26 @@ def test_routes_by_method_and_exact_path():
     assert len(seen) == 1
 
 
-def test_api_keys_guard_the_v1_paths_only():
+def test_api_keys_guard_every_path_but_health_and_the_open_ones():
     app, seen = echo_app()
-    app.add("POST", "/v1/echo", app.routes[("POST", "/echo")])
+    for path in ("/v1/echo", "/tokenize", "/metrics"):
+        app.add("POST", path, app.routes[("POST", "/echo")])
     app.add("GET", "/health", lambda request: _ok())
     app.require_api_keys(["sk-one", "sk-two"])
     with TestClient(app) as client:
-        for headers in ({}, {"Authorization": "Bearer sk-three"}, {"Authorization": "sk-one"},
-                        {"Authorization": "Bearer sk-one "}):
-            r = client.post("/v1/echo", content=b"x", headers=headers)
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+        for path in ("/v1/echo", "/tokenize", "/metrics", "/echo"):
+            for headers in ({}, {"Authorization": "Bearer sk-three"}, {"Authorization": "sk-one"},
+                            {"Authorization": "Bearer sk-one "}):
+                r = client.post(path, content=b"x", headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
         assert seen == []  # refused before the handler (and before the body was read)
         for key in ("sk-one", "sk-two"):
-            assert client.post("/v1/echo", content=b"x", headers={"Authorization": f"Bearer {key}"}).status_code == 201
+            assert client.post("/tokenize", content=b"x", headers={"Authorization": f"Bearer {key}"}).status_code == 201
         assert client.get("/health").status_code == 200  # open, as vLLM's --api-key leaves it
-        assert client.post("/echo", content=b"x").status_code == 201  # not an /v1 path
+    app.require_api_keys(["sk-one"], open_paths=("/health", "/metrics"))  # auth.open_metrics
+    with TestClient(app) as client:
+        assert client.post("/metrics", content=b"x").status_code == 201
+        assert client.post("/tokenize", content=b"x").status_code == 401
 
 
 async def _ok() -> BytesResponse:

@@ -99,7 +99,7 @@ def server_info(base_url: str, api_key: str | None = None) -> tuple[int | None, 
     models.raise_for_status()
     data = models.json().get("data") or [{}]
     vocab = data[0].get("vocab_size") or _tokenizer_vocab(data[0].get("root"))
-    r = httpx.get(f"{base_url}/pdc/run", timeout=10)
+    r = httpx.get(f"{base_url}/pdc/run", timeout=10, headers=headers)
     if r.status_code == 200:
         run_dir = r.json().get("run_dir")
     return vocab, run_dir
