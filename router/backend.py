@@ -60,6 +60,11 @@ class TokenBackend(abc.ABC):
                  arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
         """`arrival_ns`: when the HTTP request arrived (time.monotonic_ns), for its timeline."""
 
+    def admit(self) -> None:
+        """Raise BackendError (a 429) if a request arriving now would be refused: the front end
+        asks before it tokenizes, so that an overloaded router refuses at once. `generate`
+        decides again (requests tokenized meanwhile count by then)."""
+
     async def health(self) -> dict[str, bool]:
         """Instance name -> healthy."""
         return {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from pdcluster.router.http_app import HttpRequest
 
@@ -97,13 +97,17 @@ class CompletionRequest(CommonRequest):
     logprobs: int | None = None
 
 
+MAX_MESSAGES = 4096  # a conversation's messages (each costs the chat template work, even empty)
+MAX_ROLE_CHARS = 64  # "system", "user", "assistant", "tool", "developer"
+
+
 class ChatMessage(BaseModel):
-    role: str
+    role: str = Field(max_length=MAX_ROLE_CHARS)
     content: str
 
 
 class ChatCompletionRequest(CommonRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
 
@@ -114,7 +118,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
 
 
 class DetokenizeRequest(BaseModel):

@@ -178,12 +178,7 @@ class PDDispatcher(TokenBackend):
                        arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
         """Drives the request's lifecycle (router/lifecycle.py): its commands become calls on the
         engines' channels, the replies, failures and the deadline its inputs."""
-        # Before anything is recorded or routed: a refused request costs nothing more.
-        rejection = self.core.admit()
-        if rejection is not None:
-            for listener in self.rejection_listeners:
-                listener(rejection.reason)
-            raise BackendError(rejection.message, 429, "rate_limit_exceeded", rejection.retry_after_s)
+        self.admit()  # before anything is recorded or routed: a refused request costs nothing more
         lc = Lifecycle(self.core, request_id, prompt_token_ids, sampling,
                        time.monotonic_ns() if arrival_ns is None else arrival_ns)
         self._hear(self.begin_sinks, lc.rec)
@@ -214,6 +209,13 @@ class PDDispatcher(TokenBackend):
         finally:
             calls.abort()  # unless they ended: aborts the request inside P's and D's engines
             self._hear(self.sinks, lc.close(time.monotonic_ns()))
+
+    def admit(self) -> None:
+        rejection = self.core.admit()
+        if rejection is not None:
+            for listener in self.rejection_listeners:
+                listener(rejection.reason)
+            raise BackendError(rejection.message, 429, "rate_limit_exceeded", rejection.retry_after_s)
 
     def _hear(self, sinks: list[RecordSink], rec) -> None:
         for sink in sinks:

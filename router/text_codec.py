@@ -12,6 +12,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from pdcluster.router.backend import BackendError
+
 
 class Detokenizer:
     """Text for generated ids as they come, a step per id (tokenizers' DecodeStream, as
@@ -56,6 +58,7 @@ class Detokenizer:
 
 
 INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in worker threads (~2K tokens: ~2 ms here)
+MESSAGE_CHARS = 64  # what one chat message costs the template beyond its text, in characters' worth
 # One 128K-token prompt is ~0.3 s of one core: at C90's 6 req/s one thread would be ~2/3 busy,
 # and a burst would queue behind it. Threads run their encodes in parallel (no GIL held).
 TOKENIZE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -78,23 +81,41 @@ class PromptTokenizer:
     such a call with "Already borrowed").
     """
 
-    def __init__(self, tokenizer: Any, threads: int | None = None):
+    def __init__(self, tokenizer: Any, threads: int | None = None, queue: int | None = None):
         tokenizer.encode("")
         self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
-        self._workers = ThreadPoolExecutor(threads or TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        threads = threads or TOKENIZE_THREADS
+        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        # Jobs waiting for or in the threads at most; more are refused with a 429 at once rather
+        # than queued for seconds (under overload the router's admission refuses before this fills).
+        self._queue_max = queue or 16 * threads
+        self._queued = 0  # jobs handed to the threads and not done
 
     async def text(self, text: str) -> list[int]:
-        return await self._run(len(text), partial(self._encode, text))
+        return await self.run(len(text), partial(self._encode, text))
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(await self._run(sum(len(m["content"]) for m in messages),
-                                    partial(self._tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)))
+        # The template's work grows with every field and every message, not the contents alone.
+        cost = sum(len(m["role"]) + len(m["content"]) + MESSAGE_CHARS for m in messages)
+        return list(await self.run(cost, partial(self._tokenizer.apply_chat_template, messages,
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)))
 
-    async def _run(self, chars: int, tokenize: Callable[[], list[int]]) -> list[int]:
+    async def decode(self, ids: list[int]) -> str:
+        return await self.run(4 * len(ids), partial(self._tokenizer.decode, ids))
+
+    async def run(self, chars: int, work: Callable[[], Any]) -> Any:
+        """`work` (as costly as tokenizing `chars` characters) inline if cheap, else in a thread;
+        BackendError 429 if the threads have TOKENIZE_QUEUE jobs already."""
         if chars <= INLINE_TOKENIZE_CHARS:
-            return tokenize()
-        return await asyncio.get_running_loop().run_in_executor(self._workers, tokenize)
+            return work()
+        if self._queued >= self._queue_max:
+            raise BackendError(f"the router's tokenizer has {self._queued} prompts waiting: retry shortly", 429,
+                               "rate_limit_exceeded", retry_after_s=1)
+        self._queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._workers, work)
+        finally:
+            self._queued -= 1
 
     def _encode(self, text: str) -> list[int]:
         return self._backend.encode_batch([text])[0].ids

@@ -139,3 +139,32 @@ def test_a_429_from_the_router_reaches_the_openai_client_as_a_rate_limit_error(t
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=10)
         with pytest.raises(openai.RateLimitError, match="in flight"):
             client.completions.create(model=CARD.name, prompt=[5, 6], max_tokens=2)
+
+
+def test_a_long_text_prompt_is_refused_before_it_is_tokenized(tok, tok_dir, monkeypatch):
+    """Issue 26 item 5: under overload the 429s for long text prompts came after 0.9-6.3 s, each
+    tokenized first. One request in flight of max 1: a 2 MB prompt is refused untokenized."""
+    from pdcluster.router import text_codec
+
+    tokenized = []
+
+    async def text(self, text):
+        tokenized.append("text")
+        return [5]
+
+    async def chat(self, messages):
+        tokenized.append("chat")
+        return [5]
+
+    monkeypatch.setattr(text_codec.PromptTokenizer, "text", text)
+    monkeypatch.setattr(text_codec.PromptTokenizer, "chat", chat)
+    disp = make([FakeEngine()], [FakeEngine()], admission=AdmissionLimits(max_in_flight=1, max_queue_s=100))
+    disp.accepted_in_flight = 1  # as if one request were in flight
+    with serve_in_thread(build_app(disp, tok_dir)) as url, httpx.Client(timeout=30) as client:
+        for path, body in (("/v1/completions", {"prompt": "word " * 400_000, "max_tokens": 3}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400_000}]})):
+            r = client.post(url + path, json=body)
+            assert r.status_code == 429 and "in flight" in r.json()["error"]["message"], r.text
+        disp.accepted_in_flight = 0
+        assert client.post(url + "/v1/completions", json={"prompt": "word", "max_tokens": 3}).status_code == 200
+    assert tokenized == ["text"]  # the one admitted

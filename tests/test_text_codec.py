@@ -99,3 +99,59 @@ def test_tokenize_stall_bench_runs(tok_dir, tok):
     stall = uvloop.run(measure(app, text))
     assert stall.long_ms > 0 and stall.short_served > 0 and stall.short_p50_ms <= stall.short_max_ms
     assert uvloop.run(burst(app, [f"{i} {text}" for i in range(3)])) > 0
+
+
+def test_the_tokenizers_queue_is_bounded_and_the_excess_is_a_429(tok):
+    """Issue 26 item 5: the tokenizer's queue had no bound; a job past it is refused at once."""
+    import threading
+
+    from pdcluster.router.backend import BackendError
+    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
+
+    prompts = _PromptTokenizer(tok, threads=1, queue=2)
+    release = threading.Event()
+    encode = prompts._encode
+
+    def held_in_threads(text: str) -> list[int]:
+        if threading.current_thread().name.startswith("tokenize"):
+            assert release.wait(10)
+        return encode(text)
+
+    prompts._encode = held_in_threads
+    long = "once upon a time, " * (INLINE_TOKENIZE_CHARS // 10)
+
+    async def main():
+        held = [asyncio.ensure_future(prompts.text(long)) for _ in range(2)]
+        await asyncio.sleep(0)  # both handed to the thread pool
+        with pytest.raises(BackendError) as err:
+            await prompts.text(long)
+        assert err.value.status == 429 and "2 prompts waiting" in str(err.value)
+        assert await prompts.text("short") == tok.encode("short")  # inline: never queued
+        release.set()
+        return await asyncio.gather(*held)
+
+    assert asyncio.run(main()) == [tok.encode(long)] * 2
+
+
+def test_chat_messages_cost_by_every_field_and_long_detokenizes_go_off_the_loop(tok):
+    """A 3 MB `role`, or many empty messages, were templated on the event loop (their cost
+    was counted by content alone); /detokenize decoded on it."""
+    import threading
+
+    from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
+
+    prompts = _PromptTokenizer(tok)
+    seen = []
+    run = prompts.run
+    prompts.run = lambda chars, work: run(chars, lambda: seen.append(threading.current_thread().name) or work())
+    many = [{"role": "user", "content": ""}] * (INLINE_TOKENIZE_CHARS // 32)
+    ids = tok.encode("once upon a time, " * 2000)
+
+    async def main():
+        await prompts.chat(many)
+        return await prompts.decode(ids)
+
+    assert asyncio.run(main()) == tok.decode(ids)
+    assert [name.startswith("tokenize") for name in seen] == [True, True], seen
