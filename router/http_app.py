@@ -217,10 +217,32 @@ class HttpApp:
             await json_response(error_body(str(e), "invalid_request_error"), e.status).send(send, receive)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        response = await handler(HttpRequest(method, path, headers, body))
+        response = await _unless_gone(handler(HttpRequest(method, path, headers, body)), receive)
+        if response is None:
+            return
         if isinstance(response, StreamResponse):
             response = dataclasses.replace(response, stall_s=self.limits.stall_s)
         await response.send(send, receive)
+
+
+async def _unless_gone(answer, receive: Callable) -> Response | None:
+    """The handler's response; None, with the handler cancelled (which aborts its request on
+    the engines and frees its admission slot), if the client disconnects first: a client gone
+    before its answer or its first streamed token no longer holds its request."""
+    work, gone = asyncio.ensure_future(answer), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        gone.cancel()  # an unfinished receive() consumes nothing: the response's own watch takes over
+    if not work.done() or gone.done() and not gone.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            response = await work
+            if isinstance(response, StreamResponse):  # answered as the client left: end its stream
+                await aclose(response.chunks)
+        return None
+    return work.result()
 
 
 async def _lifespan(receive: Callable, send: Callable) -> None:

@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from dispatch_fakes import CARD, PROMPT, SAMPLING, FakeEngine, collect, engine_ids, make, run
+from dispatch_fakes import CARD, HANG, PROMPT, SAMPLING, FakeEngine, collect, engine_ids, make, run
+from e2e import wait_until
 from router_fakes import serve_in_thread
 
 from pdcluster.proto.messages import DecodeDelta
@@ -168,3 +169,30 @@ def test_a_long_text_prompt_is_refused_before_it_is_tokenized(tok, tok_dir, monk
         disp.accepted_in_flight = 0
         assert client.post(url + "/v1/completions", json={"prompt": "word", "max_tokens": 3}).status_code == 200
     assert tokenized == ["text"]  # the one admitted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clients_that_leave_are_let_go_and_free_their_slots(tok_dir, cancelled, stream):
+    """Issue 26 item 4: a non-streaming request whose client closed its connection kept
+    generating, a streaming one ran until its first token, and eight clients that sent and
+    left filled max_in_flight=8 (the next got a 429). Now each is aborted on P or D within 1 s
+    and its slot is free."""
+    bound = 8
+    # Non-streaming: D hangs after a first token. Streaming: P never answers (no first token).
+    p = FakeEngine(prefill_outcome=HANG) if stream else FakeEngine()
+    d = FakeEngine(decode_script=[DecodeDelta([10]), HANG])
+    disp = make([p], [d], timeout=60, admission=AdmissionLimits(max_in_flight=bound, max_queue_s=100))
+    records = []
+    disp.sinks.append(records.append)
+    with serve_in_thread(build_app(disp, tok_dir)) as url:
+        for i in range(bound):
+            with pytest.raises(httpx.TimeoutException):  # the client gives up and closes its connection
+                httpx.post(f"{url}/v1/completions", timeout=0.3,
+                           json={"prompt": [5, 6, i], "max_tokens": 50, "stream": stream})
+        wait_until(lambda: disp.accepted_in_flight == 0 and len(cancelled) == bound, 1.5, interval=0.02,
+                   what="every request that lost its client aborted")
+        assert [c for c in (p.prefill_pending if stream else d.decode_pending) if c not in cancelled] == []
+        assert [r.error for r in records] == ["cancelled: the client went away or stopped reading"] * bound
+        p.prefill_outcome, d.decode_script = None, None
+        r = httpx.post(f"{url}/v1/completions", timeout=10, json={"prompt": [5, 6], "max_tokens": 3})
+        assert r.status_code == 200, r.text  # the ninth client is admitted
