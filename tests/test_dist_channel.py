@@ -378,3 +378,29 @@ def test_the_pool_replaces_a_channel_whose_peer_is_gone():
         pool.close()
     finally:
         server.stop()
+
+
+def test_a_restarted_d_opens_on_its_first_try_and_p_frees_the_old_d_s_channel():
+    """Issue 26 item 6: D named its channels `address/engine_id/n` from n = 0 in every process,
+    so after a restart P answered "opened twice" for each name the old D had used, and P never
+    dropped a dead D's channels."""
+    server = kv_service(5.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        old_d = ChannelPool("d-test", 5.0, KEY)
+        first = old_d.get(server.address, stub)
+        # The D restarts: a new process, the same engine id; the old one's end is never closed.
+        new_d = ChannelPool("d-test", 5.0, KEY)
+        second = new_d.get(server.address, stub)
+        assert second.name != first.name
+        assert server._channels.opened() == [second.name]  # P freed the old D's channel
+        p_end = server._channels.get(second.name)
+        got = torch.zeros(4)
+        pending = second.recv_async(got, 3)
+        p_end.send(torch.arange(4, dtype=torch.float32), 3)
+        pending.wait()
+        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        old_d.close()
+        new_d.close()
+    finally:
+        server.stop()

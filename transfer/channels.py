@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 from concurrent import futures
 
@@ -53,6 +54,18 @@ class ChannelHost:
         self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdc-channel-open")
 
     def open(self, name: str) -> pb.OpenChannelReply:
+        """A D opens `name` (`<P address>/<D engine id>/<D's nonce>-<n>`, ChannelPool.get). D keeps
+        one channel per P: the channels it opened before are dead to it (it found them unusable,
+        or it is a restarted D), so P frees them now, as it does any whose peer went."""
+        owner = name.rsplit("/", 1)[0]
+        with self._lock:
+            if name in self._opening:
+                raise ChannelError(f"channel {name!r} opened twice: D must pick a new name per open")
+            stale = [n for n, f in self._opening.items()
+                     if n.rsplit("/", 1)[0] == owner or f.done() and f.exception() is None and f.result().unusable]
+        for old in stale:
+            log.info("data channel %s: freed (its D opened %s, or it is gone)", old, name)
+            self.drop(old)
         with self._lock:
             if name in self._opening:
                 raise ChannelError(f"channel {name!r} opened twice: D must pick a new name per open")
@@ -100,6 +113,9 @@ class ChannelPool:
         self._engine_id, self._timeout_s, self._auth_key = engine_id, timeout_s, auth_key
         self._lock = threading.Lock()
         self._channels: dict[str, TensorChannel] = {}
+        # Names unique to this process: a restarted D (same engine id) reuses none of its
+        # predecessor's, which P may still hold.
+        self._nonce = secrets.token_hex(6)
         self._opens = itertools.count()
 
     def get(self, address: str, stub) -> TensorChannel:
@@ -114,7 +130,7 @@ class ChannelPool:
                 ch = None
             if ch is not None:
                 return ch
-            name = f"{address}/{self._engine_id}/{next(self._opens)}"
+            name = f"{address}/{self._engine_id}/{self._nonce}-{next(self._opens)}"
             # Opening under the lock: concurrent first transfers to one P wait for a single rendezvous.
             try:
                 reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=self._timeout_s)
