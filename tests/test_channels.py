@@ -1,0 +1,87 @@
+"""Both ends' bookkeeping of the data channels (transfer/channels.py): D's pool of one channel
+per P, P's host of the channels D's opened, against a real KV service in this process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_dist_channel import KEY, SECRET, kv_service
+
+from pdcluster.transfer.auth import GrpcAuth
+from pdcluster.transfer.channels import ChannelPool
+from pdcluster.transfer.dist_channel import ChannelError
+from pdcluster.transfer.grpc_client import kv_stub
+
+
+def test_a_kv_service_call_without_the_secret_opens_no_channel():
+    import grpc
+
+    server = kv_service(2.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth("another-cluster-secret"))
+        with pytest.raises(ChannelError, match="UNAUTHENTICATED"):
+            ChannelPool("d-test", 2.0, KEY).get(server.address, stub)
+        assert server._channels.opened() == []
+        with pytest.raises(grpc.RpcError) as err:  # nor reads its store
+            from pdcluster.transfer import kv_transfer_pb2 as pb
+
+            stub.ChannelStore(pb.StoreRequest(channel="x", op="get", key="k"), timeout=2)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop()
+
+
+def test_the_pool_replaces_a_channel_whose_peer_is_gone():
+    """E.g. its liveness connection timed out while the link to P was cut: the next transfer to that
+    P gets a new pair instead of failing on the dead one. In one process: P's KV service here."""
+    server = kv_service(5.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        pool = ChannelPool("d-test", 5.0, KEY)
+        first = pool.get(server.address, stub)
+        assert pool.get(server.address, stub) is first and first.unusable is None
+        server._channels.drop(server._channels.opened()[0])  # P's end goes: D's watcher sees it
+        deadline = time.monotonic() + 5
+        while first.unusable is None:
+            assert time.monotonic() < deadline, "D never noticed its peer leave"
+            time.sleep(0.01)
+        assert "P (rank 0) closed the channel" in first.unusable
+        second = pool.get(server.address, stub)
+        assert second is not first and second.name != first.name and first.unusable == "closed"
+        p_end = server._channels.get(server._channels.opened()[0])
+        got = torch.zeros(4)
+        pending = second.recv_async(got, 7)
+        p_end.send(torch.arange(4, dtype=torch.float32), 7)
+        pending.wait()
+        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        pool.close()
+    finally:
+        server.stop()
+
+
+def test_a_restarted_d_opens_on_its_first_try_and_p_frees_the_old_d_s_channel():
+    """Issue 26 item 6: D named its channels `address/engine_id/n` from n = 0 in every process,
+    so after a restart P answered "opened twice" for each name the old D had used, and P never
+    dropped a dead D's channels."""
+    server = kv_service(5.0)
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        old_d = ChannelPool("d-test", 5.0, KEY)
+        first = old_d.get(server.address, stub)
+        # The D restarts: a new process, the same engine id; the old one's end is never closed.
+        new_d = ChannelPool("d-test", 5.0, KEY)
+        second = new_d.get(server.address, stub)
+        assert second.name != first.name
+        assert server._channels.opened() == [second.name]  # P freed the old D's channel
+        p_end = server._channels.get(second.name)
+        got = torch.zeros(4)
+        pending = second.recv_async(got, 3)
+        p_end.send(torch.arange(4, dtype=torch.float32), 3)
+        pending.wait()
+        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        old_d.close()
+        new_d.close()
+    finally:
+        server.stop()
