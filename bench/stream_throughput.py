@@ -240,9 +240,9 @@ class Bench:
 
     def __init__(self, shape: Shape, grpc_chunks: list[int], trials: int, pin_cores: bool, host: str = HOST,
                  p: dict | None = None, streams: int = 1, secret: str = BENCH_SECRET):
-        from pdcluster.transfer.auth import GrpcAuth
         from pdcluster.transfer.channels import ChannelPool
         from pdcluster.transfer.dist_liveness import channel_liveness_key
+        from pdcluster.transfer.grpc_auth import GrpcAuth
         from pdcluster.transfer.grpc_client import KvFetcher, kv_stub
         from pdcluster.transfer.paged_kv import PagedKv
 

@@ -11,20 +11,22 @@ import grpc
 import pytest
 
 from pdcluster.transfer.auth import (
-    AUTH_METADATA_KEY,
     AuthError,
     ClientHandshake,
-    GrpcAuth,
     ServerHandshake,
     check_secret,
     curve_keys,
     derive,
-    grpc_authenticated_channel,
-    grpc_server_interceptor,
     handshake_socket,
     zmq_secure_client,
     zmq_secure_server,
     zmq_stop_auth,
+)
+from pdcluster.transfer.grpc_auth import (
+    AUTH_METADATA_KEY,
+    GrpcAuth,
+    grpc_authenticated_channel,
+    grpc_server_interceptor,
 )
 
 SECRET = "s" * 32

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_dist_channel import KEY, SECRET, kv_service
 
-from pdcluster.transfer.auth import GrpcAuth
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_channel import ChannelError
+from pdcluster.transfer.grpc_auth import GrpcAuth
 from pdcluster.transfer.grpc_client import kv_stub
 
 

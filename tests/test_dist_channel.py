@@ -17,12 +17,12 @@ import time
 import pytest
 import torch
 
-from pdcluster.transfer.auth import GrpcAuth
 from pdcluster.transfer.channel_store import ChannelStores, LocalStore
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_blocks import count_chunks, recv_blocks, send_blocks
 from pdcluster.transfer.dist_channel import ChannelError, TensorChannel, open_channel
 from pdcluster.transfer.dist_liveness import channel_liveness_key
+from pdcluster.transfer.grpc_auth import GrpcAuth
 from pdcluster.transfer.grpc_client import kv_stub
 
 HOST = "127.0.0.1"

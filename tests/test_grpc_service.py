@@ -26,7 +26,7 @@ from transfer_fakes import (
 
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
-from pdcluster.transfer.auth import GrpcAuth
+from pdcluster.transfer.grpc_auth import GrpcAuth
 from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.sources import SourceTable
@@ -92,7 +92,7 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
     pickle. Each is refused before P reads a block or its lease; D then reads as ever."""
     from e2e import evil_pickle
 
-    from pdcluster.transfer.auth import AUTH_METADATA_KEY
+    from pdcluster.transfer.grpc_auth import AUTH_METADATA_KEY
 
     p = make_p()
     offer(p, "r1", (2, 5, 7, 9))

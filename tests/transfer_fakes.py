@@ -21,7 +21,7 @@ from e2e import wait_until
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.auth import GrpcAuth, grpc_authenticated_channel
+from pdcluster.transfer.grpc_auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer.grpc_client import KvFetcher, LoadJob, LoadResults
 from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.paged_kv import PagedKv

@@ -12,11 +12,8 @@ peer that sees the traffic learns no key.
   `ClientHandshake`, sans-I/O; `handshake_socket` for blocking sockets). The server
   reads exactly one fixed-size proof and refuses anything else, so a peer without
   the key gets nothing read, let alone deserialized.
-- gRPC (P's KV service, the channel store inside it): every call carries a
-  `pdc-auth` metadata token, an HMAC of the method, a time and a nonce
-  (`GrpcAuth`); the server interceptor checks it before the handler and its
-  request deserializer run. A token is good for one call within `window_s` of its
-  time (hosts' clocks must agree that well); a nonce seen again is a replay.
+- gRPC (P's KV service, the channel store inside it): a token per call
+  (transfer/grpc_auth.py).
 - ZMQ (the KV-event PUB and replay sockets): CURVE, with key pairs derived from
   the secret (`curve_keys`); the publisher's ZAP handler admits only the cluster's
   client key, and CURVE encrypts the events (they carry prompts' token ids).
@@ -32,7 +29,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdcluster.proto.spec import MIN_SECRET_CHARS
@@ -180,105 +176,6 @@ def handshake_socket(sock: socket.socket, key: bytes, server: bool, timeout_s: f
                 return step.leftover
     finally:
         sock.settimeout(before)
-
-
-# ---------------------------------------------------------------------- gRPC
-
-AUTH_METADATA_KEY = "pdc-auth"
-TOKEN_WINDOW_S = 300.0
-
-
-class GrpcAuth:
-    """Makes and checks per-call tokens: "<unix ms>.<nonce hex>.<HMAC hex of method, ms, nonce>".
-
-    Thread-safe (a gRPC server checks from its pool threads)."""
-
-    def __init__(self, secret: str, window_s: float = TOKEN_WINDOW_S):
-        self._key = derive(secret, "grpc")
-        self.window_s = window_s
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> its token's time, oldest first
-        self._lock = threading.Lock()
-
-    def token(self, method: str, now_s: float | None = None) -> str:
-        ms = str(int((time.time() if now_s is None else now_s) * 1000))
-        nonce = os.urandom(NONCE_BYTES).hex()
-        return f"{ms}.{nonce}.{_mac(self._key, method.encode(), ms.encode(), nonce.encode()).hex()}"
-
-    def check(self, method: str, token: str | None, now_s: float | None = None) -> str | None:
-        """None if `token` is good for this call of `method`; else why not."""
-        if not token:
-            return f"no {AUTH_METADATA_KEY} token"
-        parts = token.split(".")
-        if len(parts) != 3 or not parts[0].isdigit():
-            return f"a malformed {AUTH_METADATA_KEY} token"
-        ms, nonce, mac = parts
-        if not hmac.compare_digest(mac.encode(), _mac(self._key, method.encode(), ms.encode(),
-                                                      nonce.encode()).hex().encode()):
-            return "a wrong token (the caller does not hold this cluster's secret)"
-        now = time.time() if now_s is None else now_s
-        at = int(ms) / 1000
-        if abs(now - at) > self.window_s:
-            return f"a token {now - at:+.0f} s from this host's clock (outside {self.window_s:.0f} s; clocks unsynced?)"
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - self.window_s:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                return "a replayed token"
-            self._seen[nonce] = at
-        return None
-
-
-def grpc_server_interceptor(auth: GrpcAuth, service_name: str):
-    """A grpc.ServerInterceptor refusing (UNAUTHENTICATED) calls without a good token, before
-    the method's handler or request deserializer runs; each refusal is logged."""
-    import grpc
-
-    def refuse(reason: str, method: str, handler):
-        def abort(request, context):
-            log.warning("%s: refused %s from %s: %s", service_name, method, context.peer(), reason)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service_name}: {reason}")
-
-        # Same call shape as the method's, with no deserializer: the request stays bytes.
-        if handler is not None and handler.response_streaming:
-            if handler.request_streaming:
-                return grpc.stream_stream_rpc_method_handler(abort)
-            return grpc.unary_stream_rpc_method_handler(abort)
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort)
-        return grpc.unary_unary_rpc_method_handler(abort)
-
-    class _Interceptor(grpc.ServerInterceptor):
-        def intercept_service(self, continuation, details):
-            token = next((v for k, v in (details.invocation_metadata or ()) if k == AUTH_METADATA_KEY), None)
-            reason = auth.check(details.method, token)
-            if reason is None:
-                return continuation(details)
-            return refuse(reason, details.method, continuation(details))
-
-    return _Interceptor()
-
-
-def grpc_authenticated_channel(channel, auth: GrpcAuth):
-    """`channel` with a fresh token added to every call's metadata."""
-    import grpc
-
-    class _Details(grpc.ClientCallDetails):
-        def __init__(self, d, metadata):
-            self.method, self.timeout, self.metadata = d.method, d.timeout, metadata
-            self.credentials, self.wait_for_ready, self.compression = d.credentials, d.wait_for_ready, d.compression
-
-    class _Interceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-        def _details(self, d):
-            method = d.method.decode() if isinstance(d.method, bytes) else d.method
-            return _Details(d, [*(d.metadata or ()), (AUTH_METADATA_KEY, auth.token(method))])
-
-        def intercept_unary_unary(self, continuation, details, request):
-            return continuation(self._details(details), request)
-
-        def intercept_unary_stream(self, continuation, details, request):
-            return continuation(self._details(details), request)
-
-    return grpc.intercept_channel(channel, _Interceptor())
 
 
 # ---------------------------------------------------------------------- ZMQ (CURVE)

@@ -25,9 +25,9 @@ from pdcluster.proto.handle import TransferHandle
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer.channels import ChannelPool, is_stale_channel
 from pdcluster.transfer.dist_channel import PairBusy, Pending, TensorChannel
+from pdcluster.transfer.grpc_auth import GrpcAuth, grpc_authenticated_channel
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import PagedKv

@@ -31,10 +31,10 @@ import torch
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
-from pdcluster.transfer.auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer.channel_store import StoreError
 from pdcluster.transfer.channels import STALE_CHANNEL, ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
+from pdcluster.transfer.grpc_auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
