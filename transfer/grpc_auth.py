@@ -15,6 +15,8 @@ import threading
 import time
 from collections import OrderedDict
 
+import grpc
+
 from pdcluster.transfer.auth import NONCE_BYTES, _mac, derive
 
 log = logging.getLogger(__name__)
@@ -63,24 +65,42 @@ class GrpcAuth:
         return None
 
 
-def grpc_server_interceptor(auth: GrpcAuth, service_name: str):
-    """A grpc.ServerInterceptor refusing (UNAUTHENTICATED) calls without a good token, before
-    the method's handler or request deserializer runs; each refusal is logged."""
-    import grpc
+# What a client of the KV service sees of a refusal: gRPC's answer to a call no handler takes.
+REFUSED_CODE = "UNIMPLEMENTED"
+REFUSED_HINT = ("refused the call: it does not take this cluster's secret (auth.secret / PDC_CLUSTER_SECRET "
+                "must be the same on every host), or it is not a pdcluster KV service")
 
-    def refuse(reason: str, method: str, handler):
-        def abort(request, context):
-            log.warning("%s: refused %s from %s: %s", service_name, method, context.peer(), reason)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{service_name}: {reason}")
 
-        # Same call shape as the method's, with no deserializer: the request stays bytes.
-        if handler is not None and handler.response_streaming:
-            if handler.request_streaming:
-                return grpc.stream_stream_rpc_method_handler(abort)
-            return grpc.unary_stream_rpc_method_handler(abort)
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(abort)
-        return grpc.unary_unary_rpc_method_handler(abort)
+class Refusals:
+    """Refused calls, counted, and logged at most once per `every_s` (the first at once) with the
+    count since the last line: a stranger's flood costs no log line per attempt."""
+
+    def __init__(self, what: str, every_s: float = 60.0, clock=time.monotonic):
+        self.what, self._every_s, self._clock = what, every_s, clock
+        self.count = 0
+        self._unlogged = 0
+        self._next_log = 0.0
+        self._lock = threading.Lock()
+
+    def refused(self, method: str, reason: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self.count += 1
+            self._unlogged += 1
+            if now < self._next_log:
+                return
+            n, self._unlogged, self._next_log = self._unlogged, 0, now + self._every_s
+        log.warning("%s: refused %d call(s) since the last such line (latest: %s, %s)", self.what, n, method, reason)
+
+
+def grpc_server_interceptor(auth: GrpcAuth, service_name: str, refusals: Refusals | None = None):
+    """A grpc.ServerInterceptor refusing calls without a good token before anything of them runs.
+
+    A refused call gets no handler: gRPC answers it UNIMPLEMENTED from its serving thread, reading
+    none of the request and taking no pool thread (a handler that aborted would first wait in a
+    pool thread for the whole request message: 68 silent calls stalled every legitimate one, and
+    60 MiB bodies were buffered). Refusals are counted and logged at a bounded rate."""
+    refusals = refusals or Refusals(service_name)
 
     class _Interceptor(grpc.ServerInterceptor):
         def intercept_service(self, continuation, details):
@@ -88,14 +108,14 @@ def grpc_server_interceptor(auth: GrpcAuth, service_name: str):
             reason = auth.check(details.method, token)
             if reason is None:
                 return continuation(details)
-            return refuse(reason, details.method, continuation(details))
+            refusals.refused(details.method, reason)
+            return None
 
     return _Interceptor()
 
 
 def grpc_authenticated_channel(channel, auth: GrpcAuth):
     """`channel` with a fresh token added to every call's metadata."""
-    import grpc
 
     class _Details(grpc.ClientCallDetails):
         def __init__(self, d, metadata):
