@@ -17,7 +17,6 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pdcluster.proto.devices import DEVICES
 from pdcluster.proto.spec_sections import (  # noqa: F401  (the sections, importable with the spec)
     DEFAULT_ENGINE,
-    MIN_SECRET_CHARS,
     AuthSpec,
     EngineSpec,
     ModelSpec,
@@ -31,6 +30,7 @@ from pdcluster.proto.spec_sections import (  # noqa: F401  (the sections, import
     TinyModelSpec,
     TransferSpec,
     _Strict,
+    secret_weakness,
 )
 
 

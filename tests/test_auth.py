@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -29,7 +30,7 @@ from pdcluster.transfer.grpc_auth import (
     grpc_server_interceptor,
 )
 
-SECRET = "s" * 32
+SECRET = "3f1c9a7e5b2d8c4f6a0e1b7d9c3f5a2e"
 OTHER = "o" * 32
 
 
@@ -108,10 +109,13 @@ def test_handshake_socket_both_ends_and_a_silent_peer_times_out():
         s.close()
 
 
-def test_check_secret_names_the_source():
-    with pytest.raises(ValueError, match="auth.secret: the cluster secret must have at least 16"):
-        check_secret("short", "auth.secret")
-    assert check_secret(SECRET, "x") == SECRET
+def test_check_secret_names_the_source_and_refuses_a_guessable_one():
+    """Issue 26 item 10: "pdcluster-prod-2025" fell in 119 offline guesses from one handshake."""
+    for weak in ("short", "pdcluster-prod-2025", "s" * 64, "from-the-spec-0123"):
+        with pytest.raises(ValueError, match="auth.secret: the cluster secret is too weak.*secrets.token_hex"):
+            check_secret(weak, "auth.secret")
+    for strong in (SECRET, secrets.token_hex(16), secrets.token_urlsafe(22), "dist-channel-test-secret-0123"):
+        assert check_secret(strong, "x") == strong
 
 
 # -- gRPC tokens

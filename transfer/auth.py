@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pdcluster.proto.spec import MIN_SECRET_CHARS
+from pdcluster.proto.spec import secret_weakness
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,8 @@ def generate_secret() -> str:
 
 
 def check_secret(secret: str, source: str) -> str:
-    if len(secret) < MIN_SECRET_CHARS:
-        raise ValueError(f"{source}: the cluster secret must have at least {MIN_SECRET_CHARS} characters "
-                         f"(got {len(secret)}); e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    if why := secret_weakness(secret):
+        raise ValueError(f"{source}: the cluster secret is {why}")
     return secret
 
 
