@@ -21,6 +21,7 @@ from e2e import (
     cluster_spec_for,
     complete,
     reset_caches,
+    run_with,
     seed_prompts_000,
     shared_cluster,
     shared_reference,
@@ -151,6 +152,26 @@ def test_bad_requests_are_4xx(cluster):
     assert bad_id.status_code == 400 and "1000000" in bad_id.text
     assert httpx.post(f"{cluster.url}/v1/completions", content=b"{nope", timeout=10).status_code == 400
     assert httpx.post(f"{cluster.url}/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10).status_code == 404
+
+
+def test_clients_that_leave_have_their_requests_aborted_on_p_and_d(cluster):
+    """Issue 26 item 4: 8 clients send long non-streaming requests and leave after 0.5 s: within
+    2 s neither engine runs or queues any of them, their records say why, and a ninth is served."""
+    for i in range(8):
+        with pytest.raises(httpx.TimeoutException):
+            complete(cluster.url, [random.Random(20 + i).randrange(3, 1000) for _ in range(300)], 4000,
+                     timeout=0.5, request_id=f"leaves-{i}")
+
+    def idle():
+        loads = [ray.get(inst.actor.load.remote()) for inst in cluster.instances]
+        return all(load.running == 0 and load.waiting == 0 for load in loads)
+
+    wait_until(idle, 2, interval=0.05, what="P and D rid of the requests whose clients left")
+    records = run_with(cluster.run_dir, [f"cmpl-leaves-{i}" for i in range(8)]).records
+    assert {r.error for r in records} == {"cancelled: the client went away or stopped reading"}
+    tokens, _ = run(cluster, list(range(3, 503)))
+    assert len(tokens) == 16
+    assert_no_kv_in_use(cluster)
 
 
 def test_no_kv_block_leaks_after_requests(cluster):
