@@ -311,6 +311,27 @@ def test_the_liveness_socket_refuses_a_peer_without_the_secret_then_takes_d(capl
         ch.close()
 
 
+def test_a_silent_peer_on_the_liveness_listener_does_not_hold_up_d():
+    """Issue 26 item 6: one connection that never sent its proof took the whole open deadline,
+    and the rendezvous failed. Now D, arriving after it, pairs at once."""
+    from pdcluster.transfer.dist_liveness import _liveness_pair
+
+    store = torch.distributed.HashStore()
+    deadline = time.monotonic() + 4.0
+    got: dict = {}
+    p = threading.Thread(target=lambda: got.setdefault("p", _liveness_pair(0, store, "k", HOST, deadline, KEY)))
+    p.start()
+    host, port = store.get("k").decode().rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]  # never prove anything
+    d = _liveness_pair(1, store, "k", HOST, deadline, KEY)
+    p.join(5)
+    assert "p" in got, "P never took D's connection"
+    d.sendall(b"x")
+    assert got["p"].recv(1) == b"x"  # the pair is D's connection, not a silent one
+    for s in (d, got["p"], *silent):
+        s.close()
+
+
 def test_tags_come_from_each_ranks_own_space_and_never_overlap():
     ch = TensorChannel(None, 1, "gloo", 1.0, "t", None)
     a, b = ch.allocate_tags(10), ch.allocate_tags(5)
