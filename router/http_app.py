@@ -228,21 +228,45 @@ class HttpApp:
 async def _unless_gone(answer, receive: Callable) -> Response | None:
     """The handler's response; None, with the handler cancelled (which aborts its request on
     the engines and frees its admission slot), if the client disconnects first: a client gone
-    before its answer or its first streamed token no longer holds its request."""
-    work, gone = asyncio.ensure_future(answer), asyncio.ensure_future(_disconnected(receive))
+    before its answer or its first streamed token no longer holds its request. The handler runs
+    in this task; a watcher task, started only once the handler has run WATCH_AFTER_S, cancels it
+    (a task per request cost the router ~10% of its throughput on instant engines)."""
+    me, gone, watcher = asyncio.current_task(), False, None
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(receive)
+        gone = True
+        me.cancel()
+
+    def start_watching() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(watch())
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
     try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-        gone.cancel()  # an unfinished receive() consumes nothing: the response's own watch takes over
-    if not work.done() or gone.done() and not gone.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            response = await work
-            if isinstance(response, StreamResponse):  # answered as the client left: end its stream
-                await aclose(response.chunks)
+        response = await answer
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        me.uncancel()
         return None
-    return work.result()
+    finally:
+        timer.cancel()
+        if watcher is not None:  # an unfinished receive() consumes nothing: the response's own watch takes over
+            watcher.cancel()
+    if gone:  # answered as the client left, its cancel still pending: no await here; end a stream's iterator
+        me.uncancel()
+        if isinstance(response, StreamResponse):
+            closing = asyncio.ensure_future(aclose(response.chunks))
+            _CLOSING.add(closing)
+            closing.add_done_callback(_CLOSING.discard)
+        return None
+    return response
+
+
+WATCH_AFTER_S = 0.05  # a handler that answers sooner never pays for a disconnect watch
+_CLOSING: set[asyncio.Future] = set()  # iterators being closed for clients gone (held until done)
 
 
 async def _lifespan(receive: Callable, send: Callable) -> None:
