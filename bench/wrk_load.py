@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +79,8 @@ def parse_wrk(stdout: str, client_cpu_s: float = 0.0) -> LoadResult:
 
 def run_wrk(url: str, script: Path, connections: int, duration_s: float) -> LoadResult:
     """One wrk run (one thread, keep-alive); its CPU from wait4 (the child's own rusage)."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("the router benchmarks drive load with wrk, which is not installed: apt-get install wrk")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--timeout", "10s",
                                  "-s", str(script), url], stdout=out, stderr=subprocess.STDOUT)
