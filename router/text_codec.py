@@ -105,7 +105,7 @@ class PromptTokenizer:
 
     async def run(self, chars: int, work: Callable[[], Any]) -> Any:
         """`work` (as costly as tokenizing `chars` characters) inline if cheap, else in a thread;
-        BackendError 429 if the threads have TOKENIZE_QUEUE jobs already."""
+        BackendError 429 if the threads' queue is full already."""
         if chars <= INLINE_TOKENIZE_CHARS:
             return work()
         if self._queued >= self._queue_max:

@@ -52,6 +52,28 @@ def check_secret(secret: str, source: str) -> str:
     return secret
 
 
+class Refusals:
+    """Peers refused on one plane, logged at most once per `every_s` (the first at once) with the
+    count since the last line: a stranger's flood costs no log line per attempt. Thread-safe."""
+
+    def __init__(self, what: str, unit: str, every_s: float = 60.0, clock=time.monotonic):
+        """`unit`: what is refused, for the log line ("call(s)", "connection(s)")."""
+        self.what, self.unit, self._every_s, self._clock = what, unit, every_s, clock
+        self._unlogged = 0
+        self._next_log = 0.0
+        self._lock = threading.Lock()
+
+    def refused(self, who: str, reason: object) -> None:
+        now = self._clock()
+        with self._lock:
+            self._unlogged += 1
+            if now < self._next_log:
+                return
+            n, self._unlogged, self._next_log = self._unlogged, 0, now + self._every_s
+        log.warning("%s: refused %d %s since the last such line (latest: %s, %s)", self.what, n, self.unit, who,
+                    reason)
+
+
 def derive(secret: str, purpose: str) -> bytes:
     """A 32-byte key for one purpose: knowing one purpose's key tells nothing of another's."""
     return hmac.new(secret.encode(), b"pdcluster/" + purpose.encode(), hashlib.sha256).digest()

@@ -27,7 +27,7 @@ import grpc
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer.channel_store import ChannelStores, LocalStore, RemoteStore
 from pdcluster.transfer.dist_channel import ChannelError, TensorChannel, local_address_towards, open_channel
-from pdcluster.transfer.grpc_auth import REFUSED_HINT
+from pdcluster.transfer.grpc_auth import REFUSED_HINT, is_refusal
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ChannelPool:
             try:
                 reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=self._timeout_s)
             except grpc.RpcError as err:
-                why = REFUSED_HINT if err.code() == grpc.StatusCode.UNIMPLEMENTED else err.details()
+                why = REFUSED_HINT if is_refusal(err) else err.details()
                 raise ChannelError(f"P at {address} did not open channel {name!r}: {err.code().name}: {why}") from None
             ch = open_channel("d", RemoteStore(stub, name, self._timeout_s), reply.backend, self._timeout_s, name,
                               local_address_towards(address), self._auth_key)

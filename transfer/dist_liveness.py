@@ -4,7 +4,6 @@ job is to close when the peer dies; a thread watches it and says why."""
 
 from __future__ import annotations
 
-import logging
 import queue
 import select
 import socket
@@ -12,9 +11,6 @@ import threading
 import time
 
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
-
 
 # The liveness connection: its peer's host vanishing (no FIN) ends it within ~11 s.
 _KEEPALIVE = ((socket.SO_KEEPALIVE, 1, socket.SOL_SOCKET), (socket.TCP_KEEPIDLE, 5, socket.IPPROTO_TCP),
@@ -52,15 +48,14 @@ def _first_proven(listener: socket.socket, auth_key: bytes, deadline: float) -> 
     """The first connection to prove the key. Each is handshaked in a thread of its own (at most
     MAX_PENDING at once, each within HANDSHAKE_TIMEOUT_S), so a silent or wrong peer never holds
     up D's (one silent connection used to take the whole open deadline)."""
-    from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, handshake_socket
+    from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, Refusals, handshake_socket
 
     proven: queue.Queue[socket.socket] = queue.Queue()
     pending = threading.BoundedSemaphore(MAX_PENDING)
     done = threading.Event()
-    refused = 0
+    refusals = Refusals("channel liveness socket", "connection(s)")
 
     def prove(conn: socket.socket, peer) -> None:
-        nonlocal refused
         try:
             handshake_socket(conn, auth_key, server=True,
                              timeout_s=max(0.01, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
@@ -69,9 +64,7 @@ def _first_proven(listener: socket.socket, auth_key: bytes, deadline: float) -> 
             else:
                 proven.put(conn)
         except (AuthError, OSError) as err:
-            refused += 1
-            if refused == 1:  # a stranger's flood costs one line
-                log.warning("channel liveness socket: refused %s: %s", peer, err)
+            refusals.refused(str(peer), err)
             conn.close()
         finally:
             pending.release()

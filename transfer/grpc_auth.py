@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import grpc
 
-from pdcluster.transfer.auth import NONCE_BYTES, _mac, derive
+from pdcluster.transfer.auth import NONCE_BYTES, Refusals, _mac, derive
 
 log = logging.getLogger(__name__)
 
@@ -65,42 +65,24 @@ class GrpcAuth:
         return None
 
 
-# What a client of the KV service sees of a refusal: gRPC's answer to a call no handler takes.
-REFUSED_CODE = "UNIMPLEMENTED"
+# What a client of the KV service is told of a refusal (it sees UNIMPLEMENTED: see the interceptor).
 REFUSED_HINT = ("refused the call: it does not take this cluster's secret (auth.secret / PDC_CLUSTER_SECRET "
                 "must be the same on every host), or it is not a pdcluster KV service")
 
 
-class Refusals:
-    """Refused calls, counted, and logged at most once per `every_s` (the first at once) with the
-    count since the last line: a stranger's flood costs no log line per attempt."""
-
-    def __init__(self, what: str, every_s: float = 60.0, clock=time.monotonic):
-        self.what, self._every_s, self._clock = what, every_s, clock
-        self.count = 0
-        self._unlogged = 0
-        self._next_log = 0.0
-        self._lock = threading.Lock()
-
-    def refused(self, method: str, reason: str) -> None:
-        now = self._clock()
-        with self._lock:
-            self.count += 1
-            self._unlogged += 1
-            if now < self._next_log:
-                return
-            n, self._unlogged, self._next_log = self._unlogged, 0, now + self._every_s
-        log.warning("%s: refused %d call(s) since the last such line (latest: %s, %s)", self.what, n, method, reason)
+def is_refusal(err: grpc.RpcError) -> bool:
+    """Whether a call to a KV service failed because the service refused it (no good token)."""
+    return err.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def grpc_server_interceptor(auth: GrpcAuth, service_name: str, refusals: Refusals | None = None):
+def grpc_server_interceptor(auth: GrpcAuth, service_name: str):
     """A grpc.ServerInterceptor refusing calls without a good token before anything of them runs.
 
     A refused call gets no handler: gRPC answers it UNIMPLEMENTED from its serving thread, reading
     none of the request and taking no pool thread (a handler that aborted would first wait in a
     pool thread for the whole request message: 68 silent calls stalled every legitimate one, and
-    60 MiB bodies were buffered). Refusals are counted and logged at a bounded rate."""
-    refusals = refusals or Refusals(service_name)
+    60 MiB bodies were buffered). Refusals are logged at a bounded rate (auth.py: Refusals)."""
+    refusals = Refusals(service_name, "call(s)")
 
     class _Interceptor(grpc.ServerInterceptor):
         def intercept_service(self, continuation, details):

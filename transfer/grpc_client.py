@@ -27,7 +27,7 @@ from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer import kv_transfer_pb2_grpc as pb_grpc
 from pdcluster.transfer.channels import ChannelPool, is_stale_channel
 from pdcluster.transfer.dist_channel import PairBusy, Pending, TensorChannel
-from pdcluster.transfer.grpc_auth import REFUSED_HINT, GrpcAuth, grpc_authenticated_channel
+from pdcluster.transfer.grpc_auth import REFUSED_HINT, GrpcAuth, grpc_authenticated_channel, is_refusal
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import PagedKv
@@ -156,7 +156,7 @@ class KvFetcher:
         try:
             theirs = stub.GetLayout(pb.LayoutRequest(), timeout=wait_s, wait_for_ready=True)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if is_refusal(err):
                 raise TransferError(f"P at {handle.address} {REFUSED_HINT}") from None
             if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise

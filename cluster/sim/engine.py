@@ -173,7 +173,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         rid = self._request_id(req.request_id)
         transfer_id = req.transfer_id or req.request_id
         s = req.sampling
-        with self.producer.ids.taken(transfer_id):
+        with self.producer.ids_in_use.taken(transfer_id):
             sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
                                         stop_token_ids=frozenset(s.stop_token_ids)))
             self.producer.produce(rid, transfer_id)

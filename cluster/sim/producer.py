@@ -33,7 +33,7 @@ class ProducerSide(KvHooks):
                                break_prefix=break_prefix, channel_backend=channel_backend, advertise=advertise)
         self.scheduler: Scheduler | None = None
         self.transfer_ids: dict[str, str] = {}  # request id -> the transfer it produces
-        self.ids = TransferIds(lease_s)  # the transfer ids in use (the engine's prefill takes each)
+        self.ids_in_use = TransferIds(lease_s)  # the transfer ids in use (the engine's prefill takes each)
         self._ran: set[str] = set()  # requests a step has computed (the source exists)
         self._keys: dict[str, object] = {}  # request id -> its blocks' keys (numpy), while it computes
 
