@@ -3,16 +3,24 @@ per P, P's host of the channels D's opened, against a real KV service in this pr
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from e2e import wait_until
 from test_dist_channel import KEY, SECRET, kv_service
 
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_channel import ChannelError
 from pdcluster.transfer.grpc_auth import GrpcAuth
 from pdcluster.transfer.grpc_client import kv_stub
+
+
+def assert_pair_carries(p_end, d_end, tag: int) -> None:
+    """P's end of a pair sends a tensor under `tag`; D's end receives exactly it."""
+    got = torch.zeros(4)
+    pending = d_end.recv_async(got, tag)
+    p_end.send(torch.arange(4, dtype=torch.float32), tag)
+    pending.wait()
+    assert torch.equal(got, torch.arange(4, dtype=torch.float32))
 
 
 def test_a_kv_service_call_without_the_secret_opens_no_channel():
@@ -43,19 +51,11 @@ def test_the_pool_replaces_a_channel_whose_peer_is_gone():
         first = pool.get(server.address, stub)
         assert pool.get(server.address, stub) is first and first.unusable is None
         server._channels.drop(server._channels.opened()[0])  # P's end goes: D's watcher sees it
-        deadline = time.monotonic() + 5
-        while first.unusable is None:
-            assert time.monotonic() < deadline, "D never noticed its peer leave"
-            time.sleep(0.01)
+        wait_until(lambda: first.unusable is not None, 5, interval=0.01, what="D noticing its peer leave")
         assert "P (rank 0) closed the channel" in first.unusable
         second = pool.get(server.address, stub)
         assert second is not first and second.name != first.name and first.unusable == "closed"
-        p_end = server._channels.get(server._channels.opened()[0])
-        got = torch.zeros(4)
-        pending = second.recv_async(got, 7)
-        p_end.send(torch.arange(4, dtype=torch.float32), 7)
-        pending.wait()
-        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        assert_pair_carries(server._channels.get(server._channels.opened()[0]), second, 7)
         pool.close()
     finally:
         server.stop()
@@ -75,12 +75,7 @@ def test_a_restarted_d_opens_on_its_first_try_and_p_frees_the_old_d_s_channel():
         second = new_d.get(server.address, stub)
         assert second.name != first.name
         assert server._channels.opened() == [second.name]  # P freed the old D's channel
-        p_end = server._channels.get(second.name)
-        got = torch.zeros(4)
-        pending = second.recv_async(got, 3)
-        p_end.send(torch.arange(4, dtype=torch.float32), 3)
-        pending.wait()
-        assert torch.equal(got, torch.arange(4, dtype=torch.float32))
+        assert_pair_carries(server._channels.get(second.name), second, 3)
         old_d.close()
         new_d.close()
     finally:
