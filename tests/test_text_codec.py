@@ -105,6 +105,8 @@ def test_the_tokenizers_queue_is_bounded_and_the_excess_is_a_429(tok):
     """Issue 26 item 5: the tokenizer's queue had no bound; a job past it is refused at once."""
     import threading
 
+    from dispatch_fakes import until
+
     from pdcluster.router.backend import BackendError
     from pdcluster.router.text_codec import INLINE_TOKENIZE_CHARS
     from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
@@ -123,7 +125,7 @@ def test_the_tokenizers_queue_is_bounded_and_the_excess_is_a_429(tok):
 
     async def main():
         held = [asyncio.ensure_future(prompts.text(long)) for _ in range(2)]
-        await asyncio.sleep(0)  # both handed to the thread pool
+        await until(lambda: prompts._queued == 2, 5, what="both handed to the thread pool")
         with pytest.raises(BackendError) as err:
             await prompts.text(long)
         assert err.value.status == 429 and "2 prompts waiting" in str(err.value)
