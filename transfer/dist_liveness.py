@@ -4,10 +4,8 @@ job is to close when the peer dies; a thread watches it and says why."""
 
 from __future__ import annotations
 
-import queue
-import select
+import selectors
 import socket
-import threading
 import time
 
 import torch.distributed as dist
@@ -17,7 +15,7 @@ _KEEPALIVE = ((socket.SO_KEEPALIVE, 1, socket.SOL_SOCKET), (socket.TCP_KEEPIDLE,
               (socket.TCP_KEEPINTVL, 2, socket.IPPROTO_TCP), (socket.TCP_KEEPCNT, 3, socket.IPPROTO_TCP))
 
 
-MAX_PENDING = 16  # connections P handshakes at once while it waits for D's
+MAX_PENDING = 16  # connections P handshakes at once while it waits for D's (more are closed at once)
 
 
 def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, deadline: float,
@@ -45,50 +43,76 @@ def _liveness_pair(rank: int, store: dist.Store, key: str, local_host: str, dead
 
 
 def _first_proven(listener: socket.socket, auth_key: bytes, deadline: float) -> socket.socket:
-    """The first connection to prove the key. Each is handshaked in a thread of its own (at most
-    MAX_PENDING at once, each within HANDSHAKE_TIMEOUT_S), so a silent or wrong peer never holds
-    up D's (one silent connection used to take the whole open deadline)."""
-    from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, Refusals, handshake_socket
+    """The first connection to prove the key. The handshakes run side by side in this thread (the
+    sans-I/O ServerHandshake over non-blocking sockets): each peer costs a socket and at most one
+    proof's bytes, never a thread, and one that stays silent past HANDSHAKE_TIMEOUT_S, or any
+    past MAX_PENDING, is dropped, so none holds up D's (one silent peer used to take the whole
+    open deadline)."""
+    from pdcluster.transfer.auth import (
+        CLIENT_PROOF_BYTES,
+        HANDSHAKE_TIMEOUT_S,
+        AuthError,
+        Refusals,
+        ServerHandshake,
+    )
 
-    proven: queue.Queue[socket.socket] = queue.Queue()
-    pending = threading.BoundedSemaphore(MAX_PENDING)
-    done = threading.Event()
     refusals = Refusals("channel liveness socket", "connection(s)")
+    pending: dict[socket.socket, tuple[ServerHandshake, float, int, str]] = {}  # conn -> (its handshake, drop-by time, bytes read, peer)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
 
-    def prove(conn: socket.socket, peer) -> None:
-        try:
-            handshake_socket(conn, auth_key, server=True,
-                             timeout_s=max(0.01, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
-            if done.is_set():  # another proved itself first
-                conn.close()
-            else:
-                proven.put(conn)
-        except (AuthError, OSError) as err:
-            refusals.refused(str(peer), err)
-            conn.close()
-        finally:
-            pending.release()
+    def drop(conn: socket.socket, why: object) -> None:
+        refusals.refused(pending.pop(conn)[3], why)
+        sel.unregister(conn)
+        conn.close()
 
     try:
         while True:
-            try:
-                return proven.get_nowait()
-            except queue.Empty:
-                pass
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError("D never connected its liveness socket")
-            if not select.select([listener], [], [], min(remaining, 0.02))[0]:
-                continue
-            conn, peer = listener.accept()
-            if pending.acquire(blocking=False):
-                threading.Thread(target=prove, args=(conn, peer), daemon=True, name="pdc-liveness-handshake").start()
-            else:
-                conn.close()
+            for conn, (_, drop_by, _, _) in list(pending.items()):
+                if now >= drop_by:
+                    drop(conn, f"no proof within {HANDSHAKE_TIMEOUT_S:g} s")
+            for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
+                conn = key.fileobj
+                if conn is listener:
+                    conn, peer = listener.accept()
+                    if len(pending) >= MAX_PENDING:
+                        refusals.refused(str(peer), f"{MAX_PENDING} handshakes pending already")
+                        conn.close()
+                        continue
+                    handshake = ServerHandshake(auth_key)
+                    conn.sendall(handshake.hello())  # 20 bytes into an empty send buffer: no wait
+                    conn.setblocking(False)
+                    pending[conn] = (handshake, min(deadline, now + HANDSHAKE_TIMEOUT_S), 0, str(peer))
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                handshake, drop_by, read, peer = pending[conn]
+                try:
+                    data = conn.recv(CLIENT_PROOF_BYTES - read)  # never more than the proof
+                    if not data:
+                        raise ConnectionError("closed before its proof")
+                    step = handshake.feed(data)
+                except (AuthError, OSError) as err:
+                    drop(conn, err)
+                    continue
+                pending[conn] = (handshake, drop_by, read + len(data), peer)
+                if step.done:
+                    del pending[conn]
+                    sel.unregister(conn)
+                    conn.setblocking(True)
+                    try:
+                        conn.sendall(step.send)
+                    except OSError as err:
+                        refusals.refused(peer, err)
+                        conn.close()
+                        continue
+                    return conn
     finally:
-        done.set()
-        while not proven.empty():  # proven after the first was taken (none from a D: it connects once)
-            proven.get_nowait().close()
+        for conn in pending:
+            conn.close()
+        sel.close()
 
 
 def channel_liveness_key(secret: str) -> bytes:
