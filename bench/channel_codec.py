@@ -4,7 +4,8 @@
 Each case is one frame's worth of messages as the router and engines exchange them: a
 prefill call (16 and 4,096 prompt ids), a streamed delta, a final delta with its transfer
 report, a prefill result with its handle. Figures: microseconds to encode and to decode,
-bytes, median of --rounds, both codecs in the same run.
+bytes, median of --rounds, both codecs in the same run; and what sealing the msgpack frame
+adds (transfer/session.py: AES-GCM seal on one end, open on the other).
 
 usage: python -m pdcluster.bench.channel_codec [--rounds 5]
 """
@@ -25,6 +26,7 @@ from pdcluster.proto.messages import (
     TransferStats,
 )
 from pdcluster.transfer.channel_wire import ENGINE_INBOX, ROUTER_INBOX, DecodeReply, PrefillCall, PrefillReply, _encode
+from pdcluster.transfer.session import FrameSeal
 
 
 def cases() -> dict[str, tuple[list, object]]:
@@ -56,7 +58,12 @@ def _us(fn, n: int) -> float:
 def measure(messages: list, decoder, n: int) -> dict[str, float]:
     pickled, packed = pickle.dumps(messages, protocol=5), _encode(messages)
     assert decoder.decode(packed) == messages, "the codec does not round-trip this frame"
-    return {"pickle enc": _us(lambda: pickle.dumps(messages, protocol=5), n),
+    sealer, opener = FrameSeal(bytes(32)), FrameSeal(bytes(32))  # one connection's direction: counters in step
+
+    def seal_open():
+        opener.open(sealer.seal(packed))
+
+    return {"seal+open": _us(seal_open, n),"pickle enc": _us(lambda: pickle.dumps(messages, protocol=5), n),
             "pickle dec": _us(lambda: pickle.loads(pickled), n),
             "msgpack enc": _us(lambda: _encode(messages), n),
             "msgpack dec": _us(lambda: decoder.decode(packed), n),
@@ -67,14 +74,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    print("| frame | pickle enc+dec us | msgpack enc+dec us | ratio | pickle B | msgpack B |")
-    print("|---|---|---|---|---|---|")
+    print("| frame | pickle enc+dec us | msgpack enc+dec us | ratio | seal+open us | pickle B | msgpack B |")
+    print("|---|---|---|---|---|---|---|")
     for name, (messages, decoder) in cases().items():
         n = 500 if "4,096" in name else 5000
         runs = [measure(messages, decoder, n) for _ in range(a.rounds)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         old, new = med["pickle enc"] + med["pickle dec"], med["msgpack enc"] + med["msgpack dec"]
-        print(f"| {name} | {old:.2f} | {new:.2f} | {new / old:.2f} | {med['pickle B']:.0f} | {med['msgpack B']:.0f} |")
+        print(f"| {name} | {old:.2f} | {new:.2f} | {new / old:.2f} | {med['seal+open']:.2f} | {med['pickle B']:.0f} "
+              f"| {med['msgpack B']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from channel_fakes import SECRET, Body, LocalActor, connected, prefill_req
+from channel_fakes import SAMPLING, SECRET, Body, LocalActor, connected, prefill_req
 from e2e import evil_pickle
 
 from pdcluster.transfer.request_channel import (
@@ -34,6 +34,7 @@ def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path,
 
     from pdcluster.transfer.auth import ClientHandshake
     from pdcluster.transfer.channel_wire import channel_key
+    from pdcluster.transfer.session import FrameSeal
 
     marker = tmp_path / "ran"
     pickle.loads(evil_pickle(marker))  # the payload is real: unpickled, it runs
@@ -47,12 +48,13 @@ def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path,
             await EngineChannel("decode-0", actor, "another-cluster's-secret").connect()
         for payload in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", evil_pickle(marker)):
             await refused_after(host, int(port), payload)
-        # A peer that proves the secret and then sends a pickled frame: not decoded as one.
+        # A peer that proves the secret and then sends a pickled frame, sealed: not decoded as one.
         reader, writer = await asyncio.open_connection(host, int(port))
         hs = ClientHandshake(channel_key(SECRET))
         writer.write(hs.feed(await reader.readexactly(20)).send)
-        assert hs.feed(await reader.readexactly(32)).done
-        frame = evil_pickle(marker)
+        step = hs.feed(await reader.readexactly(32))
+        assert step.done
+        frame = FrameSeal(step.session.send).seal(evil_pickle(marker))
         writer.write(len(frame).to_bytes(4, "big") + frame)
         assert await asyncio.wait_for(reader.read(), 5) == b"", "the engine kept a connection that sent pickle"
         writer.close()
@@ -113,3 +115,88 @@ def test_a_router_refuses_an_engine_without_the_secret():
             server.close()
 
     asyncio.run(main())
+
+
+# ---- someone on the path, without the secret
+
+
+class Relay:
+    """An on-path relay holding no secret: passes one connection's bytes both ways, keeps a copy
+    of each direction, and can write bytes of its own toward the engine."""
+
+    def __init__(self, engine_address: str):
+        self.engine_host, _, port = engine_address.rpartition(":")
+        self.engine_port = int(port)
+        self.to_engine, self.to_router = bytearray(), bytearray()
+        self.engine_closed = asyncio.Event()
+        self._to_engine_writer: asyncio.StreamWriter | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, router_r, router_w) -> None:
+        engine_r, engine_w = await asyncio.open_connection(self.engine_host, self.engine_port)
+        self._to_engine_writer = engine_w
+
+        async def pump(reader, writer, copy, closed=None):
+            while data := await reader.read(1 << 16):
+                copy += data
+                writer.write(data)
+            writer.close()
+            if closed is not None:
+                closed.set()
+
+        await asyncio.gather(pump(router_r, engine_w, self.to_engine),
+                             pump(engine_r, router_w, self.to_router, self.engine_closed))
+
+    def inject(self, data: bytes) -> None:
+        self._to_engine_writer.write(data)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+class RelayedBody(Body):
+    """An engine whose advertised address is a relay's in front of its real one."""
+
+    relay: Relay
+
+    async def open_channel(self) -> str:
+        self.relay = Relay(await super().open_channel())
+        return await self.relay.start()
+
+
+@pytest.mark.parametrize("injected", ["a frame replayed", "a frame of its own"])
+def test_a_relay_without_the_secret_reads_no_prompt_and_injects_nothing(injected, caplog):
+    """The handshake passes through a relay; what follows it is sealed: the relay sees neither the
+    prompt's ids nor the request id, and a frame it replays or makes is refused, never run."""
+    import msgspec
+
+    from pdcluster.proto.messages import PrefillRequest
+    from pdcluster.transfer.auth import CLIENT_PROOF_BYTES
+    from pdcluster.transfer.channel_wire import PrefillCall
+
+    prompt = list(range(70_000, 70_064))
+
+    async def main():
+        actor, ch = await connected(RelayedBody())
+        relay = actor.body.relay
+        result = await asyncio.wait_for(ch.call("prefill", PrefillRequest("private-req", prompt, SAMPLING)).next(), 5)
+        assert result.request_id == "private-req"
+        frames = bytes(relay.to_engine[CLIENT_PROOF_BYTES:])  # the router's frames after its proof
+        if injected == "a frame replayed":
+            relay.inject(frames)
+        else:
+            own = msgspec.msgpack.encode([PrefillCall(7, PrefillRequest("injected", [1, 2, 3], SAMPLING))])
+            relay.inject(len(own).to_bytes(4, "big") + own)
+        await asyncio.wait_for(relay.engine_closed.wait(), 5)
+        ch.close()
+        relay.close()
+        return bytes(relay.to_engine), bytes(relay.to_router), actor.body.prefills
+
+    to_engine, to_router, prefills = asyncio.run(main())
+    assert msgspec.msgpack.encode(prompt) not in to_engine and b"private-req" not in to_engine
+    assert b"private-req" not in to_router
+    assert prefills == 1, f"the engine ran {injected}"
+    assert "a frame that does not authenticate" in caplog.text

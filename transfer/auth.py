@@ -11,7 +11,9 @@ peer that sees the traffic learns no key.
   mutual challenge-response before the first byte of payload (`ServerHandshake`,
   `ClientHandshake`, sans-I/O; `handshake_socket` for blocking sockets). The server
   reads exactly one fixed-size proof and refuses anything else, so a peer without
-  the key gets nothing read, let alone deserialized.
+  the key gets nothing read, let alone deserialized. The handshake also yields the
+  connection's session keys: the request channel seals every frame after it
+  (transfer/session.py), so nobody on the path reads, alters or injects one.
 - gRPC (P's KV service, the channel store inside it): a token per call
   (transfer/grpc_auth.py).
 - ZMQ (the KV-event PUB and replay sockets): CURVE, with key pairs derived from
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from pdcluster.proto.spec import secret_weakness
+from pdcluster.transfer.session import SessionKeys, session_keys
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class Step:
     send: bytes = b""
     done: bool = False
     leftover: bytes = b""
+    session: SessionKeys | None = None  # once done: the keys sealing this connection's frames (session.py)
 
 
 class ServerHandshake:
@@ -134,7 +138,8 @@ class ServerHandshake:
         if not hmac.compare_digest(mac_c, _mac(self._key, b"client", self._nonce, nonce_c)):
             raise AuthError("the peer's proof is wrong (it does not hold this cluster's secret)")
         self.done = True
-        return Step(_mac(self._key, b"server", self._nonce, nonce_c), True, leftover)
+        return Step(_mac(self._key, b"server", self._nonce, nonce_c), True, leftover,
+                    session_keys(self._key, self._nonce, nonce_c, server=True))
 
 
 class ClientHandshake:
@@ -158,19 +163,17 @@ class ClientHandshake:
             self._server_nonce = bytes(self._got[len(MAGIC):SERVER_HELLO_BYTES])
             del self._got[:SERVER_HELLO_BYTES]
             proof = MAGIC + self._nonce + _mac(self._key, b"client", self._server_nonce, self._nonce)
-            done, leftover = self._finish()
-            return Step(proof, done, leftover)
-        done, leftover = self._finish()
-        return Step(b"", done, leftover)
+            return self._finish(proof)
+        return self._finish(b"")
 
-    def _finish(self) -> tuple[bool, bytes]:
+    def _finish(self, send: bytes) -> Step:
         if len(self._got) < MAC_BYTES:
-            return False, b""
+            return Step(send)
         mac_s, leftover = bytes(self._got[:MAC_BYTES]), bytes(self._got[MAC_BYTES:])
         if not hmac.compare_digest(mac_s, _mac(self._key, b"server", self._server_nonce, self._nonce)):
             raise AuthError("the server's proof is wrong (it does not hold this cluster's secret)")
         self.done = True
-        return True, leftover
+        return Step(send, True, leftover, session_keys(self._key, self._server_nonce, self._nonce, server=False))
 
 
 def handshake_socket(sock: socket.socket, key: bytes, server: bool, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bytes:

@@ -4,7 +4,9 @@ Wire: the engine listens on its node's address (transfer/network.py; it may serv
 several routers, a connection each), the router connects. Before anything else, both
 prove they hold the cluster secret (transfer/auth.py's handshake: the engine reads one
 fixed-size proof and drops a connection that sends anything else). Then each frame is a
-4-byte big-endian length and a msgpack list of typed messages (msgspec: the decoder
+4-byte big-endian length and, sealed with the connection's session key (transfer/session.py:
+AES-GCM, the frame's number as nonce; prompts and completions cross in it), a msgpack
+list of typed messages (msgspec: the decoder
 builds exactly these classes and the messages.py dataclasses inside them, and nothing
 else; no pickle): router -> engine `PrefillCall`, `DecodeCall`, `Abort`; engine ->
 router `PrefillReply`, `DecodeReply`. Plain asyncio TCP rather than ZMQ: ZMQ's I/O
@@ -28,6 +30,7 @@ import msgspec
 from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
 from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClientHandshake, ServerHandshake, derive
 from pdcluster.transfer.network import host_port
+from pdcluster.transfer.session import TAG_BYTES, FrameSeal, SealError
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,8 @@ _encode = msgspec.msgpack.Encoder().encode
 # What each side accepts: anything else in a frame (a wrong type, a missing field) fails its decode.
 ENGINE_INBOX = msgspec.msgpack.Decoder(list[PrefillCall | DecodeCall | Abort])
 ROUTER_INBOX = msgspec.msgpack.Decoder(list[PrefillReply | DecodeReply])
-_LENGTH = struct.Struct("!I")  # each frame's prefix: the msgpack list's length in bytes
-MAX_FRAME_BYTES = 256 << 20  # a 128K-id prompt is ~400 KB; more is a broken or hostile peer
+_LENGTH = struct.Struct("!I")  # each frame's prefix: the sealed msgpack list's length in bytes
+MAX_FRAME_BYTES = (256 << 20) + TAG_BYTES  # a 128K-id prompt is ~400 KB; more is a broken or hostile peer
 
 
 def channel_key(secret: str) -> bytes:
@@ -115,6 +118,8 @@ class FramedConnection(asyncio.Protocol):
         self._received = bytearray()  # bytes of frames not complete yet
         self._outbox: list = []  # messages posted this loop turn
         self._deadline: asyncio.TimerHandle | None = None
+        self._seal: FrameSeal | None = None  # what this end sends, once the handshake is done
+        self._open: FrameSeal | None = None  # what it receives
         self.frames_sent = self.messages_sent = 0  # batched: frames <= messages
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -154,6 +159,7 @@ class FramedConnection(asyncio.Protocol):
             if not step.done:
                 return
             self._deadline.cancel()
+            self._seal, self._open = FrameSeal(step.session.send), FrameSeal(step.session.recv)
             self.ready.set_result(None)
             data = step.leftover
         buf = self._received
@@ -168,9 +174,14 @@ class FramedConnection(asyncio.Protocol):
                 end = start + _LENGTH.size + n
                 if len(buf) < end:
                     break
-                frame = self._decoder.decode(view[start + _LENGTH.size:end])
+                frame = self._decoder.decode(self._open.open(view[start + _LENGTH.size:end]))
                 start = end
                 self.on_messages(self, frame)
+        except SealError as err:  # someone on the path, or a peer of another session
+            log.error("%s: closing the connection with %s: %s", self.name, self.peer, err)
+            view.release()
+            self.close()
+            return
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as err:
             # An authenticated peer sent what this side does not accept: another version, or a bug.
             log.error("%s: closing the connection with %s: a frame does not decode: %s", self.name, self.peer, err)
@@ -204,7 +215,7 @@ class FramedConnection(asyncio.Protocol):
             return
         assert self.ready.done() and self.ready.exception() is None, (
             "a message posted before the handshake ended: the router must await connect()")
-        frame = _encode(msgs)
+        frame = self._seal.seal(_encode(msgs))
         self.transport.writelines([_LENGTH.pack(len(frame)), frame])
         self.frames_sent += 1
         self.messages_sent += len(msgs)
