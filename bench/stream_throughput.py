@@ -261,7 +261,7 @@ class Bench:
         self.fetcher = KvFetcher("bench-D", self.kv, timeout_s=120, secret=secret)
         self.grpc = {int(c): a for c, a in p["grpc"].items()}
         self.pool = ChannelPool("bench-D", 120, channel_liveness_key(secret))
-        self.ch = self.pool.get(p["channel"], kv_stub(p["channel"], GrpcAuth(secret))[1])
+        self.ch = self.pool.get(p["channel"], kv_stub(p["channel"], GrpcAuth(secret), "bench-P-channel")[1])
         self.data = [socket.create_connection((host, p["data"])) for _ in range(1 + streams)]
         self.ctrl = socket.create_connection((host, p["ctrl"]))
         self.regions = [memoryview(t[1:].view(torch.uint8).numpy()).cast("B") for t in self.dst.values()]

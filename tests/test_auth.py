@@ -26,6 +26,7 @@ from pdcluster.transfer.auth import (
 from pdcluster.transfer.grpc_auth import (
     AUTH_METADATA_KEY,
     GrpcAuth,
+    body_digest,
     grpc_authenticated_channel,
     grpc_server_interceptor,
 )
@@ -121,22 +122,29 @@ def test_check_secret_names_the_source_and_refuses_a_guessable_one():
 # -- gRPC tokens
 
 
-def test_token_is_good_once_for_its_method_and_time():
+def test_token_is_good_once_for_its_method_server_and_time():
     auth = GrpcAuth(SECRET)
-    token = auth.token("/svc/A", now_s=1000.0)
-    assert auth.check("/svc/A", token, now_s=1001.0) is None
-    assert auth.check("/svc/A", token, now_s=1001.0) == "a replayed token"
-    assert "wrong token" in auth.check("/svc/B", auth.token("/svc/A", now_s=1000.0), now_s=1000.0)
-    assert "wrong token" in GrpcAuth(OTHER).check("/svc/A", auth.token("/svc/A", now_s=1000.0), now_s=1000.0)
-    assert "outside 300 s" in auth.check("/svc/A", auth.token("/svc/A", now_s=1000.0), now_s=1400.0)
-    assert auth.check("/svc/A", None) == f"no {AUTH_METADATA_KEY} token"
-    assert auth.check("/svc/A", "x.y") == f"a malformed {AUTH_METADATA_KEY} token"
+    token = auth.token("/svc/A", "p0", b"body", now_s=1000.0)
+    assert auth.check("/svc/A", "p0", token, now_s=1001.0) == (None, body_digest(b"body"))
+    assert auth.check("/svc/A", "p0", token, now_s=1001.0) == ("a replayed token", None)
+    fresh = lambda: auth.token("/svc/A", "p0", b"body", now_s=1000.0)  # noqa: E731
+    assert "wrong token" in auth.check("/svc/B", "p0", fresh(), now_s=1000.0)[0]
+    assert "meant for another server" in auth.check("/svc/A", "p1", fresh(), now_s=1000.0)[0]
+    # Another P of the cluster (its own replay memory) refuses a token sniffed on its way to p0.
+    assert "meant for another server" in GrpcAuth(SECRET).check("/svc/A", "p1", fresh(), now_s=1000.0)[0]
+    assert "wrong token" in GrpcAuth(OTHER).check("/svc/A", "p0", fresh(), now_s=1000.0)[0]
+    assert "outside 300 s" in auth.check("/svc/A", "p0", fresh(), now_s=1400.0)[0]
+    assert auth.check("/svc/A", "p0", None) == (f"no {AUTH_METADATA_KEY} token", None)
+    assert auth.check("/svc/A", "p0", "x.y") == (f"a malformed {AUTH_METADATA_KEY} token", None)
+    # The digest is under the MAC: a token whose digest was swapped for another body's is wrong.
+    ms, nonce, _, mac = fresh().split(".")
+    assert "wrong token" in auth.check("/svc/A", "p0", ".".join((ms, nonce, body_digest(b"evil"), mac)))[0]
 
 
 def test_replay_memory_is_bounded_by_the_window():
     auth = GrpcAuth(SECRET, window_s=10)
     for i in range(100):
-        assert auth.check("/m", auth.token("/m", now_s=float(i)), now_s=float(i)) is None
+        assert auth.check("/m", "p0", auth.token("/m", "p0", b"", now_s=float(i)), now_s=float(i))[0] is None
     assert len(auth._seen) <= 11
 
 
@@ -163,7 +171,7 @@ class _Echo:
 def echo_server():
     service = _Echo()
     server = grpc.server(futures.ThreadPoolExecutor(2),
-                         interceptors=[grpc_server_interceptor(GrpcAuth(SECRET), "echo")])
+                         interceptors=[grpc_server_interceptor(GrpcAuth(SECRET), "echo-0", "echo")])
     server.add_generic_rpc_handlers((service.handlers(),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -171,9 +179,9 @@ def echo_server():
     server.stop(0)
 
 
-def _call(address: str, secret: str | None, payload: bytes = b"hi") -> bytes:
+def _call(address: str, secret: str | None, payload: bytes = b"hi", server: str = "echo-0") -> bytes:
     with grpc.insecure_channel(address) as raw:
-        channel = raw if secret is None else grpc_authenticated_channel(raw, GrpcAuth(secret))
+        channel = raw if secret is None else grpc_authenticated_channel(raw, GrpcAuth(secret), server)
         return channel.unary_unary("/t.Echo/Call")(payload, timeout=5)
 
 
@@ -187,6 +195,20 @@ def test_grpc_refuses_callers_without_the_secret_before_deserializing(echo_serve
     assert "echo: refused 1 call(s) since the last such line (latest: /t.Echo/Call" in caplog.text
     assert _call(address, SECRET) == b"echo:hi"  # and it still serves the cluster
     assert service.handled == 1
+
+
+def test_grpc_refuses_a_token_for_another_server_or_with_another_body(echo_server):
+    """What someone on the path can do with a sniffed token: send it to another P (refused at its
+    headers), or with a body of its own to the P it was meant for (refused before parsing)."""
+    service, address = echo_server
+    with pytest.raises(grpc.RpcError) as err:
+        _call(address, SECRET, server="echo-1")  # a token made for another server
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    token = GrpcAuth(SECRET).token("/t.Echo/Call", "echo-0", b"hi")
+    with grpc.insecure_channel(address) as raw, pytest.raises(grpc.RpcError) as err:
+        raw.unary_unary("/t.Echo/Call")(b"evil", metadata=[(AUTH_METADATA_KEY, token)], timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert service.deserialized == service.handled == 0
 
 
 # -- ZMQ CURVE

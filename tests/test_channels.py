@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from e2e import wait_until
-from test_dist_channel import KEY, SECRET, kv_service
+from test_dist_channel import KEY, SECRET, SERVER, kv_service
 
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_channel import ChannelError
@@ -28,7 +28,7 @@ def test_a_kv_service_call_without_the_secret_opens_no_channel():
 
     server = kv_service(2.0)
     try:
-        _, stub = kv_stub(server.address, GrpcAuth("another-cluster-secret"))
+        _, stub = kv_stub(server.address, GrpcAuth("another-cluster-secret"), SERVER)
         with pytest.raises(ChannelError, match="UNIMPLEMENTED: refused the call: it does not take this cluster's secret"):
             ChannelPool("d-test", 2.0, KEY).get(server.address, stub)
         assert server._channels.opened() == []
@@ -46,7 +46,7 @@ def test_the_pool_replaces_a_channel_whose_peer_is_gone():
     P gets a new pair instead of failing on the dead one. In one process: P's KV service here."""
     server = kv_service(5.0)
     try:
-        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET), SERVER)
         pool = ChannelPool("d-test", 5.0, KEY)
         first = pool.get(server.address, stub)
         assert pool.get(server.address, stub) is first and first.unusable is None
@@ -67,7 +67,7 @@ def test_a_restarted_d_opens_on_its_first_try_and_p_frees_the_old_d_s_channel():
     dropped a dead D's channels."""
     server = kv_service(5.0)
     try:
-        _, stub = kv_stub(server.address, GrpcAuth(SECRET))
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET), SERVER)
         old_d = ChannelPool("d-test", 5.0, KEY)
         first = old_d.get(server.address, stub)
         # The D restarts: a new process, the same engine id; the old one's end is never closed.

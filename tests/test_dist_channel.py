@@ -27,6 +27,7 @@ from pdcluster.transfer.grpc_client import kv_stub
 
 HOST = "127.0.0.1"
 SECRET = "dist-channel-test-secret-0123"
+SERVER = "p-test"  # the KV service's engine id: its tokens are bound to it
 KEY = channel_liveness_key(SECRET)
 DTYPES = (torch.bfloat16, torch.float32, torch.uint8)
 BLOCK_SHAPE = (2, 2, 16, 8)  # (K/V, kv heads, block size, head dim), the CPU layout's block
@@ -61,7 +62,7 @@ def kv_service(timeout_s: float):
     from pdcluster.transfer.paged_kv import PagedKv
     from pdcluster.transfer.sources import SourceTable
 
-    return KvServer("p-test", PagedKv({}, {}, 0), SourceTable({}, ()), HOST, 0, 1 << 20, secret=SECRET,
+    return KvServer(SERVER, PagedKv({}, {}, 0), SourceTable({}, ()), HOST, 0, 1 << 20, secret=SECRET,
                     wait_s=timeout_s, channel_backend="gloo")
 
 
@@ -146,7 +147,7 @@ def peer():
         p = PeerP(scenario, timeout_s)
         started.append(p)
         address = f"{HOST}:{p.port}"
-        _, stub = kv_stub(address, GrpcAuth(SECRET))
+        _, stub = kv_stub(address, GrpcAuth(SECRET), SERVER)
         ch = ChannelPool("d-test", timeout_s, KEY).get(address, stub)
         first = ch.allocate_tags(200)
         ch.send(torch.tensor([first], dtype=torch.int64), 0)
@@ -254,7 +255,7 @@ def _free_port() -> int:
 
 def test_open_against_absent_p_fails_within_timeout():
     address = f"{HOST}:{_free_port()}"
-    _, stub = kv_stub(address, GrpcAuth(SECRET))
+    _, stub = kv_stub(address, GrpcAuth(SECRET), SERVER)
     t0 = time.monotonic()
     with pytest.raises(ChannelError, match=f"P at {address} did not open channel .*UNAVAILABLE"):
         ChannelPool("d-test", 1.0, KEY).get(address, stub)

@@ -110,7 +110,8 @@ def test_callers_without_the_secret_read_nothing_release_nothing_and_p_serves_on
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value
     # A token seen once does not open a second call.
     auth = GrpcAuth(SECRET)
-    token = auth.token("/pdcluster.transfer.KvTransfer/Release")
+    token = auth.token("/pdcluster.transfer.KvTransfer/Release", "p0",
+                       pb.ReleaseRequest(transfer_id="nope").SerializeToString())
     raw = grpc.insecure_channel(p.server.address)
     release = raw.unary_unary("/pdcluster.transfer.KvTransfer/Release",
                               request_serializer=pb.ReleaseRequest.SerializeToString,

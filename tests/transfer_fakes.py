@@ -195,11 +195,11 @@ def make_d():
 def stub_to():
     channels = []
 
-    def make(address, secret: str | None = SECRET) -> pb_grpc.KvTransferStub:
+    def make(address, secret: str | None = SECRET, server: str = "p0") -> pb_grpc.KvTransferStub:
         ch = grpc.insecure_channel(address)
         channels.append(ch)
-        # as D calls P (ReadBlocks yields Frames), proving the cluster secret (None: not)
-        return frames.framed_stub(ch if secret is None else grpc_authenticated_channel(ch, GrpcAuth(secret)))
+        # as D calls P `server` (ReadBlocks yields Frames), proving the cluster secret (None: not)
+        return frames.framed_stub(ch if secret is None else grpc_authenticated_channel(ch, GrpcAuth(secret), server))
 
     yield make
     for ch in channels:

@@ -72,10 +72,11 @@ class LoadResults:
     timings: dict[str, PullTiming] = field(default_factory=dict)  # every pull that ran, failed ones too
 
 
-def kv_stub(address: str, auth: GrpcAuth) -> tuple[grpc.Channel, pb_grpc.KvTransferStub]:
-    """A channel to P's KV service at `address` and its stub, every call carrying a token."""
+def kv_stub(address: str, auth: GrpcAuth, server: str) -> tuple[grpc.Channel, pb_grpc.KvTransferStub]:
+    """A channel to P's KV service at `address` and its stub, every call carrying a token for
+    `server` (that P's engine id)."""
     channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-    return channel, frames.framed_stub(grpc_authenticated_channel(channel, auth))
+    return channel, frames.framed_stub(grpc_authenticated_channel(channel, auth, server))
 
 
 class KvFetcher:
@@ -103,8 +104,8 @@ class KvFetcher:
         self._releases = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdc-kv-release")
         self._lock = threading.Lock()
         self._results = LoadResults()
-        # address -> (channel, stub); filled from pool threads, hence the lock.
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
+        # (P's address, its engine id) -> (channel, stub); filled from pool threads, hence the lock.
+        self._stubs: dict[tuple[str, str], tuple[grpc.Channel, pb_grpc.KvTransferStub]] = {}
         self._checked_peers: set[str] = set()
         # request_id -> its ReadBlocks call (None until it starts), for every job not yet ended.
         self._calls: dict[str, grpc.Future | None] = {}
@@ -142,11 +143,12 @@ class KvFetcher:
             out, self._results = self._results, LoadResults()
             return out
 
-    def _stub(self, address: str) -> pb_grpc.KvTransferStub:
+    def _stub(self, handle: TransferHandle) -> pb_grpc.KvTransferStub:
+        key = (handle.address, handle.engine_id)  # tokens are bound to the P's name
         with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = kv_stub(address, self._auth)
-            return self._stubs[address][1]
+            if key not in self._stubs:
+                self._stubs[key] = kv_stub(handle.address, self._auth, handle.engine_id)
+            return self._stubs[key][1]
 
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle, deadline: float) -> None:
         """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
@@ -179,7 +181,7 @@ class KvFetcher:
         try:
             if time.monotonic() >= deadline:
                 raise TransferError(f"waited for a fetch thread past its {self._timeout_s:.0f} s")
-            stub = self._stub(job.handle.address)
+            stub = self._stub(job.handle)
             if job.plan.num_blocks:
                 self._check_peer(stub, job.handle, deadline)
                 self._pull(stub, job, bytes_per_group, deadline)
@@ -288,7 +290,7 @@ class KvFetcher:
 
     def _release(self, job: LoadJob, timeout_s: float) -> None:
         try:
-            self._stub(job.handle.address).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id),
+            self._stub(job.handle).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id),
                                                    timeout=timeout_s)
         except grpc.RpcError as err:
             # P's lease expires on its own; nothing is lost but time.

@@ -285,7 +285,8 @@ class KvServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + UNARY_THREADS,
                                                               thread_name_prefix="pdc-kv-server"),
                                    options=SERVER_OPTIONS,
-                                   interceptors=[grpc_server_interceptor(GrpcAuth(secret), f"KV service of {engine_id}")])
+                                   interceptors=[grpc_server_interceptor(GrpcAuth(secret), engine_id,
+                                                                         f"KV service of {engine_id}")])
         # transfer.backend torch_dist: the bytes go over pair channels (transfer/channels.py).
         self._channels = (ChannelHost(advertise or host, channel_backend, wait_s, channel_liveness_key(secret))
                           if channel_backend else None)
