@@ -67,7 +67,8 @@ def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path,
     assert after.request_id == "after" and prefills == 1
     assert refused == 3  # the wrong secret, the garbage, the pickle sent as a handshake
     assert not marker.exists()
-    assert caplog.text.count("refused 127.0.0.1:") == 3 and "a frame does not decode" in caplog.text
+    # One line for the three (rate-limited: a flood costs no line per attempt).
+    assert caplog.text.count("request channel of Body: refused") == 1 and "a frame does not decode" in caplog.text
 
 
 def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch):
@@ -87,6 +88,35 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(monkeypatch):
         return closed, refused
 
     assert asyncio.run(main()) == (True, 1)
+
+
+def test_many_silent_peers_on_one_host_delay_no_router_on_another(caplog):
+    """40 peers from 127.0.0.2 connect and say nothing: past MAX_PENDING_PER_HOST they are closed at
+    once (no socket held for the handshake's 5 s), and a router from 127.0.0.1 connects and calls
+    as usual meanwhile; the refusals make one log line."""
+    from pdcluster.transfer.request_channel import ChannelServer
+
+    async def main():
+        actor, ch = await connected(Body())
+        host, port = ch.address.rsplit(":", 1)
+        silent = [await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0)) for _ in range(40)]
+        outcomes = await asyncio.gather(*(asyncio.wait_for(r.read(), 0.5) for r, _ in silent), return_exceptions=True)
+        closed_at_once = sum(isinstance(o, bytes) and o == b"" for o in outcomes)
+        waiting = sum(isinstance(o, TimeoutError) for o in outcomes)
+        # The router (127.0.0.1) opens a second connection and calls through it while they wait.
+        second = await asyncio.wait_for(EngineChannel("decode-0", actor, SECRET).connect(), 2)
+        result = await asyncio.wait_for(second.call("prefill", prefill_req("meanwhile")).next(), 2)
+        for _, w in silent:
+            w.close()
+        second.close()
+        ch.close()
+        return closed_at_once, waiting, result.request_id
+
+    closed_at_once, waiting, rid = asyncio.run(main())
+    assert waiting == ChannelServer.MAX_PENDING_PER_HOST and closed_at_once == 40 - waiting
+    assert rid == "meanwhile"
+    assert caplog.text.count("request channel of Body: refused") == 1
+    assert f"{ChannelServer.MAX_PENDING_PER_HOST} handshakes pending from 127.0.0.2 already" in caplog.text
 
 
 def test_a_router_refuses_an_engine_without_the_secret():

@@ -103,18 +103,22 @@ class FramedConnection(asyncio.Protocol):
 
     `on_messages(conn, messages)` per frame; `on_lost(conn)` once, when the connection
     closes for any reason (the peer's process exited, `close()`, a refused handshake).
-    `ready` resolves when the handshake is done (or fails with AuthError/EngineUnavailable).
+    `ready` resolves when the handshake is done (or fails with AuthError/EngineUnavailable;
+    `refused` then says why, and whoever owns the connection logs it). `gate(conn)`, on the
+    listening side: called once the peer's address is known, before anything is sent; a
+    reason refuses the connection at once.
     """
 
     def __init__(self, on_messages: Callable[[FramedConnection, list], None],
                  on_lost: Callable[[FramedConnection], None], decoder: msgspec.msgpack.Decoder,
-                 handshake: ServerHandshake | ClientHandshake, name: str):
+                 handshake: ServerHandshake | ClientHandshake, name: str,
+                 gate: Callable[[FramedConnection], str | None] | None = None):
         self.on_messages, self.on_lost = on_messages, on_lost
-        self._decoder, self._handshake, self.name = decoder, handshake, name
+        self._decoder, self._handshake, self.name, self._gate = decoder, handshake, name, gate
         self.transport: asyncio.Transport | None = None  # None once closed: posts are dropped
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.refused: str | None = None  # why the handshake refused the peer
-        self.peer = "?"
+        self.peer = self.peer_host = "?"
         self._received = bytearray()  # bytes of frames not complete yet
         self._outbox: list = []  # messages posted this loop turn
         self._deadline: asyncio.TimerHandle | None = None
@@ -126,6 +130,10 @@ class FramedConnection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = host_port(*peer[:2]) if peer else "?"
+        self.peer_host = peer[0] if peer else "?"
+        if self._gate is not None and (why := self._gate(self)) is not None:
+            self._refuse(why)
+            return
         sock = transport.get_extra_info("socket")
         # A frame is one write: Nagle would hold a small reply back for the peer's ACK.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -143,7 +151,6 @@ class FramedConnection(asyncio.Protocol):
         if self.ready.done() or self.transport is None:
             return
         self.refused = reason
-        log.warning("%s: refused %s: %s", self.name, self.peer, reason)
         self.ready.set_exception(AuthError(f"{self.peer}: {reason}"))
         self.transport.abort()
 

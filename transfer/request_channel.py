@@ -27,12 +27,13 @@ import asyncio
 import itertools
 import logging
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
-from pdcluster.transfer.auth import AuthError, ClientHandshake
+from pdcluster.transfer.auth import AuthError, ClientHandshake, Refusals
 from pdcluster.transfer.channel_wire import (
     CALLS,
     ENGINE_INBOX,
@@ -66,10 +67,18 @@ class ChannelServer:
     generator) in the engine actor's event loop, for every router connected that proved
     it holds the cluster secret (`refused` counts those that did not).
 
+    A connection that has not proved itself yet costs a socket and a timer: at most
+    MAX_PENDING of them at once, MAX_PENDING_PER_HOST from one address (past that, a new one
+    is closed at once), each for HANDSHAKE_TIMEOUT_S at most; refusals are logged at a bounded
+    rate. A flood of silent peers from one host thus delays no router on another.
+
     Invariant: every call gets exactly one `done` reply unless it was aborted (the
     router forgot it, or its connection closed); a call's task is in `_tasks` until
     that reply is posted.
     """
+
+    MAX_PENDING = 64
+    MAX_PENDING_PER_HOST = 16  # a host runs a few routers, each opening one connection at a time
 
     def __init__(self, handler, secret: str, name: str = "request channel"):
         self.handler, self.name = handler, name
@@ -77,6 +86,10 @@ class ChannelServer:
         self.address = ""  # "host:port", as advertised
         self.connections: set[FramedConnection] = set()  # one per router, once it proved itself
         self.refused = 0  # connections refused at the handshake
+        self._refusals = Refusals(name, "connection(s)")
+        # Connections in their handshake -> their peer's host; `_pending_per_host` counts them per host.
+        self._pending: dict[FramedConnection, str] = {}
+        self._pending_per_host: Counter[str] = Counter()
         self._server: asyncio.Server | None = None
         self._tasks: dict[tuple[FramedConnection, int], asyncio.Task] = {}  # (router's connection, call id) -> task
         self._closed = asyncio.Event()
@@ -114,15 +127,31 @@ class ChannelServer:
         return len(self._tasks)
 
     def _accept(self) -> FramedConnection:
-        conn = FramedConnection(self._on_messages, self._on_lost, ENGINE_INBOX, ServerHandshake(self._key), self.name)
+        conn = FramedConnection(self._on_messages, self._on_lost, ENGINE_INBOX, ServerHandshake(self._key), self.name,
+                                gate=self._gate)
         conn.ready.add_done_callback(lambda ready: self._admit(conn, ready))
         return conn
 
+    def _gate(self, conn: FramedConnection) -> str | None:
+        host = conn.peer_host
+        if len(self._pending) >= self.MAX_PENDING:
+            return f"{self.MAX_PENDING} handshakes pending already"
+        if self._pending_per_host[host] >= self.MAX_PENDING_PER_HOST:
+            return f"{self.MAX_PENDING_PER_HOST} handshakes pending from {host} already"
+        self._pending[conn] = host
+        self._pending_per_host[host] += 1
+        return None
+
     def _admit(self, conn: FramedConnection, ready: asyncio.Future) -> None:
+        if (host := self._pending.pop(conn, None)) is not None:
+            self._pending_per_host[host] -= 1
+            if not self._pending_per_host[host]:
+                del self._pending_per_host[host]
         if ready.exception() is None:
             self.connections.add(conn)
         elif conn.refused is not None:
             self.refused += 1
+            self._refusals.refused(conn.peer, conn.refused)
 
     def _on_lost(self, conn: FramedConnection) -> None:
         """The router went away: nobody waits for its calls any more."""
