@@ -49,7 +49,14 @@ from pdcluster.cluster.lab_procs import (
     _rss_kb,
     _session_pids,
 )
-from pdcluster.cluster.lab_ray import LABEL_KEY, RayNode, ray_nodes, use_ray_token, wait_for_nodes  # noqa: F401
+from pdcluster.cluster.lab_ray import (  # noqa: F401
+    LABEL_KEY,
+    RayNode,
+    ray_nodes,
+    spawn_ray_starts,
+    use_ray_token,
+    wait_for_nodes,
+)
 from pdcluster.cluster.lab_state import DEFAULT_ROOT, check_names, lab_root, private_dir
 
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
@@ -290,29 +297,11 @@ class Lab(LinkControl):
                 "--min-worker-port=0", "--max-worker-port=0"]  # OS-chosen: no clash with a local Ray's range
 
     def _spawn(self, nodes: dict[str, tuple[list[str], dict]], timeout_s: float) -> None:
-        """Run `ray start`s concurrently (each is ~2 s of Python start-up); LabError with the log's tail
-        if one fails. Output goes to a file, never a pipe: Ray's daemons inherit it and keep it open."""
-        procs = {}
-        for what, (argv, env) in nodes.items():
-            log = Path(self.state_dir) / f"{what}.log"
-            with open(log, "ab") as out:
-                procs[what] = log, subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            if what == HEAD_LABEL:
-                self.head_sid = procs[what][1].pid
+        def spawned(what: str, pid: int) -> None:
+            if what == HEAD_LABEL:  # saved at once: down() must find the head's session even if a start fails
+                self.head_sid = pid
                 self._save()
-        failed = []
-        for what, (log, proc) in procs.items():  # every one waited for: none is left a zombie of ours
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = f"timeout, {proc.wait()}"
-            if rc != 0:
-                failed.append(f"ray start on {what} failed ({rc}); {log}:\n"
-                              + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
-        if failed:
-            raise LabError("\n".join(failed))
+        spawn_ray_starts(nodes, Path(self.state_dir), timeout_s, spawned)
 
     def _start_head(self, timeout_s: float) -> None:
         self.ray_port, client, agent = _free_ports(3)

@@ -1,11 +1,14 @@
-"""The lab's Ray (cluster/lab.py): its token authentication, and the nodes its GCS knows, each
-with the lab host's label."""
+"""The lab's Ray (cluster/lab.py): its token authentication, starting its nodes, and the nodes its
+GCS knows, each with the lab host's label."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pdcluster.cluster.lab_tc import LabError
 
@@ -63,3 +66,29 @@ def wait_for_nodes(address: str, want: dict[str, str], timeout_s: float, exclude
         if time.monotonic() > deadline:
             raise LabError(f"Ray nodes not up after {timeout_s:.0f} s: {sorted(missing)}; logs in {logs}")
         time.sleep(0.2)
+
+
+def spawn_ray_starts(nodes: dict[str, tuple[list[str], dict]], log_dir: Path, timeout_s: float,
+                     spawned: Callable[[str, int], None]) -> None:
+    """Run `ray start`s (what -> (argv, env)) concurrently (each is ~2 s of Python start-up);
+    `spawned(what, pid)` as each starts; LabError with the log's tail if one fails. Output goes to
+    `log_dir/<what>.log`, never a pipe: Ray's daemons inherit it and keep it open."""
+    procs = {}
+    for what, (argv, env) in nodes.items():
+        log = log_dir / f"{what}.log"
+        with open(log, "ab") as out:
+            procs[what] = log, subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        spawned(what, procs[what][1].pid)
+    failed = []
+    for what, (log, proc) in procs.items():  # every one waited for: none is left a zombie of ours
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = f"timeout, {proc.wait()}"
+        if rc != 0:
+            failed.append(f"ray start on {what} failed ({rc}); {log}:\n"
+                          + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    if failed:
+        raise LabError("\n".join(failed))
