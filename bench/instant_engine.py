@@ -35,8 +35,8 @@ from pdcluster.proto.messages import (
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import instance_address, instance_planes
-from pdcluster.transfer.request_channel import ServesRequestChannel
 
 
 def instant_prefill(req: PrefillRequest) -> PrefillResult:

@@ -41,8 +41,8 @@ from pdcluster.proto.messages import (
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
-from pdcluster.transfer.request_channel import ServesRequestChannel
 from pdcluster.transfer.sources import TransferIds
 
 log = logging.getLogger(__name__)

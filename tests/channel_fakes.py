@@ -9,11 +9,9 @@ import asyncio
 from ray.exceptions import ActorDiedError
 
 from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import InstanceAddress
-from pdcluster.transfer.request_channel import (
-    EngineChannel,
-    ServesRequestChannel,
-)
+from pdcluster.transfer.request_channel import EngineChannel
 
 SAMPLING = SamplingSpec(max_tokens=3)
 SECRET = "test-cluster-secret-0123456789"

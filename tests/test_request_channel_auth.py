@@ -94,7 +94,7 @@ def test_many_silent_peers_on_one_host_delay_no_router_on_another(caplog):
     """40 peers from 127.0.0.2 connect and say nothing: past MAX_PENDING_PER_HOST they are closed at
     once (no socket held for the handshake's 5 s), and a router from 127.0.0.1 connects and calls
     as usual meanwhile; the refusals make one log line."""
-    from pdcluster.transfer.request_channel import ChannelServer
+    from pdcluster.transfer.channel_server import ChannelServer
 
     async def main():
         actor, ch = await connected(Body())

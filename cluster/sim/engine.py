@@ -49,8 +49,8 @@ from pdcluster.proto.messages import (
     Role,
 )
 from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import host_port, instance_address, instance_planes
-from pdcluster.transfer.request_channel import ServesRequestChannel
 
 log = logging.getLogger(__name__)
 
