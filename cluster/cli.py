@@ -52,31 +52,53 @@ def _ray_bin() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
-def _connect(address: str | None) -> bool:
-    """Connect to Ray at `address` (or a local one, started if needed). True if we started it."""
+def _connect(spec) -> bool:
+    """Connect to the spec's Ray (or a local one, started if needed: with token authentication and
+    node-failure detection that tolerates the spec's partition_tolerance_s). True if we started it."""
     import ray
 
+    from pdcluster.cluster.ray_settings import FailureDetection, use_ray_token
     from pdcluster.proto.names import NAMESPACE
 
+    use_ray_token()  # this process, and the Ray it starts (its env), use the machine's Ray token
+    detection = FailureDetection.tolerating(spec.partition_tolerance_s)
     started = False
-    if address is None:
+    if spec.ray_address is not None:
+        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+    else:
         try:
             ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
-            return False
         except (ConnectionError, RuntimeError):
             subprocess.run([_ray_bin(), "start", "--head", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false",
-                            "--disable-usage-stats"], check=True, capture_output=True)
+                            "--disable-usage-stats", detection.ray_start_arg()], check=True, capture_output=True)
             started = True
-            address = "auto"
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    _check_failure_detection(spec, detection)
     return started
+
+
+def _check_failure_detection(spec, want) -> None:
+    """A Ray cluster of several hosts that declares a host dead sooner than the spec tolerates: say so."""
+    import ray
+    import ray._private.state
+
+    from pdcluster.cluster.ray_settings import FailureDetection
+
+    if len([n for n in ray.nodes() if n["Alive"]]) < 2:
+        return  # one host: no partition to tolerate
+    have = FailureDetection.of_cluster(ray._private.state.state.get_system_config())
+    if have.tolerance_s < want.tolerance_s:
+        print(f"pdc up: warning: this Ray cluster declares a host dead {have.tolerance_s:g} s after it becomes "
+              f"unreachable, below the spec's partition_tolerance_s ({spec.partition_tolerance_s:g} s): a shorter "
+              f"cut loses that host's instances until it rejoins. Start the head with\n  ray start --head "
+              f"'{want.ray_start_arg()}' ...", file=sys.stderr)
 
 
 def cmd_up(a) -> None:
     from pdcluster.cluster.launch import ClusterStartError, build_cluster, find_actors
 
     spec = _load(a.spec)
-    started_ray = _connect(spec.ray_address)
+    started_ray = _connect(spec)
     if find_actors(spec.name):
         _fail(f"cluster {spec.name!r} is already up (pdc status; pdc down --name {spec.name})")
     t0 = time.monotonic()

@@ -21,8 +21,9 @@ Contracts:
   line), and `ray stop` kills the lab's nodes too.
 - Shaping and partitions are recorded in the state file (`LabHost.rate`, `.partitioned_from`) and
   live in qdiscs on the veths: `down` removes them with the veths.
-- Ray declares a vanished node dead within HEALTH_CHECK_BOUND_S. A link down for longer ends that
-  host's Ray node for good (its raylet exits once it hears): `revive_host` starts a new one.
+- Ray declares a vanished node dead after `partition_tolerance_s` (cluster/ray_settings.py; at most
+  `failure_detection.bound_s`). A link down for longer ends that host's Ray node for good (its
+  raylet exits once it hears): `revive_host` starts a new one.
 """
 
 from __future__ import annotations
@@ -62,13 +63,10 @@ from pdcluster.cluster.lab_state import DEFAULT_ROOT, check_names, lab_root, pri
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
 from pdcluster.cluster.lab_tc import LabError, LinkControl, tbf_args
 from pdcluster.cluster.lab_tc import run as _run
+from pdcluster.cluster.ray_settings import FailureDetection
 
 HEAD_LABEL = "head"
 IFNAMSIZ = 15  # the kernel's limit on an interface name
-# GCS checks each node every period; `failure_threshold` failed checks in a row (each waits up to
-# `timeout`) declare it dead: at most threshold x (period + timeout) after it vanished.
-HEALTH_CHECK = {"period_ms": 500, "timeout_ms": 1000, "failure_threshold": 3, "initial_delay_ms": 1000}
-HEALTH_CHECK_BOUND_S = HEALTH_CHECK["failure_threshold"] * (HEALTH_CHECK["period_ms"] + HEALTH_CHECK["timeout_ms"]) / 1e3
 
 
 @dataclass
@@ -143,10 +141,15 @@ class Lab(LinkControl):
     object_store_mb: int = 128
     ray_port: int | None = None
     head_sid: int | None = None  # the session of the `ray start --head` run here: the head's processes
+    partition_tolerance_s: float = 30.0  # a host cut for less keeps its Ray node (cluster/ray_settings.py)
+
+    @property
+    def failure_detection(self) -> FailureDetection:
+        return FailureDetection.tolerating(self.partition_tolerance_s)
 
     @classmethod
     def plan(cls, hosts: int = 2, name: str = "pdclab", subnet: str = "10.213.0.0/24",
-             ray_cpus_per_host: int = 2, object_store_mb: int = 128) -> Lab:
+             ray_cpus_per_host: int = 2, object_store_mb: int = 128, partition_tolerance_s: float = 30.0) -> Lab:
         """The lab `up` would make, with nothing made; LabError if the name or subnet cannot hold it."""
         if not re.fullmatch(r"[a-z][a-z0-9]*", name):
             raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
@@ -164,7 +167,8 @@ class Lab(LinkControl):
                   hosts=[LabHost(name=f"host{k}", index=k, netns=f"{name}-host{k}", label=f"host{k}",
                                  address=str(net.network_address + 1 + k), veth=f"{name}-h{k}", peer=f"{name}-h{k}ns",
                                  temp_dir=str(state_dir / f"host{k}")) for k in range(1, hosts + 1)],
-                  state_dir=str(state_dir), ray_cpus_per_host=ray_cpus_per_host, object_store_mb=object_store_mb)
+                  state_dir=str(state_dir), ray_cpus_per_host=ray_cpus_per_host, object_store_mb=object_store_mb,
+                  partition_tolerance_s=partition_tolerance_s)
         for ifname in [lab.bridge] + [n for h in lab.hosts for n in (h.veth, h.peer)]:
             if len(ifname) > IFNAMSIZ:
                 longest = IFNAMSIZ - len(lab.hosts[-1].peer) + len(name)
@@ -175,10 +179,10 @@ class Lab(LinkControl):
     @classmethod
     def up(cls, hosts: int = 2, name: str = "pdclab", subnet: str = "10.213.0.0/24", rate: str | None = None,
            latency: str | None = None, ray_cpus_per_host: int = 2, *, object_store_mb: int = 128,
-           timeout_s: float = 60.0) -> Lab:
+           timeout_s: float = 60.0, partition_tolerance_s: float = 30.0) -> Lab:
         """Make the network, shape it if `rate` is given, start Ray on the head and on every host;
         return once Ray has every node alive. On any failure, remove what was made and raise."""
-        lab = cls.plan(hosts, name, subnet, ray_cpus_per_host, object_store_mb)
+        lab = cls.plan(hosts, name, subnet, ray_cpus_per_host, object_store_mb, partition_tolerance_s)
         if latency is not None and rate is None:
             raise LabError("latency without rate: tbf shapes to a rate (its latency bounds the queue)")
         if rate is not None:
@@ -309,9 +313,9 @@ class Lab(LinkControl):
                                "--include-dashboard=false", "--no-monitor",  # no autoscaler: the nodes are fixed
                                f"--ray-client-server-port={client}",  # Ray starts one whenever it can; not on 10001
                                f"--dashboard-agent-listen-port={agent}",  # not 52365, which a local Ray takes
+                               self.failure_detection.ray_start_arg(),
                                temp_dir=str(Path(self.state_dir) / "head"), label=HEAD_LABEL)
-        health = {f"RAY_health_check_{k}": str(v) for k, v in HEALTH_CHECK.items()}  # a caller's own win
-        self._spawn({HEAD_LABEL: (argv, health | self._env(self.head_address))}, timeout_s)
+        self._spawn({HEAD_LABEL: (argv, self._env(self.head_address))}, timeout_s)
 
     def _start_workers(self, hosts: list[LabHost], timeout_s: float) -> None:
         nodes = {}

@@ -36,12 +36,15 @@ def _print_hosts(lab: Lab) -> None:
         print(f"  {h.name:<8} {h.address:<15} label {LABEL_KEY}={h.label:<6} (netns {h.netns}){shaping}")
     if lab.partitions:
         print("partitions: " + ", ".join(f"{a} <-> {b}" for a, b in lab.partitions))
-    print(f"ray_address: {lab.ray_address}")
+    print(f"ray_address: {lab.ray_address}  ({lab.failure_detection.describe()})")
 
 
 def _up(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
-    lab = Lab.up(hosts=a.hosts, name=a.name, subnet=a.subnet, rate=a.rate, latency=a.latency)
+    if not 0 < a.partition_tolerance <= 3600:
+        raise LabError(f"--partition-tolerance {a.partition_tolerance:g}: between 0 and 3600 s")
+    lab = Lab.up(hosts=a.hosts, name=a.name, subnet=a.subnet, rate=a.rate, latency=a.latency,
+                 partition_tolerance_s=a.partition_tolerance)
     print(f"lab {lab.name!r} up in {time.monotonic() - t0:.1f} s: {len(lab.hosts)} hosts on {lab.subnet}")
     _print_hosts(lab)
     print(f"put `ray_address: {lab.ray_address}` in a spec, pin roles with the label {LABEL_KEY}=hostK; "
@@ -117,6 +120,8 @@ def add_lab_commands(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--subnet", default="10.213.0.0/24")
     up.add_argument("--rate", default=None, help="tbf rate of each host's link, both directions (e.g. 200mbit)")
     up.add_argument("--latency", default=None, help="tbf latency: how long a packet may queue (default 50ms)")
+    up.add_argument("--partition-tolerance", type=float, default=30.0, metavar="S",
+                    help="a host unreachable for less keeps its Ray node and instances (default 30)")
     add("status", _status, "hosts, links, Ray nodes, memory")
     add("down", _down, "remove everything the lab made (idempotent)")
     ex = add("exec", _exec, "run a command inside a host's namespace (VLLM_HOST_IP set)")

@@ -3,7 +3,6 @@ GCS knows, each with the lab host's label."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,22 +23,13 @@ class RayNode:
 
 
 def use_ray_token() -> None:
-    """Ray token auth for the lab's nodes and for this process, with the machine's own Ray token
-    (~/.ray/auth_token, made if missing), as one real cluster shares one token. Why not disabled:
-    a process that ever ran a local ray.init() is in token mode for good (Ray's default since 2.52),
-    and its driver then refuses every call from nodes without the token."""
-    from ray._private.authentication import authentication_token_setup as ray_auth
-    from ray._raylet import AuthenticationTokenLoader
+    """Token auth for the lab's nodes and for this process (cluster/ray_settings.py)."""
+    from pdcluster.cluster.ray_settings import use_ray_token as use
 
-    if os.environ.get(ray_auth.AUTH_MODE_ENV_VAR, "token").lower() != "token":
-        raise LabError(f"{ray_auth.AUTH_MODE_ENV_VAR}={os.environ[ray_auth.AUTH_MODE_ENV_VAR]} in this process, "
-                       "but the lab's Ray uses token auth: unset it")
-    loader = AuthenticationTokenLoader.instance()
-    if not loader.has_token(ignore_auth_mode=True):
-        ray_auth.generate_and_save_token()
-        loader.reset_cache()
-    if ray_auth.AUTH_MODE_ENV_VAR not in os.environ:
-        ray_auth._enable_token_auth()  # the lab's own GCS calls (ray_nodes) carry the token
+    try:
+        use()
+    except RuntimeError as err:
+        raise LabError(str(err)) from None
 
 
 def ray_nodes(address: str) -> list[RayNode]:

@@ -39,6 +39,10 @@ class ClusterSpec(_Strict):
     model: ModelSpec
     device: Literal["cpu", "cuda", "npu"] = "cpu"
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+    partition_tolerance_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="a host unreachable for less keeps its Ray node and instances (cluster/ray_settings.py); "
+                    "`pdc up` starts Ray so, and warns when the Ray it joins declares hosts dead sooner")
     engine: EngineSpec = DEFAULT_ENGINE
     sim: SimSpec | None = None
     prefill: RoleSpec = RoleSpec()

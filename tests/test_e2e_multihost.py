@@ -41,7 +41,8 @@ P_HOSTS = ("host1", "host2")
 def lab():
     from pdcluster.cluster.lab import Lab
 
-    with Lab.up(hosts=3, name=LAB_NAME, subnet=SUBNET) as lab:
+    # A short tolerance: the last test kills P's host and waits for Ray to restart P on the other.
+    with Lab.up(hosts=3, name=LAB_NAME, subnet=SUBNET, partition_tolerance_s=3.0) as lab:
         yield lab
 
 

@@ -25,7 +25,6 @@ from e2e import wait_until
 from lab_agents import _connect, _rate_mbit, _until
 
 from pdcluster.cluster.lab import (
-    HEALTH_CHECK_BOUND_S,
     LABEL_KEY,
     Lab,
     LabError,
@@ -100,7 +99,8 @@ def before():
 
 @pytest.fixture(scope="module")
 def lab(before):
-    lab = Lab.up(hosts=3, name=E2E_NAME, subnet=E2E_SUBNET)
+    # A short tolerance: the kill test waits for Ray to declare a host dead.
+    lab = Lab.up(hosts=3, name=E2E_NAME, subnet=E2E_SUBNET, partition_tolerance_s=3.0)
     lab.test_inodes = netns_inodes(lab)  # for the leak check, read before down() removes the names
     yield lab
     import ray
@@ -281,7 +281,7 @@ def test_killed_host_revived_gets_its_pinned_actor_back(lab, driver):
     lab.kill_host(host)
     assert lab.host_pids(host) == []
     # A generous bound: this is not a timing test.
-    wait_until(lambda: [n.alive for n in lab.ray_nodes() if n.node_id == old] == [False], HEALTH_CHECK_BOUND_S + 20,
+    wait_until(lambda: [n.alive for n in lab.ray_nodes() if n.node_id == old] == [False], lab.failure_detection.bound_s + 20,
                interval=0.1, what="Ray declaring the killed host's node dead")
     lab.revive_host(host)
     [new] = [n for n in lab.ray_nodes() if n.label == host.label and n.alive]
