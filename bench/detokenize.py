@@ -24,7 +24,7 @@ def redecode_all(tokenizer, ids: list[int], per_delta: int) -> str:
 
 
 def incremental(tokenizer, ids: list[int], per_delta: int) -> str:
-    from pdcluster.router.openai_api import _Detokenizer
+    from pdcluster.router.text_codec import Detokenizer as _Detokenizer
 
     detok, text = _Detokenizer(tokenizer), ""
     for start in range(0, len(ids), per_delta):

@@ -11,19 +11,16 @@ Beyond OpenAI's fields, `usage.pd` reports the P/D cache and transfer counts:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from pdcluster.proto.messages import SamplingSpec
 from pdcluster.proto.router_spec import HttpLimits
-from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
 from pdcluster.router.http_app import HttpApp, HttpRequest, Response, StreamResponse, aclose, error_body, json_response
 from pdcluster.router.openai_models import (
     MAX_STOP_CHARS,
@@ -34,102 +31,18 @@ from pdcluster.router.openai_models import (
     CompletionRequest,
     DetokenizeRequest,
     M,
-    PdUsage,
-    PromptTokensDetails,
     TokenizeRequest,
-    Usage,
     parse_body,
     refuse_unsupported,
 )
-from pdcluster.router.text_codec import Detokenizer, PromptTokenizer
+from pdcluster.router.openai_stream import Job, envelope, run_job, sse
+from pdcluster.router.text_codec import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 # Decoding and validating a JSON body costs about what tokenizing an eighth of its bytes does
 # (2.9 MB of chat messages: ~110 ms here): bodies past ~64 KB are parsed off the event loop.
 PARSE_BYTES_PER_CHAR = 8
-
-@dataclass(frozen=True)
-class _Job:
-    """A validated request, ready for the backend."""
-
-    request_id: str
-    chat: bool
-    model: str
-    prompt_ids: list[int]
-    sampling: SamplingSpec
-    stops: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    arrival_ns: int  # time.monotonic_ns() when the HTTP request arrived
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass(frozen=True)
-class _Delta:
-    """New text for the client; the last one has `finish_reason` and `usage`."""
-
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
-
-
-def _usage(job: _Job, completion_tokens: int, last: GenerationChunk | None) -> Usage:
-    pd = last.pd if last is not None and last.pd is not None else \
-        PdUsage(p_cached_tokens=0, d_cached_tokens=0, transferred_tokens=0)
-    return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion_tokens,
-                 total_tokens=len(job.prompt_ids) + completion_tokens,
-                 # The hit of the cache that served the prefill: P's, or D's own when D prefilled it.
-                 prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=pd.d_cached_tokens if pd.local_prefill else pd.p_cached_tokens),
-                 pd=pd)
-
-
-async def _run(backend: TokenBackend, tokenizer: Any, job: _Job) -> AsyncIterator[_Delta]:
-    """The one generation path: backend chunks -> text deltas, stop strings applied."""
-    gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns)
-    detok = Detokenizer(tokenizer)
-    # Streamed text keeps the last len(longest stop)-1 characters back, so a
-    # stop string split across tokens never reaches the client.
-    hold = max((len(s) for s in job.stops), default=1) - 1
-    text, sent, scanned, n_out = "", 0, 0, 0
-    last: GenerationChunk | None = None
-    final: _Delta | None = None
-    try:
-        async for chunk in gen:
-            if final is not None:
-                break  # by contract nothing follows the finish chunk
-            last, ids, finish = chunk, chunk.new_token_ids, chunk.finish_reason
-            if not ids and finish is None:
-                continue
-            n_out += len(ids)
-            if finish == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
-                ids = ids[:-1]  # the eos that ended generation is not text
-            text += detok.add(ids, final=finish is not None)
-            cut = _find_stop(text, job.stops, max(0, scanned - hold))
-            scanned = len(text)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            end = len(text) if finish else max(sent, len(text) - hold)
-            delta, sent = text[sent:end], end
-            if finish is None:
-                yield _Delta(delta, token_ids=chunk.new_token_ids)
-                continue
-            final = _Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids)
-            if cut is not None:
-                break  # a stop string: stop consuming; the finally closes gen so the backend aborts
-        if final is None:
-            raise BackendError("the backend ended the generation without a finish_reason")
-        yield final
-    finally:
-        await aclose(gen)
 
 
 def load_tokenizer(tokenizer_dir: str):
@@ -153,7 +66,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     app = HttpApp(limits)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
-                 max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> _Job:
+                 max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> Job:
         card: ModelCard = backend.model_card()
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
@@ -203,7 +116,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 final_only=not req.stream and not stops)  # stop strings are matched here, as tokens come
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
-        return _Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
+        return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=stops, stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
                     return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
@@ -214,8 +127,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             raise ApiError(f"The model `{req.model}` does not exist; this server serves `{name}`",
                            status=404, param="model")
 
-    async def serve(job: _Job) -> Response:
-        deltas = _run(backend, tokenizer, job)
+    async def serve(job: Job) -> Response:
+        deltas = run_job(backend, tokenizer, job)
         if not job.stream:
             try:
                 pieces = [d async for d in deltas]
@@ -228,7 +141,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             choice |= {"logprobs": None, "finish_reason": last.finish_reason}
             if job.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
-            return json_response(_envelope(job, [choice], last.usage, chunk=False))
+            return json_response(envelope(job, [choice], last.usage, chunk=False))
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
         try:
@@ -236,7 +149,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         except BaseException:
             await aclose(deltas)
             raise
-        return StreamResponse(_sse(job, first, deltas), headers={"cache-control": "no-cache"})
+        return StreamResponse(sse(job, first, deltas), headers={"cache-control": "no-cache"})
 
     async def guarded(handler: Any) -> Response:
         try:
@@ -339,52 +252,3 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     app.add("POST", "/detokenize", lambda request: guarded(detokenize(request)))
     app.add("GET", "/health", health)
     return app
-
-
-def _envelope(job: _Job, choices: list[dict[str, Any]], usage: Usage | None, chunk: bool) -> dict[str, Any]:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
-    body: dict[str, Any] = {"id": job.request_id, "object": kind, "created": job.created, "model": job.model,
-                            "choices": choices}
-    if not chunk or job.include_usage:  # OpenAI: with include_usage every chunk has "usage" (null but the last)
-        body["usage"] = usage.model_dump() if usage else None
-    return body
-
-
-def _event(body: dict[str, Any]) -> str:
-    # ASCII only: a raw U+2028 or U+0085 in the text ends a line for clients that split on
-    # every Unicode line break (httpx's iter_lines, so the openai SDK), cutting the JSON in two.
-    return f"data: {json.dumps(body)}\n\n"
-
-
-async def _sse(job: _Job, first: _Delta, rest: AsyncIterator[_Delta]) -> AsyncIterator[str]:
-    """OpenAI's SSE stream: chunks, an optional usage chunk, then [DONE]."""
-
-    def chunk(delta: _Delta, role: bool = False) -> str:
-        if job.chat:
-            msg = ({"role": "assistant"} if role else {}) | ({"content": delta.text} if delta.text or role else {})
-            choice = {"index": 0, "delta": msg}
-        else:
-            choice = {"index": 0, "text": delta.text}
-        choice |= {"logprobs": None, "finish_reason": delta.finish_reason}
-        if job.return_token_ids:
-            choice["token_ids"] = delta.token_ids
-        return _event(_envelope(job, [choice], None, chunk=True))
-
-    try:
-        if job.chat:
-            yield chunk(_Delta(""), role=True)  # the role comes first, as OpenAI sends it
-        last = first
-        yield chunk(first)
-        if first.finish_reason is None:
-            async for last in rest:
-                yield chunk(last)
-        if job.include_usage:
-            yield _event(_envelope(job, [], last.usage, chunk=True))
-    except BackendError as e:  # headers are sent: the error becomes an event
-        yield _event(error_body(str(e), e.kind))
-    except Exception as e:
-        log.exception("stream failed")
-        yield _event(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
-    finally:
-        await aclose(rest)
-    yield "data: [DONE]\n\n"

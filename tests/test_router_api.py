@@ -300,7 +300,7 @@ def test_bad_request_id_header_is_400(fake_router, value):
 def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
     import json
 
-    from pdcluster.router.openai_api import _event
+    from pdcluster.router.openai_stream import sse_event as _event
 
     text = "a\u2028b\x85c\u00e9"
     line = _event({"choices": [{"text": text}]})
