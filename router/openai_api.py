@@ -18,10 +18,21 @@ import uuid
 from functools import partial
 from typing import Any
 
+import msgspec
+
 from pdcluster.proto.messages import SamplingSpec
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
-from pdcluster.router.http_app import HttpApp, HttpRequest, Response, StreamResponse, aclose, error_body, json_response
+from pdcluster.router.http_app import (
+    BytesResponse,
+    HttpApp,
+    HttpRequest,
+    Response,
+    StreamResponse,
+    aclose,
+    error_body,
+    json_response,
+)
 from pdcluster.router.openai_models import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -39,6 +50,7 @@ from pdcluster.router.openai_stream import Job, envelope, run_job, sse
 from pdcluster.router.text_codec import PromptTokenizer
 
 log = logging.getLogger(__name__)
+_encode_json = msgspec.json.Encoder().encode
 
 # Decoding and validating a JSON body costs about what tokenizing an eighth of its bytes does
 # (2.9 MB of chat messages: ~110 ms here): bodies past ~64 KB are parsed off the event loop.
@@ -225,17 +237,18 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             except Exception as e:
                 raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
         card = backend.model_card()
-        return json_response({"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,
-                              "token_strs": None})
+        # msgspec: 630K ids in ~5 ms; json.dumps held the loop ~150 ms for them.
+        return BytesResponse(_encode_json({"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,
+                                           "token_strs": None}))
 
     async def detokenize(request: HttpRequest) -> Response:
         req = await parse(request, DetokenizeRequest)
         check_model(req)
-        card = backend.model_card()
-        if bad := next(((i, t) for i, t in enumerate(req.tokens) if not 0 <= t < card.vocab_size), None):
-            raise ApiError(f"token id {bad[1]} at index {bad[0]} is out of range [0, {card.vocab_size})",
-                           param="tokens")
-        return json_response({"prompt": await prompts.decode(req.tokens)})
+        try:  # the ids' check and their decode run off the loop when long
+            text = await prompts.decode(req.tokens, backend.model_card().vocab_size)
+        except ValueError as e:
+            raise ApiError(str(e), param="tokens") from None
+        return json_response({"prompt": text})
 
     async def health(request: HttpRequest) -> Response:
         try:

@@ -69,7 +69,7 @@ class PromptTokenizer:
 
     A 128K-token text prompt takes the Rust tokenizer ~300 ms here; on the event loop,
     every other request (streams included) would wait that long. Long prompts go to a few
-    worker threads instead, where `encode_batch` runs without the GIL (a single `encode`
+    worker threads instead, where `encode_batch_fast` runs without the GIL (a single `encode`
     holds it), so several long prompts are tokenized on several cores at once, as vLLM's
     API server tokenizes in a thread pool. Short ones stay inline: a thread handoff costs
     more than their encode.
@@ -84,6 +84,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Any, threads: int | None = None, queue: int | None = None):
         tokenizer.encode("")
         self._tokenizer, self._backend = tokenizer, tokenizer.backend_tokenizer
+        self._decode_whole = _gil_free_decode(tokenizer)
         threads = threads or TOKENIZE_THREADS
         self._workers = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         # Jobs waiting for or in the threads at most; more are refused with a 429 at once rather
@@ -100,8 +101,14 @@ class PromptTokenizer:
         return list(await self.run(cost, partial(self._tokenizer.apply_chat_template, messages,
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)))
 
-    async def decode(self, ids: list[int]) -> str:
-        return await self.run(4 * len(ids), partial(self._tokenizer.decode, ids))
+    async def decode(self, ids: list[int], vocab_size: int) -> str:
+        """The tokenizer's decode of `ids`; ValueError naming the first id outside [0, vocab_size)."""
+        return await self.run(4 * len(ids), partial(self._checked_decode, ids, vocab_size))
+
+    def _checked_decode(self, ids: list[int], vocab_size: int) -> str:
+        if bad := next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None):
+            raise ValueError(f"token id {bad[1]} at index {bad[0]} is out of range [0, {vocab_size})")
+        return self._decode_whole(ids)
 
     async def run(self, chars: int, work: Callable[[], Any]) -> Any:
         """`work` (as costly as tokenizing `chars` characters) inline if cheap, else in a thread;
@@ -118,4 +125,27 @@ class PromptTokenizer:
             self._queued -= 1
 
     def _encode(self, text: str) -> list[int]:
-        return self._backend.encode_batch([text])[0].ids
+        # encode_batch_fast: the same ids without offsets, ~3x faster here; and the Encoding it
+        # drops when done is small: encode_batch's, freed holding the GIL, stalled the event loop
+        # 160 ms for a 3 MB prompt (tests/test_router_loop_pace.py).
+        return self._backend.encode_batch_fast([text])[0].ids
+
+
+def _gil_free_decode(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode`, the same text, but through the Rust tokenizer's `decode_batch`, which runs
+    without the GIL (HF's `decode` calls the Rust `decode`, which holds it: 0.7 s for 1M ids here,
+    the router's event loop stalled meanwhile). HF may clean up spaces after the Rust decode: a
+    probe finds whether this tokenizer's does, and a tokenizer whose decode differs some other way
+    keeps HF's."""
+    backend = tokenizer.backend_tokenizer
+    probe = tokenizer.encode("Hello , world . It ' s a test ? Yes ! n't 2 + 2", add_special_tokens=False)
+    raw, whole = backend.decode_batch([probe], skip_special_tokens=False)[0], tokenizer.decode(probe)
+
+    def raw_decode(ids: list[int]) -> str:
+        return backend.decode_batch([ids], skip_special_tokens=False)[0]
+
+    if raw == whole:
+        return raw_decode
+    if tokenizer.clean_up_tokenization(raw) == whole:
+        return lambda ids: tokenizer.clean_up_tokenization(raw_decode(ids))
+    return tokenizer.decode

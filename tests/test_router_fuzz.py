@@ -25,10 +25,10 @@ EXAMPLES = int(os.environ.get("PDC_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 BODY_LIMIT = 64 * 1024
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n", "user",
-          "return_token_ids", "echo", "logprobs", *UNSUPPORTED)
+          "return_token_ids", "echo", "logprobs", "tokens", *UNSUPPORTED)
 
 numbers = st.one_of(st.integers(), st.integers(min_value=-(10**40), max_value=10**40),
                     st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0, 1, -1, 2**63, 2**64, 1e308]))
@@ -47,6 +47,7 @@ plausible = {
     "top_k": numbers, "seed": numbers, "n": numbers,
     "stop": st.one_of(st.text(max_size=8), st.lists(st.text(max_size=8), max_size=40), json_values),
     "stop_token_ids": st.one_of(token_lists, json_values),
+    "tokens": st.one_of(token_lists, json_values),  # /detokenize's
     "stream": st.one_of(st.booleans(), json_values),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
 }

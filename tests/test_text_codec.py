@@ -153,7 +153,24 @@ def test_chat_messages_cost_by_every_field_and_long_detokenizes_go_off_the_loop(
 
     async def main():
         await prompts.chat(many)
-        return await prompts.decode(ids)
+        return await prompts.decode(ids, len(tok))
 
     assert asyncio.run(main()) == tok.decode(ids)
     assert [name.startswith("tokenize") for name in seen] == [True, True], seen
+
+
+@pytest.mark.parametrize("text", ["Hello , world . It ' s ok ? Yes !", "héllo 你好 \n\t spaced   out", "a" * 5000])
+def test_the_gil_free_decode_is_the_tokenizers_decode(tok, text):
+    """/detokenize decodes through the Rust tokenizer's decode_batch (no GIL held): the same text
+    as HF's decode, clean-up of spaces included where the tokenizer does it."""
+    from pdcluster.router.text_codec import _gil_free_decode
+
+    ids = tok.encode(text)
+    assert _gil_free_decode(tok)(ids) == tok.decode(ids)
+
+
+def test_a_detokenize_names_the_first_id_out_of_range(tok):
+    from pdcluster.router.text_codec import PromptTokenizer as _PromptTokenizer
+
+    with pytest.raises(ValueError, match=rf"token id {len(tok)} at index 2 is out of range \[0, {len(tok)}\)"):
+        asyncio.run(_PromptTokenizer(tok).decode([1, 2, len(tok), -1], len(tok)))
