@@ -194,7 +194,7 @@ def soak(cluster, cfg, plan: ChaosPlan, lab=None, log=print) -> ChaosReport:
     """Replay `cfg` through `cluster` under `plan`'s kills and cuts (cuts need the `lab` the
     cluster runs in), then check what came back."""
     from pdcluster.cluster.replay.run import run_bench, server_info
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
 
     assert plan.cut_every_s is None or lab is not None, "link cuts need the lab the cluster runs in"
     vocab, run_dir = server_info(cfg.base_url)

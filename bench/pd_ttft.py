@@ -103,7 +103,7 @@ def prompts(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
 def cluster_rows(cluster, setup: str, sizes: list[int], trials: int, rng: random.Random) -> list[Row]:
     import ray
 
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
 
     def reset():
         for inst in cluster.instances:

@@ -134,7 +134,7 @@ def in_process_app(model_dir: str, recording: bool):
     from pdcluster.router.metrics import RouterMetrics
     from pdcluster.router.openai_api import build_app
     from pdcluster.router.pd_dispatch import Instance, PDDispatcher
-    from pdcluster.router.timeline import RunMeta, RunStore
+    from pdcluster.router.run_store import RunMeta, RunStore
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     p, d = Instance("prefill-0", None), Instance("decode-0", None)

@@ -38,7 +38,7 @@ from pdcluster.cluster.sim.virtual.agreement import Agreement, compare, format_a
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.cluster.sim.vocab import spec_vocab
 from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, ClusterSpec, load_spec
-from pdcluster.router.timeline import Run, load_run
+from pdcluster.router.run_store import Run, load_run
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 BASE_PARAMS = SHIPPED_SIM_PARAMS / "tiny-qwen3-cpu.yaml"

@@ -42,7 +42,8 @@ async def _round(url: str, prompts: list[list[int]], concurrency: int, max_token
 def per_record_cost_us(n: int = 2000) -> float:
     """Microseconds to append one realistic record and observe it in the metrics."""
     from pdcluster.router.metrics import RouterMetrics
-    from pdcluster.router.timeline import EVENT_ORDER, GroupTransfer, RequestRecord, RunMeta, RunStore
+    from pdcluster.router.run_store import RunMeta, RunStore
+    from pdcluster.router.timeline import EVENT_ORDER, GroupTransfer, RequestRecord
 
     meta = RunMeta("bench", 0, 0, {}, {}, [])
     with tempfile.TemporaryDirectory() as d:

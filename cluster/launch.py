@@ -29,8 +29,8 @@ from pdcluster.proto.names import NAMESPACE, actor_name, is_router, router_name 
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.pd_dispatch import Instance
 from pdcluster.router.prefill_cost import FittedCost, ModelledCost, PrefillCost
+from pdcluster.router.run_store import new_run_id
 from pdcluster.router.server import RouterActor
-from pdcluster.router.timeline import new_run_id
 from pdcluster.transfer.auth import SECRET_ENV, check_secret, generate_secret
 from pdcluster.transfer.network import settle_mode
 from pdcluster.transfer.vllm_compat import UnsupportedVllm, check_supported

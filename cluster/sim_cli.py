@@ -28,7 +28,7 @@ def _cmd_run(a: argparse.Namespace) -> None:
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
     from pdcluster.proto.spec import SpecError, load_spec
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
     from pdcluster.router.timeline_views import format_summary, summarize
 
     try:

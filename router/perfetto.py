@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdcluster.router.attribution import Interval, intervals
-from pdcluster.router.timeline import RequestRecord, Run
+from pdcluster.router.run_store import Run
+from pdcluster.router.timeline import RequestRecord
 from pdcluster.router.timeline_views import run_origin_ns
 
 ROUTER = "router"

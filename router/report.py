@@ -13,7 +13,7 @@ from html import escape
 from pathlib import Path
 
 from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, OPTIONAL_PARTS, attribute, intervals
-from pdcluster.router.timeline import Run
+from pdcluster.router.run_store import Run
 from pdcluster.router.timeline_views import NS_PER_MS, Stats, Summary, is_failed, last_event, run_origin_ns, summarize
 
 PART_COLORS = {"migration": "#8c564b", "queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",

@@ -24,7 +24,7 @@ from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, js
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
-from pdcluster.router.timeline import InstanceMeta, RunMeta, RunStore, new_run_id, versions
+from pdcluster.router.run_store import InstanceMeta, RunMeta, RunStore, new_run_id, versions
 
 log = logging.getLogger(__name__)
 

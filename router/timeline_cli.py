@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pdcluster.router.timeline import Run, load_run
+from pdcluster.router.run_store import Run, load_run
 
 
 def _fail(message: str) -> None:

@@ -20,7 +20,8 @@ from pdcluster.router.attribution import (
     intervals,
 )
 from pdcluster.router.local_views import LocalSummary, format_local, local_summary
-from pdcluster.router.timeline import EVENT_ORDER, RequestRecord, Run
+from pdcluster.router.run_store import Run
+from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
 from pdcluster.router.timeline_stats import NS_PER_MS, Ratios, Stats, percentile  # noqa: F401  (re-exported)
 
 

@@ -218,7 +218,7 @@ def run_with(run_dir: str, request_ids, timeout: float = 10.0):
     byte (and a shared cluster's run holds other modules' requests too)."""
     from dataclasses import replace
 
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
 
     want = set(request_ids)
 

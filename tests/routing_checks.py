@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from e2e import complete
 
-from pdcluster.router.timeline import RequestRecord, load_run
+from pdcluster.router.run_store import load_run
+from pdcluster.router.timeline import RequestRecord
 
 
 @dataclass(frozen=True)

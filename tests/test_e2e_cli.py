@@ -10,7 +10,7 @@ import yaml
 from e2e import cluster_spec_for, wait_until
 from test_cli import pdc
 
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 pytestmark = pytest.mark.e2e
 

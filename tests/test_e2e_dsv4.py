@@ -28,7 +28,7 @@ from e2e import (
 from pdcluster.cluster.reference_engine import ReferenceEngine
 from pdcluster.cluster.tiny_model import make_tiny_model
 from pdcluster.cluster.vllm_patches_dsv4 import missing_cpu_kernels
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray,
               pytest.mark.skipif(missing_cpu_kernels() is not None, reason=str(missing_cpu_kernels()))]

@@ -20,7 +20,7 @@ from e2e import MODEL_CACHE, assert_no_kv_in_use, cluster_spec_for, running_clus
 
 from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 BLOCK = 128

@@ -33,7 +33,7 @@ from e2e import (
 
 from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.router.attribution import attribute
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]

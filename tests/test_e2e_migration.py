@@ -21,7 +21,7 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 PROMPT_TOKENS, MAX_TOKENS = 300, 400

@@ -34,7 +34,7 @@ from e2e import (
 )
 
 from pdcluster.proto.spec import parse_spec, read_yaml
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 from pdcluster.transfer.channel_wire import DEAD_PEER_S
 
 pytestmark = pytest.mark.e2e

@@ -32,7 +32,7 @@ from e2e import (
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.attribution import attribute
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 # One P1D1 with the other modules so marked (tests/e2e.py shared_cluster).
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from e2e import assert_no_kv_in_use, cluster_spec_for, complete, running_cluster, wait_until
 
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 

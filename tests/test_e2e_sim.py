@@ -26,7 +26,8 @@ from e2e import (
 from routing_checks import records_of
 
 from pdcluster.router.attribution import attribute
-from pdcluster.router.timeline import EVENT_ORDER, load_run
+from pdcluster.router.run_store import load_run
+from pdcluster.router.timeline import EVENT_ORDER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 BLOCK = 128

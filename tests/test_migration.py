@@ -149,7 +149,7 @@ def test_the_summary_and_the_metrics_count_the_moves(tmp_path):
     from test_timeline_views import write_run
 
     from pdcluster.router.metrics import RouterMetrics
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
     from pdcluster.router.timeline_views import format_summary, summarize
 
     moved = RequestRecord("m", events={"arrival": 0, "first_token": 10, "finish": 20}, output_tokens=2,

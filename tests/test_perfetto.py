@@ -10,7 +10,7 @@ import pytest
 from test_timeline_views import make_record, write_run
 
 from pdcluster.router.perfetto import to_trace_events, validate_trace, write_trace
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_cli import add_timeline_commands
 
 

@@ -10,7 +10,7 @@ from chromium import chromium_page
 from test_timeline_views import sample_records, write_run
 
 from pdcluster.router.report import render_report, write_report
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_cli import add_timeline_commands
 
 

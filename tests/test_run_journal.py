@@ -11,7 +11,7 @@ from dispatch_fakes import HANG, PROMPT, SAMPLING, FakeEngine, collect, make, ru
 from test_timeline_views import sample_records, write_run
 
 from pdcluster.proto.messages import DecodeDelta
-from pdcluster.router.timeline import RunStore, load_run
+from pdcluster.router.run_store import RunStore, load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 
 

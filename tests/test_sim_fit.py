@@ -15,7 +15,7 @@ from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.fit import FitError, fit, observations, with_numbers
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, parse_spec
-from pdcluster.router.timeline import load_run
+from pdcluster.router.run_store import load_run
 
 # The trace's first 100 requests (tests/data/README.md): the run uses 80.
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace_head100.jsonl"

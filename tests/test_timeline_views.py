@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.router.timeline import (
-    ClockOffset,
-    GroupTransfer,
-    InstanceMeta,
-    RequestRecord,
-    RunMeta,
-    RunStore,
-    load_run,
-)
+from pdcluster.router.run_store import InstanceMeta, RunMeta, RunStore, load_run
+from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord
 from pdcluster.router.timeline_cli import add_timeline_commands
 from pdcluster.router.timeline_views import FailureKind, Ratios, format_summary, format_waterfall, summarize
 

@@ -36,7 +36,8 @@ import numpy as np
 
 from pdcluster.cluster.sim.cost import CostModel, SimParams, StepWork
 from pdcluster.proto.spec import ClusterSpec, parse_spec
-from pdcluster.router.timeline import RequestRecord, Run
+from pdcluster.router.run_store import Run
+from pdcluster.router.timeline import RequestRecord
 
 # The numbers docs/sim.md names as fitted: efficiencies and per-step overheads.
 FREE: tuple[str, ...] = ("efficiency.gemm", "efficiency.attention", "efficiency.attention_history",

@@ -18,7 +18,7 @@ def _cmd_fit(a: argparse.Namespace) -> None:
     from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError
     from pdcluster.cluster.sim.fit import FREE, FitError, fit, fitted_yaml, observations, residual_summary, run_spec
     from pdcluster.proto.spec import SpecError, resolve_sim_params
-    from pdcluster.router.timeline import load_run
+    from pdcluster.router.run_store import load_run
 
     free = tuple(a.free.split(",")) if a.free else FREE
     try:

@@ -39,7 +39,8 @@ from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.router import VirtualRouter
 from pdcluster.cluster.sim.vocab import spec_vocab
 from pdcluster.proto.spec import ClusterSpec, SimSpec, SpecError, resolve_sim_params
-from pdcluster.router.timeline import ClockOffset, InstanceMeta, RequestRecord, RunMeta, RunStore, versions
+from pdcluster.router.run_store import InstanceMeta, RunMeta, RunStore, versions
+from pdcluster.router.timeline import ClockOffset, RequestRecord
 
 
 @dataclass(frozen=True)
