@@ -39,7 +39,7 @@ async def _round(url: str, prompts: list[list[int]], concurrency: int, max_token
         return len(prompts) / (time.perf_counter() - t0)
 
 
-def per_record_cost_us(n: int = 2000) -> float:
+def per_record_cost_us(n: int = 2000, output_tokens: int = 16) -> float:
     """Microseconds to append one realistic record and observe it in the metrics."""
     from pdcluster.router.metrics import RouterMetrics
     from pdcluster.router.run_store import RunMeta, RunStore
@@ -49,10 +49,10 @@ def per_record_cost_us(n: int = 2000) -> float:
     with tempfile.TemporaryDirectory() as d:
         store = RunStore(Path(d) / "run", meta)
         metrics = RouterMetrics(lambda: {"prefill-0": 0, "decode-0": 0})
-        rec = RequestRecord("cmpl-" + "0" * 32, prompt_tokens=4096, output_tokens=16, p_cached_tokens=3584,
+        rec = RequestRecord("cmpl-" + "0" * 32, prompt_tokens=4096, output_tokens=output_tokens, p_cached_tokens=3584,
                             transfer_groups=[GroupTransfer(0, 4, 1 << 20)],
                             events={e: i * 1_000_000 for i, e in enumerate(EVENT_ORDER)},
-                            token_ns=[i * 4_000_000 for i in range(16)])
+                            token_ns=[123_456_789_000_000 + i * 4_000_123 for i in range(output_tokens)])
         t0 = time.perf_counter()
         for _ in range(n):
             store.append(rec)
@@ -69,7 +69,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--record-only", action="store_true", help="only time the per-record work (no cluster)")
     a = ap.parse_args()
+    if a.record_only:
+        for tokens in (16, 1024):
+            print(f"per-record work, {tokens} output tokens: "
+                  f"{statistics.median(per_record_cost_us(500, tokens) for _ in range(5)):.0f} us")
+        return
 
     import ray
 

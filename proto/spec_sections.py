@@ -302,6 +302,13 @@ class RouterSpec(_Strict):
                                  "instance lost under it (router/migration.py); 0: never")
     record_timeline: bool = Field(True, description="write every request's timeline to a run directory")
     runs_dir: str = Field(".pdcluster/runs", description="where run directories go (one per cluster start)")
+    # router/run_store.py:FilePolicy. C90's 6 req/s of 1K-token answers write ~3.2 GB a day
+    # (bench/README.md "Run files"): the defaults keep at most 17 x 256 MiB a router process.
+    record_file_mb: int = Field(256, ge=1, description="a router's request file rotates past this many MB")
+    record_files_kept: int | None = Field(16, ge=1, description="rotated files kept per router process, the "
+                                          "oldest deleted past it; null: all")
+    record_fsync_s: float | None = Field(1.0, gt=0, le=3600, description="records reach the device within this "
+                                         "many seconds (a power loss loses at most that); null: at stop only")
     # One router process serves ~2,500-3,500 short requests/s here (bench/README.md); more
     # processes share host:port, as vLLM's --api-server-count (router/server.py).
     processes: int = Field(1, ge=1, le=64, description="router processes sharing host:port (SO_REUSEPORT), "

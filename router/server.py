@@ -24,7 +24,7 @@ from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, js
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
-from pdcluster.router.run_store import InstanceMeta, RunMeta, RunStore, new_run_id, versions
+from pdcluster.router.run_store import FilePolicy, InstanceMeta, RunMeta, RunStore, new_run_id, versions
 
 log = logging.getLogger(__name__)
 
@@ -212,18 +212,20 @@ class RouterActor:
 
         here = ray.util.get_node_ip_address()
         clocks = await self.dispatcher.measure_clocks({i.name for i in infos if i.node_ip == here})
+        r = self.spec.router
+        policy = FilePolicy(r.record_file_mb << 20, r.record_files_kept, r.record_fsync_s)
         if self.restarted:
             assert run_dir is not None, "a restarted router writes into its run: the launcher names it"
-            return RunStore(run_dir, None, writer=RunStore.new_writer(Path(run_dir), self.spec.router.processes))
+            return RunStore(run_dir, None, RunStore.new_writer(Path(run_dir), self.spec.router.processes), policy)
         if self.index > 0:
             assert run_dir is not None, f"router {self.index} writes into router 0's run directory: none given"
-            return RunStore(run_dir, None, writer=self.index)
+            return RunStore(run_dir, None, self.index, policy)
         started_mono, started_wall = time.monotonic_ns(), time.time_ns()
         path = Path(run_dir) if run_dir else Path(self.spec.router.runs_dir) / new_run_id(self.spec.name)
         meta = RunMeta(run_id=path.name, started_wall_ns=started_wall, started_mono_ns=started_mono,
                        spec=self.spec.model_dump(mode="json"), versions=versions(),
                        instances=[InstanceMeta(i.name, i.role, i.node_ip, i.pid, clocks[i.name]) for i in infos])
-        return RunStore(path, meta)
+        return RunStore(path, meta, 0, policy)
 
     async def start(self, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo],
                     run_dir: str | None = None) -> str:

@@ -132,11 +132,26 @@ def test_a_record_round_trips_through_its_json_line():
 
     rec = RequestRecord("r1", 12, 4, "prefill-0", "decode-0", "prefix_aware", 256, 0, 256, 0, 12,
                         [GroupTransfer(0, 3, 12288), GroupTransfer(1, 1, 64)], {"arrival": 5, "finish": 9},
-                        [7, 8, 9], "length", None, None)
+                        [7_000, 11_000, 1_010_000], "length", None, None)
     line = rec.to_json()
     assert RequestRecord.from_dict(json.loads(line)) == rec
-    assert json.loads(line) == asdict(rec)  # the same dict asdict() would write
+    written = asdict(rec)  # the same dict asdict() would write, token times as distances in us
+    written["token_us"] = [7, 4, 999]  # 7, 11 and 1,010 us
+    del written["token_ns"]
+    assert json.loads(line) == written
     assert rec.transfer_groups[0] == GroupTransfer(0, 3, 12288)  # the record itself untouched
+
+
+def test_token_times_are_written_to_the_microsecond_without_drift_and_old_runs_still_read():
+    # 1,000 tokens 10,000,400 ns apart: rounding each distance would drift 400 us by the end.
+    token_ns = [123_456_789_000_000 + i * 10_000_400 for i in range(1000)]
+    rec = RequestRecord("r1", token_ns=token_ns)
+    back = RequestRecord.from_dict(json.loads(rec.to_json())).token_ns
+    assert max(abs(a - b) for a, b in zip(back, token_ns)) <= 500
+    assert len(rec.to_json()) < 7 * len(token_ns) + 400  # ~6 bytes a token (ns absolute: ~20)
+    old = {**json.loads(rec.to_json()), "token_ns": token_ns}
+    del old["token_us"]
+    assert RequestRecord.from_dict(old).token_ns == token_ns
 
 
 def _series(page: bytes) -> dict[tuple, float]:
