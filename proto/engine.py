@@ -6,7 +6,7 @@ cost). `tests/test_engine_protocol.py` checks that each defines every method its
 names, parameters and kinds (coroutine, async generator, plain).
 
 Two paths reach a body. Ray calls, for what the launcher and the router ask once or rarely
-(`info`, `clock`, `load`, `health`, `reset_prefix_cache`, `shutdown`, and the request channel's
+(`info`, `clock`, `load`, `health`, `refusals`, `reset_prefix_cache`, `shutdown`, and the request channel's
 `open_channel`); the request channel (transfer/request_channel.py), for the requests themselves
 (`prefill`, `decode`): one authenticated TCP connection per engine, typed messages
 (proto/messages.py), nothing pickled.
@@ -17,7 +17,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, EngineLoad, InstanceInfo, PrefillRequest, PrefillResult
+from pdcluster.proto.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    EngineLoad,
+    InstanceInfo,
+    PrefillRequest,
+    PrefillResult,
+    RefusalCounts,
+)
 
 
 class Engine(Protocol):
@@ -35,6 +43,10 @@ class Engine(Protocol):
 
     async def health(self) -> bool:
         """True while the engine can serve; raises (or never answers) when it cannot."""
+
+    def refusals(self) -> RefusalCounts:
+        """Peers refused since the instance started, per plane, in all its processes (for the
+        router's /metrics)."""
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Compute the prompt's KV with one output token, keep it for D under the transfer's name

@@ -185,6 +185,17 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class RefusalCounts:
+    """Peers an instance refused since it started, per plane (none of them held the secret, or
+    a proof failed): transfer/refusal_counts.py counts them, the router's /metrics shows them."""
+
+    request_channel: int = 0  # connections failing the request channel's handshake
+    kv_events: int = 0  # ZMQ peers with an unknown CURVE key at the KV-event publisher
+    kv_service: int = 0  # calls to P's gRPC KV service without a good token
+    channel_liveness: int = 0  # connections failing the torch.distributed liveness handshake
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """An engine's scheduler state after its latest step (vLLM SchedulerStats)."""
 

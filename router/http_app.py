@@ -164,6 +164,7 @@ class HttpApp:
         self.routes: dict[tuple[str, str], Handler] = {}
         self._api_keys: tuple[bytes, ...] = ()  # empty: no key asked for
         self._open_paths: frozenset[str] = frozenset()
+        self.refused = 0  # requests answered 401 (no valid key): the router's /metrics counts them
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         assert (method, path) not in self.routes, f"{method} {path} is routed twice"
@@ -192,6 +193,7 @@ class HttpApp:
             return  # websockets: not served; uvicorn closes the connection
         method, path = scope["method"], scope["path"]
         if not self._authorized(scope):
+            self.refused += 1
             await json_response({"error": {"message": "a valid API key is needed: Authorization: Bearer <key>",
                                            "type": "invalid_request_error", "param": None,
                                            "code": "invalid_api_key"}}, 401).send(send, receive)

@@ -9,13 +9,15 @@ router processes (router.processes), any one of them serves the sum of all
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from pdcluster.proto.messages import RefusalCounts
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import RequestRecord
 
@@ -32,9 +34,11 @@ class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, in_flight: Callable[[], dict[str, int]],
-                 pending_blocks: Callable[[str], int] | None = None):
-        """`pending_blocks`: an instance's blocks pending in the router (router/pending_blocks.py)."""
+                 pending_blocks: Callable[[str], int] | None = None, http_refused: Callable[[], int] = lambda: 0):
+        """`pending_blocks`: an instance's blocks pending in the router (router/pending_blocks.py);
+        `http_refused`: the requests this router answered 401 (no valid API key)."""
         self.registry = r = CollectorRegistry()
+        r.register(_Merged(lambda: [refused_family({("router", "http"): http_refused()})]))
         self.requests = Counter("pdc_requests", "requests finished, by outcome", ["outcome"], registry=r)
         self.phase = Histogram("pdc_ttft_phase_seconds", "TTFT critical-path parts (router/attribution.py)",
                                ["phase"], buckets=BUCKETS, registry=r)
@@ -120,14 +124,34 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-class _Merged:
-    """A collector that yields given metric families as they are (for rendering them)."""
+REFUSED_HELP = ("peers refused at a plane without the cluster secret or a valid key (the router's HTTP, each "
+                "instance's request channel, KV events, KV service and channel liveness), since it started")
 
-    def __init__(self, families: list[Metric]):
+
+def refused_family(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
+    """pdc_refused_total: (instance, plane) -> count."""
+    fam = CounterMetricFamily("pdc_refused", REFUSED_HELP, labels=["instance", "plane"])
+    for (instance, plane), n in sorted(counts.items()):
+        fam.add_metric([instance, plane], n)
+    return fam
+
+
+def refusals_page(counts: dict[str, RefusalCounts]) -> bytes:
+    """The instances' refusals (instance name -> counts) as an exposition page, for merging."""
+    family = refused_family({(name, plane): n for name, c in counts.items() for plane, n in asdict(c).items()})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(lambda: [family]))
+    return generate_latest(registry)
+
+
+class _Merged:
+    """A collector that yields the metric families a callable gives, as they are (for rendering them)."""
+
+    def __init__(self, families: Callable[[], list[Metric]]):
         self.families = families
 
     def collect(self) -> list[Metric]:
-        return self.families
+        return self.families()
 
 
 def merge_expositions(pages: list[bytes]) -> bytes:
@@ -148,5 +172,6 @@ def merge_expositions(pages: list[bytes]) -> bytes:
     for name, fam in families.items():
         fam.samples = [Sample(sample_name, dict(labels), value) for (sample_name, labels), value in series[name].items()]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(list(families.values())))
+    merged = list(families.values())
+    registry.register(_Merged(lambda: merged))
     return generate_latest(registry)

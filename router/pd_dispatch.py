@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import ray
 
-from pdcluster.proto.messages import DecodeDelta, InstanceInfo, SamplingSpec
+from pdcluster.proto.messages import DecodeDelta, InstanceInfo, RefusalCounts, SamplingSpec
 from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT, LocalPrefillSpec, Policy
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
@@ -322,6 +322,18 @@ class PDDispatcher(TokenBackend):
 
         insts = self.prefill + self.decode
         return dict(zip([i.name for i in insts], await asyncio.gather(*(one(i) for i in insts))))
+
+    async def refusals(self) -> dict[str, RefusalCounts]:
+        """Each instance's refused peers per plane; one that does not answer in 2 s is left out."""
+        async def one(inst: Instance) -> RefusalCounts | None:
+            try:
+                return await asyncio.wait_for(inst.actor.refusals.remote(), 2.0)
+            except Exception:  # dead or restarting: its counts show again when it answers
+                return None
+
+        insts = self.prefill + self.decode
+        counts = await asyncio.gather(*(one(i) for i in insts))
+        return {i.name: c for i, c in zip(insts, counts) if c is not None}
 
 
 

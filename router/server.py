@@ -144,7 +144,8 @@ class RouterActor:
             return 0 if pending is None else pending.counts(name).blocks
 
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight,
-                                     pending_blocks if spec.router.track_pending else None)
+                                     pending_blocks if spec.router.track_pending else None,
+                                     lambda: self.app.refused)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.dispatcher.rejection_listeners.append(self.metrics.reject)
         self.dispatcher.sink_failure_listeners.append(self.metrics.record_failed)
@@ -158,9 +159,9 @@ class RouterActor:
 
     async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
         page = self.metrics.render()
-        if self.peers:
-            from pdcluster.router.metrics import merge_expositions
+        from pdcluster.router.metrics import merge_expositions, refusals_page
 
+        if self.peers:
             # A peer that is gone fails the page, naming it: a sum without its counts would be wrong.
             pages = await asyncio.gather(*(asyncio.wait_for(p.own_metrics.remote(), PEER_TIMEOUT_S)
                                            for p in self.peers.values()), return_exceptions=True)
@@ -170,6 +171,8 @@ class RouterActor:
                 return json_response(error_body(f"metrics of the other router processes did not come ({said})",
                                                 "service_unavailable"), 503)
             page = merge_expositions([page, *pages])
+        # The instances' refusals, asked by whichever router serves the page (not summed over routers).
+        page = merge_expositions([page, refusals_page(await self.dispatcher.refusals())])
         return BytesResponse(page, media_type=self.metrics.content_type)
 
     def own_metrics(self) -> bytes:

@@ -7,10 +7,12 @@ import socket
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 
 import grpc
 import pytest
 
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.auth import (
     AuthError,
     ClientHandshake,
@@ -187,11 +189,13 @@ def _call(address: str, secret: str | None, payload: bytes = b"hi", server: str 
 
 def test_grpc_refuses_callers_without_the_secret_before_deserializing(echo_server, caplog):
     service, address = echo_server
+    before = refusal_counts.read()
     for secret in (None, OTHER):
         with pytest.raises(grpc.RpcError) as err:
             _call(address, secret, b"\x80\x05 a pickle would be here")
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert service.deserialized == service.handled == 0
+    assert refusal_counts.read() == replace(before, kv_service=before.kv_service + 2)  # for /metrics
     assert "echo: refused 1 call(s) since the last such line (latest: /t.Echo/Call" in caplog.text
     assert _call(address, SECRET) == b"echo:hi"  # and it still serves the cluster
     assert service.handled == 1
@@ -240,8 +244,9 @@ def test_curve_pub_sub_admits_only_the_cluster():
     # stranger: knows the publisher's public key, but its own key pair is not the cluster's (ZAP refuses it)
     public, secret = zmq.curve_keypair()
     stranger_keys = type(keys)(keys.server_public, keys.server_secret, public, secret)
+    before = refusal_counts.read().kv_events
     good, plain, wrong = subscriber(keys), subscriber(None), subscriber(curve_keys(OTHER))
-    stranger = subscriber(stranger_keys)
+    stranger = subscriber(stranger_keys)  # the one whose key reaches ZAP (the others fail CURVE before it)
     deadline = time.monotonic() + 10
     while not good.poll(50):
         pub.send(b"event")
@@ -251,6 +256,7 @@ def test_curve_pub_sub_admits_only_the_cluster():
     time.sleep(0.3)
     assert good.recv() == b"event"
     assert not plain.poll(0) and not wrong.poll(0) and not stranger.poll(0)
+    assert refusal_counts.read().kv_events - before >= 1  # ZMQ retries the stranger's handshake: once or more
     for s in (good, plain, wrong, stranger, pub):
         s.close(linger=0)
     zmq_stop_auth(ctx)

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.channel_store import ChannelStores, LocalStore
 from pdcluster.transfer.channels import ChannelPool
 from pdcluster.transfer.dist_blocks import count_chunks, recv_blocks, send_blocks
@@ -295,6 +296,7 @@ def test_the_liveness_socket_refuses_a_peer_without_the_secret_then_takes_d(capl
             return value
 
     stores.create(name)
+    before = refusal_counts.read().channel_liveness
     ends: dict[str, TensorChannel] = {}
     p = threading.Thread(target=lambda: ends.setdefault("p", open_channel(
         "p", LocalStore(stores, name, 10.0), "gloo", 10.0, name, HOST, KEY)))
@@ -302,6 +304,7 @@ def test_the_liveness_socket_refuses_a_peer_without_the_secret_then_takes_d(capl
     ends["d"] = open_channel("d", GatedStore(stores, name, 10.0), "gloo", 10.0, name, HOST, KEY)
     p.join(10)
     assert refused.is_set() and "channel liveness socket: refused" in caplog.text
+    assert refusal_counts.read().channel_liveness - before == 1
     t = torch.arange(8, dtype=torch.float32)
     got = torch.zeros(8)
     pending = ends["d"].recv_async(got, 1 << 30)

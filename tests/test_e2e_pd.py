@@ -174,6 +174,41 @@ def test_clients_that_leave_have_their_requests_aborted_on_p_and_d(cluster):
     assert_no_kv_in_use(cluster)
 
 
+def test_idle_calls_without_the_secret_to_ps_kv_service_delay_no_request_and_metrics_count_them(cluster):
+    """Issue 26 items 1 and 2: 100 calls to P's KV port that never send their message (no token)
+    hold nothing: a request then takes its normal time; /metrics counts them at P's kv_service
+    (refused in vLLM's worker process, summed by the actor)."""
+    import grpc
+
+    prompt = [random.Random(30).randrange(3, 1000) for _ in range(400)]
+    t0 = time.monotonic()
+    run(cluster, prompt)  # the normal time, for a prompt of this length
+    normal_s = time.monotonic() - t0
+    kv_address = ray.get(cluster.prefill[0].actor.info.remote()).kv_address
+    never = threading.Event()
+
+    def silent():  # the call's headers go out; its message never does
+        never.wait(60)
+        yield b""
+
+    raw = grpc.insecure_channel(kv_address)
+    try:
+        idle = [raw.stream_unary("/pdcluster.transfer.KvTransfer/Release").future(silent(), timeout=60)
+                for _ in range(100)]
+        t0 = time.monotonic()
+        run(cluster, [t + 1 for t in prompt])  # as long, and none of it cached on either side
+        loaded_s = time.monotonic() - t0
+        assert all(c.exception(timeout=10).code() == grpc.StatusCode.UNIMPLEMENTED for c in idle)
+    finally:
+        never.set()
+        raw.close()
+    assert loaded_s < 2 * normal_s + 1.0, f"{loaded_s:.2f} s with 100 idle calls against {normal_s:.2f} s"
+    page = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    refused = next(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                   if line.startswith('pdc_refused_total{instance="prefill-0",plane="kv_service"}'))
+    assert refused >= 100
+
+
 def test_no_kv_block_leaks_after_requests(cluster):
     # P frees a request's blocks when D releases its lease; D frees at finish.
     assert_no_kv_in_use(cluster, 10)

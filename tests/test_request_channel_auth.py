@@ -9,6 +9,7 @@ import pytest
 from channel_fakes import SAMPLING, SECRET, Body, LocalActor, connected, prefill_req
 from e2e import evil_pickle
 
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.request_channel import (
     EngineChannel,
     EngineUnavailable,
@@ -63,9 +64,11 @@ def test_peers_without_the_secret_are_refused_and_nothing_is_unpickled(tmp_path,
         ch.close()
         return after, server.refused, actor.body.prefills
 
+    before = refusal_counts.read().request_channel
     after, refused, prefills = asyncio.run(main())
     assert after.request_id == "after" and prefills == 1
     assert refused == 3  # the wrong secret, the garbage, the pickle sent as a handshake
+    assert refusal_counts.read().request_channel - before == 3  # what /metrics shows
     assert not marker.exists()
     # One line for the three (rate-limited: a flood costs no line per attempt).
     assert caplog.text.count("request channel of Body: refused") == 1 and "a frame does not decode" in caplog.text

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from pdcluster.proto.spec import secret_weakness
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.session import SessionKeys, session_keys
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,20 @@ def check_secret(secret: str, source: str) -> str:
 
 class Refusals:
     """Peers refused on one plane, logged at most once per `every_s` (the first at once) with the
-    count since the last line: a stranger's flood costs no log line per attempt. Thread-safe."""
+    count since the last line: a stranger's flood costs no log line per attempt. Each is counted
+    for /metrics (refusal_counts.py). Thread-safe."""
 
-    def __init__(self, what: str, unit: str, every_s: float = 60.0, clock=time.monotonic):
-        """`unit`: what is refused, for the log line ("call(s)", "connection(s)")."""
-        self.what, self.unit, self._every_s, self._clock = what, unit, every_s, clock
+    def __init__(self, what: str, unit: str, plane: str, every_s: float = 60.0, clock=time.monotonic):
+        """`unit`: what is refused, for the log line ("call(s)", "connection(s)"); `plane`: its
+        counter (refusal_counts.PLANES)."""
+        assert plane in refusal_counts.PLANES, f"unknown plane {plane!r}"
+        self.what, self.unit, self.plane, self._every_s, self._clock = what, unit, plane, every_s, clock
         self._unlogged = 0
         self._next_log = 0.0
         self._lock = threading.Lock()
 
     def refused(self, who: str, reason: object) -> None:
+        refusal_counts.count(self.plane)
         now = self._clock()
         with self._lock:
             self._unlogged += 1
@@ -234,12 +239,12 @@ class _ClusterClients:
 
     def __init__(self) -> None:
         self.keys: dict[bytes, str] = {}  # client public key -> the name of what it may reach
+        self.refusals = Refusals("ZMQ (CURVE)", "peer(s) with an unknown key", "kv_events")
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         if any(hmac.compare_digest(client_key, k) for k in self.keys):
             return True
-        log.warning("%s: refused a ZMQ peer with an unknown CURVE key (no cluster secret)",
-                    ", ".join(sorted(set(self.keys.values()))))
+        self.refusals.refused(", ".join(sorted(set(self.keys.values()))), "no cluster secret")
         return False
 
 

@@ -8,6 +8,8 @@ import asyncio
 import socket
 from collections import Counter
 
+from pdcluster.proto.messages import RefusalCounts
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.auth import Refusals
 from pdcluster.transfer.channel_wire import (
     ENGINE_INBOX,
@@ -47,7 +49,7 @@ class ChannelServer:
         self.address = ""  # "host:port", as advertised
         self.connections: set[FramedConnection] = set()  # one per router, once it proved itself
         self.refused = 0  # connections refused at the handshake
-        self._refusals = Refusals(name, "connection(s)")
+        self._refusals = Refusals(name, "connection(s)", "request_channel")
         # Connections in their handshake -> their peer's host; `_pending_per_host` counts them per host.
         self._pending: dict[FramedConnection, str] = {}
         self._pending_per_host: Counter[str] = Counter()
@@ -161,7 +163,14 @@ class ServesRequestChannel:
     _channel_secret: str | None = None
 
     def serve_requests_on(self, address: InstanceAddress, secret: str) -> None:
+        """Before the body starts its engine: the engine's processes count their refusals into
+        one file with this one's (refusal_counts.py)."""
         self._channel_address, self._channel_secret = address, secret
+        refusal_counts.share()
+
+    def refusals(self) -> RefusalCounts:
+        """Peers this instance refused since it started, per plane (all its processes)."""
+        return refusal_counts.read()
 
     async def open_channel(self) -> str:
         """Start serving requests (once; later calls return the same address)."""

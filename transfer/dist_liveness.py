@@ -56,7 +56,7 @@ def _first_proven(listener: socket.socket, auth_key: bytes, deadline: float) -> 
         ServerHandshake,
     )
 
-    refusals = Refusals("channel liveness socket", "connection(s)")
+    refusals = Refusals("channel liveness socket", "connection(s)", "channel_liveness")
     pending: dict[socket.socket, tuple[ServerHandshake, float, int, str]] = {}  # conn -> (its handshake, drop-by time, bytes read, peer)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)

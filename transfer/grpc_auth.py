@@ -127,7 +127,7 @@ def grpc_server_interceptor(auth: GrpcAuth, server: str, service_name: str):
     first wait in a pool thread for the whole request message: 68 silent calls stalled every
     legitimate one, and 60 MiB bodies were buffered). A good token with another body (someone on
     the path) is answered UNAUTHENTICATED. Refusals are logged at a bounded rate (auth.py: Refusals)."""
-    refusals = Refusals(service_name, "call(s)")
+    refusals = Refusals(service_name, "call(s)", "kv_service")
 
     class _Interceptor(grpc.ServerInterceptor):
         def intercept_service(self, continuation, details):
