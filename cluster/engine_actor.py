@@ -127,6 +127,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
                   *patch_sets_for_model(spec.model.path, spec.device)]
     if spec.transfer.connector == "nixl":
         _use_nixl(spec, kv_port, engine_id, address.advertise, args, env)
+        patch_sets.append("nixl")
         if spec.device == "cpu":
             patch_sets.append("nixl_cpu")
     env.update(engine_env(patch_sets))

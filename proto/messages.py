@@ -193,6 +193,7 @@ class RefusalCounts:
     kv_events: int = 0  # ZMQ peers with an unknown CURVE key at the KV-event publisher
     kv_service: int = 0  # calls to P's gRPC KV service without a good token
     channel_liveness: int = 0  # connections failing the torch.distributed liveness handshake
+    nixl_side_channel: int = 0  # malformed messages at vLLM's NIXL side channel (it authenticates no one)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import ray
-from e2e import cluster_spec_for, complete, running_cluster, shared_reference
+from e2e import cluster_spec_for, complete, running_cluster, shared_reference, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 
@@ -26,6 +26,29 @@ def cluster():
         pytest.skip("nixl is not installed (deploy/setup.sh installs it on CPU)")
     with running_cluster(cluster_spec_for("e2e-nixl", transfer={"connector": "nixl"})) as c:
         yield c
+
+
+def test_malformed_messages_to_ps_side_channel_are_counted_and_it_serves_on(cluster):
+    """Issue 26 item 10: before any D has handshaken with P, a stranger sends P's NIXL side channel
+    what vLLM's listener could not survive; the next test's first request needs that handshake."""
+    import httpx
+    import zmq
+
+    host, port = ray.get(cluster.prefill[0].actor.info.remote()).kv_address.rsplit(":", 1)
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.connect(f"tcp://{host}:{port}")
+    for frames in ([b"one frame"], [b"", b"\xc1"]):
+        stranger.send_multipart(frames)
+
+    def refused() -> float:
+        page = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        return next((float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                     if line.startswith('pdc_refused_total{instance="prefill-0",plane="nixl_side_channel"}')), 0)
+
+    wait_until(lambda: refused() == 2, 20, interval=0.2, what="P's two refusals in /metrics")
+    stranger.close(linger=0)
+    ctx.term()
 
 
 def test_nixl_cluster_matches_a_single_engine(cluster):

@@ -124,7 +124,9 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch):
 
 def run_engine_python(code: str, patch_sets: tuple[str, ...], timeout: float = 180, **extra_env: str) -> str:
     """Run `code` in a fresh interpreter started like an engine process with `patch_sets`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDC_PATCH_") and k != "TRITON_INTERPRET"}
+    # Not this process's refusal counts either (an engine body made here shares them by env).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PDC_PATCH_") and k not in ("TRITON_INTERPRET", "PDC_REFUSALS_FILE")}
     env.update(engine_env(patch_sets, pythonpath=os.environ.get("PYTHONPATH", "")), **extra_env)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                          timeout=timeout)
@@ -151,6 +153,43 @@ def test_nixl_patches_skip_only_nixl_workers_affinity_call():
         os.sched_setaffinity(0, before)  # anyone else's call goes through
         """, ("nixl_cpu",))
     assert out.split() == ["pdcluster.cluster.vllm_patches", "sched_setaffinity", "True"]
+
+
+NIXL_LISTENER = """
+    import threading, msgspec, zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler as m
+    from pdcluster.transfer import refusal_counts
+    stop, ready = threading.Event(), threading.Event()
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.REP)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    t = threading.Thread(target=m.NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
+                         args=({(0, 0): b"meta"}, ready, stop, "127.0.0.1", port))
+    t.start()
+    ready.wait(10)
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.connect(f"tcp://127.0.0.1:{port}")
+    for frames in ([b"one frame"], [b"", b"\\xc1"], [b"", msgspec.msgpack.encode(7)],
+                   [b"", msgspec.msgpack.encode((m.GET_META_MSG, 5, 5))]):
+        stranger.send_multipart(frames)
+    stranger.send_multipart([b"", msgspec.msgpack.encode((m.GET_META_MSG, 0, 0))])  # then a D's request
+    got = stranger.poll(5000) and stranger.recv_multipart()
+    print(t.is_alive(), got[:2] if got else None, refusal_counts.read().nixl_side_channel)
+    stop.set()
+    t.join(5)
+    """
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "as-shipped"])
+def test_nixl_side_channel_survives_malformed_messages(patched):
+    """Issue 26 item 10: vLLM's listener, as shipped, dies at the first malformed message (no D can
+    handshake with that P again); patched, it drops and counts each and answers the next D."""
+    out = run_engine_python(NIXL_LISTENER, ("nixl",) if patched else ("exit_with_parent",))
+    if patched:
+        assert out.split("\n")[0] == "True [b'', b'meta'] 4"
+    else:
+        assert out.split("\n")[0] == "False None 0"
 
 
 def test_an_engine_process_exits_with_its_parent():
