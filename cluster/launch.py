@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from pdcluster.cluster.engine_actor import EngineActor
 from pdcluster.cluster.placement import NodeView, PlacementError, alive_nodes, check_placement, engine_options
 from pdcluster.cluster.placement import router_options as router_placement
+from pdcluster.cluster.ray_settings import check_ray_auth
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.proto.devices import DEVICES
 from pdcluster.proto.messages import InstanceInfo, Role
@@ -143,7 +144,9 @@ def build_cluster(spec: ClusterSpec, detached: bool = False, start_timeout_s: fl
     The cluster's spec (`Cluster.spec`) is the settled one (settle_spec).
     """
     try:
-        spec = settle_spec(spec, alive_nodes())
+        nodes = alive_nodes()
+        check_ray_auth(spec.insecure_ray, len({n.ip for n in nodes}), ray.get_runtime_context().gcs_address)
+        spec = settle_spec(spec, nodes)
         if spec.role_engine("prefill").kind == "vllm":  # before any engine starts (each engine checks too)
             check_supported()
     except (PlacementError, ValueError, UnsupportedVllm) as err:

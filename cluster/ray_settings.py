@@ -83,3 +83,42 @@ def use_ray_token() -> None:
         loader.reset_cache()
     if ray_auth.AUTH_MODE_ENV_VAR not in os.environ:
         ray_auth._enable_token_auth()  # this process's own calls (and its children's) carry the token
+
+
+def ray_requires_token(gcs_address: str, timeout_s: float = 5.0) -> bool:
+    """Whether the Ray cluster at `gcs_address` refuses a call without Ray's token: one
+    GetAllNodeInfo sent bare (with token auth its GCS answers UNAUTHENTICATED; without, the
+    nodes). A GCS that does not answer raises grpc.RpcError."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetAllNodeInfo(
+                gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return True
+            raise
+    return False
+
+
+def check_ray_auth(insecure_ray: bool, alive_hosts: int, gcs_address: str) -> None:
+    """A Ray of several hosts must authenticate its callers (the cluster secret travels in actor
+    arguments, and Ray runs any task it is sent) unless the spec says `insecure_ray: true`.
+    ValueError naming both ways out otherwise."""
+    import grpc
+
+    if alive_hosts < 2 or insecure_ray:
+        return
+    try:
+        if ray_requires_token(gcs_address):
+            return
+    except grpc.RpcError as err:
+        raise ValueError(f"cannot ask the Ray cluster at {gcs_address} whether it authenticates its callers: "
+                         f"{err.code().name} {err.details()}") from None
+    raise ValueError(f"the Ray cluster at {gcs_address} ({alive_hosts} hosts) takes calls without Ray's token "
+                     f"authentication: anyone reaching its ports runs code on every host and reads the cluster "
+                     f"secret. Start every node with RAY_AUTH_MODE=token and the same token (`ray start` reads "
+                     f"~/.ray/auth_token or RAY_AUTH_TOKEN), or, on a network no one else reaches, set "
+                     f"`insecure_ray: true` in the spec")

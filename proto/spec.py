@@ -43,6 +43,9 @@ class ClusterSpec(_Strict):
         30.0, gt=0, le=3600,
         description="a host unreachable for less keeps its Ray node and instances (cluster/ray_settings.py); "
                     "`pdc up` starts Ray so, and warns when the Ray it joins declares hosts dead sooner")
+    insecure_ray: bool = Field(
+        False, description="run on a Ray cluster of several hosts without Ray's token authentication (anyone "
+                           "reaching its ports runs code on every host): only on a network no one else reaches")
     engine: EngineSpec = DEFAULT_ENGINE
     sim: SimSpec | None = None
     prefill: RoleSpec = RoleSpec()

@@ -39,3 +39,63 @@ def test_the_spec_field_defaults_to_30_s_and_names_a_bad_value():
     assert parse_spec(minimal()).partition_tolerance_s == 30.0
     assert "partition_tolerance_s" in spec_error(minimal(partition_tolerance_s=0))
     assert "partition_tolerance_s" in spec_error(minimal(partition_tolerance_s="a while"))
+
+
+# ---------------------------------------------------------------- Ray's token authentication
+
+
+@pytest.fixture
+def gcs():
+    """A stand-in GCS answering GetAllNodeInfo as a Ray with token auth does (UNAUTHENTICATED to a
+    bare call) or without it (the nodes): address -> mode is set per test."""
+    from concurrent import futures
+
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    mode = {"auth": True}
+
+    class NodeInfo(gcs_service_pb2_grpc.NodeInfoGcsServiceServicer):
+        def GetAllNodeInfo(self, request, context):
+            if mode["auth"]:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing")
+            return gcs_service_pb2.GetAllNodeInfoReply()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    gcs_service_pb2_grpc.add_NodeInfoGcsServiceServicer_to_server(NodeInfo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", mode
+    server.stop(0)
+
+
+def test_a_multi_host_ray_without_token_auth_is_refused_unless_the_spec_says_so(gcs):
+    from pdcluster.cluster.ray_settings import check_ray_auth, ray_requires_token
+
+    address, mode = gcs
+    assert ray_requires_token(address)
+    check_ray_auth(False, 3, address)  # token auth on: fine
+    mode["auth"] = False
+    assert not ray_requires_token(address)
+    with pytest.raises(ValueError, match=r"\(3 hosts\) takes calls without Ray's token authentication.*"
+                                         r"RAY_AUTH_MODE=token.*`insecure_ray: true`"):
+        check_ray_auth(False, 3, address)
+    check_ray_auth(True, 3, address)  # the spec says so
+    check_ray_auth(False, 1, "127.0.0.1:1")  # one host: nothing asked (nothing listens there)
+    with pytest.raises(ValueError, match="cannot ask the Ray cluster at 127.0.0.1:1 whether it authenticates"):
+        check_ray_auth(False, 2, "127.0.0.1:1")
+
+
+def test_a_local_ray_started_as_pdc_up_starts_it_requires_the_token():
+    """The real thing, in a process of its own: pdc up's token setting, a Ray started with it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import ray\nfrom pdcluster.cluster.ray_settings import use_ray_token, ray_requires_token\n"
+            "use_ray_token()\nray.init(num_cpus=1, include_dashboard=False)\n"
+            "print(ray_requires_token(ray.get_runtime_context().gcs_address))\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "True"
