@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pdcluster.bench.stream_throughput import HOST, MALLOC_TUNED, MIB, Shape, _exit_now, block_ids, caches, pin
+from pdcluster.bench.stream_common import HOST, MALLOC_TUNED, MIB, Shape, _exit_now, block_ids, caches, pin
 
 # ---------------------------------------------------------------- --profile: where the gRPC path's time goes
 #

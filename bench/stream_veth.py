@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 
-from pdcluster.bench.stream_throughput import MIB, Bench, _exit_now, _p_main, tiny_shape
+from pdcluster.bench.stream_common import MIB, _exit_now, tiny_shape
+from pdcluster.bench.stream_throughput import Bench, _p_main
 
 LAB_NAME = "pdcbench"
 LAB_SUBNET = "10.213.90.0/24"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.bench import stream_veth as sv
-from pdcluster.bench.stream_throughput import MIB, split, stripes
+from pdcluster.bench.stream_common import MIB, split, stripes
 
 
 def test_parse_args_defaults_and_lists():
