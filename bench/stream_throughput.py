@@ -144,6 +144,7 @@ class Bench:
         self.dst = caches(shape, fill=False)
         self.kv = PagedKv(self.dst, dict.fromkeys(self.dst, 0), shape.num_blocks + 1)
         self.fetcher = KvFetcher("bench-D", self.kv, timeout_s=120, secret=secret)
+        self.sealed_fetcher = KvFetcher("bench-D", self.kv, timeout_s=120, secret=secret, seal=True)
         self.grpc = {int(c): a for c, a in p["grpc"].items()}
         self.pool = ChannelPool("bench-D", 120, channel_liveness_key(secret))
         self.ch = self.pool.get(p["channel"], kv_stub(p["channel"], GrpcAuth(secret), "bench-P-channel")[1])
@@ -174,8 +175,10 @@ class Bench:
         in_threads(recv, list(zip(self.data[first:first + streams], stripes(self.regions, streams), strict=True)))
         return time.perf_counter() - t0
 
-    def grpc_pull(self, chunk: int, transport: str = "grpc", streams: int = 1) -> float:
-        """One pull of every block, or `streams` pulls of a part each at once (the fetcher's threads)."""
+    def grpc_pull(self, chunk: int, transport: str = "grpc", streams: int = 1, sealed: bool = False) -> float:
+        """One pull of every block, or `streams` pulls of a part each at once (the fetcher's threads);
+        `sealed`: the bytes sealed on the stream (transfer.encrypt)."""
+        fetcher = self.sealed_fetcher if sealed else self.fetcher
         ids = block_ids(self.shape, False, 0)
         jobs = []
         for start, count in split(len(ids), streams):
@@ -185,9 +188,9 @@ class Bench:
         waiting, failed = {j.request_id for j in jobs}, set()
         t0 = time.perf_counter()
         for job in jobs:
-            self.fetcher.submit(job)
+            fetcher.submit(job)
         while waiting:
-            res = self.fetcher.take_results()
+            res = fetcher.take_results()
             waiting -= res.finished
             failed |= res.failed
             if waiting:
@@ -221,6 +224,7 @@ class Bench:
 
     def close(self) -> None:
         self.fetcher.stop()
+        self.sealed_fetcher.stop()
         self._command("quit")
         if self.proc is not None:
             self.proc.join(timeout=30)
@@ -251,6 +255,8 @@ def main() -> None:
     methods = [("raw TCP, gloo's send buffer (the reference)", b.raw_tcp, (True,)),
                ("raw TCP, kernel-default buffers", b.raw_tcp, (False,))]
     methods += [(f"gRPC KvServer/KvFetcher, {c // MIB} MiB chunks", b.grpc_pull, (c,)) for c in grpc_chunks]
+    methods += [(f"gRPC sealed (transfer.encrypt), {c // MIB} MiB chunks", b.grpc_pull, (c, "grpc", 1, True))
+                for c in grpc_chunks]
     methods += [(f"KvServer/KvFetcher, torch_dist (gloo), {c // MIB} MiB chunks", b.grpc_pull, (c, "torch_dist"))
                 for c in grpc_chunks]
     methods += [(f"gloo channel, {c // MIB} MiB chunks", b.gloo, (c,)) for c in gloo_chunks]

@@ -66,6 +66,8 @@ def methods(a: argparse.Namespace) -> list[tuple[str, str, tuple]]:
     for n in a.stream_counts:
         each = "" if n == 1 else f", {n} pulls at once"
         out.append((f"[pdc] gRPC KvServer/KvFetcher, {g / MIB:g} MiB chunks{each}", "grpc_pull", (g, "grpc", n)))
+        if n == 1:
+            out.append((f"gRPC sealed (transfer.encrypt), {g / MIB:g} MiB chunks", "grpc_pull", (g, "grpc", 1, True)))
         out.append((f"[pdc] torch_dist (gloo) via KvServer, {d / MIB:g} MiB{each}", "grpc_pull", (d, "torch_dist", n)))
     out.append((f"gloo channel alone, {d / MIB:g} MiB chunks", "gloo", (d,)))
     return out

@@ -89,6 +89,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         "timeout_s": spec.transfer.timeout_s,
         "chunk_bytes": spec.transfer.chunk_bytes,
         "break_prefix": spec.transfer.break_transfers_with_prefix,
+        "encrypt": spec.transfer.encrypt,
         # P serves torch_dist transfers over this backend when a handle asks for them.
         "channel_backend": DEVICES[spec.device].collective_backend,
     }

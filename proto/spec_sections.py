@@ -173,6 +173,8 @@ class TransferSpec(_Strict):
     # 1 MiB measured best on loopback (bench/grpc_bandwidth.py): P copies the next
     # chunk while D writes the last one.
     chunk_bytes: int = Field(1 << 20, ge=4096, description="gRPC message payload size")
+    encrypt: bool = Field(False, description="seal the KV bytes on the gRPC stream with AES-GCM (transfer/kv_seal.py: "
+                                             "a copy and the cipher's time a side; bench/README.md \"Sealed KV\")")
     on_failure: Literal["error", "recompute"] = Field(
         "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
     # Fault injection, for tests: the router gives the transfers of requests whose id starts
@@ -197,6 +199,9 @@ class TransferSpec(_Strict):
         if self.backend != "grpc" and self.connector != "pdc":
             raise ValueError(f"backend: {self.backend} needs connector pdc; vLLM's {self.connector} connector "
                              f"brings its own transport")
+        if self.encrypt and (self.backend != "grpc" or self.connector != "pdc"):
+            raise ValueError("encrypt: true seals KV inside the project's gRPC streams; backend "
+                             f"{self.backend} with connector {self.connector} would send it in clear")
         return self
 
 

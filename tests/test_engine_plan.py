@@ -26,7 +26,8 @@ def test_prefill_instance_is_a_producer_on_its_own_port():
     assert kv["kv_connector_extra_config"] == {"host": "127.0.0.1", "advertise_host": "127.0.0.1", "port": 19001,
                                                "lease_s": 7.0,
                                                "timeout_s": 3.0, "chunk_bytes": 1 << 20,
-                                               "break_prefix": None, "channel_backend": "gloo"}
+                                               "break_prefix": None, "channel_backend": "gloo",
+                                               "encrypt": False}
     assert kv["kv_load_failure_policy"] == "recompute"
     assert p.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                      **engine_env(["exit_with_parent", "kv_events_curve", "fork_worker"])}

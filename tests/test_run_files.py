@@ -7,9 +7,10 @@ import os
 import threading
 
 import pytest
+from test_spec import minimal
 from test_timeline_views import write_run
 
-from pdcluster.proto.spec import ClusterSpec
+from pdcluster.proto.spec import parse_spec
 from pdcluster.router.run_store import FilePolicy, RunStore, iter_records, load_run
 from pdcluster.router.timeline import RequestRecord
 
@@ -94,5 +95,6 @@ def test_a_torn_last_line_in_the_current_file_is_skipped_a_bad_line_elsewhere_is
     ("record_fsync_s", 0, "record_fsync_s"),
 ])
 def test_the_spec_refuses_a_policy_that_cannot_work(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        ClusterSpec.model_validate({"name": "c", "model": "m", "router": {field: value}})
+    assert parse_spec(minimal(router={field: None if field != "record_file_mb" else 1}))
+    with pytest.raises(ValueError, match=rf"router.{message}"):
+        parse_spec(minimal(router={field: value}))

@@ -28,6 +28,7 @@ class ConnectorSettings:
     chunk_bytes: int = 1 << 20
     break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
     channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
+    encrypt: bool = False  # KV bytes sealed on the gRPC stream (transfer/kv_seal.py)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

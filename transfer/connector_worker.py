@@ -55,9 +55,10 @@ class _Worker:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
             self.server = KvServer(conn.engine_id, self.kv, self.sources, s.host, s.port, s.chunk_bytes,
                                    secret=secret, wait_s=s.timeout_s, break_prefix=s.break_prefix,
-                                   channel_backend=s.channel_backend, advertise=s.advertise_host)
+                                   channel_backend=s.channel_backend, advertise=s.advertise_host,
+                                   require_seal=s.encrypt)
         else:
-            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret)
+            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret, seal=s.encrypt)
 
     def start(self, meta: PdcMetadata) -> None:
         if self.sources is not None:

@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from pdcluster.transfer import kv_transfer_pb2 as pb
+from pdcluster.transfer.kv_seal import StreamSeal
 
 READ_BLOCKS = "/pdcluster.transfer.KvTransfer/ReadBlocks"
 _LEN = struct.Struct("<I")
@@ -30,17 +31,22 @@ _LEN = struct.Struct("<I")
 @dataclass(frozen=True)
 class Frame:
     chunk: pb.KvChunk  # layer, group, first, count, tag (its data field unused)
-    data: memoryview  # the blocks' bytes, a view into the received message (empty over a data channel)
+    data: memoryview  # the blocks' bytes (sealed: and the tag), a view into the received message
+    head: memoryview  # length and header as sent: a sealed frame's associated data
 
 
-def encode(chunk: pb.KvChunk, blocks: torch.Tensor | Sequence[memoryview] | None = None) -> bytes:
-    """The frame of `chunk` carrying `blocks`: a tensor of them, or their bytes as views in order."""
+def encode(chunk: pb.KvChunk, blocks: torch.Tensor | Sequence[memoryview] | None = None,
+           seal: StreamSeal | None = None) -> bytes:
+    """The frame of `chunk` carrying `blocks`: a tensor of them, or their bytes as views in order;
+    sealed by the stream's `seal` when given (transfer/kv_seal.py)."""
     header = chunk.SerializeToString()
     head = _LEN.pack(len(header)) + header
     if blocks is None:
         return head
     if isinstance(blocks, torch.Tensor):
         blocks = (memoryview(blocks.contiguous().reshape(-1).view(torch.uint8).numpy()),)
+    if seal is not None:
+        return seal.seal(head, blocks)
     # join copies each part once, straight into the frame (gRPC takes bytes, not bytearray or memoryview).
     return b"".join((head, *blocks))
 
@@ -48,7 +54,8 @@ def encode(chunk: pb.KvChunk, blocks: torch.Tensor | Sequence[memoryview] | None
 def decode(frame: bytes) -> Frame:
     (n,) = _LEN.unpack_from(frame)
     view = memoryview(frame)
-    return Frame(pb.KvChunk.FromString(view[_LEN.size:_LEN.size + n]), view[_LEN.size + n:])
+    end = _LEN.size + n
+    return Frame(pb.KvChunk.FromString(view[_LEN.size:end]), view[end:], view[:end])
 
 
 def read_blocks_handler(behaviour) -> grpc.RpcMethodHandler:

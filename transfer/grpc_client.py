@@ -29,6 +29,7 @@ from pdcluster.transfer.channels import ChannelPool, is_stale_channel
 from pdcluster.transfer.dist_channel import PairBusy, Pending, TensorChannel
 from pdcluster.transfer.grpc_auth import REFUSED_HINT, GrpcAuth, grpc_authenticated_channel, is_refusal
 from pdcluster.transfer.grpc_server import GRPC_OPTIONS, SEND_WINDOW, layout_of
+from pdcluster.transfer.kv_seal import SealError, StreamSeal, kv_seal_key, new_stream_nonce
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.plan import TransferPlan
@@ -85,11 +86,13 @@ class KvFetcher:
     stream then only announces; otherwise the bytes come inside the stream."""
 
     def __init__(self, engine_id: str, kv: PagedKv, timeout_s: float, max_workers: int = 4, *, secret: str,
-                 max_waiting: int = MAX_WAITING_LOADS):
+                 max_waiting: int = MAX_WAITING_LOADS, seal: bool = False):
         """A load waits for one of `max_workers` threads; past `max_waiting` loads waiting, a new
         one fails at once (its request recomputes or fails, per transfer.on_failure) rather than
         join a queue it would only leave after its time is up. Each load has `timeout_s` from
-        its submission, its wait for a thread included."""
+        its submission, its wait for a thread included. `seal`: ask P to seal each stream's bytes
+        (kv_seal.py; spec transfer.encrypt)."""
+        self._seal_key = kv_seal_key(secret) if seal else None
         from pdcluster.transfer.dist_liveness import channel_liveness_key
 
         tune_malloc_for_transfer()
@@ -216,6 +219,9 @@ class KvFetcher:
         # Every (layer, block) of the plan must arrive exactly once.
         expected = {layer.name: job.plan.groups[layer.group].num_blocks
                     for layer in self._kv.layers.values() if job.plan.groups[layer.group].num_blocks}
+        if self._seal_key is not None and job.handle.transport != "grpc":
+            raise TransferError(f"transfer.encrypt seals KV inside gRPC streams; transport {job.handle.transport} "
+                                "would send it in clear")
         for attempt in (1, 2):
             channel = None
             if job.handle.transport == "torch_dist":
@@ -249,6 +255,10 @@ class KvFetcher:
                  deadline: float) -> None:
         received: dict[str, set[int]] = {name: set() for name in expected}
         in_flight: deque[Pending] = deque()
+        seal = None
+        if self._seal_key is not None:  # a new stream nonce, so a new key, for every stream
+            request.seal = new_stream_nonce()
+            seal = StreamSeal(self._seal_key, request.seal)
         call = stub.ReadBlocks(request, timeout=max(0.01, deadline - time.monotonic()))
         with self._lock:
             self._calls[job.request_id] = call
@@ -266,7 +276,11 @@ class KvFetcher:
             if indices & received[chunk.layer]:
                 raise TransferError(f"P sent blocks {chunk.first}..{chunk.first + chunk.count} of {chunk.layer} twice")
             if channel is None:
-                self._kv.write(chunk.layer, local, frame.data)
+                try:
+                    data = frame.data if seal is None else seal.open(frame.head, frame.data)
+                except SealError as err:
+                    raise TransferError(f"P {job.handle.address}: {err}") from None
+                self._kv.write(chunk.layer, local, data)
             else:
                 if len(in_flight) >= SEND_WINDOW:
                     in_flight.popleft().wait()

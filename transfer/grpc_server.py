@@ -35,6 +35,7 @@ from pdcluster.transfer.channel_store import StoreError
 from pdcluster.transfer.channels import STALE_CHANNEL, ChannelHost
 from pdcluster.transfer.dist_channel import ChannelError, Pending, TensorChannel
 from pdcluster.transfer.grpc_auth import GrpcAuth, grpc_server_interceptor
+from pdcluster.transfer.kv_seal import SealError, StreamSeal, kv_seal_key
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
@@ -93,7 +94,11 @@ UNARY_THREADS = 4
 class KvTransferService(pb_grpc.KvTransferServicer):
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, chunk_bytes: int, wait_s: float,
                  break_prefix: str | None = None, channels: ChannelHost | None = None,
-                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES, max_streams: int = MAX_STREAMS):
+                 channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES, max_streams: int = MAX_STREAMS,
+                 seal_key: bytes = b"", require_seal: bool = False):
+        """`seal_key`: sealed streams' (kv_seal.py), for the D that ask; `require_seal`: refuse the
+        others (spec transfer.encrypt)."""
+        self._seal_key, self._require_seal = seal_key, require_seal
         self._streams = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self._engine_id = engine_id
@@ -145,12 +150,13 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         try:
             wanted = {gb.group: list(gb.block_indices) for gb in request.groups if gb.block_indices}
             self._check(src, wanted, context)
+            seal = self._seal(request, context)
             channel = self._channel(request, context)
             if channel is not None and (why := channel.unusable) is not None:
                 self._channels.drop(request.channel)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{STALE_CHANNEL} {request.channel!r}: {why}")
             try:
-                yield from self._stream(src, wanted, context, channel, request.first_tag)
+                yield from self._stream(src, wanted, context, channel, request.first_tag, seal)
             except ChannelError as err:
                 self._channels.drop(request.channel)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: {err}")
@@ -161,6 +167,20 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                 raise
         finally:
             self._sources.unpin(src)
+
+    def _seal(self, request: pb.ReadBlocksRequest, context) -> StreamSeal | None:
+        if not request.seal:
+            if self._require_seal:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"P {self._engine_id} sends KV sealed only "
+                              f"(transfer.encrypt): transfer {request.transfer_id} asked for it in clear")
+            return None
+        if request.channel:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sealed KV travels inside the gRPC stream; "
+                          "a torch_dist channel sends it as it is (transfer.encrypt needs backend grpc)")
+        try:
+            return StreamSeal(self._seal_key, request.seal)
+        except SealError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
     def _channel(self, request: pb.ReadBlocksRequest, context) -> TensorChannel | None:
         if not request.channel:
@@ -183,7 +203,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                               f"not ascending or past the prompt's {num_blocks} blocks")
 
     def _stream(self, src: Source, wanted: dict[int, list[int]], context, channel: TensorChannel | None = None,
-                first_tag: int = 0):
+                first_tag: int = 0, seal: StreamSeal | None = None):
         """Chunks as they become ready: with the bytes inside, or announcing the tag they
         go under on `channel` (chunk k: first_tag + k; at most SEND_WINDOW in flight)."""
         in_flight: deque[Pending] = deque()
@@ -205,7 +225,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                         context.abort(grpc.StatusCode.UNAVAILABLE, f"transfer {src.transfer_id}: injected fault")
                     chunk = pb.KvChunk(layer=info.name, group=info.group, first=first, count=count)
                     if channel is None:
-                        yield self._frame(src, info, indices[first:first + count], chunk, context)
+                        yield self._frame(src, info, indices[first:first + count], chunk, context, seal)
                     else:
                         blocks = self._gather(src, info, indices[first:first + count], context)
                         chunk.tag = first_tag + chunks_posted
@@ -246,12 +266,14 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
             return self._kv.gather(info.name, self._block_ids(src, info, indices, context))
 
-    def _frame(self, src: Source, info: LayerInfo, indices: list[int], chunk: pb.KvChunk, context) -> bytes:
-        """The chunk's frame, its blocks copied once: from P's cache straight into the frame."""
+    def _frame(self, src: Source, info: LayerInfo, indices: list[int], chunk: pb.KvChunk, context,
+               seal: StreamSeal | None) -> bytes:
+        """The chunk's frame, its blocks copied once: from P's cache straight into the frame (sealed:
+        encrypted into it, then joined)."""
         with src.copy_lock:  # the views read the cache itself: P may not reuse the blocks meanwhile
             ids = self._block_ids(src, info, indices, context)
             runs = self._kv.byte_runs(info.name, ids)
-            return frames.encode(chunk, runs if runs is not None else self._kv.gather_to_host(info.name, ids))
+            return frames.encode(chunk, runs if runs is not None else self._kv.gather_to_host(info.name, ids), seal)
 
     def Release(self, request: pb.ReleaseRequest, context):
         return pb.ReleaseReply(known=self._sources.release(request.transfer_id))
@@ -278,7 +300,7 @@ class KvServer:
     def __init__(self, engine_id: str, kv: PagedKv, sources: SourceTable, host: str, port: int, chunk_bytes: int,
                  *, secret: str, wait_s: float = 30.0, break_prefix: str | None = None,
                  channel_backend: str | None = None, channel_chunk_bytes: int = CHANNEL_CHUNK_BYTES,
-                 max_streams: int = MAX_STREAMS, advertise: str | None = None):
+                 max_streams: int = MAX_STREAMS, advertise: str | None = None, require_seal: bool = False):
         from pdcluster.transfer.dist_liveness import channel_liveness_key
 
         tune_malloc_for_transfer()
@@ -291,7 +313,7 @@ class KvServer:
         self._channels = (ChannelHost(advertise or host, channel_backend, wait_s, channel_liveness_key(secret))
                           if channel_backend else None)
         service = KvTransferService(engine_id, kv, sources, chunk_bytes, wait_s, break_prefix, self._channels,
-                                    channel_chunk_bytes, max_streams)
+                                    channel_chunk_bytes, max_streams, kv_seal_key(secret), require_seal)
         self._server.add_generic_rpc_handlers((_handlers(service),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12pdcluster.transfer\"\x0f\n\rLayoutRequest\"N\n\x0bLayerLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"L\n\x06Layout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12/\n\x06layers\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.LayerLayout\"3\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\r\x12\x15\n\rblock_indices\x18\x02 \x03(\r\"}\n\x11ReadBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.GroupBlocks\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\tfirst_tag\x18\x04 \x01(\x03\"`\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x66irst\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0b\n\x03tag\x18\x06 \x01(\x03\"\"\n\x12OpenChannelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x10OpenChannelReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"g\n\x0cStoreRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x05 \x01(\x03\x12\x0e\n\x06wait_s\x18\x06 \x01(\x01\":\n\nStoreReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0e\n\x06number\x18\x03 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xac\x03\n\nKvTransfer\x12J\n\tGetLayout\x12!.pdcluster.transfer.LayoutRequest\x1a\x1a.pdcluster.transfer.Layout\x12R\n\nReadBlocks\x12%.pdcluster.transfer.ReadBlocksRequest\x1a\x1b.pdcluster.transfer.KvChunk0\x01\x12[\n\x0bOpenChannel\x12&.pdcluster.transfer.OpenChannelRequest\x1a$.pdcluster.transfer.OpenChannelReply\x12P\n\x0c\x43hannelStore\x12 .pdcluster.transfer.StoreRequest\x1a\x1e.pdcluster.transfer.StoreReply\x12O\n\x07Release\x12\".pdcluster.transfer.ReleaseRequest\x1a .pdcluster.transfer.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12pdcluster.transfer\"\x0f\n\rLayoutRequest\"N\n\x0bLayerLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"L\n\x06Layout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12/\n\x06layers\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.LayerLayout\"3\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\r\x12\x15\n\rblock_indices\x18\x02 \x03(\r\"\x8b\x01\n\x11ReadBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12/\n\x06groups\x18\x02 \x03(\x0b\x32\x1f.pdcluster.transfer.GroupBlocks\x12\x0f\n\x07\x63hannel\x18\x03 \x01(\t\x12\x11\n\tfirst_tag\x18\x04 \x01(\x03\x12\x0c\n\x04seal\x18\x05 \x01(\x0c\"`\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05\x66irst\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0b\n\x03tag\x18\x06 \x01(\x03\"\"\n\x12OpenChannelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x10OpenChannelReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\tJ\x04\x08\x01\x10\x02\"g\n\x0cStoreRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x05 \x01(\x03\x12\x0e\n\x06wait_s\x18\x06 \x01(\x01\":\n\nStoreReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0e\n\x06number\x18\x03 \x01(\x03\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xac\x03\n\nKvTransfer\x12J\n\tGetLayout\x12!.pdcluster.transfer.LayoutRequest\x1a\x1a.pdcluster.transfer.Layout\x12R\n\nReadBlocks\x12%.pdcluster.transfer.ReadBlocksRequest\x1a\x1b.pdcluster.transfer.KvChunk0\x01\x12[\n\x0bOpenChannel\x12&.pdcluster.transfer.OpenChannelRequest\x1a$.pdcluster.transfer.OpenChannelReply\x12P\n\x0c\x43hannelStore\x12 .pdcluster.transfer.StoreRequest\x1a\x1e.pdcluster.transfer.StoreReply\x12O\n\x07Release\x12\".pdcluster.transfer.ReleaseRequest\x1a .pdcluster.transfer.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,22 +39,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUT']._serialized_end=214
   _globals['_GROUPBLOCKS']._serialized_start=216
   _globals['_GROUPBLOCKS']._serialized_end=267
-  _globals['_READBLOCKSREQUEST']._serialized_start=269
-  _globals['_READBLOCKSREQUEST']._serialized_end=394
-  _globals['_KVCHUNK']._serialized_start=396
-  _globals['_KVCHUNK']._serialized_end=492
-  _globals['_OPENCHANNELREQUEST']._serialized_start=494
-  _globals['_OPENCHANNELREQUEST']._serialized_end=528
-  _globals['_OPENCHANNELREPLY']._serialized_start=530
-  _globals['_OPENCHANNELREPLY']._serialized_end=571
-  _globals['_STOREREQUEST']._serialized_start=573
-  _globals['_STOREREQUEST']._serialized_end=676
-  _globals['_STOREREPLY']._serialized_start=678
-  _globals['_STOREREPLY']._serialized_end=736
-  _globals['_RELEASEREQUEST']._serialized_start=738
-  _globals['_RELEASEREQUEST']._serialized_end=775
-  _globals['_RELEASEREPLY']._serialized_start=777
-  _globals['_RELEASEREPLY']._serialized_end=806
-  _globals['_KVTRANSFER']._serialized_start=809
-  _globals['_KVTRANSFER']._serialized_end=1237
+  _globals['_READBLOCKSREQUEST']._serialized_start=270
+  _globals['_READBLOCKSREQUEST']._serialized_end=409
+  _globals['_KVCHUNK']._serialized_start=411
+  _globals['_KVCHUNK']._serialized_end=507
+  _globals['_OPENCHANNELREQUEST']._serialized_start=509
+  _globals['_OPENCHANNELREQUEST']._serialized_end=543
+  _globals['_OPENCHANNELREPLY']._serialized_start=545
+  _globals['_OPENCHANNELREPLY']._serialized_end=586
+  _globals['_STOREREQUEST']._serialized_start=588
+  _globals['_STOREREQUEST']._serialized_end=691
+  _globals['_STOREREPLY']._serialized_start=693
+  _globals['_STOREREPLY']._serialized_end=751
+  _globals['_RELEASEREQUEST']._serialized_start=753
+  _globals['_RELEASEREQUEST']._serialized_end=790
+  _globals['_RELEASEREPLY']._serialized_start=792
+  _globals['_RELEASEREPLY']._serialized_end=821
+  _globals['_KVTRANSFER']._serialized_start=824
+  _globals['_KVTRANSFER']._serialized_end=1252
 # @@protoc_insertion_point(module_scope)

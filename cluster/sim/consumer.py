@@ -81,7 +81,7 @@ class _NotifyingFetcher(KvFetcher):
 
 class ConsumerSide(KvHooks):
     def __init__(self, engine_id: str, components: tuple[Component, ...], kv: RecordingPagedKv, block_size: int,
-                 cost, timeout_s: float, loop: asyncio.AbstractEventLoop, secret: str):
+                 cost, timeout_s: float, loop: asyncio.AbstractEventLoop, secret: str, seal: bool = False):
         self.components = components
         self.kv = kv
         self.block_size = block_size
@@ -90,7 +90,7 @@ class ConsumerSide(KvHooks):
         self.loop = loop
         self.scheduler: Scheduler | None = None
         self.fetcher = _NotifyingFetcher(engine_id, kv, timeout_s, max_workers=FETCH_THREADS, secret=secret,
-                                         on_done=lambda rid: loop.call_soon_threadsafe(self._collect))
+                                         seal=seal, on_done=lambda rid: loop.call_soon_threadsafe(self._collect))
         self.handles: dict[str, TransferHandle] = {}
         self.loads: dict[str, _Load] = {}
         self._planned: dict[str, tuple[GroupPlan, ...]] = {}

@@ -101,7 +101,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
             self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, self.address.bind, kv_port,
                                          t.chunk_bytes, t.lease_s, t.timeout_s, t.break_transfers_with_prefix,
                                          DEVICES[spec.device].collective_backend, spec.secret(),
-                                         advertise=self.address.advertise)
+                                         advertise=self.address.advertise, require_seal=t.encrypt)
         else:
             self._d_kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale, RecordingPagedKv)
         self.publisher = self._event_publisher()
@@ -130,7 +130,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
             if self.role == "decode":
                 hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, self._d_kv,
                                                      self.config.block_size, self.cost, self.spec.transfer.timeout_s,
-                                                     loop, self.spec.secret())
+                                                     loop, self.spec.secret(), self.spec.transfer.encrypt)
             self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish)
             hooks.scheduler = self.scheduler
             self._task = loop.create_task(self.scheduler.run())

@@ -23,14 +23,16 @@ from pdcluster.transfer.sources import SourceTable, TransferIds
 class ProducerSide(KvHooks):
     def __init__(self, engine_id: str, components: tuple[Component, ...], kv: PagedKv, block_size: int,
                  host: str, port: int, chunk_bytes: int, lease_s: float, timeout_s: float,
-                 break_prefix: str | None, channel_backend: str | None, secret: str, advertise: str | None = None):
+                 break_prefix: str | None, channel_backend: str | None, secret: str, advertise: str | None = None,
+                 require_seal: bool = False):
         self.components = components
         self.kv = kv
         self.block_size = block_size
         self.lease_s = lease_s
         self.sources = SourceTable({c.name: i for i, c in enumerate(components)}, (block_size,) * len(components))
         self.server = KvServer(engine_id, kv, self.sources, host, port, chunk_bytes, secret=secret, wait_s=timeout_s,
-                               break_prefix=break_prefix, channel_backend=channel_backend, advertise=advertise)
+                               break_prefix=break_prefix, channel_backend=channel_backend, advertise=advertise,
+                               require_seal=require_seal)
         self.scheduler: Scheduler | None = None
         self.transfer_ids: dict[str, str] = {}  # request id -> the transfer it produces
         self.ids_in_use = TransferIds(lease_s)  # the transfer ids in use (the engine's prefill takes each)
