@@ -290,6 +290,11 @@ class RouterSpec(_Strict):
                                                           "headers gets a 408")
     client_stall_s: float = Field(HttpLimits.stall_s, gt=0, description="a streaming client that takes nothing for this long "
                                                           "has its request ended, as if it had gone")
+    # router/http_protocol.py: what a connection may hold before it is a request.
+    header_timeout_s: float = Field(10.0, gt=0, le=600, description="a connection whose request headers are not "
+                                    "complete this long after it opened (or after its last response) is closed")
+    max_connections: int = Field(4096, ge=1, description="HTTP connections a router process keeps open; one past "
+                                 "it is closed at once (capped below the process's file limit)")
     # router/pending_blocks.py: a prefix being prefilled counts as held where it was routed,
     # so the requests of a new family arriving meanwhile go behind it and hit.
     track_pending: bool = Field(True, description="count the blocks of routed requests as held before their KV "

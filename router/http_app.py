@@ -164,7 +164,9 @@ class HttpApp:
         self.routes: dict[tuple[str, str], Handler] = {}
         self._api_keys: tuple[bytes, ...] = ()  # empty: no key asked for
         self._open_paths: frozenset[str] = frozenset()
-        self.refused = 0  # requests answered 401 (no valid key): the router's /metrics counts them
+        # Requests answered 401 (no valid key), and connections closed before their headers
+        # (router/http_protocol.py): the router's /metrics counts them.
+        self.refused = 0
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         assert (method, path) not in self.routes, f"{method} {path} is routed twice"
@@ -177,6 +179,9 @@ class HttpApp:
         assert all(keys), "an empty API key would let anyone in"
         self._api_keys = tuple(f"Bearer {k}".encode("latin-1") for k in keys)
         self._open_paths = frozenset(open_paths)
+
+    def refused_one(self) -> None:
+        self.refused += 1
 
     def _authorized(self, scope: dict) -> bool:
         if not self._api_keys or scope["path"] in self._open_paths:

@@ -21,6 +21,7 @@ from pdcluster.proto.names import NAMESPACE
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
+from pdcluster.router.http_protocol import bounded_http, connection_cap
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
@@ -255,8 +256,9 @@ class RouterActor:
         # the collector's full passes, each of which held the event loop ~200 ms over such a heap.
         gc.freeze()
         # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
+        http = bounded_http(r.header_timeout_s, connection_cap(r.max_connections), self.app.refused_one)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
-                                                     access_log=False, proxy_headers=False,
+                                                     access_log=False, proxy_headers=False, http=http,
                                                      timeout_graceful_shutdown=1))
         self._task = asyncio.create_task(self._server.serve(sockets=None if listening is None else [listening]))
         while not self._server.started:
