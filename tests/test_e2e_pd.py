@@ -209,6 +209,14 @@ def test_idle_calls_without_the_secret_to_ps_kv_service_delay_no_request_and_met
     assert refused >= 100
 
 
+def test_the_sessions_ray_requires_its_token_as_the_multi_host_check_asks(cluster):
+    """The local Ray the e2e tests share is started as `pdc up` starts one (token auth on): the
+    bare call check_ray_auth makes is refused there (tests/test_ray_settings.py: the logic)."""
+    from pdcluster.cluster.ray_settings import ray_requires_token
+
+    assert ray_requires_token(ray.get_runtime_context().gcs_address)
+
+
 def test_no_kv_block_leaks_after_requests(cluster):
     # P frees a request's blocks when D releases its lease; D frees at finish.
     assert_no_kv_in_use(cluster, 10)
