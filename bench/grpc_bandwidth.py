@@ -15,6 +15,8 @@ import multiprocessing as mp
 import statistics
 import time
 
+from pdcluster.bench.stream_common import BENCH_SECRET
+
 LAYERS = 2
 BLOCK_SHAPE = (2, 128, 128)  # the tiny Qwen3's block, float32: 128 KiB a layer
 
@@ -34,7 +36,7 @@ def _serve(num_blocks: int, chunk_bytes: int, lease_ids: list[int], ready, stop)
     layers = {f"layer.{i}": 0 for i in range(LAYERS)}
     kv = PagedKv(_tensors(num_blocks, fill=True), layers, num_blocks)
     sources = SourceTable(layers, (BLOCK_SHAPE[1],))
-    server = KvServer("bench-P", kv, sources, "127.0.0.1", 0, chunk_bytes)
+    server = KvServer("bench-P", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=BENCH_SECRET)
     ready.put((server.address, sources_adder(sources, lease_ids)))
     stop.wait()
     server.stop()
@@ -72,7 +74,7 @@ def main() -> None:
         proc.start()
         address, _ = ready.get(timeout=60)
         kv = PagedKv(_tensors(n, fill=False), {f"layer.{i}": 0 for i in range(LAYERS)}, n)
-        fetcher = KvFetcher("bench-D", kv, timeout_s=120)
+        fetcher = KvFetcher("bench-D", kv, timeout_s=120, secret=BENCH_SECRET)
         times = []
         for t in range(a.trials + 1):  # the first pull opens the channel: not timed
             plan = TransferPlan((GroupPlan(0, "full_attention", tuple(range(n)), tuple(range(n))),), 0, n * BLOCK_SHAPE[1])
