@@ -13,7 +13,7 @@ from chromium import chromium_page
 
 from pdcluster.cluster.cli import main
 from pdcluster.cluster.replay.run import BenchConfig
-from pdcluster.cluster.sim.plan import Config, Outcome, Slo, pareto, rank
+from pdcluster.cluster.sim.plan import MISS, Config, Outcome, Slo, all_requests_percentile, pareto, rank
 from pdcluster.proto.spec import load_spec
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -22,15 +22,51 @@ LOAD = ["--input-len", "32772", "--shared-prefix-ratio", str(29 * 1024 / 32772),
         "--num-prefixes", "6", "--num-requests", "36", "--max-concurrency", "16", "--request-rate", "6"]
 
 
-def outcome(prefill: int, ttft: float, tpot: float, goodput: float, met: bool) -> Outcome:
+def outcome(prefill: int, ttft: float, tpot: float, goodput: float, met: bool, failed: int = 0) -> Outcome:
     return Outcome(Config(prefill, 8 - prefill, 8192, 16, "prefix_aware", None), ttft, tpot, ttft + 1, 1.0, goodput,
-                   met, 0, 0.9, 10.0, 0.1)
+                   met, failed, 0.9, 10.0, 0.1)
 
 
 def test_ranking_puts_the_slo_first_then_goodput_per_device():
     a, b, c = outcome(2, 3.0, 0.010, 0.9, False), outcome(4, 1.0, 0.012, 0.3, True), outcome(6, 0.8, 0.011, 0.5, True)
     assert rank([a, b, c]) == [c, b, a]
     assert pareto([a, b, c]) == [c, a]  # b is beaten on both by c
+
+
+def test_a_configuration_that_sheds_load_never_outranks_one_that_serves_all():
+    """Issue 27 item 3: P14:D2 ranked first while it refused 288 of 640 requests."""
+    shedding = outcome(7, 0.5, 0.005, 0.9, True, failed=3)  # faster on what it served, more goodput
+    serving_all = outcome(4, 1.4, 0.006, 0.6, True)
+    missing = outcome(2, 0.4, 0.004, 1.0, False)
+    assert rank([shedding, missing, serving_all]) == [serving_all, shedding, missing]
+
+
+@pytest.mark.parametrize("values, q, want", [
+    ([0.1, 0.2, 0.3, 0.4], 50, 0.25),  # no miss: the bench's linear percentile
+    ([0.1, 0.2, 0.3, MISS], 50, 0.25),  # the rank stops short of the miss
+    ([0.1, 0.2, MISS, MISS], 50, MISS),  # it reaches one: the percentile is a miss
+    ([0.1] * 9 + [MISS], 90, MISS),  # 10% refused: p90 falls between a served one and a refused one
+    ([0.1] * 10 + [MISS], 90, 0.1),  # 1 in 11: p90 lands on a served one (rank 9.0)
+    ([MISS], 50, MISS),
+    ([], 90, None),
+])
+def test_percentiles_are_over_every_request_a_refused_one_a_miss(values, q, want):
+    assert all_requests_percentile(values, q) == pytest.approx(want) if want not in (MISS, None) else \
+        all_requests_percentile(values, q) == want
+
+
+def test_a_miss_reads_as_such_in_the_table_and_as_null_in_the_json():
+    import math
+
+    from pdcluster.cluster.sim.plan import Plan
+    from pdcluster.cluster.sim.plan_report import format_table, to_json
+
+    p = Plan(Slo(ttft_s=1.0, tpot_s=0.006), 8, "c90", [outcome(4, 1.4, 0.006, 0.6, True),
+                                                       outcome(6, MISS, MISS, 0.1, False, failed=40)])
+    assert "miss" in format_table(p).splitlines()[-1]
+    second = json.loads(to_json(p))["configurations"][1]  # strict JSON: no Infinity
+    assert second["ttft_s"] is None and second["tpot_s"] is None and second["failed"] == 40
+    assert not math.isinf(json.loads(to_json(p))["configurations"][0]["ttft_s"])
 
 
 def test_an_slo_needs_a_bound_and_a_known_percentile():

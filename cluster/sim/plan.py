@@ -13,8 +13,13 @@ By default the settings are varied one at a time (each at half and twice the spe
 other policy, caps at half and three quarters of the load's concurrency) on the best split, so
 a 16-device C90 plan is 18 runs; `--splits`, `--budgets` etc. name values to cross instead.
 
+Every request sent counts (issue 27 item 3): the SLO's percentiles are over all formal requests,
+a refused (429) or failed one a miss (an infinite TTFT and TPOT), so a configuration that sheds
+more than the percentile allows misses the SLO however fast it served the rest.
+
 Ranking (`rank`): first whether the SLO holds (TTFT and TPOT at the SLO's percentile, and the
-request throughput if one is asked for), then goodput per device (formal requests that met
+request throughput if one is asked for), then whether every request was served (one that sheds
+load never outranks one that serves all), then goodput per device (formal requests that met
 both latency targets, per second of the formal window, per device), then the TTFT percentile.
 """
 
@@ -22,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pdcluster.cluster.replay.metrics import per_request, percentile
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
@@ -129,18 +136,41 @@ def variations(around: Config, load_concurrency: int) -> list[Config]:
     return out
 
 
+MISS = math.inf  # a refused or failed request's TTFT and TPOT: it missed any bound
+
+
+def all_requests_percentile(values: Sequence[float], q: float) -> float | None:
+    """The linear percentile (as the bench's, cluster/replay/metrics.py) over every request, misses
+    as MISS: infinite once the rank reaches them. None: no values."""
+    v = sorted(values)
+    if not v:
+        return None
+    h = (len(v) - 1) * q / 100
+    lo = math.floor(h)
+    hi = min(lo + 1, len(v) - 1)
+    if v[hi] == MISS:  # on the first miss's rank or past it: a miss; exactly on the last served: it
+        return MISS if h > lo or v[lo] == MISS else v[lo]
+    return percentile(v, q)
+
+
 def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome:
     s = run.summaries["formal"]
-    key = PERCENTILES[slo.percentile]
-    ttft = getattr(s.stats["TTFT"], key)
-    tpot = getattr(s.stats["TPOT"], key)
-    good = 0
+    ttfts, tpots, good = [], [], 0
     for r in run.results:
-        if r.phase != "formal" or not r.ok or not r.chunk_s:
+        if r.phase != "formal":
             continue
-        first = r.chunk_s[0] - r.start_s
-        per_token = (r.end_s - r.chunk_s[0]) / (len(r.chunk_s) - 1) if len(r.chunk_s) > 1 else 0.0
-        good += (slo.ttft_s is None or first <= slo.ttft_s) and (slo.tpot_s is None or per_token <= slo.tpot_s)
+        m = per_request(r) if r.ok and r.chunk_s else None
+        if m is None:  # refused, failed or nothing streamed: a miss on both
+            ttfts.append(MISS)
+            tpots.append(MISS)
+            continue
+        ttfts.append(m.ttft_s)
+        if m.tpot_s is not None:  # one output token has no TPOT
+            tpots.append(m.tpot_s)
+        good += ((slo.ttft_s is None or m.ttft_s <= slo.ttft_s)
+                 and (slo.tpot_s is None or m.tpot_s is None or m.tpot_s <= slo.tpot_s))
+    ttft = all_requests_percentile(ttfts, slo.percentile)
+    tpot = all_requests_percentile(tpots, slo.percentile)
     duration = s.benchmark_duration_s or float("inf")
     throughput = s.request_throughput_per_s or 0.0
     met = (s.success_requests > 0 and (slo.ttft_s is None or (ttft is not None and ttft <= slo.ttft_s))
@@ -152,8 +182,8 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
 
 def pareto(outcomes: list[Outcome]) -> list[Outcome]:
     """The configurations no other beats on both TTFT and TPOT, by TTFT."""
-    pts = sorted((o for o in outcomes if o.ttft_s is not None and o.tpot_s is not None),
-                 key=lambda o: (o.ttft_s, o.tpot_s))
+    pts = sorted((o for o in outcomes if o.ttft_s is not None and o.tpot_s is not None
+                  and MISS not in (o.ttft_s, o.tpot_s)), key=lambda o: (o.ttft_s, o.tpot_s))
     front, best_tpot = [], float("inf")
     for o in pts:
         if o.tpot_s < best_tpot:
@@ -163,7 +193,7 @@ def pareto(outcomes: list[Outcome]) -> list[Outcome]:
 
 
 def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
-    return sorted(outcomes, key=lambda o: (not o.slo_met, -o.goodput_per_device,
+    return sorted(outcomes, key=lambda o: (not o.slo_met, o.failed > 0, -o.goodput_per_device,
                                            o.ttft_s if o.ttft_s is not None else float("inf")))
 
 

@@ -10,11 +10,12 @@ import html
 import json
 from pathlib import Path
 
-from pdcluster.cluster.sim.plan import PERCENTILES, Outcome, Plan, pareto
+from pdcluster.cluster.sim.plan import MISS, PERCENTILES, Outcome, Plan, pareto
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1e3:,.1f}"
+    """A latency in ms; "miss" where the percentile falls on refused or failed requests."""
+    return "-" if v is None else "miss" if v == MISS else f"{v * 1e3:,.1f}"
 
 
 def rows(p: Plan) -> list[list[str]]:
@@ -52,8 +53,9 @@ def slo_text(p: Plan) -> str:
 
 
 def to_json(p: Plan) -> str:
-    def outcome(o: Outcome) -> dict:
-        return dataclasses.asdict(o) | {"label": o.config.label}
+    def outcome(o: Outcome) -> dict:  # a percentile on refused or failed requests: null (JSON has no inf)
+        d = dataclasses.asdict(o) | {"label": o.config.label}
+        return {k: None if v == MISS else v for k, v in d.items()}
     return json.dumps({"devices": p.devices, "workload": p.workload, "slo": dataclasses.asdict(p.slo),
                        "chosen": outcome(p.chosen), "configurations": [outcome(o) for o in p.outcomes]}, indent=1)
 
@@ -62,7 +64,8 @@ W, H, PAD = 760, 460, 64
 
 
 def _svg(p: Plan) -> str:
-    pts = [o for o in p.outcomes if o.ttft_s is not None and o.tpot_s is not None]
+    pts = [o for o in p.outcomes
+           if o.ttft_s is not None and o.tpot_s is not None and MISS not in (o.ttft_s, o.tpot_s)]
     if not pts:
         return "<p>No configuration finished a request: nothing to plot.</p>"
     xs = [o.ttft_s for o in pts] + ([p.slo.ttft_s] if p.slo.ttft_s else [])
@@ -102,7 +105,7 @@ def _svg(p: Plan) -> str:
         parts.append(f'<circle cx="{x(o.ttft_s):.1f}" cy="{y(o.tpot_s):.1f}" r="5" class="point {cls}">'
                      f'<title>{tip}</title></circle>')
     c = p.chosen
-    if c.ttft_s is not None and c.tpot_s is not None:
+    if c in pts:
         parts.append(f'<circle id="chosen" cx="{x(c.ttft_s):.1f}" cy="{y(c.tpot_s):.1f}" r="11" class="chosen"/>')
         parts.append(f'<text x="{x(c.ttft_s) + 14:.1f}" y="{y(c.tpot_s) - 10:.1f}" class="label">chosen: '
                      f'P{c.config.prefill}:D{c.config.decode}</text>')
