@@ -10,32 +10,18 @@ import pytest
 import torch
 from test_spec import minimal
 from transfer_fakes import (
-    D_BLOCKS,
-    GROUPS,
     LAYERS,
-    LAYOUTS,
-    P_BLOCKS,
     SECRET,
-    SOURCE_WAIT_S,
-    TIMEOUT_S,
-    D,
-    P,
     block,
     make_job,
     offer,
-    source_caches,
     wait_results,
-    zero_caches,
 )
 
 from pdcluster.proto.spec import parse_spec
 from pdcluster.transfer import frames
 from pdcluster.transfer import kv_transfer_pb2 as pb
-from pdcluster.transfer.grpc_client import KvFetcher
-from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.kv_seal import SealError, StreamSeal, kv_seal_key, new_stream_nonce
-from pdcluster.transfer.paged_kv import PagedKv
-from pdcluster.transfer.sources import SourceTable
 
 KEY = kv_seal_key(SECRET)
 MARK = b"prompt-kv-bytes!" * 64  # what a block holds, recognisable on the wire
@@ -88,29 +74,8 @@ def test_a_stream_nonce_of_another_length_is_refused():
         StreamSeal(KEY, b"abc")
 
 
-@pytest.fixture
-def sealed_pair():
-    made = []
-
-    def make(require_seal: bool, seal: bool) -> tuple[P, D]:
-        shape_fn, block_dim = LAYOUTS["cpu"]
-        caches = source_caches(shape_fn(P_BLOCKS))
-        kv, sources = PagedKv(caches, GROUPS, P_BLOCKS), SourceTable(GROUPS, (16,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, 4096, secret=SECRET, wait_s=SOURCE_WAIT_S,
-                          require_seal=require_seal)
-        dst = zero_caches(shape_fn(D_BLOCKS))
-        fetcher = KvFetcher("d0", PagedKv(dst, GROUPS, D_BLOCKS), TIMEOUT_S, secret=SECRET, seal=seal)
-        made.append((server, fetcher))
-        return P(caches, kv, sources, server, block_dim), D(dst, None, fetcher, block_dim)
-
-    yield make
-    for server, fetcher in made:
-        server.stop()
-        fetcher.stop()
-
-
-def test_a_sealed_pull_in_many_chunks_is_exact(sealed_pair):
-    p, d = sealed_pair(require_seal=True, seal=True)
+def test_a_sealed_pull_in_many_chunks_is_exact(make_p, make_d):
+    p, d = make_p(chunk_bytes=4096, require_seal=True), make_d(seal=True)
     offer(p, "r1", (2, 5, 7, 9))
     d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (3, 4, 8, 15)))
     assert wait_results(d.fetcher, {"d-r1"}).failed == set()
@@ -119,8 +84,8 @@ def test_a_sealed_pull_in_many_chunks_is_exact(sealed_pair):
             assert torch.equal(block(d.caches[name], d.block_dim, lb), block(p.caches[name], p.block_dim, pb_id))
 
 
-def test_a_p_that_seals_refuses_a_d_asking_in_clear(sealed_pair, caplog):
-    p, d = sealed_pair(require_seal=True, seal=False)
+def test_a_p_that_seals_refuses_a_d_asking_in_clear(make_p, make_d, caplog):
+    p, d = make_p(chunk_bytes=4096, require_seal=True), make_d()
     offer(p, "r1", (2, 5))
     caplog.set_level(logging.WARNING)
     d.fetcher.submit(make_job(p.server.address, (0, 1), (3, 4)))

@@ -160,12 +160,13 @@ class D:
 def make_p():
     servers = []
 
-    def make(layout="cpu", chunk_bytes=1 << 20) -> P:
+    def make(layout="cpu", chunk_bytes=1 << 20, require_seal=False) -> P:
         shape_fn, block_dim = LAYOUTS[layout]
         caches = source_caches(shape_fn(P_BLOCKS))
         kv = PagedKv(caches, GROUPS, P_BLOCKS)
         sources = SourceTable(GROUPS, (BLOCK_SIZE,))
-        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=SOURCE_WAIT_S)
+        server = KvServer("p0", kv, sources, "127.0.0.1", 0, chunk_bytes, secret=SECRET, wait_s=SOURCE_WAIT_S,
+                          require_seal=require_seal)
         servers.append(server)
         return P(caches, kv, sources, server, block_dim)
 
@@ -178,11 +179,11 @@ def make_p():
 def make_d():
     fetchers = []
 
-    def make(layout="cpu", caches=None, timeout_s=TIMEOUT_S, max_workers=4) -> D:
+    def make(layout="cpu", caches=None, timeout_s=TIMEOUT_S, max_workers=4, seal=False) -> D:
         shape_fn, block_dim = LAYOUTS[layout]
         caches = caches if caches is not None else zero_caches(shape_fn(D_BLOCKS))
         kv = PagedKv(caches, GROUPS, D_BLOCKS)
-        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers, secret=SECRET)
+        fetcher = KvFetcher("d0", kv, timeout_s, max_workers=max_workers, secret=SECRET, seal=seal)
         fetchers.append(fetcher)
         return D(caches, kv, fetcher, block_dim)
 

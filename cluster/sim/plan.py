@@ -41,6 +41,7 @@ from pdcluster.proto.router_spec import POLICIES, AdmissionSpec
 from pdcluster.proto.spec import ClusterSpec
 
 PERCENTILES = {50: "p50", 75: "p75", 90: "p90", 99: "p99"}
+MISS = math.inf  # a refused or failed request's TTFT and TPOT: it missed any bound
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class Outcome:
     hit_ratio: float | None
     virtual_s: float
     wall_s: float
+
+    @property
+    def measured(self) -> bool:
+        """Both percentiles known and on served requests (neither None nor MISS): a point to plot."""
+        return self.ttft_s is not None and self.tpot_s is not None and MISS not in (self.ttft_s, self.tpot_s)
 
 
 @dataclass
@@ -136,9 +142,6 @@ def variations(around: Config, load_concurrency: int) -> list[Config]:
     return out
 
 
-MISS = math.inf  # a refused or failed request's TTFT and TPOT: it missed any bound
-
-
 def all_requests_percentile(values: Sequence[float], q: float) -> float | None:
     """The linear percentile (as the bench's, cluster/replay/metrics.py) over every request, misses
     as MISS: infinite once the rank reaches them. None: no values."""
@@ -182,8 +185,7 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
 
 def pareto(outcomes: list[Outcome]) -> list[Outcome]:
     """The configurations no other beats on both TTFT and TPOT, by TTFT."""
-    pts = sorted((o for o in outcomes if o.ttft_s is not None and o.tpot_s is not None
-                  and MISS not in (o.ttft_s, o.tpot_s)), key=lambda o: (o.ttft_s, o.tpot_s))
+    pts = sorted((o for o in outcomes if o.measured), key=lambda o: (o.ttft_s, o.tpot_s))
     front, best_tpot = [], float("inf")
     for o in pts:
         if o.tpot_s < best_tpot:

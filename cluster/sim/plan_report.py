@@ -64,8 +64,7 @@ W, H, PAD = 760, 460, 64
 
 
 def _svg(p: Plan) -> str:
-    pts = [o for o in p.outcomes
-           if o.ttft_s is not None and o.tpot_s is not None and MISS not in (o.ttft_s, o.tpot_s)]
+    pts = [o for o in p.outcomes if o.measured]
     if not pts:
         return "<p>No configuration finished a request: nothing to plot.</p>"
     xs = [o.ttft_s for o in pts] + ([p.slo.ttft_s] if p.slo.ttft_s else [])
