@@ -62,6 +62,25 @@ def test_threads_and_a_forked_child_lose_no_count(monkeypatch, tmp_path):
     assert refusal_counts.read().channel_liveness == before + 1100
 
 
+def test_share_removes_only_its_own_directories_whose_maker_is_gone(monkeypatch, tmp_path):
+    """A Ray-killed actor runs no atexit: the next share() on the host removes what it left."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name in (f"pdc-refusals-{gone.pid}-abc", f"pdc-refusals-{os.getpid()}-live", "pdc-refusals-x-y",
+                 f"other-{gone.pid}-abc"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "counts").write_bytes(b"\0" * 8)
+    monkeypatch.setattr(refusal_counts.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(refusal_counts, "_owner", None)
+    monkeypatch.setattr(refusal_counts, "_fd", None)
+    monkeypatch.delenv(refusal_counts.ENV, raising=False)
+    path = refusal_counts.share()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"pdc-refusals-{os.getpid()}-live", "pdc-refusals-x-y", f"other-{gone.pid}-abc",
+                           os.path.basename(os.path.dirname(path))])
+    assert os.path.basename(os.path.dirname(path)).startswith(f"pdc-refusals-{os.getpid()}-")
+
+
 class RefusingEngine(FakeEngine):
     def __init__(self, counts: RefusalCounts | None):
         super().__init__()

@@ -5,7 +5,8 @@ KV-event publisher in vLLM's engine core, the KV service and the channel livenes
 vLLM's worker. The actor calls `share()` before it starts vLLM: a small file in a directory
 only its user can enter, named in the environment its children inherit; every process counts
 its refusals into it (`count`, from auth.py's Refusals) and the actor reads the sum (`read`) for
-the router's /metrics. A process with no shared file counts in memory.
+the router's /metrics. A process with no shared file counts in memory. The directory is removed
+when the actor exits, or, when Ray killed it, by the next share() on the host (`_sweep`).
 
 The file holds one little-endian int64 per plane of PLANES. Several threads and processes add
 to it: each add holds the process's lock and an flock on the file.
@@ -25,6 +26,7 @@ from pdcluster.proto.messages import RefusalCounts
 
 PLANES: tuple[str, ...] = tuple(RefusalCounts.__dataclass_fields__)
 ENV = "PDC_REFUSALS_FILE"
+_PREFIX = "pdc-refusals-"  # + the maker's pid + "-" + mkdtemp's suffix
 _SLOT = struct.Struct("<q")
 
 _lock = threading.Lock()  # holds: _local, _fd, _owner
@@ -39,13 +41,32 @@ def share() -> str:
     with _lock:
         if _owner == os.getpid():
             return os.environ[ENV]
-        where = tempfile.mkdtemp(prefix="pdc-refusals-")  # 0700, ours
+        _sweep(tempfile.gettempdir())
+        where = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")  # 0700, ours
         path = os.path.join(where, "counts")
         with open(path, "wb") as f:
             f.write(b"".join(_SLOT.pack(_local[p]) for p in PLANES))
         atexit.register(shutil.rmtree, where, True)
         os.environ[ENV], _owner = path, os.getpid()
         return path
+
+
+def _sweep(tmp: str) -> None:
+    """Remove the directories of this naming that this user made in processes now gone: an actor
+    Ray kills runs no atexit. Nothing else is touched (another user's, a live maker's, any other
+    name)."""
+    for entry in os.scandir(tmp):
+        pid = entry.name.removeprefix(_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its maker is gone
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:  # alive under another user, or gone from under us meanwhile
+            continue
 
 
 def _file() -> int | None:
