@@ -198,7 +198,7 @@ class HttpApp:
             return  # websockets: not served; uvicorn closes the connection
         method, path = scope["method"], scope["path"]
         if not self._authorized(scope):
-            self.refused += 1
+            self.refused_one()
             await json_response({"error": {"message": "a valid API key is needed: Authorization: Bearer <key>",
                                            "type": "invalid_request_error", "param": None,
                                            "code": "invalid_api_key"}}, 401).send(send, receive)

@@ -36,7 +36,7 @@ class RouterMetrics:
     def __init__(self, in_flight: Callable[[], dict[str, int]],
                  pending_blocks: Callable[[str], int] | None = None, http_refused: Callable[[], int] = lambda: 0):
         """`pending_blocks`: an instance's blocks pending in the router (router/pending_blocks.py);
-        `http_refused`: the requests this router answered 401 (no valid API key)."""
+        `http_refused`: this router's HTTP refusals (router/http_app.py HttpApp.refused)."""
         self.registry = r = CollectorRegistry()
         r.register(_Merged(lambda: [refused_family({("router", "http"): http_refused()})]))
         self.requests = Counter("pdc_requests", "requests finished, by outcome", ["outcome"], registry=r)
@@ -124,8 +124,8 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-REFUSED_HELP = ("peers refused at a plane without the cluster secret or a valid key (the router's HTTP, each "
-                "instance's request channel, KV events, KV service and channel liveness), since it started")
+REFUSED_HELP = ("peers refused at a plane without the cluster secret or a valid key, or malformed (the router's "
+                "HTTP; each instance's planes, transfer/refusal_counts.py PLANES), since it started")
 
 
 def refused_family(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:

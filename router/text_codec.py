@@ -125,9 +125,9 @@ class PromptTokenizer:
             self._queued -= 1
 
     def _encode(self, text: str) -> list[int]:
-        # encode_batch_fast: the same ids without offsets, ~3x faster here; and the Encoding it
-        # drops when done is small: encode_batch's, freed holding the GIL, stalled the event loop
-        # 160 ms for a 3 MB prompt (tests/test_router_loop_pace.py).
+        # encode_batch_fast: the same ids without offsets, faster; and the Encoding it drops when
+        # done is small: encode_batch's is freed holding the GIL, a stall of the event loop
+        # (bench/README.md "A long text prompt"; tests/test_router_loop_pace.py).
         return self._backend.encode_batch_fast([text])[0].ids
 
 

@@ -32,6 +32,7 @@ _LEN = struct.Struct("<I")
 class Frame:
     chunk: pb.KvChunk  # layer, group, first, count, tag (its data field unused)
     data: memoryview  # the blocks' bytes (sealed: and the tag), a view into the received message
+                      # (empty over a data channel)
     head: memoryview  # length and header as sent: a sealed frame's associated data
 
 
