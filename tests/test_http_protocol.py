@@ -36,7 +36,7 @@ def server():
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: srv.started, 10, interval=0.02, what="uvicorn started")
-    yield sock.getsockname(), app
+    yield sock.getsockname(), app, srv
     srv.should_exit = True
     thread.join(10)
     sock.close()
@@ -53,7 +53,7 @@ def closed_within(conn: socket.socket, seconds: float) -> bool:
 
 
 def test_a_silent_connection_is_closed_at_the_header_deadline_and_counted(server):
-    address, app = server
+    address, app, _ = server
     before = app.refused
     t0 = time.monotonic()
     with socket.create_connection(address) as conn:
@@ -63,7 +63,7 @@ def test_a_silent_connection_is_closed_at_the_header_deadline_and_counted(server
 
 
 def test_headers_trickled_a_byte_at_a_time_do_not_keep_a_connection(server):
-    address, _ = server
+    address, _, _ = server
     request = b"GET /hello HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 400
     closed = False
     with socket.create_connection(address) as conn:
@@ -79,7 +79,7 @@ def test_headers_trickled_a_byte_at_a_time_do_not_keep_a_connection(server):
 
 
 def test_requests_that_keep_to_the_deadline_are_served_on_a_kept_alive_connection(server):
-    address, _ = server
+    address, _, _ = server
     with httpx.Client(base_url=f"http://{address[0]}:{address[1]}") as client:
         for _ in range(3):
             assert client.get("/hello").json() == {"ok": True}
@@ -93,10 +93,11 @@ def test_requests_that_keep_to_the_deadline_are_served_on_a_kept_alive_connectio
 
 
 def test_a_connection_past_the_cap_is_closed_at_once_and_the_router_serves_when_they_go(server):
-    address, app = server
+    address, app, srv = server
     held = [socket.create_connection(address) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.05)  # let the server take them in
+        wait_until(lambda: len(srv.server_state.connections) == MAX_CONNECTIONS, 5, interval=0.01,
+                   what="the server holding every connection")
         before = app.refused
         with socket.create_connection(address) as extra:
             assert closed_within(extra, 0.3)  # at once, long before the header deadline
