@@ -156,7 +156,7 @@ def test_nixl_patches_skip_only_nixl_workers_affinity_call():
 
 
 NIXL_LISTENER = """
-    import threading, msgspec, zmq
+    import socket, threading, msgspec, zmq
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler as m
     from pdcluster.cluster.vllm_patches import _nixl_listener_survives
     from pdcluster.transfer import refusal_counts
@@ -164,9 +164,9 @@ NIXL_LISTENER = """
     def serve_a_stranger_then_d():
         stop, ready = threading.Event(), threading.Event()
         ctx = zmq.Context()
-        probe = ctx.socket(zmq.REP)
-        port = probe.bind_to_random_port("tcp://127.0.0.1")
-        probe.close(linger=0)
+        with socket.socket() as probe:  # a free port, released at once (a zmq socket's close is not)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         t = threading.Thread(target=m.NixlBaseConnectorScheduler._nixl_handshake_listener, daemon=True,
                              args=({(0, 0): b"meta"}, ready, stop, "127.0.0.1", port))
         t.start()
