@@ -6,8 +6,8 @@ from router_fakes import fake_router, tok, tok_dir  # noqa: F401  (fixtures of t
 from transfer_fakes import gloo_pair, make_d, make_p, stub_to  # noqa: F401  (fixtures of the transfer's unit tests)
 
 
-def _shared(item) -> str | None:
-    marker = item.get_closest_marker("shared_cluster")
+def _shared(item, what: str = "shared_cluster") -> str | None:
+    marker = item.get_closest_marker(what)
     return marker.args[0] if marker else None
 
 
@@ -18,9 +18,10 @@ def _local_ray(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     # End-to-end modules run after the unit tests: a unit failure shows in seconds. Those on the
     # session's local Ray (e2e.local_ray) run one after another, before the rest. Modules that
-    # share a cluster (e2e.shared_cluster) run one after another, where the first of them stands.
-    def group(item) -> str:  # the shared cluster's name, else the module
-        return _shared(item) or item.nodeid.split("::")[0]
+    # share a cluster (e2e.shared_cluster) or a lab (e2e.shared_lab) run one after another, where
+    # the first of them stands.
+    def group(item) -> str:  # the shared cluster's or lab's name, else the module
+        return _shared(item) or _shared(item, "shared_lab") or item.nodeid.split("::")[0]
 
     first: dict[str, int] = {}
     for i, item in enumerate(items):
@@ -31,7 +32,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     # After the last test of the last module sharing a cluster (its module fixtures are gone
-    # by now): stop the cluster; after the last on the local Ray: stop that Ray.
+    # by now): stop the cluster; sharing a lab: take the lab down; after the last on the local
+    # Ray: stop that Ray.
     try:
         return (yield)
     finally:
@@ -40,6 +42,11 @@ def pytest_runtest_teardown(item, nextitem):
             from e2e import stop_shared_cluster
 
             stop_shared_cluster(name)
+        lab = _shared(item, "shared_lab")
+        if lab is not None and (nextitem is None or _shared(nextitem, "shared_lab") != lab):
+            from e2e import stop_shared_lab
+
+            stop_shared_lab(lab)
         if _local_ray(item) and (nextitem is None or not _local_ray(nextitem)):
             from e2e import stop_local_ray
 

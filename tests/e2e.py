@@ -64,6 +64,34 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     return parse_spec(data)
 
 
+def p1d1_bf16_spec() -> ClusterSpec:
+    """The P1D1 that test_e2e_local_prefill and test_e2e_recompute share (shared_cluster
+    "p1d1-bf16"): bfloat16 as the users' engines run, D prefills short remainders itself
+    (router.local_prefill, max_tokens 256, prefix_aware routing), and a failed transfer makes D
+    prefill instead (transfer.on_failure recompute) with a short lease, since a broken pull never
+    releases P's blocks: the lease outlives D's wait for a P that accepts no connection
+    (grpc_client.CONNECT_S, 5 s)."""
+    return cluster_spec_for("e2e-p1d1-bf16", engine={"dtype": "bfloat16"},
+                            transfer={"on_failure": "recompute", "lease_s": 9},
+                            router={"policy": "prefix_aware",
+                                    "local_prefill": {"policy": "short_remainder", "max_tokens": 256}})
+
+
+# A P2D2 instance's KV pool there, vLLM's null block included: 11 usable, ~2 of
+# test_e2e_kv_events's families and a running request.
+P2D2_POOL_BLOCKS = 12
+
+
+def p2d2_small_pool_spec() -> ClusterSpec:
+    """The P2D2 that test_e2e_kv_events and test_e2e_migration share (shared_cluster "p2d2"):
+    pools of P2D2_POOL_BLOCKS blocks, so prefix families evict each other, and round-robin routing
+    (test_e2e_migration switches it to least_load)."""
+    return cluster_spec_for("e2e-p2d2", 2, 2,
+                            engine={"max_model_len": 1024, "max_num_batched_tokens": 1024,
+                                    "extra": {"num_gpu_blocks_override": P2D2_POOL_BLOCKS}},
+                            router={"policy": "round_robin"})
+
+
 @contextmanager
 def running_cluster(spec: ClusterSpec):
     """`spec`'s cluster for one module: on the session's local Ray (`local_ray`), or, for a spec
@@ -256,6 +284,32 @@ def stop_shared_cluster(name: str) -> None:
     context, _ = _SHARED.pop(name, (None, None))
     if context is not None:
         context.__exit__(None, None, None)
+
+
+# The labs that modules marked `pytest.mark.shared_lab(name)` share: name -> Lab.up's arguments.
+# "lab4": four hosts; a host cut for less than 20 s keeps its Ray node (cluster/ray_settings.py).
+LABS = {"lab4": {"hosts": 4, "name": "pdcl4", "subnet": "10.213.61.0/24", "partition_tolerance_s": 20.0}}
+_SHARED_LABS: dict[str, object] = {}  # name -> the running Lab
+
+
+def shared_lab(name: str):
+    """The lab (cluster/lab.py) of LABS[name] that the modules marked `pytest.mark.shared_lab(name)`
+    share: the first to ask makes it; conftest.py runs those modules one after another and takes it
+    down after the last one's last test (`stop_shared_lab`). Each module leaves it as it found it:
+    every host up, no cut, no shaping (checked here for the next)."""
+    from pdcluster.cluster.lab import Lab
+
+    if name not in _SHARED_LABS:
+        _SHARED_LABS[name] = Lab.up(**LABS[name])
+    lab = _SHARED_LABS[name]
+    assert not lab.partitions, f"lab {name}: a cut was left in place: {lab.partitions}"
+    return lab
+
+
+def stop_shared_lab(name: str) -> None:
+    lab = _SHARED_LABS.pop(name, None)
+    if lab is not None:
+        lab.down()
 
 
 # ---------------------------------------------------------------- the session's local Ray

@@ -10,22 +10,18 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from e2e import cluster_spec_for, running_cluster
+from e2e import cluster_spec_for, running_cluster, shared_lab
 
 from pdcluster.bench.chaos import ChaosPlan, format_report, in_lab, soak
 from pdcluster.cluster.replay.run import BenchConfig
 
-pytestmark = pytest.mark.e2e
-
-LAB_NAME, SUBNET = "pdcchaos", "10.213.73.0/24"  # not bench/chaos.py's own lab
+# The 4-host lab of test_e2e_multihost_faults (tests/e2e.py shared_lab), not bench/chaos.py's own.
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_lab("lab4")]
 
 
 @pytest.fixture(scope="module")
 def lab():
-    from pdcluster.cluster.lab import Lab
-
-    with Lab.up(hosts=4, name=LAB_NAME, subnet=SUBNET) as lab:
-        yield lab
+    return shared_lab("lab4")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from e2e import cluster_spec_for, complete, run_with, running_cluster
+from e2e import complete, p2d2_small_pool_spec, run_with, shared_cluster
 from routing_checks import Families, prefill_instances_per_family, shuffled_order, structural_max_hit, under_policy
 
 from pdcluster.proto.kv_event_wire import feed_endpoints
@@ -24,12 +24,13 @@ from pdcluster.router.kv_events import KvEventFeed
 from pdcluster.router.prefix_index import hittable_hashes
 from pdcluster.transfer.auth import curve_keys
 
-pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
+# One P2D2 (tests/e2e.py p2d2_small_pool_spec: pools of 12 blocks) with test_e2e_migration, which
+# runs after this module.
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p2d2")]
 
 BS = 128
 PREFIX_BLOCKS = 3
 SUFFIX_TOKENS = 40  # a partial block: each prompt can hit its family's PREFIX_BLOCKS blocks, no more
-POOL_BLOCKS = 12  # per instance, vLLM's null block included: 11 usable, ~2 families and a running request
 FAMILIES = 4
 # Round robin sends request n to P n%2 and D n%2: every family meets both sides of both
 # roles, comes back to an instance that still holds it (hit), or that evicted part of it.
@@ -58,12 +59,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-kv-events", 2, 2,
-                            engine={"max_model_len": 1024, "max_num_batched_tokens": 1024,
-                                    "extra": {"num_gpu_blocks_override": POOL_BLOCKS}},
-                            router={"policy": "round_robin"})
-    with running_cluster(spec) as c:
-        yield c
+    return shared_cluster("p2d2", p2d2_small_pool_spec)
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ import pytest
 import ray
 from e2e import (
     assert_no_kv_in_use,
-    cluster_spec_for,
     complete,
     local_prefill_as,
+    p1d1_bf16_spec,
     reset_caches,
-    running_cluster,
+    shared_cluster,
     tiny_model_dir,
     wait_until,
 )
@@ -36,17 +36,17 @@ from pdcluster.router.attribution import attribute
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 
-pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
+# One bf16 P1D1 with test_e2e_recompute (tests/e2e.py p1d1_bf16_spec); this module runs first.
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1-bf16")]
 MAX_TOKENS = 256  # router.local_prefill.max_tokens here
 HISTORY = 1024  # 8 blocks D will hold
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = cluster_spec_for("e2e-local", engine={"dtype": "bfloat16"}, router={
-        "policy": "prefix_aware", "local_prefill": {"policy": "short_remainder", "max_tokens": MAX_TOKENS}})
-    with running_cluster(spec) as c:
-        yield c
+    cluster = shared_cluster("p1d1-bf16", p1d1_bf16_spec)
+    assert cluster.spec.router.local_prefill.max_tokens == MAX_TOKENS
+    return cluster
 
 
 @pytest.fixture(scope="module")

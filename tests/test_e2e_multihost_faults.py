@@ -5,7 +5,7 @@ the router runs on the head. Three faults, each followed by its recovery:
 - P's hosts are cut from D's hosts in the middle of a transfer (dropped on the bridge: no FIN,
   no RST; the router still reaches everyone). The request ends in transfer.on_failure's error
   within transfer.timeout_s, P's lease frees its blocks, and after the heal requests succeed.
-- decode-1's host is cut off for 10 s under load, less than the lab's partition tolerance: Ray
+- decode-1's host is cut off for 6 s under load, less than the lab's partition tolerance: Ray
   keeps its node, nothing restarts, and once the link is back decode-1 serves again.
 - decode-1's host dies (link down, every process in it killed) while it streams. Its requests
   end in 503 within the request channel's dead-peer bound, the survivors serve new requests,
@@ -23,11 +23,13 @@ import httpx
 import pytest
 import ray
 from e2e import (
+    LABS,
     TRANSPORTS,
     assert_no_kv_in_use,
     free_port_run,
     health,
     running_cluster,
+    shared_lab,
     tiny_model_dir,
     transfer_as,
     wait_until,
@@ -37,31 +39,27 @@ from pdcluster.proto.spec import parse_spec, read_yaml
 from pdcluster.router.run_store import load_run
 from pdcluster.transfer.channel_wire import DEAD_PEER_S
 
-pytestmark = pytest.mark.e2e
+# The 4-host lab of test_e2e_chaos (tests/e2e.py shared_lab).
+pytestmark = [pytest.mark.e2e, pytest.mark.shared_lab("lab4")]
 
-LAB_NAME, SUBNET = "pdcmf", "10.213.61.0/24"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "lab-p2d2-tiny-cpu.yaml"
-# D's wait for KV; P's hold on blocks nobody released. The shaped, uncut transfer below takes
-# 6.4-7.5 s (P's prefill first, in push mode): 8 s left too little margin under CI's load
-# (once 502 before any cut).
-TIMEOUT_S, LEASE_S = 12.0, 16.0
+# D's wait for KV; P's hold on blocks nobody released. About twice what the shaped, uncut
+# transfer below takes (P's prefill first, in push mode): CI's load stretches it.
+TIMEOUT_S, LEASE_S = 9.0, 12.0
 P_HOSTS, D_HOSTS = ("host1", "host2"), ("host3", "host4")
 # The tiny Qwen3's KV: 2 layers x (K, V) x 2 heads x 64 x fp32 = 2 KiB per token, so the
-# 7,000-token prompt's transfer is 14.3 MB: 5.7 s at 20 Mbit/s, and the cut at 2 s is mid-way.
-CUT_PROMPT_TOKENS, CUT_RATE, CUT_AFTER_S = 7000, "20mbit", 2.0
+# 4,000-token prompt's transfer is 8.2 MB: 3.3 s at 20 Mbit/s, and the cut at 1.5 s is mid-way.
+CUT_PROMPT_TOKENS, CUT_RATE, CUT_AFTER_S = 4000, "20mbit", 1.5
 
 
 # A host cut for less than PARTITION_TOLERANCE_S keeps its Ray node (cluster/ray_settings.py).
 # Twice the cut: a loaded machine's `ip` commands and Ray's own checks take seconds more.
-PARTITION_TOLERANCE_S, PARTITION_S = 20.0, 10.0
+PARTITION_TOLERANCE_S, PARTITION_S = LABS["lab4"]["partition_tolerance_s"], 6.0
 
 
 @pytest.fixture(scope="module")
 def lab():
-    from pdcluster.cluster.lab import Lab
-
-    with Lab.up(hosts=4, name=LAB_NAME, subnet=SUBNET, partition_tolerance_s=PARTITION_TOLERANCE_S) as lab:
-        yield lab
+    return shared_lab("lab4")
 
 
 def lab_spec(ray_address: str):
@@ -151,7 +149,8 @@ def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab
             error = r.json()["error"]
             assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], error
             # D's wait starts when it gets the request (with P's, in push mode): within timeout_s of it.
-            assert took_s < TIMEOUT_S + 2.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
+            # (Measured: 1.1 s past it; the rest of the margin is CI's load.)
+            assert took_s < TIMEOUT_S + 3.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
             # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
             assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
         finally:

@@ -13,10 +13,10 @@ import ray
 from e2e import (
     TRANSPORTS,
     assert_no_kv_in_use,
-    cluster_spec_for,
     complete,
     free_port,
-    running_cluster,
+    p1d1_bf16_spec,
+    shared_cluster,
     transfer_as,
     wait_until,
 )
@@ -24,16 +24,16 @@ from e2e import (
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
+# One bf16 P1D1 with test_e2e_local_prefill (tests/e2e.py p1d1_bf16_spec: on_failure recompute,
+# a short lease), which runs first.
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1-bf16")]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    # A short lease: the broken pull never releases P's blocks, so expiry must. It outlives
-    # D's wait for a P that accepts no connection (grpc_client.CONNECT_S, 5 s).
-    spec = cluster_spec_for("e2e-recompute", transfer={"on_failure": "recompute", "lease_s": 9})
-    with running_cluster(spec) as c:
-        yield c
+    cluster = shared_cluster("p1d1-bf16", p1d1_bf16_spec)
+    assert cluster.spec.transfer.on_failure == "recompute" and cluster.spec.transfer.lease_s < 20
+    return cluster
 
 
 def pd_tokens(cluster, request_id, prompt, break_handle=False):
@@ -62,7 +62,8 @@ def test_failed_pull_recomputes_same_tokens(cluster):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_transfer_broken_halfway_recomputes_same_tokens(cluster, mode, transport):
-    prompt = [random.Random(6).randrange(3, 1000) for _ in range(2500)]
+    # A prompt of its own: one that D holds already would be served by D alone (router.local_prefill).
+    prompt = [random.Random(f"{mode}-{transport}").randrange(3, 1000) for _ in range(2500)]
     with transfer_as(cluster, mode, transport):
         broken = complete(cluster.url, prompt, 8, request_id=f"fault-{mode}-{transport}")
         for inst in cluster.decode:
