@@ -38,6 +38,10 @@ def test_up_status_serve_down(tmp_path):
         r = httpx.post(f"{url}/v1/completions", timeout=60,
                        json={"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # A second cluster that cannot start, on the same Ray: each failing instance named, and
+        # the running cluster untouched.
+        up_failing_instances(tmp_path / "bad")
+        assert pdc("status", env_state=tmp_path).stdout == status.stdout
         # One still streaming at `pdc down`: the router's stop ends it and records that.
         pool = ThreadPoolExecutor(1)
         streaming = pool.submit(_stream_until_cut, url)
@@ -74,21 +78,23 @@ def _stream_until_cut(url: str) -> int:
     return _tokens_streamed
 
 
-def test_up_reports_each_failing_instance_with_its_own_error(tmp_path):
-    # P: an engine argument vLLM does not know (the actor fails building its args). D: too few
-    # KV blocks for max_model_len (vLLM's engine core process raises while starting, and the error
-    # it prints to the worker's log is what `pdc up` shows). One `pdc up`, both named.
+def up_failing_instances(state_dir):
+    """`pdc up` of a spec whose P and D both fail to start: it exits 1 naming each with its own
+    error and writes no state. P: an engine argument vLLM does not know (the actor fails building
+    its args). D: too few KV blocks for max_model_len (vLLM's engine core process raises while
+    starting, and the error it prints to the worker's log is what `pdc up` shows)."""
     spec = cluster_spec_for("e2e-cli-bad")
     spec = spec.model_copy(update={
         "prefill": spec.prefill.model_copy(update={"engine": spec.prefill.engine.model_copy(
             update={"extra": {"bogus_engine_arg": 1}})}),
         "decode": spec.decode.model_copy(update={"engine": spec.decode.engine.model_copy(
             update={"extra": {"num_gpu_blocks_override": 4}})})})
-    spec_file = tmp_path / "cluster.yaml"
+    state_dir.mkdir()
+    spec_file = state_dir / "cluster.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
-    up = pdc("up", str(spec_file), env_state=tmp_path, timeout=300)
+    up = pdc("up", str(spec_file), env_state=state_dir, timeout=300)
     assert up.returncode == 1, up.stderr[-2000:]
-    assert not list(tmp_path.glob("*.json"))
+    assert not list(state_dir.glob("*.json"))
     lines = [line for line in up.stderr.splitlines() if "failed to start" in line]
     p_line = next((line for line in lines if "instance prefill-0 failed to start" in line), None)
     d_line = next((line for line in lines if "instance decode-0 failed to start" in line), None)

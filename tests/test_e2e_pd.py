@@ -254,8 +254,14 @@ def test_broken_transfer_errors_and_d_frees_blocks(cluster):
     assert len(tokens) == 16
 
 
-def test_killed_prefill_errors_then_recovers(cluster):
-    prompt = [random.Random(4).randrange(3, 1000) for _ in range(6000)]
+KILLED_PROMPT = [random.Random(4).randrange(3, 1000) for _ in range(6000)]
+
+
+def test_killed_prefill_errors(cluster):
+    """P's actor and engine killed mid-request: the request ends in a 503 naming P. Ray restarts P
+    while the next test kills D's engine core (both restarts at once); that test checks both came
+    back."""
+    prompt = KILLED_PROMPT
     p_pid = ray.get(cluster.prefill[0].actor.info.remote()).pid
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("r", complete(cluster.url, prompt)))
@@ -277,17 +283,13 @@ def test_killed_prefill_errors_then_recovers(cluster):
     # (Push: D had the request too, and its events up to its failed load are there.)
     assert len(failed) == 1 and "first_token" not in failed[0].events, failed
     assert attribute(failed[0]).stopped_after in ("dispatch", "d_first_token"), failed
-    # Ray restarts P (a fresh engine); the router reports healthy again, then serves.
-    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180,
-               interval=2, what="cluster healthy after P restart")
-    tokens, usage = run(cluster, prompt[:500])
-    assert len(tokens) == 16 and usage["pd"]["p_cached_tokens"] == 0
 
 
 def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, reference):
     """vLLM's engine core dies under a live actor (killed here; a fatal engine error or the OOM
     killer alike): the actor used to live on, answering every request with an error while the
-    router kept sending there. Now it exits, Ray restarts it, the router skips it meanwhile."""
+    router kept sending there. Now it exits, Ray restarts it, the router skips it meanwhile.
+    P, killed by the previous test, comes back meanwhile: a fresh engine, holding nothing."""
     import psutil
 
     d = cluster.decode[0]
@@ -321,12 +323,14 @@ def test_a_dead_engine_core_ends_its_actor_and_ray_restarts_it(cluster, referenc
 
     wait_until(restarted, 120, interval=0.5, what="decode-0's actor restarted after its engine core died")
     # The router skips it from its exit on: nothing in between was sent to a dead engine.
-    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 120, interval=1,
-               what="cluster healthy after D's restart")
-    assert time.monotonic() - t0 < 120
+    wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=10).status_code == 200, 180, interval=1,
+               what="cluster healthy after P's and D's restarts")
+    assert time.monotonic() - t0 < 180
     prompt = [random.Random(5).randrange(3, 1000) for _ in range(300)]
     tokens, _ = run(cluster, prompt)
     assert tokens == ref_tokens(reference, prompt)
+    tokens, usage = run(cluster, KILLED_PROMPT[:500])
+    assert len(tokens) == 16 and usage["pd"]["p_cached_tokens"] == 0
     assert_no_kv_in_use(cluster)
 
 
