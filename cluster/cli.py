@@ -9,7 +9,7 @@
   pdc bench run [--preset c90-tiny] [...]            replay a load (AISBench metrics, joined timelines)
   pdc sim run SPEC [--preset c90] [...]              the same load on the simulated cluster's virtual clock
   pdc sim fit RUN --params BASE --out NEW.yaml       fit a parameter file to a run's timelines
-  pdc plan PARAMS --devices 16 --preset c90 --slo-ttft-p90 S --slo-tpot-p90 S   P:D split and settings for an SLO
+  pdc plan PARAMS --devices 16 --preset c90 --slo-ttft-ms MS --slo-tpot-ms MS  P:D split and settings for an SLO
   pdc lab up|status|down|exec|link|kill|revive|partition|heal   rehearse N hosts (cluster/lab.py)
 """
 

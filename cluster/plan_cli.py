@@ -1,7 +1,11 @@
-"""`pdc plan PARAMS --devices N [load] --slo-ttft-p90 S --slo-tpot-p90 S [...]`: sweep P:D splits and
-settings on the virtual clock and rank them for the SLO (cluster/sim/plan.py); prints the table,
-writes OUT/plan.html and OUT/plan.json, and with --write-spec the chosen configuration as a cluster
-spec `pdc up` takes (validated by proto/spec.py before it is written).
+"""`pdc plan PARAMS --devices N [load] --slo-ttft-ms MS --slo-tpot-ms MS [...]`: sweep P:D splits and
+settings on the virtual clock and rank them for the SLO (cluster/sim/plan.py); prints what the answer
+rests on (the parameter file and its basis, the base spec, the load) and the table, writes
+OUT/plan.html and OUT/plan.json, and with --write-spec the chosen configuration as a cluster spec
+`pdc up` takes (validated by proto/spec.py before it is written).
+
+SLO bounds are in milliseconds, as vLLM's `--goodput ttft:MS tpot:MS` (accepted too), at any
+percentile from 1 to 99 (--slo-percentile, default 90).
 
 A bad argument, spec or parameter file is one line on stderr naming it, and exit code 2.
 """
@@ -30,13 +34,37 @@ def _list(text: str | None, kind, flag: str) -> list | None:
         _fail(f"{flag} {text!r}: a comma-separated list of {kind.__name__} values")
 
 
+GOODPUT_KEYS = ("ttft", "tpot")
+
+
+def _bounds_ms(a: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) bounds in ms from --slo-ttft-ms / --slo-tpot-ms and --goodput KEY:MS."""
+    for old in ("ttft", "tpot"):
+        if getattr(a, f"old_{old}") is not None:
+            _fail(f"--slo-{old}-p90 (seconds) is gone: the bound is in milliseconds, --slo-{old}-ms MS (or "
+                  f"--goodput {old}:MS), at --slo-percentile P (default 90)")
+    bounds = {"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms}
+    for item in a.goodput or []:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            _fail(f"--goodput {item!r}: KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)} (e.g. ttft:2000 tpot:6)")
+        try:
+            ms = float(value)
+        except ValueError:
+            _fail(f"--goodput {item!r}: {value!r} is not a number of milliseconds")
+        if bounds[key] is not None:
+            _fail(f"--goodput {item!r}: the {key.upper()} bound is given twice")
+        bounds[key] = ms
+    return bounds["ttft"], bounds["tpot"]
+
+
 def _cmd_plan(a: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from pdcluster.cluster.replay.run import config_from_args
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, plan
-    from pdcluster.cluster.sim.plan_report import format_table, slo_text, write_outputs
+    from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, slo_text, write_outputs
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
 
@@ -50,7 +78,9 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     workload = a.preset or (Path(a.trace).name if a.trace else "synthetic")
     bar = None
     try:
-        slo = Slo(a.slo_ttft_s, a.slo_tpot_s, a.slo_percentile, a.min_throughput)
+        ttft_ms, tpot_ms = _bounds_ms(a)
+        slo = Slo(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3,
+                  a.slo_percentile, a.min_throughput)
         base = load_spec(a.spec)
         cfg = config_from_args(a, progress=False)
         t0 = time.perf_counter()
@@ -61,7 +91,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
             bar.set_postfix_str(outcome.config.label, refresh=False)
             bar.update(1)
 
-        result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress)
+        shown_spec = "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec
+        result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec)
     except (SpecError, SimParamsError, ValueError, OSError) as err:
         _fail(str(err))
     finally:
@@ -71,6 +102,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     page, doc = write_outputs(result, out)
     print(f"{len(result.outcomes)} configurations of {a.devices} devices on {workload}, SLO {slo_text(result)}; "
           f"{time.perf_counter() - t0:.1f} s")
+    print("\n".join(provenance_lines(result)))
     print(format_table(result))
     c = result.chosen
     print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'})")
@@ -96,8 +128,10 @@ def write_spec(base, params: str | None, config, path: Path, result) -> None:
         parse_spec(data, str(path))
     except SpecError as err:
         _fail(f"the chosen configuration does not make a valid spec: {err}")
+    from pdcluster.cluster.sim.plan_report import provenance_lines
+
     head = (f"# Written by pdc plan: {config.label}, chosen for {result.workload} on {result.devices} devices, "
-            f"SLO {slo_text(result)}\n")
+            f"SLO {slo_text(result)}\n" + "".join(f"# {line}\n" for line in provenance_lines(result)))
     path.write_text(head + yaml.safe_dump(data, sort_keys=False))
     print(f"spec: {path} (pdc up {path})")
 
@@ -111,9 +145,13 @@ def add_plan_command(subparsers) -> None:
     p.add_argument("--spec", default=str(DEFAULT_SPEC), help="the base cluster spec (default deploy/p8d8-sim.yaml)")
     add_load_arguments(p)
     s = p.add_argument_group("SLO")
-    s.add_argument("--slo-ttft", "--slo-ttft-p90", dest="slo_ttft_s", type=float, help="TTFT bound, seconds")
-    s.add_argument("--slo-tpot", "--slo-tpot-p90", dest="slo_tpot_s", type=float, help="TPOT bound, seconds")
-    s.add_argument("--slo-percentile", type=int, default=90, help="the percentile the bounds hold at (50/75/90/99)")
+    s.add_argument("--slo-ttft-ms", type=float, help="TTFT bound, milliseconds")
+    s.add_argument("--slo-tpot-ms", type=float, help="TPOT bound, milliseconds")
+    s.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="the bounds as vLLM's bench takes them: ttft:MS tpot:MS")
+    s.add_argument("--slo-percentile", type=int, default=90,
+                   help="the share of all requests sent (a refused one a miss) the bounds hold for, 1-99")
+    for old in ("ttft", "tpot"):  # the seconds flags before issue 27: refused with a pointer to the ms ones
+        s.add_argument(f"--slo-{old}-p90", f"--slo-{old}", dest=f"old_{old}", help=argparse.SUPPRESS)
     s.add_argument("--min-throughput", type=float, help="formal requests per second the cluster must complete")
     g = p.add_argument_group("sweep (default: every split, then one setting at a time around the best)")
     g.add_argument("--splits", help="P counts to try, e.g. 4,6,8")

@@ -11,7 +11,7 @@ import yaml
 
 from pdcluster.cluster.cli import main
 from pdcluster.cluster.replay.run import BenchConfig
-from pdcluster.cluster.sim.cost import CostModel, SimParams
+from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError
 from pdcluster.cluster.sim.fit import FitError, fit, observations, with_numbers
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.proto.spec import SHIPPED_SIM_PARAMS, parse_spec
@@ -90,3 +90,24 @@ def test_a_fitted_number_the_base_file_leaves_at_its_default_is_written_in_its_s
     assert SimParams.parse(yaml.safe_load(out)).overheads.decode_request_s == 0.0007
     line = next(ln for ln in out.splitlines() if "decode_request_s" in ln)
     assert line.startswith("  decode_request_s: 0.0007  # [fit] run r (was 0, the default)")
+
+
+def test_a_fitted_file_says_what_it_was_fitted_to():
+    """Issue 27 item 1: the base's own account (sourced, or another fit) is replaced by the fit's."""
+    from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml
+
+    text = (SHIPPED_SIM_PARAMS / f"{BASE}.yaml").read_text()
+    assert SimParams.parse(yaml.safe_load(text)).about.fitted_to.startswith("../shared/data/calibration/")
+    out = fitted_yaml(text, [FittedNumber("overheads.decode_request_s", 0.0, 0.0007, True)], "f", "run r (runs/x)")
+    about = SimParams.parse(yaml.safe_load(out)).about
+    assert (about.basis, about.fitted_to) == ("fitted", "run r (runs/x)")
+    assert about.summary.startswith(f"{BASE} with the numbers marked [fit]") and out.count("about:") == 1
+
+
+def test_a_file_states_its_basis_consistently():
+    base = yaml.safe_load((SHIPPED_SIM_PARAMS / f"{BASE}.yaml").read_text())
+    for about, message in (({"basis": "fitted", "summary": "x"}, "fitted_to"),
+                           ({"basis": "sourced", "summary": "x", "fitted_to": "a run"}, "fitted_to"),
+                           ({"basis": "guessed", "summary": "x"}, "about.basis")):
+        with pytest.raises(SimParamsError, match=message):
+            SimParams.parse(base | {"about": about}, "f.yaml")

@@ -69,20 +69,93 @@ def test_a_miss_reads_as_such_in_the_table_and_as_null_in_the_json():
     assert not math.isinf(json.loads(to_json(p))["configurations"][0]["ttft_s"])
 
 
-def test_an_slo_needs_a_bound_and_a_known_percentile():
+def test_an_slo_needs_a_bound_a_percentile_from_1_to_99_and_plausible_values():
     with pytest.raises(ValueError, match="no SLO"):
         Slo()
-    with pytest.raises(ValueError, match="--slo-percentile 95"):
-        Slo(ttft_s=1.0, percentile=95)
+    assert Slo(ttft_s=1.0, percentile=95).percentile == 95 and Slo(tpot_s=0.006, percentile=1).percentile == 1
+    for q in (0, 100):
+        with pytest.raises(ValueError, match=f"--slo-percentile {q}: a percentile from 1 to 99"):
+            Slo(ttft_s=1.0, percentile=q)
+    with pytest.raises(ValueError, match="TTFT bound of 2,000,000 ms is implausible"):
+        Slo(ttft_s=2000.0)  # 2000 meant as ms, given as seconds
+    with pytest.raises(ValueError, match="TPOT bound of 0.006 ms is implausible"):
+        Slo(tpot_s=0.006e-3)  # 0.006 meant as seconds, given as ms
+    with pytest.raises(ValueError, match="--min-throughput"):
+        Slo(min_throughput=0.0)
+
+
+def plan_args(tmp_path, *slo: str, params: str = "dsv4-flash-910c") -> list[str]:
+    return ["plan", params, "--devices", "4", *LOAD, "--out", str(tmp_path), "--splits", "2", *slo]
+
+
+@pytest.mark.parametrize("slo", [["--slo-ttft-ms", "1500", "--slo-tpot-ms", "6"], ["--goodput", "ttft:1500", "tpot:6"],
+                                 ["--slo-ttft-ms", "1500", "--goodput", "tpot:6"]])
+def test_slo_bounds_are_milliseconds_as_vllms_goodput_takes_them(tmp_path, slo, capsys):
+    main(plan_args(tmp_path, *slo, "--slo-percentile", "95"))
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["slo"] == {"ttft_s": 1.5, "tpot_s": 0.006, "percentile": 95, "min_throughput": None}
+    out = capsys.readouterr().out
+    assert "SLO TTFT p95 <= 1,500 ms, TPOT p95 <= 6.0 ms" in out and "TTFT p95 ms" in out
+
+
+@pytest.mark.parametrize("slo, message", [
+    (["--slo-ttft-p90", "2.0"], "--slo-ttft-p90 (seconds) is gone: the bound is in milliseconds, --slo-ttft-ms"),
+    (["--slo-tpot", "0.006"], "--slo-tpot-p90 (seconds) is gone"),
+    (["--slo-ttft-ms", "2000000"], "a TTFT bound of 2,000,000 ms is implausible"),
+    (["--slo-tpot-ms", "6000"], "a TPOT bound of 6,000 ms is implausible"),
+    (["--goodput", "ttft:2000", "e2el:9000"], "--goodput 'e2el:9000': KEY:MS with KEY one of ttft, tpot"),
+    (["--goodput", "ttft=2000"], "--goodput 'ttft=2000': KEY:MS"),
+    (["--goodput", "ttft:fast"], "'fast' is not a number of milliseconds"),
+    (["--slo-ttft-ms", "2000", "--goodput", "ttft:3000"], "the TTFT bound is given twice"),
+    (["--slo-ttft-ms", "2000", "--slo-percentile", "100"], "--slo-percentile 100: a percentile from 1 to 99"),
+])
+def test_slo_mistakes_are_refused_naming_the_flag(tmp_path, slo, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(plan_args(tmp_path, *slo))
+    assert err.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> Path:
+    """The plan's directory, and what it printed in stdout.txt there."""
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("plan")
-    main(["plan", "dsv4-flash-910c", "--devices", "6", "--spec", str(DEPLOY / "p8d8-sim.yaml"), *LOAD,
-          "--slo-ttft-p90", "1.5", "--slo-tpot-p90", "0.006", "--out", str(out), "--write-spec",
-          str(out / "chosen.yaml")])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["plan", "dsv4-flash-910c", "--devices", "6", "--spec", str(DEPLOY / "p8d8-sim.yaml"), *LOAD,
+              "--slo-ttft-ms", "1500", "--slo-tpot-ms", "6", "--out", str(out), "--write-spec",
+              str(out / "chosen.yaml")])
+    (out / "stdout.txt").write_text(printed.getvalue())
     return out
+
+
+def test_every_output_names_the_model_its_basis_the_base_spec_and_the_load(planned):
+    """Issue 27 item 1: the terminal, plan.html, plan.json and the written spec."""
+    want = ["model: dsv4-flash-910c (cluster/sim/params/dsv4-flash-910c.yaml), sourced",
+            "never checked against this model on this chip", "base spec: deploy/p8d8-sim.yaml (the default)",
+            "load: synthetic: 32,772-token prompts, 91% shared over 6 prefixes, 32 output tokens; at most 16 in "
+            "flight, 6 req/s, 36 requests, seed 0"]
+    import html
+
+    outputs = {"terminal": (planned / "stdout.txt").read_text(),
+               "plan.html": html.unescape((planned / "plan.html").read_text()),
+               "chosen.yaml": (planned / "chosen.yaml").read_text()}
+    for name, text in outputs.items():
+        flat = " ".join(text.replace("# ", " ").split())
+        missing = [w for w in want if w not in flat]
+        assert not missing, (name, missing)
+    prov = json.loads((planned / "plan.json").read_text())["provenance"]
+    assert (prov["params"], prov["basis"], prov["fitted_to"]) == ("dsv4-flash-910c", "sourced", None)
+    assert prov["base_spec"] == want[2].removeprefix("base spec: ") and prov["workload"] == want[3].removeprefix("load: ")
+
+
+def test_a_fitted_file_is_named_with_what_it_was_fitted_to(tmp_path, capsys):
+    main(plan_args(tmp_path, "--slo-ttft-ms", "1500", params="dsv4-flash-910c-seed002"))
+    out = capsys.readouterr().out
+    assert ("model: dsv4-flash-910c-seed002 (cluster/sim/params/dsv4-flash-910c-seed002.yaml), fitted to seed "
+            "002's C90 on P8+D8 (TTFT 12.68 s, TPOT 10.3 ms, E2E 23.24 s)") in out
 
 
 def test_the_plan_writes_its_table_json_and_a_spec_that_validates(planned, capsys):
@@ -115,9 +188,9 @@ def test_the_html_is_self_contained_and_renders_with_the_chosen_one_marked(plann
 
 
 def test_bad_arguments_name_the_flag(tmp_path, capsys):
-    for args, message in ((["--slo-ttft-p90", "1", "--splits", "0,3"], "--splits: P0 leaves"),
-                          (["--slo-ttft-p90", "1", "--policies", "fastest"], "unknown policy 'fastest'"),
-                          (["--slo-ttft-p90", "1", "--budgets", "lots"], "--budgets 'lots'"),
+    for args, message in ((["--slo-ttft-ms", "1000", "--splits", "0,3"], "--splits: P0 leaves"),
+                          (["--slo-ttft-ms", "1000", "--policies", "fastest"], "unknown policy 'fastest'"),
+                          (["--slo-ttft-ms", "1000", "--budgets", "lots"], "--budgets 'lots'"),
                           ([], "no SLO")):
         with pytest.raises(SystemExit) as err:
             main(["plan", "dsv4-flash-910c", "--devices", "4", *LOAD, "--out", str(tmp_path), *args])

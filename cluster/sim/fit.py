@@ -338,22 +338,32 @@ _OFFSET = 1e-4
 # ---- the fitted file ---------------------------------------------------------------------------
 
 
-def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str) -> str:
+def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str,
+                about: dict[str, str] | None = None) -> str:
     """The base file's text with each fitted number replaced and commented with its source run
     (numbers the run left undetermined keep their value and comment, with a note); a fitted number
     the base file leaves at its default (not written) is added at the end of its section; the name
-    replaced. Everything else (the shape, the device, its comments) as it was."""
+    replaced, and its `about` (sim_params.About): `about` if given, else a fit to `source`.
+    Everything else (the shape, the device, its comments) as it was."""
+    import yaml
+
     numbers = {n.name: n for n in numbers}
     out, section, written = [], None, set()
     section_end: dict[str, int] = {}  # section -> index in `out` after its last line
     for line in base_text.splitlines():
         stripped = line.strip()
-        if line and not line[0].isspace() and not line.startswith("#") and stripped.endswith(":"):
-            section = stripped[:-1]
+        if line and not line[0].isspace() and not line.startswith("#"):
+            section = stripped[:-1] if stripped.endswith(":") else None
         key = stripped.split(":", 1)[0]
         indent = line[:len(line) - len(line.lstrip())]
+        if section == "about":
+            continue  # the base's account of itself: replaced below `name:`
         if line.startswith("name:"):
-            line = f"name: {name}"
+            base_name = line.split(":", 1)[1].strip()
+            about = about or {"basis": "fitted", "summary": f"{base_name} with the numbers marked [fit] fitted to a "
+                                                            f"run by pdc sim fit; the rest as that file",
+                              "fitted_to": source}
+            line = f"name: {name}\n" + yaml.safe_dump({"about": about}, sort_keys=False, width=100).rstrip()
         elif indent == "  " and f"{section}.{key}" in numbers:
             n = numbers[f"{section}.{key}"]
             written.add(n.name)

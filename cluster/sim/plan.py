@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdcluster.cluster.replay.metrics import per_request, percentile
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
@@ -40,22 +41,37 @@ from pdcluster.cluster.sim.vocab import spec_vocab
 from pdcluster.proto.router_spec import POLICIES, AdmissionSpec
 from pdcluster.proto.spec import ClusterSpec
 
-PERCENTILES = {50: "p50", 75: "p75", 90: "p90", 99: "p99"}
 MISS = math.inf  # a refused or failed request's TTFT and TPOT: it missed any bound
+# Bounds outside these are taken for a unit mistake (seconds given as ms, or the reverse), not an SLO.
+PLAUSIBLE_TTFT_MS, PLAUSIBLE_TPOT_MS = (1.0, 600_000.0), (0.1, 2_000.0)
+
+
+def pname(q: int) -> str:
+    return f"p{q}"
 
 
 @dataclass(frozen=True)
 class Slo:
     ttft_s: float | None = None
     tpot_s: float | None = None
-    percentile: int = 90
+    percentile: int = 90  # 1..99: the bounds hold for this share of all requests sent
     min_throughput: float | None = None  # formal requests/s over the whole cluster
 
     def __post_init__(self):
-        if self.percentile not in PERCENTILES:
-            raise ValueError(f"--slo-percentile {self.percentile}: one of {', '.join(map(str, PERCENTILES))}")
+        if not 1 <= self.percentile <= 99:
+            raise ValueError(f"--slo-percentile {self.percentile}: a percentile from 1 to 99")
         if self.ttft_s is None and self.tpot_s is None and self.min_throughput is None:
-            raise ValueError("no SLO: give --slo-ttft-p90, --slo-tpot-p90 and/or --min-throughput")
+            raise ValueError("no SLO: give --slo-ttft-ms, --slo-tpot-ms (or --goodput ttft:MS tpot:MS) "
+                             "and/or --min-throughput")
+        for name, v, (lo, hi) in (("TTFT", self.ttft_s, PLAUSIBLE_TTFT_MS), ("TPOT", self.tpot_s, PLAUSIBLE_TPOT_MS)):
+            if v is not None and not lo <= v * 1e3 <= hi:
+                ms = v * 1e3
+                raise ValueError(f"a {name} bound of {f'{ms:,.0f}' if ms >= 100 else f'{ms:g}'} ms is implausible "
+                                 f"({lo:g} to {hi:,.0f} ms): "
+                                 f"the SLO flags take milliseconds (--slo-{name.lower()}-ms, --goodput "
+                                 f"{name.lower()}:MS)")
+        if self.min_throughput is not None and not self.min_throughput > 0:
+            raise ValueError(f"--min-throughput {self.min_throughput:g}: requests per second, above 0")
 
 
 @dataclass(frozen=True)
@@ -94,12 +110,63 @@ class Outcome:
         return self.ttft_s is not None and self.tpot_s is not None and MISS not in (self.ttft_s, self.tpot_s)
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """What a plan's answer rests on, named in each of its outputs (issue 27 item 1): the
+    parameter file and where its numbers come from, the base spec, the load."""
+
+    params: str  # the parameter file's name
+    params_file: str  # a shipped file by its place in the package, another as given
+    basis: str  # "sourced" | "fitted" | "unstated" (sim_params.About)
+    summary: str
+    fitted_to: str | None
+    base_spec: str  # as given
+    workload: str  # the load's name and shape
+
+    @classmethod
+    def of(cls, params_path: str, base_spec: str, workload: str) -> Provenance:
+        from pdcluster.cluster.sim.cost import SimParams
+        from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
+
+        p = SimParams.load(params_path)
+        path = Path(params_path)
+        shown = (f"cluster/sim/params/{path.name}" if path.resolve().parent == SHIPPED_SIM_PARAMS.resolve()
+                 else params_path)
+        if p.about is None:
+            return cls(p.name, shown, "unstated", "the file does not say where its numbers come from", None,
+                       base_spec, workload)
+        return cls(p.name, shown, p.about.basis, " ".join(p.about.summary.split()), p.about.fitted_to, base_spec,
+                   workload)
+
+    def lines(self) -> list[str]:
+        """The provenance as text, a fact a line."""
+        model = f"{self.params} ({self.params_file}), {self.basis}"
+        if self.fitted_to:
+            model += f" to {self.fitted_to}"
+        return [f"model: {model}", f"  {self.summary}", f"base spec: {self.base_spec}", f"load: {self.workload}"]
+
+
+def describe_load(name: str, cfg: BenchConfig) -> str:
+    """The load in a line: its name, then what it sends."""
+    if cfg.trace:
+        shape = f"trace {Path(cfg.trace).name}" + (", closed loop" if cfg.closed_loop else
+                                                   f", its arrivals x{1 / cfg.time_scale:g}" if cfg.time_scale != 1
+                                                   else ", its own arrivals")
+    else:
+        shape = (f"{cfg.input_len:,}-token prompts, {cfg.shared_prefix_ratio:.0%} shared over {cfg.num_prefixes} "
+                 f"prefixes, {cfg.output_len:,} output tokens")
+    rate = f"{cfg.request_rate:g} req/s" if cfg.request_rate else "closed loop"
+    count = f"{cfg.num_requests} requests" if cfg.num_requests else "every request"
+    return f"{name}: {shape}; at most {cfg.max_concurrency} in flight, {rate}, {count}, seed {cfg.seed}"
+
+
 @dataclass
 class Plan:
     slo: Slo
     devices: int
     workload: str
     outcomes: list[Outcome] = field(default_factory=list)  # ranked, best first
+    provenance: Provenance | None = None  # None: a plan made by hand (tests)
 
     @property
     def chosen(self) -> Outcome:
@@ -200,16 +267,19 @@ def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
 
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
-         grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None) -> Plan:
+         grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,
+         base_spec: str = "<spec>") -> Plan:
     """Sweep and rank. `grid`: explicit values ("splits" as P counts, "budgets", "max_seqs", "policies",
-    "caps") crossed with each other; None: the default staged sweep (module docstring)."""
+    "caps") crossed with each other; None: the default staged sweep (module docstring). `base_spec`:
+    where `base` came from, for the provenance."""
     if devices < 2:
         raise ValueError(f"--devices {devices}: a P/D cluster needs at least 2 devices")
     sim_base = as_sim_spec(base, params)
     vocab, _ = spec_vocab(sim_base)
     requests = build_workload(cfg, cfg.vocab_size or vocab)
     prompts = PromptCache(sim_base.role_engine("prefill").block_size)
-    result = Plan(slo, devices, workload)
+    result = Plan(slo, devices, workload,
+                  provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg)))
     done: dict[Config, Outcome] = {}
 
     def run_all(configs: list[Config], total: int) -> None:

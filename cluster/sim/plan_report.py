@@ -10,7 +10,7 @@ import html
 import json
 from pathlib import Path
 
-from pdcluster.cluster.sim.plan import MISS, PERCENTILES, Outcome, Plan, pareto
+from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, pareto, pname
 
 
 def _ms(v: float | None) -> str:
@@ -19,7 +19,7 @@ def _ms(v: float | None) -> str:
 
 
 def rows(p: Plan) -> list[list[str]]:
-    q = PERCENTILES[p.slo.percentile]
+    q = pname(p.slo.percentile)
     header = ["#", "P:D", "budget", "seqs", "policy", "cap", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
               "req/s", "goodput/dev", "refused", "SLO"]
     out = [header]
@@ -41,7 +41,7 @@ def format_table(p: Plan) -> str:
 
 
 def slo_text(p: Plan) -> str:
-    q, s = PERCENTILES[p.slo.percentile], p.slo
+    q, s = pname(p.slo.percentile), p.slo
     parts = []
     if s.ttft_s is not None:
         parts.append(f"TTFT {q} <= {s.ttft_s * 1e3:,.0f} ms")
@@ -56,8 +56,15 @@ def to_json(p: Plan) -> str:
     def outcome(o: Outcome) -> dict:  # a percentile on refused or failed requests: null (JSON has no inf)
         d = dataclasses.asdict(o) | {"label": o.config.label}
         return {k: None if v == MISS else v for k, v in d.items()}
+    provenance = dataclasses.asdict(p.provenance) if p.provenance else None
     return json.dumps({"devices": p.devices, "workload": p.workload, "slo": dataclasses.asdict(p.slo),
-                       "chosen": outcome(p.chosen), "configurations": [outcome(o) for o in p.outcomes]}, indent=1)
+                       "provenance": provenance, "chosen": outcome(p.chosen),
+                       "configurations": [outcome(o) for o in p.outcomes]}, indent=1)
+
+
+def provenance_lines(p: Plan) -> list[str]:
+    """What the answer rests on (plan.Provenance), a line each; a plan made by hand says so."""
+    return p.provenance.lines() if p.provenance else ["model: not recorded (a plan made by hand)"]
 
 
 W, H, PAD = 760, 460, 64
@@ -77,7 +84,7 @@ def _svg(p: Plan) -> str:
     def y(v: float) -> float:
         return H - PAD - v / y1 * (H - 2 * PAD)
 
-    q = PERCENTILES[p.slo.percentile]
+    q = pname(p.slo.percentile)
     parts = [f'<svg id="pareto" width="{W}" height="{H}" '
              f'viewBox="0 0 {W} {H}" role="img" aria-label="TTFT against TPOT per configuration">',
              f'<rect x="{PAD}" y="{PAD}" width="{W - 2 * PAD}" height="{H - 2 * PAD}" class="frame"/>']
@@ -117,6 +124,7 @@ body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
 table { border-collapse: collapse; margin-top: 16px; }
 td, th { padding: 3px 8px; border-bottom: 1px solid #ddd; text-align: right; }
 tr.chosen td { background: #fff5cc; font-weight: 600; }
+#provenance { background: #f4f4f4; padding: 8px 12px; white-space: pre-wrap; }
 .frame { fill: none; stroke: #999; }
 .tick { font-size: 11px; fill: #555; text-anchor: middle; } .tick.end { text-anchor: end; }
 .axis { font-size: 13px; text-anchor: middle; fill: #222; }
@@ -141,6 +149,7 @@ def render_html(p: Plan) -> str:
 <h1>pdc plan: {html.escape(p.workload)} on {p.devices} devices</h1>
 <p>SLO: {html.escape(slo_text(p))}. {len(p.outcomes)} configurations on the virtual clock, ranked by whether the
 SLO holds, then goodput per device (requests meeting the latency targets per second, per device).</p>
+<pre id="provenance">{html.escape(chr(10).join(provenance_lines(p)))}</pre>
 <p id="chosen-text">Chosen: <b>{html.escape(c.config.label)}</b> — SLO {"met" if c.slo_met else "missed"},
 goodput {c.goodput_per_device:.3f} req/s per device.</p>
 {_svg(p)}

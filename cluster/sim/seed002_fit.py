@@ -95,7 +95,8 @@ def write(decode_s: float, factor: float) -> None:
             "# clock: cluster/sim/seed002_fit.py, docs/sim.md \"Seed 002: a fit to its C90 figures\". Two lumped\n"
             "# numbers (D's iteration overhead, one factor on P's three compute efficiencies); everything else as\n"
             "# dsv4-flash-910c.yaml.\n")
-    OUT.write_text(head + fitted_yaml(BASE.read_text(), numbers, "dsv4-flash-910c-seed002", source))
+    about = SimParams.load(OUT).about.model_dump(exclude_none=True)  # the shipped file's account of itself
+    OUT.write_text(head + fitted_yaml(BASE.read_text(), numbers, "dsv4-flash-910c-seed002", source, about))
 
 
 def main() -> None:

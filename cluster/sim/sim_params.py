@@ -157,10 +157,28 @@ class LinkSpec(_Strict):
     latency_s: float = Field(ge=0)
 
 
+class About(_Strict):
+    """Where a file's numbers come from, in a line or two: `pdc plan` names it beside every
+    answer (its table, page, JSON and written spec), so that no answer hides its model."""
+
+    basis: Literal["sourced", "fitted"] = Field(
+        description="sourced: every number from a datasheet, a config or an earlier fit, none from a run of "
+                    "this model on this device; fitted: some numbers fitted to a run (fitted_to)")
+    summary: str = Field(min_length=1, description="what the file models, and how far it can be trusted")
+    fitted_to: str | None = Field(None, min_length=1, description="fitted: the run or figures it reproduces")
+
+    @model_validator(mode="after")
+    def _a_fit_names_its_run(self) -> About:
+        if (self.basis == "fitted") != (self.fitted_to is not None):
+            raise ValueError("fitted_to: a fitted file names what it was fitted to; a sourced one has none")
+        return self
+
+
 class SimParams(_Strict):
     """One parameter file, loaded and validated."""
 
     name: str
+    about: About | None = None  # None: the file does not say (an old `pdc sim fit` output)
     model: ModelShape
     device: DeviceSpec
     efficiency: Efficiency
