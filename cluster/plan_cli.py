@@ -63,7 +63,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
 
     from pdcluster.cluster.replay.run import config_from_args
     from pdcluster.cluster.sim.cost import SimParamsError
-    from pdcluster.cluster.sim.plan import Slo, plan
+    from pdcluster.cluster.sim.plan import Slo, decided_by, plan
     from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, slo_text, write_outputs
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
@@ -105,7 +105,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     print("\n".join(provenance_lines(result)))
     print(format_table(result))
     c = result.chosen
-    print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'})")
+    print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'}); "
+          f"decided by {decided_by(result)}")
     print(f"written: {page}, {doc}")
     if a.write_spec:
         write_spec(base, a.params, c.config, Path(a.write_spec), result)

@@ -69,6 +69,37 @@ def test_a_miss_reads_as_such_in_the_table_and_as_null_in_the_json():
     assert not math.isinf(json.loads(to_json(p))["configurations"][0]["ttft_s"])
 
 
+def test_equal_results_are_a_tie_and_the_plan_says_nothing_decided():
+    """Issue 27 item 5: the C90 preset's first seven rows were equal to the last digit."""
+    from pdcluster.cluster.sim.plan import Plan, decided_by
+    from pdcluster.cluster.sim.plan_report import format_table, to_json
+
+    slo = Slo(ttft_s=2.0, tpot_s=0.006)
+    first, same, within = outcome(8, 1.67, 0.0052, 0.345, True), outcome(8, 1.67, 0.0052, 0.345, True), \
+        outcome(9, 1.675, 0.00521, 0.3435, True)
+    other = outcome(10, 1.5, 0.0050, 0.30, True)
+    p = Plan(slo, 16, "c90", rank([first, same, within, other]))
+    assert p.outcomes[:3] == [first, same, within]  # equal keys keep the sweep's order
+    assert decided_by(p).startswith("nothing: 2 others within 1% on goodput, TTFT p90 and TPOT p90")
+    marks = [line.split()[1] for line in format_table(p).splitlines()[2:]]
+    assert marks == ["8:0", "=", "=", "10:-2"]  # the tied rows marked, the chosen and the rest not
+    assert json.loads(to_json(p))["tied_with_chosen"] == [same.config.label, within.config.label]
+
+
+@pytest.mark.parametrize("second, says", [
+    (outcome(6, 1.0, 0.005, 0.9, False), "the SLO: the next misses it"),
+    (outcome(6, 1.0, 0.005, 0.9, True, failed=2), "serving every request: the next refused or failed 2"),
+    (outcome(6, 1.0, 0.005, 0.3, True), "goodput per device: 0.345 against the next's 0.300 req/s"),
+    (outcome(6, 1.9, 0.005, 0.344, True), "TTFT p90, goodput within 1%: 1,670 ms against the next's 1,900 ms"),
+    (outcome(6, 1.671, 0.0060, 0.345, True), "TPOT p90 differs: 5.20 ms against the next's 6.00 ms"),
+])
+def test_the_plan_says_what_decided_between_the_first_two(second, says):
+    from pdcluster.cluster.sim.plan import Plan, decided_by
+
+    p = Plan(Slo(ttft_s=2.0, tpot_s=0.006), 16, "c90", [outcome(8, 1.67, 0.0052, 0.345, True), second])
+    assert says in decided_by(p)
+
+
 def test_an_slo_needs_a_bound_a_percentile_from_1_to_99_and_plausible_values():
     with pytest.raises(ValueError, match="no SLO"):
         Slo()

@@ -262,8 +262,52 @@ def pareto(outcomes: list[Outcome]) -> list[Outcome]:
 
 
 def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """Best first (module docstring); equal keys keep the sweep's order."""
     return sorted(outcomes, key=lambda o: (not o.slo_met, o.failed > 0, -o.goodput_per_device,
                                            o.ttft_s if o.ttft_s is not None else float("inf")))
+
+
+# Figures closer than this are equal: the virtual clock is exact, but a 1% difference is below what
+# its cost model can tell (docs/sim.md "Validation against real engines").
+TIE_REL = 0.01
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None or MISS in (a, b):
+        return a == b
+    return abs(a - b) <= TIE_REL * max(abs(a), abs(b))
+
+
+def tied(a: Outcome, b: Outcome) -> bool:
+    """Nothing measured tells a and b apart: the same verdicts, and goodput, TTFT and TPOT within TIE_REL."""
+    return ((a.slo_met, a.failed > 0) == (b.slo_met, b.failed > 0) and _close(a.goodput_per_device, b.goodput_per_device)
+            and _close(a.ttft_s, b.ttft_s) and _close(a.tpot_s, b.tpot_s))
+
+
+def decided_by(p: Plan) -> str:
+    """What put the chosen configuration ahead of the next, in words (issue 27 item 5)."""
+    if len(p.outcomes) < 2:
+        return "the only configuration"
+    a, b = p.outcomes[0], p.outcomes[1]
+    q = f"p{p.slo.percentile}"
+    if tied(a, b):
+        n = sum(tied(a, o) for o in p.outcomes[1:])
+        return (f"nothing: {n} other{'s' if n > 1 else ''} within {TIE_REL:.0%} on goodput, TTFT {q} and TPOT {q} "
+                f"(marked = in the table); the first swept was taken")
+    if a.slo_met != b.slo_met:
+        return "the SLO: the next misses it"
+    if (a.failed > 0) != (b.failed > 0):
+        return f"serving every request: the next refused or failed {b.failed}"
+    if not _close(a.goodput_per_device, b.goodput_per_device):
+        return f"goodput per device: {a.goodput_per_device:.3f} against the next's {b.goodput_per_device:.3f} req/s"
+    if not _close(a.ttft_s, b.ttft_s):
+        return f"TTFT {q}, goodput within {TIE_REL:.0%}: {_ms(a.ttft_s)} against the next's {_ms(b.ttft_s)}"
+    return (f"nothing the ranking reads (goodput and TTFT {q} within {TIE_REL:.0%}); TPOT {q} differs: "
+            f"{_ms(a.tpot_s, 2)} against the next's {_ms(b.tpot_s, 2)}")
+
+
+def _ms(v: float | None, digits: int = 0) -> str:
+    return "none" if v is None else "a miss" if v == MISS else f"{v * 1e3:,.{digits}f} ms"
 
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,

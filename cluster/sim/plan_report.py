@@ -10,7 +10,7 @@ import html
 import json
 from pathlib import Path
 
-from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, pareto, pname
+from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, decided_by, pareto, pname, tied
 
 
 def _ms(v: float | None) -> str:
@@ -20,12 +20,13 @@ def _ms(v: float | None) -> str:
 
 def rows(p: Plan) -> list[list[str]]:
     q = pname(p.slo.percentile)
-    header = ["#", "P:D", "budget", "seqs", "policy", "cap", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
+    header = ["#", "", "P:D", "budget", "seqs", "policy", "cap", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
               "req/s", "goodput/dev", "refused", "SLO"]
     out = [header]
     for i, o in enumerate(p.outcomes, 1):
         c = o.config
-        out.append([str(i), f"{c.prefill}:{c.decode}", str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
+        mark = "=" if i > 1 and tied(p.chosen, o) else ""  # nothing measured tells it from the chosen one
+        out.append([str(i), mark, f"{c.prefill}:{c.decode}", str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
                     str(c.max_in_flight or "-"), _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
                     f"{o.throughput:.2f}", f"{o.goodput_per_device:.3f}", str(o.failed),
                     "met" if o.slo_met else "missed"])
@@ -58,7 +59,8 @@ def to_json(p: Plan) -> str:
         return {k: None if v == MISS else v for k, v in d.items()}
     provenance = dataclasses.asdict(p.provenance) if p.provenance else None
     return json.dumps({"devices": p.devices, "workload": p.workload, "slo": dataclasses.asdict(p.slo),
-                       "provenance": provenance, "chosen": outcome(p.chosen),
+                       "provenance": provenance, "chosen": outcome(p.chosen), "decided_by": decided_by(p),
+                       "tied_with_chosen": [o.config.label for o in p.outcomes[1:] if tied(p.chosen, o)],
                        "configurations": [outcome(o) for o in p.outcomes]}, indent=1)
 
 
@@ -151,7 +153,7 @@ def render_html(p: Plan) -> str:
 SLO holds, then goodput per device (requests meeting the latency targets per second, per device).</p>
 <pre id="provenance">{html.escape(chr(10).join(provenance_lines(p)))}</pre>
 <p id="chosen-text">Chosen: <b>{html.escape(c.config.label)}</b> — SLO {"met" if c.slo_met else "missed"},
-goodput {c.goodput_per_device:.3f} req/s per device.</p>
+goodput {c.goodput_per_device:.3f} req/s per device. Decided by {html.escape(decided_by(p))}.</p>
 {_svg(p)}
 <p>Green: SLO met; red: missed; blue line: the Pareto front; dashed: the SLO's bounds.</p>
 <table id="configurations"><thead><tr>{head}</tr></thead><tbody>
