@@ -61,10 +61,10 @@ def _bounds_ms(a: argparse.Namespace) -> tuple[float | None, float | None]:
 def _cmd_plan(a: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from pdcluster.cluster.replay.run import config_from_args
+    from pdcluster.cluster.replay.run import config_from_args, load_flags
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, decided_by, plan
-    from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, slo_text, write_outputs
+    from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, rerun_command, slo_text, write_outputs
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
 
@@ -99,6 +99,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
         if bar is not None:
             bar.close()
     out = Path(a.out or f".pdcluster/plan/{workload}-{a.devices}dev-{time.strftime('%Y%m%d-%H%M%S')}")
+    result.rerun_flags = load_flags(a)
     page, doc = write_outputs(result, out)
     print(f"{len(result.outcomes)} configurations of {a.devices} devices on {workload}, SLO {slo_text(result)}; "
           f"{time.perf_counter() - t0:.1f} s")
@@ -108,6 +109,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'}); "
           f"decided by {decided_by(result)}")
     print(f"written: {page}, {doc}")
+    print(f"re-run one with its timelines: {rerun_command(result, out, 1)}  (01: the chosen; configs/NN.yaml: "
+          f"rank NN), then pdc timeline report {out / 'runs' / '01' / 'timeline'}")
     if a.write_spec:
         write_spec(base, a.params, c.config, Path(a.write_spec), result)
 

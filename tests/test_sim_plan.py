@@ -207,15 +207,65 @@ def test_the_plan_writes_its_table_json_and_a_spec_that_validates(planned, capsy
 def test_the_html_is_self_contained_and_renders_with_the_chosen_one_marked(planned):
     page_html = (planned / "plan.html").read_text()
     assert not re.search(r"https?://", page_html) and "<script" not in page_html
-    n = len(json.loads((planned / "plan.json").read_text())["configurations"])
+    doc = json.loads((planned / "plan.json").read_text())
+    n = len(doc["configurations"])
     with chromium_page(planned / "plan.html") as (page, errors):
         assert page.title().startswith("pdc plan")
+        # The answer first: right under the title, what to run and why, before the table and the plot.
+        order = page.evaluate("[...document.body.children].map(e => e.id || e.tagName)")
+        assert order[:2] == ["H1", "answer"] and order.index("configurations") < order.index("pareto"), order
+        chosen = doc["chosen"]["label"]
+        assert page.locator("#chosen-text").inner_text().startswith(
+            f"Run {chosen}: it meets the SLO" if doc["chosen"]["slo_met"] else "No configuration meets the SLO")
+        assert doc["decided_by"] in page.locator("#answer").inner_text()
         assert page.locator("#pareto circle.point").count() == n
         assert page.locator("#pareto #chosen").count() == 1
         assert page.locator("#configurations tbody tr").count() == n
+        # Every point says which configuration it is when hovered.
+        titles = page.locator("#pareto circle.point title").evaluate_all("els => els.map(e => e.textContent)")
+        assert sorted(t.split(": TTFT")[0].split(" ", 1)[1] for t in titles) == sorted(c["label"] for c in
+                                                                                        doc["configurations"])
         box = page.locator("#pareto").bounding_box()
         assert box is not None and box["width"] > 500
     assert errors == []
+
+
+def test_the_front_is_drawn_among_the_configurations_that_met_the_slo():
+    from pdcluster.cluster.sim.plan import Plan
+    from pdcluster.cluster.sim.plan_report import _svg
+
+    met_fast, met_slow = outcome(4, 1.0, 0.005, 0.6, True), outcome(5, 1.5, 0.004, 0.5, True)
+    missed = outcome(6, 0.5, 0.003, 0.7, False)  # beats both: the front over every point would start there
+    svg = _svg(Plan(Slo(ttft_s=2.0, tpot_s=0.006), 8, "c90", [met_fast, met_slow, missed]))
+    points = re.search(r'<polyline points="([^"]+)" class="front"/>', svg).group(1).split()
+    circles = dict(re.findall(r'<circle cx="([\d.]+)" cy="([\d.]+)" r="5" class="point met"', svg))
+    assert len(points) == 2 and all(p.split(",")[0] in circles for p in points), (points, circles)
+    assert "log scale" in svg
+
+
+def test_each_configuration_is_re_run_with_the_command_beside_it(planned, tmp_path):
+    """The command in the page's row (configs/NN.yaml and the plan's load) reproduces its figures,
+    with timelines `pdc timeline report` opens."""
+    import shlex
+
+    from pdcluster.router.run_store import load_run
+
+    doc = json.loads((planned / "plan.json").read_text())
+    cells = re.findall(r'<td class="cmd"><details><summary>command</summary><code>([^<]+)</code></details></td>',
+                       (planned / "plan.html").read_text())
+    assert len(cells) == len(doc["configurations"]) and all(c.startswith("pdc sim run ") for c in cells)
+    argv = shlex.split(html_unescape(cells[1]))[1:]  # the second configuration's
+    main(argv)
+    out = Path(argv[argv.index("--out") + 1])
+    formal = json.loads((out / "summary.json").read_text())["phases"]["formal"]
+    assert formal["stats"]["E2EL"]["avg"] == pytest.approx(doc["configurations"][1]["e2e_mean_s"], rel=1e-9)
+    assert len([r for r in load_run(out / "timeline").records if "formal" in r.request_id]) == 36
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)
 
 
 def test_bad_arguments_name_the_flag(tmp_path, capsys):

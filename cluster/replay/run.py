@@ -269,6 +269,25 @@ def add_load_arguments(r) -> None:
     r.add_argument("--seed", type=int)
 
 
+def load_flags(a) -> list[str]:
+    """The add_load_arguments flags that parsed into `a`, as a command line again (`pdc plan` shows
+    the `pdc sim run` that re-runs one of its configurations)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_load_arguments(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(a, action.dest, None)
+        if value is None or not action.option_strings:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            out += [action.option_strings[0]] if value else []
+        else:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
 def config_from_args(a, **overrides) -> BenchConfig:
     """The BenchConfig the parsed arguments (add_load_arguments' and the command's own) name."""
     fields = {f.name for f in dataclasses.fields(BenchConfig)}

@@ -167,6 +167,8 @@ class Plan:
     workload: str
     outcomes: list[Outcome] = field(default_factory=list)  # ranked, best first
     provenance: Provenance | None = None  # None: a plan made by hand (tests)
+    sim_base: ClusterSpec | None = None  # the base spec as simulated: each configuration is configure(sim_base, c)
+    rerun_flags: list[str] = field(default_factory=list)  # the load's flags, for `pdc sim run` (plan_report)
 
     @property
     def chosen(self) -> Outcome:
@@ -292,8 +294,12 @@ def decided_by(p: Plan) -> str:
     q = f"p{p.slo.percentile}"
     if tied(a, b):
         n = sum(tied(a, o) for o in p.outcomes[1:])
+        equal = (a.goodput_per_device, a.ttft_s) == (b.goodput_per_device, b.ttft_s)
         return (f"nothing: {n} other{'s' if n > 1 else ''} within {TIE_REL:.0%} on goodput, TTFT {q} and TPOT {q} "
-                f"(marked = in the table); the first swept was taken")
+                f"(marked = in the table); " + ("equal, the first swept was taken" if equal else
+                                               f"first by less than that (goodput {a.goodput_per_device:.4f} against "
+                                               f"{b.goodput_per_device:.4f}, TTFT {_ms(a.ttft_s, 1)} against "
+                                               f"{_ms(b.ttft_s, 1)})"))
     if a.slo_met != b.slo_met:
         return "the SLO: the next misses it"
     if (a.failed > 0) != (b.failed > 0):
@@ -323,7 +329,8 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
     requests = build_workload(cfg, cfg.vocab_size or vocab)
     prompts = PromptCache(sim_base.role_engine("prefill").block_size)
     result = Plan(slo, devices, workload,
-                  provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg)))
+                  provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg)),
+                  sim_base=sim_base)
     done: dict[Config, Outcome] = {}
 
     def run_all(configs: list[Config], total: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from pathlib import Path
 
 from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, decided_by, pareto, pname, tied
@@ -72,62 +73,84 @@ def provenance_lines(p: Plan) -> list[str]:
 W, H, PAD = 760, 460, 64
 
 
+def _log_axis(values: list[float], px0: float, px1: float):
+    """A log10 scale over `values` (positive) onto pixels px0..px1: (map, ticks at 1, 2, 5 x 10^k)."""
+    lo, hi = min(values), max(values)
+    if hi / lo < 2:  # one point, or a few close ones: a readable span around them
+        lo, hi = lo / 1.5, hi * 1.5
+    lo, hi = lo / 1.15, hi * 1.15
+    a, b = math.log10(lo), math.log10(hi)
+
+    def to_px(v: float) -> float:
+        return px0 + (math.log10(v) - a) / (b - a) * (px1 - px0)
+    ticks = [m * 10 ** k for k in range(math.floor(a), math.ceil(b) + 1) for m in (1, 2, 5) if lo <= m * 10 ** k <= hi]
+    return to_px, ticks
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 else f"{v:g}"
+
+
 def _svg(p: Plan) -> str:
-    pts = [o for o in p.outcomes if o.measured]
+    """TTFT against TPOT on log axes, a point per configuration (its label on hover), the SLO's bounds,
+    the Pareto front among the configurations that met the SLO, the chosen one ringed."""
+    pts = [o for o in p.outcomes if o.measured and o.ttft_s > 0 and o.tpot_s > 0]
     if not pts:
         return "<p>No configuration finished a request: nothing to plot.</p>"
     xs = [o.ttft_s for o in pts] + ([p.slo.ttft_s] if p.slo.ttft_s else [])
-    ys = [o.tpot_s for o in pts] + ([p.slo.tpot_s] if p.slo.tpot_s else [])
-    x1, y1 = max(xs) * 1.08, max(ys) * 1.08
-
-    def x(v: float) -> float:
-        return PAD + v / x1 * (W - 2 * PAD)
-
-    def y(v: float) -> float:
-        return H - PAD - v / y1 * (H - 2 * PAD)
-
+    ys = [o.tpot_s * 1e3 for o in pts] + ([p.slo.tpot_s * 1e3] if p.slo.tpot_s else [])
+    x, xticks = _log_axis(xs, PAD, W - PAD)
+    y, yticks = _log_axis(ys, H - PAD, PAD)
     q = pname(p.slo.percentile)
     parts = [f'<svg id="pareto" width="{W}" height="{H}" '
              f'viewBox="0 0 {W} {H}" role="img" aria-label="TTFT against TPOT per configuration">',
              f'<rect x="{PAD}" y="{PAD}" width="{W - 2 * PAD}" height="{H - 2 * PAD}" class="frame"/>']
-    for k in range(6):  # ticks
-        tx, ty = x1 * k / 5, y1 * k / 5
-        parts.append(f'<text x="{x(tx):.1f}" y="{H - PAD + 18}" class="tick">{tx:.2f}</text>')
-        parts.append(f'<text x="{PAD - 8}" y="{y(ty) + 4:.1f}" class="tick end">{ty * 1e3:.1f}</text>')
-    parts.append(f'<text x="{W / 2}" y="{H - 16}" class="axis">TTFT {q} (s)</text>')
-    parts.append(f'<text x="18" y="{H / 2}" class="axis" transform="rotate(-90 18 {H / 2})">TPOT {q} (ms)</text>')
+    for t in xticks:
+        parts.append(f'<line x1="{x(t):.1f}" y1="{PAD}" x2="{x(t):.1f}" y2="{H - PAD}" class="grid"/>'
+                     f'<text x="{x(t):.1f}" y="{H - PAD + 18}" class="tick">{_num(t)}</text>')
+    for t in yticks:
+        parts.append(f'<line x1="{PAD}" y1="{y(t):.1f}" x2="{W - PAD}" y2="{y(t):.1f}" class="grid"/>'
+                     f'<text x="{PAD - 8}" y="{y(t) + 4:.1f}" class="tick end">{_num(t)}</text>')
+    parts.append(f'<text x="{W / 2}" y="{H - 16}" class="axis">TTFT {q} (s, log scale)</text>')
+    parts.append(f'<text x="18" y="{H / 2}" class="axis" transform="rotate(-90 18 {H / 2})">TPOT {q} (ms, log '
+                 f'scale)</text>')
     if p.slo.ttft_s:
         parts.append(f'<line x1="{x(p.slo.ttft_s):.1f}" y1="{PAD}" x2="{x(p.slo.ttft_s):.1f}" y2="{H - PAD}" '
                      f'class="slo"/>')
     if p.slo.tpot_s:
-        parts.append(f'<line x1="{PAD}" y1="{y(p.slo.tpot_s):.1f}" x2="{W - PAD}" y2="{y(p.slo.tpot_s):.1f}" '
-                     f'class="slo"/>')
-    front = pareto(pts)
+        parts.append(f'<line x1="{PAD}" y1="{y(p.slo.tpot_s * 1e3):.1f}" x2="{W - PAD}" '
+                     f'y2="{y(p.slo.tpot_s * 1e3):.1f}" class="slo"/>')
+    front = pareto([o for o in pts if o.slo_met])
     if len(front) > 1:
-        path = " ".join(f"{x(o.ttft_s):.1f},{y(o.tpot_s):.1f}" for o in front)
+        path = " ".join(f"{x(o.ttft_s):.1f},{y(o.tpot_s * 1e3):.1f}" for o in front)
         parts.append(f'<polyline points="{path}" class="front"/>')
     for o in pts:
         cls = "met" if o.slo_met else "missed"
-        tip = html.escape(f"{o.config.label}: TTFT {q} {o.ttft_s:.3f} s, TPOT {q} {o.tpot_s * 1e3:.2f} ms, "
-                          f"goodput {o.goodput_per_device:.3f} req/s/device")
-        parts.append(f'<circle cx="{x(o.ttft_s):.1f}" cy="{y(o.tpot_s):.1f}" r="5" class="point {cls}">'
+        tip = html.escape(f"#{p.outcomes.index(o) + 1} {o.config.label}: TTFT {q} {o.ttft_s:.3f} s, TPOT {q} "
+                          f"{o.tpot_s * 1e3:.2f} ms, goodput {o.goodput_per_device:.3f} req/s/device, SLO {cls}")
+        parts.append(f'<circle cx="{x(o.ttft_s):.1f}" cy="{y(o.tpot_s * 1e3):.1f}" r="5" class="point {cls}">'
                      f'<title>{tip}</title></circle>')
     c = p.chosen
     if c in pts:
-        parts.append(f'<circle id="chosen" cx="{x(c.ttft_s):.1f}" cy="{y(c.tpot_s):.1f}" r="11" class="chosen"/>')
-        parts.append(f'<text x="{x(c.ttft_s) + 14:.1f}" y="{y(c.tpot_s) - 10:.1f}" class="label">chosen: '
+        cx, cy = x(c.ttft_s), y(c.tpot_s * 1e3)
+        parts.append(f'<circle id="chosen" cx="{cx:.1f}" cy="{cy:.1f}" r="11" class="chosen"/>')
+        parts.append(f'<text x="{cx + 14:.1f}" y="{cy - 10:.1f}" class="label">chosen: '
                      f'P{c.config.prefill}:D{c.config.decode}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
 
 CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
-table { border-collapse: collapse; margin-top: 16px; }
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1100px; }
+#answer { border-left: 6px solid #2a8a3e; padding: 4px 16px; background: #f3faf4; }
+#answer.missed { border-color: #c44; background: #fdf3f3; }
+#answer .verdict { font-size: 17px; }
+table { border-collapse: collapse; margin-top: 8px; }
 td, th { padding: 3px 8px; border-bottom: 1px solid #ddd; text-align: right; }
+td.cmd { text-align: left; font-size: 11px; max-width: 360px; } td.cmd code { display: block; }
 tr.chosen td { background: #fff5cc; font-weight: 600; }
 #provenance { background: #f4f4f4; padding: 8px 12px; white-space: pre-wrap; }
-.frame { fill: none; stroke: #999; }
+.frame { fill: none; stroke: #999; } .grid { stroke: #eee; }
 .tick { font-size: 11px; fill: #555; text-anchor: middle; } .tick.end { text-anchor: end; }
 .axis { font-size: 13px; text-anchor: middle; fill: #222; }
 .slo { stroke: #c33; stroke-dasharray: 6 4; }
@@ -138,34 +161,75 @@ tr.chosen td { background: #fff5cc; font-weight: 600; }
 """
 
 
-def render_html(p: Plan) -> str:
+def rerun_command(p: Plan, out: Path, rank: int) -> str:
+    """The command that runs configuration `rank` (1: the chosen) again with its timelines, for
+    `pdc timeline report`; "" for a plan made by hand."""
+    if p.sim_base is None:
+        return ""
+    return " ".join(["pdc sim run", str(out / "configs" / f"{rank:02d}.yaml"), *p.rerun_flags,
+                     "--out", str(out / "runs" / f"{rank:02d}")])
+
+
+def verdict(p: Plan) -> str:
+    """The answer in a sentence: what to run, whether it meets the SLO, and its figures."""
+    c, q = p.chosen, pname(p.slo.percentile)
+    def ms(v: float | None) -> str:
+        return f"{_ms(v)} ms" if v is not None and v != MISS else "a miss" if v == MISS else "none"
+    figures = f"TTFT {q} {ms(c.ttft_s)}, TPOT {q} {ms(c.tpot_s)}, {c.goodput_per_device:.3f} req/s per device"
+    if c.slo_met:
+        return f"Run {c.config.label}: it meets the SLO ({figures})."
+    return f"No configuration meets the SLO. Closest: {c.config.label} ({figures}, {c.failed} refused or failed)."
+
+
+def render_html(p: Plan, out: Path | None = None) -> str:
     table = rows(p)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in table[0])
+    commands = [rerun_command(p, out, i) if out else "" for i in range(1, len(p.outcomes) + 1)]
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in table[0]) + ("<th>re-run (then pdc timeline report "
+                                                                        "OUT/timeline)</th>" if any(commands) else "")
     body = "\n".join(f'<tr{" class=chosen" if i == 0 else ""}>'
-                     + "".join(f"<td>{html.escape(cell)}</td>" for cell in r) + "</tr>"
-                     for i, r in enumerate(table[1:]))
-    c = p.chosen
+                     + "".join(f"<td>{html.escape(cell)}</td>" for cell in r)
+                     + (f'<td class="cmd"><details><summary>command</summary><code>{html.escape(commands[i])}'
+                        f'</code></details></td>' if commands[i] else "")
+                     + "</tr>" for i, r in enumerate(table[1:]))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pdc plan: {html.escape(p.workload)} on {p.devices} devices</title>
 <style>{CSS}</style></head><body>
 <h1>pdc plan: {html.escape(p.workload)} on {p.devices} devices</h1>
-<p>SLO: {html.escape(slo_text(p))}. {len(p.outcomes)} configurations on the virtual clock, ranked by whether the
-SLO holds, then goodput per device (requests meeting the latency targets per second, per device).</p>
+<section id="answer" class="{"met" if p.chosen.slo_met else "missed"}">
+<p class="verdict" id="chosen-text">{html.escape(verdict(p))}</p>
+<p>Decided by {html.escape(decided_by(p))}. SLO: {html.escape(slo_text(p))}, over every request sent (a refused or
+failed one a miss).</p>
 <pre id="provenance">{html.escape(chr(10).join(provenance_lines(p)))}</pre>
-<p id="chosen-text">Chosen: <b>{html.escape(c.config.label)}</b> — SLO {"met" if c.slo_met else "missed"},
-goodput {c.goodput_per_device:.3f} req/s per device. Decided by {html.escape(decided_by(p))}.</p>
-{_svg(p)}
-<p>Green: SLO met; red: missed; blue line: the Pareto front; dashed: the SLO's bounds.</p>
+</section>
+<h2>The {len(p.outcomes)} configurations, best first</h2>
+<p>Ranked by whether the SLO holds, whether every request was served, then goodput per device (requests meeting
+the latency targets per second, per device). <b>=</b>: equal to the chosen one within 1%.</p>
 <table id="configurations"><thead><tr>{head}</tr></thead><tbody>
 {body}
 </tbody></table>
+<h2>TTFT against TPOT</h2>
+{_svg(p)}
+<p>Green: SLO met; red: missed (hover a point for its configuration); blue line: the Pareto front among those that
+met it; dashed: the SLO's bounds.</p>
 </body></html>
 """
 
 
 def write_outputs(p: Plan, out_dir: str | Path) -> tuple[Path, Path]:
+    """plan.json, plan.html, and configs/NN.yaml: configuration NN's simulated spec (NN its rank),
+    which `rerun_command` runs again."""
+    import yaml
+
+    from pdcluster.cluster.sim.plan import configure
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if p.sim_base is not None:
+        (out / "configs").mkdir(exist_ok=True)
+        for i, o in enumerate(p.outcomes, 1):
+            spec = configure(p.sim_base, o.config).model_dump(mode="json", exclude_defaults=True, exclude={"auth"})
+            (out / "configs" / f"{i:02d}.yaml").write_text(f"# pdc plan's configuration {i}: {o.config.label}\n"
+                                                           + yaml.safe_dump(spec, sort_keys=False))
     (out / "plan.json").write_text(to_json(p) + "\n")
-    (out / "plan.html").write_text(render_html(p))
+    (out / "plan.html").write_text(render_html(p, out))
     return out / "plan.html", out / "plan.json"
