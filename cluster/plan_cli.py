@@ -81,7 +81,13 @@ def _cmd_plan(a: argparse.Namespace) -> None:
         ttft_ms, tpot_ms = _bounds_ms(a)
         slo = Slo(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3,
                   a.slo_percentile, a.min_throughput)
-        base = load_spec(a.spec)
+        base = load_spec(a.target or a.spec)
+        note = None
+        if a.target and not (Path(base.model.path) / "config.json").exists():
+            # The prompts' token ids need a tokenizer's vocabulary; the costs are the parameter file's.
+            base = base.model_copy(update={"model": load_spec(DEFAULT_SPEC).model})
+            note = (f"the target's checkpoint ({load_spec(a.target).model.path}) is not here: the model is the "
+                    f"parameter file's, the prompts' token ids the tiny model's")
         cfg = config_from_args(a, progress=False)
         t0 = time.perf_counter()
         bar = tqdm(desc="configurations", unit="run", disable=None, leave=False, dynamic_ncols=True)
@@ -91,8 +97,10 @@ def _cmd_plan(a: argparse.Namespace) -> None:
             bar.set_postfix_str(outcome.config.label, refresh=False)
             bar.update(1)
 
-        shown_spec = "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec
-        result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec)
+        shown_spec = (_shown(a.target) + " (the target)" if a.target else
+                      "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec)
+        result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec,
+                      note=note)
     except (SpecError, SimParamsError, ValueError, OSError) as err:
         _fail(str(err))
     finally:
@@ -111,8 +119,56 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     print(f"written: {page}, {doc}")
     print(f"re-run one with its timelines: {rerun_command(result, out, 1)}  (01: the chosen; configs/NN.yaml: "
           f"rank NN), then pdc timeline report {out / 'runs' / '01' / 'timeline'}")
-    if a.write_spec:
+    if a.write_spec and a.target:
+        write_target_spec(Path(a.target), c.config, Path(a.write_spec), result)
+    elif a.write_spec:
         write_spec(base, a.params, c.config, Path(a.write_spec), result)
+
+
+def _shown(path: str) -> str:
+    """A spec's path for what pdc plan writes: a shipped one as deploy/NAME, another by its name
+    (no path of this machine in a spec made for another)."""
+    p = Path(path).resolve()
+    return f"deploy/{p.name}" if p.parent == DEFAULT_SPEC.parent else p.name
+
+
+def write_target_spec(target: Path, config, path: Path, result) -> None:
+    """The target spec as its file says it, with the chosen split and settings and nothing else
+    changed (its paths are the target hardware's): the role counts, the engine's chunked-prefill
+    budget and running requests (a role's own value of either removed: it would override), the
+    router's policy and admission cap; validated as pdc up reads it, then written."""
+    import yaml
+
+    from pdcluster.cluster.sim.plan_report import provenance_lines, slo_text
+    from pdcluster.proto.spec import SpecError, parse_spec, read_yaml
+
+    data = read_yaml(target, ValueError)
+    for role, n in (("prefill", config.prefill), ("decode", config.decode)):
+        section = data.setdefault(role, {})
+        section["instances"] = n
+        for key in ("max_num_batched_tokens", "max_num_seqs"):
+            (section.get("engine") or {}).pop(key, None)
+        lists = {f"{role}.resources.cpu_bind": (section.get("resources") or {}).get("cpu_bind"),
+                 f"{role}.placement.per_instance": (section.get("placement") or {}).get("per_instance")}
+        for name, value in lists.items():
+            if isinstance(value, list) and len(value) != n:
+                _fail(f"--target {target}: {name} lists {len(value)} instances, the chosen split {n}: "
+                      f"give it {n} or drop it")
+    data.setdefault("engine", {}).update(max_num_batched_tokens=config.max_num_batched_tokens,
+                                         max_num_seqs=config.max_num_seqs)
+    router = data.setdefault("router", {})
+    router["policy"] = config.policy
+    if config.max_in_flight is not None:
+        router.setdefault("admission", {})["max_in_flight"] = config.max_in_flight
+    try:
+        parse_spec(data, str(path))
+    except SpecError as err:
+        _fail(f"the chosen configuration does not make a valid spec from {target}: {err}")
+    head = (f"# Written by pdc plan from {_shown(str(target))}: {config.label}, chosen for {result.workload} on "
+            f"{result.devices} devices, SLO {slo_text(result)}\n" + "".join(f"# {line}\n" for line in
+                                                                         provenance_lines(result)))
+    path.write_text(head + yaml.safe_dump(data, sort_keys=False))
+    print(f"spec: {path} (pdc up {path} on the target's hardware)")
 
 
 def write_spec(base, params: str | None, config, path: Path, result) -> None:
@@ -164,5 +220,7 @@ def add_plan_command(subparsers) -> None:
     g.add_argument("--policies", help="router policies, e.g. prefix_aware,least_load")
     g.add_argument("--caps", help="router admission caps (requests in flight)")
     p.add_argument("--out", help="output directory (default .pdcluster/plan/<workload>-<N>dev-<time>)")
+    p.add_argument("--target", help="a spec for real engines (e.g. deploy/p8d8-npu.yaml): plan on its simulated twin "
+                                    "instead of --spec, and --write-spec writes it with the chosen split and settings")
     p.add_argument("--write-spec", help="write the chosen configuration as a cluster spec here")
     p.set_defaults(fn=_cmd_plan)

@@ -282,3 +282,29 @@ def test_the_load_is_the_benchs(planned):
     # The plan's load is pdc bench run's, from the same arguments (BenchConfig).
     cfg = BenchConfig(input_len=32772, num_prefixes=6, num_requests=36)
     assert cfg.seed_phase and json.loads((planned / "plan.json").read_text())["workload"] == "synthetic"
+
+
+def test_a_spec_written_for_a_target_is_the_target_with_only_the_chosen_fields(tmp_path):
+    """Issue 27 item 6: planned on deploy/p8d8-npu.yaml's simulated twin (its checkpoint is not
+    here: the parameter file's model, the tiny model's token ids), written as that NPU spec."""
+    import yaml
+
+    target = DEPLOY / "p8d8-npu.yaml"
+    out = tmp_path / "plan"
+    main(["plan", "dsv4-flash-910c", "--devices", "4", *LOAD, "--splits", "1,3", "--slo-ttft-ms", "1500",
+          "--target", str(target), "--out", str(out), "--write-spec", str(tmp_path / "npu.yaml")])
+    chosen = json.loads((out / "plan.json").read_text())["chosen"]["config"]
+    want = yaml.safe_load(target.read_text())
+    want["prefill"]["instances"], want["decode"]["instances"] = chosen["prefill"], chosen["decode"]
+    want["engine"] |= {"max_num_batched_tokens": chosen["max_num_batched_tokens"], "max_num_seqs": chosen["max_num_seqs"]}
+    want["router"]["policy"] = chosen["policy"]
+    text = (tmp_path / "npu.yaml").read_text()
+    assert yaml.safe_load(text) == want  # the target, but for the chosen fields
+    spec = load_spec(tmp_path / "npu.yaml")  # as pdc up reads it
+    assert spec.device == "npu" and spec.role_engine("prefill").kind == "vllm"
+    assert spec.model.path == "/models/DeepSeek-V4-Flash" and (spec.prefill.instances, spec.decode.instances) == (
+        chosen["prefill"], chosen["decode"])
+    for here in (str(DEPLOY.parent), str(tmp_path), str(Path.home())):  # no path of this machine
+        assert here not in text, here
+    assert "# base spec: deploy/p8d8-npu.yaml (the target)" in text
+    assert "# note: the target's checkpoint (/models/DeepSeek-V4-Flash) is not here" in text

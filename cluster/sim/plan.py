@@ -122,9 +122,10 @@ class Provenance:
     fitted_to: str | None
     base_spec: str  # as given
     workload: str  # the load's name and shape
+    note: str | None = None  # what else the answer rests on (a target's checkpoint not here)
 
     @classmethod
-    def of(cls, params_path: str, base_spec: str, workload: str) -> Provenance:
+    def of(cls, params_path: str, base_spec: str, workload: str, note: str | None = None) -> Provenance:
         from pdcluster.cluster.sim.cost import SimParams
         from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
 
@@ -134,16 +135,17 @@ class Provenance:
                  else params_path)
         if p.about is None:
             return cls(p.name, shown, "unstated", "the file does not say where its numbers come from", None,
-                       base_spec, workload)
+                       base_spec, workload, note)
         return cls(p.name, shown, p.about.basis, " ".join(p.about.summary.split()), p.about.fitted_to, base_spec,
-                   workload)
+                   workload, note)
 
     def lines(self) -> list[str]:
         """The provenance as text, a fact a line."""
         model = f"{self.params} ({self.params_file}), {self.basis}"
         if self.fitted_to:
             model += f" to {self.fitted_to}"
-        return [f"model: {model}", f"  {self.summary}", f"base spec: {self.base_spec}", f"load: {self.workload}"]
+        return [f"model: {model}", f"  {self.summary}", f"base spec: {self.base_spec}", f"load: {self.workload}",
+                *([f"note: {self.note}"] if self.note else [])]
 
 
 def describe_load(name: str, cfg: BenchConfig) -> str:
@@ -318,7 +320,7 @@ def _ms(v: float | None, digits: int = 0) -> str:
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
          grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,
-         base_spec: str = "<spec>") -> Plan:
+         base_spec: str = "<spec>", note: str | None = None) -> Plan:
     """Sweep and rank. `grid`: explicit values ("splits" as P counts, "budgets", "max_seqs", "policies",
     "caps") crossed with each other; None: the default staged sweep (module docstring). `base_spec`:
     where `base` came from, for the provenance."""
@@ -329,7 +331,7 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
     requests = build_workload(cfg, cfg.vocab_size or vocab)
     prompts = PromptCache(sim_base.role_engine("prefill").block_size)
     result = Plan(slo, devices, workload,
-                  provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg)),
+                  provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg), note),
                   sim_base=sim_base)
     done: dict[Config, Outcome] = {}
 
