@@ -64,6 +64,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     from pdcluster.cluster.replay.run import config_from_args, load_flags
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, decided_by, plan
+    from pdcluster.cluster.sim.plan_headroom import text as headroom_text
     from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, rerun_command, slo_text, write_outputs
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
@@ -108,7 +109,6 @@ def _cmd_plan(a: argparse.Namespace) -> None:
             bar.close()
     out = Path(a.out or f".pdcluster/plan/{workload}-{a.devices}dev-{time.strftime('%Y%m%d-%H%M%S')}")
     result.rerun_flags = load_flags(a)
-    page, doc = write_outputs(result, out)
     print(f"{len(result.outcomes)} configurations of {a.devices} devices on {workload}, SLO {slo_text(result)}; "
           f"{time.perf_counter() - t0:.1f} s")
     print("\n".join(provenance_lines(result)))
@@ -116,6 +116,12 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     c = result.chosen
     print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'}); "
           f"decided by {decided_by(result)}")
+    if c.anatomy is not None:
+        print(f"  where its time goes: {c.anatomy.line()}")
+    if a.headroom != "none":
+        _search_headroom(result, result.outcomes[:1] if a.headroom == "chosen" else result.outcomes)
+        print(f"  headroom: {headroom_text(result.headrooms[c.config], result.cfg)}")
+    page, doc = write_outputs(result, out)
     print(f"written: {page}, {doc}")
     print(f"re-run one with its timelines: {rerun_command(result, out, 1)}  (01: the chosen; configs/NN.yaml: "
           f"rank NN), then pdc timeline report {out / 'runs' / '01' / 'timeline'}")
@@ -123,6 +129,20 @@ def _cmd_plan(a: argparse.Namespace) -> None:
         write_target_spec(Path(a.target), c.config, Path(a.write_spec), result)
     elif a.write_spec:
         write_spec(base, a.params, c.config, Path(a.write_spec), result)
+
+
+def _search_headroom(result, outcomes) -> None:
+    """plan_headroom's search for each of `outcomes`, with progress on the terminal."""
+    from tqdm import tqdm
+
+    from pdcluster.cluster.sim.plan_headroom import headroom
+
+    with tqdm(desc="headroom", unit="run", disable=None, leave=False, dynamic_ncols=True) as bar:
+        for o in outcomes:
+            def step(m: float, ok: bool, label=o.config.label) -> None:
+                bar.set_postfix_str(f"{label}: {m:.2f}x {'holds' if ok else 'misses'}", refresh=False)
+                bar.update(1)
+            result.headrooms[o.config] = headroom(result, o, on_run=step)
 
 
 def _shown(path: str) -> str:
@@ -223,4 +243,6 @@ def add_plan_command(subparsers) -> None:
     p.add_argument("--target", help="a spec for real engines (e.g. deploy/p8d8-npu.yaml): plan on its simulated twin "
                                     "instead of --spec, and --write-spec writes it with the chosen split and settings")
     p.add_argument("--write-spec", help="write the chosen configuration as a cluster spec here")
+    p.add_argument("--headroom", choices=("chosen", "all", "none"), default="chosen",
+                   help="search the highest load at which the chosen configuration (or each) still meets the SLO")
     p.set_defaults(fn=_cmd_plan)

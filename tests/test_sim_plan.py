@@ -218,6 +218,9 @@ def test_the_html_is_self_contained_and_renders_with_the_chosen_one_marked(plann
         assert page.locator("#chosen-text").inner_text().startswith(
             f"Run {chosen}: it meets the SLO" if doc["chosen"]["slo_met"] else "No configuration meets the SLO")
         assert doc["decided_by"] in page.locator("#answer").inner_text()
+        assert "binds: " in page.locator("#anatomy").inner_text()  # where its time goes
+        h = doc["chosen"]["headroom"]
+        assert h["runs"] > 1 and f"up to {h['load']}" in page.locator("#headroom").inner_text()
         assert page.locator("#pareto circle.point").count() == n
         assert page.locator("#pareto #chosen").count() == 1
         assert page.locator("#configurations tbody tr").count() == n

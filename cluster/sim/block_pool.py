@@ -170,6 +170,7 @@ class BlockPool:
         self._events_on = events
         self._int_hashes = int_block_hashes() if int_hashes is None else int_hashes  # read once
         self._events: list[KvCacheEvent] = []
+        self.evictions = 0  # cached blocks reused for new ones (their prefix no longer hittable)
 
     # ------------------------------------------------------------------ counts
 
@@ -312,6 +313,7 @@ class BlockPool:
         return out
 
     def _evict(self, b: int) -> None:
+        self.evictions += 1
         h = self._hash[b]
         more = self._more.get(h)
         if self._first[h] == b:  # the next one cached with its hash (if any) becomes the pick

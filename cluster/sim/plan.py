@@ -35,6 +35,7 @@ from pathlib import Path
 
 from pdcluster.cluster.replay.metrics import per_request, percentile
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
+from pdcluster.cluster.sim.plan_anatomy import Anatomy, anatomy
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
@@ -103,6 +104,7 @@ class Outcome:
     hit_ratio: float | None
     virtual_s: float
     wall_s: float
+    anatomy: Anatomy | None = None  # where its time goes, what binds it (plan_anatomy.py)
 
     @property
     def measured(self) -> bool:
@@ -171,6 +173,9 @@ class Plan:
     provenance: Provenance | None = None  # None: a plan made by hand (tests)
     sim_base: ClusterSpec | None = None  # the base spec as simulated: each configuration is configure(sim_base, c)
     rerun_flags: list[str] = field(default_factory=list)  # the load's flags, for `pdc sim run` (plan_report)
+    cfg: BenchConfig | None = None  # the load (plan_headroom scales it)
+    vocab: int | None = None  # the prompts' vocabulary
+    headrooms: dict = field(default_factory=dict)  # Config -> plan_headroom.Headroom, for those searched
 
     @property
     def chosen(self) -> Outcome:
@@ -251,7 +256,8 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
            and (slo.tpot_s is None or (tpot is not None and tpot <= slo.tpot_s))
            and (slo.min_throughput is None or throughput >= slo.min_throughput))
     return Outcome(config, ttft, tpot, s.stats["E2EL"].avg, throughput, good / duration / devices, met,
-                   s.total_requests - s.success_requests, s.measured_hit_ratio, run.virtual_s, run.wall_s)
+                   s.total_requests - s.success_requests, s.measured_hit_ratio, run.virtual_s, run.wall_s,
+                   anatomy(run))
 
 
 def pareto(outcomes: list[Outcome]) -> list[Outcome]:
@@ -299,9 +305,9 @@ def decided_by(p: Plan) -> str:
         equal = (a.goodput_per_device, a.ttft_s) == (b.goodput_per_device, b.ttft_s)
         return (f"nothing: {n} other{'s' if n > 1 else ''} within {TIE_REL:.0%} on goodput, TTFT {q} and TPOT {q} "
                 f"(marked = in the table); " + ("equal, the first swept was taken" if equal else
-                                               f"first by less than that (goodput {a.goodput_per_device:.4f} against "
-                                               f"{b.goodput_per_device:.4f}, TTFT {_ms(a.ttft_s, 1)} against "
-                                               f"{_ms(b.ttft_s, 1)})"))
+                                               f"first by less than that (goodput {a.goodput_per_device:.6g} against "
+                                               f"{b.goodput_per_device:.6g} req/s, TTFT {a.ttft_s * 1e3:.6g} against "
+                                               f"{b.ttft_s * 1e3:.6g} ms)"))
     if a.slo_met != b.slo_met:
         return "the SLO: the next misses it"
     if (a.failed > 0) != (b.failed > 0):
@@ -332,7 +338,7 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
     prompts = PromptCache(sim_base.role_engine("prefill").block_size)
     result = Plan(slo, devices, workload,
                   provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg), note),
-                  sim_base=sim_base)
+                  sim_base=sim_base, cfg=cfg, vocab=cfg.vocab_size or vocab)
     done: dict[Config, Outcome] = {}
 
     def run_all(configs: list[Config], total: int) -> None:

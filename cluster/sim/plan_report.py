@@ -56,7 +56,8 @@ def slo_text(p: Plan) -> str:
 
 def to_json(p: Plan) -> str:
     def outcome(o: Outcome) -> dict:  # a percentile on refused or failed requests: null (JSON has no inf)
-        d = dataclasses.asdict(o) | {"label": o.config.label}
+        h = p.headrooms.get(o.config)
+        d = dataclasses.asdict(o) | {"label": o.config.label, "headroom": dataclasses.asdict(h) if h else None}
         return {k: None if v == MISS else v for k, v in d.items()}
     provenance = dataclasses.asdict(p.provenance) if p.provenance else None
     return json.dumps({"devices": p.devices, "workload": p.workload, "slo": dataclasses.asdict(p.slo),
@@ -181,6 +182,19 @@ def verdict(p: Plan) -> str:
     return f"No configuration meets the SLO. Closest: {c.config.label} ({figures}, {c.failed} refused or failed)."
 
 
+def _answer_details(p: Plan) -> str:
+    """Where the chosen configuration's time goes, and how much more load it takes, if searched."""
+    from pdcluster.cluster.sim.plan_headroom import text
+
+    c = p.chosen
+    parts = []
+    if c.anatomy is not None:
+        parts.append(f'<p id="anatomy">Where its time goes: {html.escape(c.anatomy.line())}.</p>')
+    if c.config in p.headrooms and p.cfg is not None:
+        parts.append(f'<p id="headroom">Headroom: {html.escape(text(p.headrooms[c.config], p.cfg))}.</p>')
+    return "\n".join(parts)
+
+
 def render_html(p: Plan, out: Path | None = None) -> str:
     table = rows(p)
     commands = [rerun_command(p, out, i) if out else "" for i in range(1, len(p.outcomes) + 1)]
@@ -197,6 +211,7 @@ def render_html(p: Plan, out: Path | None = None) -> str:
 <h1>pdc plan: {html.escape(p.workload)} on {p.devices} devices</h1>
 <section id="answer" class="{"met" if p.chosen.slo_met else "missed"}">
 <p class="verdict" id="chosen-text">{html.escape(verdict(p))}</p>
+{_answer_details(p)}
 <p>Decided by {html.escape(decided_by(p))}. SLO: {html.escape(slo_text(p))}, over every request sent (a refused or
 failed one a miss).</p>
 <pre id="provenance">{html.escape(chr(10).join(provenance_lines(p)))}</pre>

@@ -64,6 +64,7 @@ class SchedulerCore(StepOutputs):
         self.held: dict[str, SimRequest] = {}  # finished, blocks kept for a transfer
         self.requests: dict[str, SimRequest] = {}  # every request not yet done with its blocks
         self.steps = 0
+        self.preemptions = 0  # running requests put back for lack of KV blocks
         self.now_ns = clock_ns
         self._in_step = False  # a step is being computed (between its schedule and its end)
         self._aborts: set[str] = set()  # aborts that came during the step: applied after it
@@ -380,6 +381,7 @@ class SchedulerCore(StepOutputs):
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(req)
 
     def _free_blocks(self, req: SimRequest) -> None:

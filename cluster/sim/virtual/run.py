@@ -51,6 +51,8 @@ class InstanceStats:
     steps: int
     step_events: int  # events its steps took (a run of repeated decode steps is one)
     busy_s: float  # virtual time in steps
+    preemptions: int = 0  # running requests put back for lack of KV blocks
+    evictions: int = 0  # cached blocks reused
 
 
 @dataclass
@@ -160,8 +162,8 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
     mismatches = workloads.check_hits((by_index[(r.phase, r.index)], r.cached_tokens) for r in results
                                       if r.ok and r.phase in ("check", "formal"))
     counts = served(client.records)
-    stats = [InstanceStats(i.name, i.role, counts.get(i.name, 0), i.core.steps, i.events, i.busy_ns / 1e9)
-             for i in instances.values()]
+    stats = [InstanceStats(i.name, i.role, counts.get(i.name, 0), i.core.steps, i.events, i.busy_ns / 1e9,
+                           i.core.preemptions, i.core.pool.evictions) for i in instances.values()]
     return VirtualRun(spec, cfg, requests, results, client.records, summarize_phases(results, cfg.max_concurrency),
                       mismatches, stats, (loop.now_ns - loop.origin_ns) / 1e9, wall, loop.events)
 
