@@ -75,7 +75,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
             _fail(f"--policies: unknown policy {p!r}; one of {', '.join(POLICIES)}")
     grid = {k: v for k, v in {"splits": _list(a.splits, int, "--splits"), "budgets": _list(a.budgets, int, "--budgets"),
                               "max_seqs": _list(a.max_seqs, int, "--max-seqs"), "policies": policies,
-                              "caps": _list(a.caps, int, "--caps")}.items() if v}
+                              "caps": _list(a.caps, int, "--caps"),
+                              "local_prefill": _list(a.local_prefill, int, "--local-prefill")}.items() if v}
     workload = a.preset or (Path(a.trace).name if a.trace else "synthetic")
     bar = None
     try:
@@ -239,6 +240,8 @@ def add_plan_command(subparsers) -> None:
     g.add_argument("--max-seqs", help="max_num_seqs values")
     g.add_argument("--policies", help="router policies, e.g. prefix_aware,least_load")
     g.add_argument("--caps", help="router admission caps (requests in flight)")
+    g.add_argument("--local-prefill", help="D prefills remainders of at most this many tokens itself "
+                                           "(router.local_prefill short_remainder; 0: never), e.g. 0,2048,8192")
     p.add_argument("--out", help="output directory (default .pdcluster/plan/<workload>-<N>dev-<time>)")
     p.add_argument("--target", help="a spec for real engines (e.g. deploy/p8d8-npu.yaml): plan on its simulated twin "
                                     "instead of --spec, and --write-spec writes it with the chosen split and settings")

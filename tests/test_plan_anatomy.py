@@ -81,3 +81,20 @@ def test_a_configuration_that_misses_at_the_plans_load_searches_downwards(small_
     p1 = next(o for o in tight.outcomes if o.config.prefill == 1)
     h = headroom(tight, p1)
     assert h.factor is not None and h.factor < 1, h
+
+
+def test_conditional_disaggregation_is_swept_and_d_prefills_the_short_remainders(small_plan):
+    """Issue 27 item 4: router.local_prefill in the sweep. The load's remainder (3,076 tokens past
+    the 29K shared prefix) is under 8,192: once D holds a family, D prefills it itself."""
+    from pdcluster.cluster.sim.plan import Config, configure
+
+    local = Config(3, 3, 16384, 16, "prefix_aware", None, 8192)
+    spec = configure(small_plan.sim_base, local)
+    assert (spec.router.local_prefill.policy, spec.router.local_prefill.max_tokens) == ("short_remainder", 8192)
+    assert configure(small_plan.sim_base, Config(3, 3, 16384, 16, "prefix_aware", None, 0)
+                     ).router.local_prefill.policy == "never"
+    p = plan(load_spec(DEPLOY / "p8d8-sim.yaml"), "dsv4-flash-910c", 6, small_plan.cfg, Slo(1.5, 0.006), "synthetic",
+             {"splits": [3], "local_prefill": [0, 8192]})
+    by = {o.config.local_prefill: o for o in p.outcomes}
+    assert by[8192].anatomy.ttft_shares.get("local_prefill", 0) > 0 and "local_prefill" not in by[0].anatomy.ttft_shares
+    assert by[8192].config.label.endswith("D prefills <= 8192") and by[0].config.label.endswith("D never prefills")

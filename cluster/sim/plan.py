@@ -7,11 +7,12 @@ built and its prompts hashed once for all of them). What is swept:
   neighbours of the best of those: the whole range, one step apart, where it matters);
 - the settings that matter, around the spec's own: the chunked-prefill budget
   (max_num_batched_tokens), the running requests per instance (max_num_seqs), the router's
-  policy, and a concurrency cap at the router (router.admission.max_in_flight: past it a
-  request is refused with a 429, which counts against goodput).
+  policy, a concurrency cap at the router (router.admission.max_in_flight: past it a
+  request is refused with a 429, which counts against goodput), and conditional
+  disaggregation (router.local_prefill: D prefills short remainders itself).
 By default the settings are varied one at a time (each at half and twice the spec's value, each
-other policy, caps at half and three quarters of the load's concurrency) on the best split, so
-a 16-device C90 plan is 18 runs; `--splits`, `--budgets` etc. name values to cross instead.
+other policy, caps at half and three quarters of the load's concurrency, D prefilling remainders
+of at most 2,048 or 8,192 tokens) on the best split, so a 16-device C90 plan is 20 runs; `--splits`, `--budgets` etc. name values to cross instead.
 
 Every request sent counts (issue 27 item 3): the SLO's percentiles are over all formal requests,
 a refused (429) or failed one a miss (an infinite TTFT and TPOT), so a configuration that sheds
@@ -83,12 +84,17 @@ class Config:
     max_num_seqs: int
     policy: str
     max_in_flight: int | None  # the router's admission cap; None: the spec's
+    # Conditional disaggregation: D prefills a request itself when at most this many of its prompt
+    # tokens are not in D's cache (router.local_prefill short_remainder); 0: never; None: the spec's.
+    local_prefill: int | None = None
 
     @property
     def label(self) -> str:
         cap = f", cap {self.max_in_flight}" if self.max_in_flight else ""
+        local = ("" if self.local_prefill is None else ", D never prefills" if self.local_prefill == 0 else
+                 f", D prefills <= {self.local_prefill}")
         return (f"P{self.prefill}D{self.decode}, budget {self.max_num_batched_tokens}, "
-                f"seqs {self.max_num_seqs}, {self.policy}{cap}")
+                f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}")
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,12 @@ def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
     admission = base.router.admission
     if c.max_in_flight is not None:
         admission = AdmissionSpec(**{**admission.model_dump(), "max_in_flight": c.max_in_flight})
-    router = base.router.model_copy(update={"policy": c.policy, "admission": admission})
+    local = base.router.local_prefill
+    if c.local_prefill == 0:
+        local = local.model_copy(update={"policy": "never"})
+    elif c.local_prefill is not None:
+        local = local.model_copy(update={"policy": "short_remainder", "max_tokens": c.local_prefill})
+    router = base.router.model_copy(update={"policy": c.policy, "admission": admission, "local_prefill": local})
     return type(base).model_validate({**base.model_dump(), "engine": engine.model_dump(),
                                       **{k: v.model_dump() for k, v in roles.items()}, "router": router.model_dump()})
 
@@ -204,6 +215,9 @@ def base_config(base: ClusterSpec, devices: int, prefill: int) -> Config:
     eng = base.role_engine("prefill")
     return Config(prefill, devices - prefill, eng.max_num_batched_tokens, base.role_engine("decode").max_num_seqs,
                   base.router.policy, None)
+
+
+LOCAL_PREFILL_TOKENS = (2048, 8192)  # the default sweep's conditional disaggregation thresholds
 
 
 def variations(around: Config, load_concurrency: int) -> list[Config]:
@@ -215,6 +229,7 @@ def variations(around: Config, load_concurrency: int) -> list[Config]:
     out += [dataclasses.replace(around, policy=p) for p in POLICIES if p != around.policy]
     caps = sorted({max(1, load_concurrency // 2), max(1, load_concurrency * 3 // 4)})
     out += [dataclasses.replace(around, max_in_flight=cap) for cap in caps]
+    out += [dataclasses.replace(around, local_prefill=n) for n in LOCAL_PREFILL_TOKENS]
     return out
 
 
@@ -358,10 +373,11 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
             if not 1 <= p < devices:
                 raise ValueError(f"--splits: P{p} leaves no D (or no P) of {devices} devices")
         b = base_config(sim_base, devices, 1)
-        configs = [Config(p, devices - p, budget, seqs, policy, cap) for p, budget, seqs, policy, cap in
+        configs = [Config(p, devices - p, budget, seqs, policy, cap, local)
+                   for p, budget, seqs, policy, cap, local in
                    itertools.product(splits, grid.get("budgets") or [b.max_num_batched_tokens],
                                      grid.get("max_seqs") or [b.max_num_seqs], grid.get("policies") or [b.policy],
-                                     grid.get("caps") or [None])]
+                                     grid.get("caps") or [None], grid.get("local_prefill") or [None])]
         run_all(configs, len(configs))
     else:
         coarse = list(range(1, devices, 2)) if devices > 4 else list(range(1, devices))

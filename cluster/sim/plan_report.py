@@ -21,14 +21,14 @@ def _ms(v: float | None) -> str:
 
 def rows(p: Plan) -> list[list[str]]:
     q = pname(p.slo.percentile)
-    header = ["#", "", "P:D", "budget", "seqs", "policy", "cap", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
+    header = ["#", "", "P:D", "budget", "seqs", "policy", "cap", "D prefills", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
               "req/s", "goodput/dev", "refused", "SLO"]
     out = [header]
     for i, o in enumerate(p.outcomes, 1):
         c = o.config
         mark = "=" if i > 1 and tied(p.chosen, o) else ""  # nothing measured tells it from the chosen one
         out.append([str(i), mark, f"{c.prefill}:{c.decode}", str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
-                    str(c.max_in_flight or "-"), _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
+                    str(c.max_in_flight or "-"), "-" if c.local_prefill is None else "never" if c.local_prefill == 0 else f"<= {c.local_prefill}", _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
                     f"{o.throughput:.2f}", f"{o.goodput_per_device:.3f}", str(o.failed),
                     "met" if o.slo_met else "missed"])
     return out
