@@ -28,6 +28,27 @@ from pdcluster.router.prefill_cost import FittedCost, PrefillCost
 from pdcluster.router.run_store import FilePolicy, InstanceMeta, RunMeta, RunStore, new_run_id, versions
 
 log = logging.getLogger(__name__)
+RESUME_TIMEOUT_S = 120.0  # a restarted router's calls to itself, retried while Ray says it is restarting
+
+
+def _resume_itself() -> None:
+    """A restarted router's own call to its `resume`, from a thread of its own once __init__ has
+    returned. Ray may answer a call to an actor still finishing its restart with "the actor is
+    restarting" (ActorUnavailableError: once in a clean-clone run, and that router never served
+    again): try again until it is taken, for RESUME_TIMEOUT_S."""
+    import ray
+
+    me = ray.get_runtime_context().current_actor
+    deadline = time.monotonic() + RESUME_TIMEOUT_S
+    while True:
+        try:
+            ray.get(me.resume.remote())
+            return
+        except ray.exceptions.ActorUnavailableError as err:
+            if time.monotonic() > deadline:
+                log.error("a restarted router could not resume itself for %.0f s: %s", RESUME_TIMEOUT_S, err)
+                return
+            time.sleep(0.5)
 
 
 def model_card(spec: ClusterSpec) -> ModelCard:
@@ -105,9 +126,9 @@ class RouterActor:
         self.store: RunStore | None = None
         self._server = None
         self._task: asyncio.Task | None = None
+        self._resumed: asyncio.Task | None = None
         if self.restarted:  # nobody else will call start: ask this actor itself, once __init__ returns
-            me = ray.get_runtime_context().current_actor
-            threading.Thread(target=lambda: ray.get(me.resume.remote()), name="pdc-router-resume", daemon=True).start()
+            threading.Thread(target=_resume_itself, name="pdc-router-resume", daemon=True).start()
 
     def _take_instances(self, prefill: list[Instance], decode: list[Instance], infos: list[InstanceInfo]) -> None:
         from pdcluster.proto.kv_event_wire import feed_endpoints
@@ -186,7 +207,13 @@ class RouterActor:
 
     async def resume(self) -> str:
         """After Ray restarted this router (its process crashed): serve again, as before, with the
-        other routers of the cluster as its peers. Called by the router itself (the launcher is long gone)."""
+        other routers of the cluster as its peers. Called by the router itself (the launcher is long
+        gone), maybe more than once (_resume_itself retries): the first call's start serves them all."""
+        if self._resumed is None:
+            self._resumed = asyncio.ensure_future(self._resume())
+        return await asyncio.shield(self._resumed)
+
+    async def _resume(self) -> str:
         import ray
 
         from pdcluster.proto.names import actor_name, router_name
