@@ -43,9 +43,11 @@ from pdcluster.transfer.channel_wire import DEAD_PEER_S
 pytestmark = [pytest.mark.e2e, pytest.mark.shared_lab("lab4")]
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "lab-p2d2-tiny-cpu.yaml"
-# D's wait for KV; P's hold on blocks nobody released. About twice what the shaped, uncut
-# transfer below takes (P's prefill first, in push mode): CI's load stretches it.
-TIMEOUT_S, LEASE_S = 9.0, 12.0
+# D's wait for KV; P's hold on blocks nobody released. About three times what the shaped, uncut
+# transfer below takes (P's prefill first, in push mode): CI's load stretches it. The heal comes
+# after the lease: with a 12 s lease (heal at ~13 s) a request right after it failed once in a
+# clean-clone run (its transfer on the connection the cut had left for dead?).
+TIMEOUT_S, LEASE_S = 12.0, 16.0
 P_HOSTS, D_HOSTS = ("host1", "host2"), ("host3", "host4")
 # The tiny Qwen3's KV: 2 layers x (K, V) x 2 heads x 64 x fp32 = 2 KiB per token, so the
 # 4,000-token prompt's transfer is 8.2 MB: 3.3 s at 20 Mbit/s, and the cut at 1.5 s is mid-way.
