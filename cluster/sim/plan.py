@@ -32,11 +32,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdcluster.cluster.replay.metrics import per_request, percentile
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
 from pdcluster.cluster.sim.plan_anatomy import Anatomy, anatomy
+from pdcluster.cluster.sim.plan_provenance import Provenance, describe_load
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
@@ -118,58 +118,6 @@ class Outcome:
         return self.ttft_s is not None and self.tpot_s is not None and MISS not in (self.ttft_s, self.tpot_s)
 
 
-@dataclass(frozen=True)
-class Provenance:
-    """What a plan's answer rests on, named in each of its outputs (issue 27 item 1): the
-    parameter file and where its numbers come from, the base spec, the load."""
-
-    params: str  # the parameter file's name
-    params_file: str  # a shipped file by its place in the package, another as given
-    basis: str  # "sourced" | "fitted" | "unstated" (sim_params.About)
-    summary: str
-    fitted_to: str | None
-    base_spec: str  # as given
-    workload: str  # the load's name and shape
-    note: str | None = None  # what else the answer rests on (a target's checkpoint not here)
-
-    @classmethod
-    def of(cls, params_path: str, base_spec: str, workload: str, note: str | None = None) -> Provenance:
-        from pdcluster.cluster.sim.cost import SimParams
-        from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
-
-        p = SimParams.load(params_path)
-        path = Path(params_path)
-        shown = (f"cluster/sim/params/{path.name}" if path.resolve().parent == SHIPPED_SIM_PARAMS.resolve()
-                 else params_path)
-        if p.about is None:
-            return cls(p.name, shown, "unstated", "the file does not say where its numbers come from", None,
-                       base_spec, workload, note)
-        return cls(p.name, shown, p.about.basis, " ".join(p.about.summary.split()), p.about.fitted_to, base_spec,
-                   workload, note)
-
-    def lines(self) -> list[str]:
-        """The provenance as text, a fact a line."""
-        model = f"{self.params} ({self.params_file}), {self.basis}"
-        if self.fitted_to:
-            model += f" to {self.fitted_to}"
-        return [f"model: {model}", f"  {self.summary}", f"base spec: {self.base_spec}", f"load: {self.workload}",
-                *([f"note: {self.note}"] if self.note else [])]
-
-
-def describe_load(name: str, cfg: BenchConfig) -> str:
-    """The load in a line: its name, then what it sends."""
-    if cfg.trace:
-        shape = f"trace {Path(cfg.trace).name}" + (", closed loop" if cfg.closed_loop else
-                                                   f", its arrivals x{1 / cfg.time_scale:g}" if cfg.time_scale != 1
-                                                   else ", its own arrivals")
-    else:
-        shape = (f"{cfg.input_len:,}-token prompts, {cfg.shared_prefix_ratio:.0%} shared over {cfg.num_prefixes} "
-                 f"prefixes, {cfg.output_len:,} output tokens")
-    rate = f"{cfg.request_rate:g} req/s" if cfg.request_rate else "closed loop"
-    count = f"{cfg.num_requests} requests" if cfg.num_requests else "every request"
-    return f"{name}: {shape}; at most {cfg.max_concurrency} in flight, {rate}, {count}, seed {cfg.seed}"
-
-
 @dataclass
 class Plan:
     slo: Slo
@@ -182,6 +130,7 @@ class Plan:
     cfg: BenchConfig | None = None  # the load (plan_headroom scales it)
     vocab: int | None = None  # the prompts' vocabulary
     headrooms: dict = field(default_factory=dict)  # Config -> plan_headroom.Headroom, for those searched
+    twin: Plan | None = None  # the same sweep on the parameter file's calibrated twin (Provenance.calibrated_twin)
 
     @property
     def chosen(self) -> Outcome:

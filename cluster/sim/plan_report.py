@@ -57,13 +57,43 @@ def slo_text(p: Plan) -> str:
 def to_json(p: Plan) -> str:
     def outcome(o: Outcome) -> dict:  # a percentile on refused or failed requests: null (JSON has no inf)
         h = p.headrooms.get(o.config)
-        d = dataclasses.asdict(o) | {"label": o.config.label, "headroom": dataclasses.asdict(h) if h else None}
+        d = dataclasses.asdict(o) | {"label": o.config.label, "headroom": dataclasses.asdict(h) if h else None,
+                                     "real_if_errs_as_checked": real_band(p, o)}
         return {k: None if v == MISS else v for k, v in d.items()}
     provenance = dataclasses.asdict(p.provenance) if p.provenance else None
+    if provenance and provenance["error"] is not None:
+        provenance["error"] = provenance["error"].model_dump()
     return json.dumps({"devices": p.devices, "workload": p.workload, "slo": dataclasses.asdict(p.slo),
                        "provenance": provenance, "chosen": outcome(p.chosen), "decided_by": decided_by(p),
+                       "twin": None if p.twin is None else {"plan": "twin/plan.json", "params": p.twin.provenance.params,
+                                                            "chosen": outcome(p.twin.chosen)},
                        "tied_with_chosen": [o.config.label for o in p.outcomes[1:] if tied(p.chosen, o)],
                        "configurations": [outcome(o) for o in p.outcomes]}, indent=1)
+
+
+def real_band(p: Plan, o: Outcome) -> dict[str, tuple[float, float]] | None:
+    """Where the real TTFT and TPOT percentiles would fall if the model errs as it did when checked
+    (the parameter file's `error`: measured on means); None: never checked, or nothing measured."""
+    e = p.provenance.error if p.provenance else None
+    if e is None or not o.measured:
+        return None
+    return {"ttft_s": e.real_range("ttft", o.ttft_s), "tpot_s": e.real_range("tpot", o.tpot_s)}
+
+
+def band_text(p: Plan, o: Outcome) -> str:
+    """The band in words, or what stands in for it."""
+    band, q = real_band(p, o), pname(p.slo.percentile)
+    if band is None:
+        return ("no error band: this model was never compared with real engines" if not (p.provenance and
+                p.provenance.error) else "no error band: nothing measured")
+    return (f"if it errs as when checked: real TTFT {q} {_ms_span(*band['ttft_s'])} ms, TPOT {q} "
+            f"{_ms_span(*band['tpot_s'])} ms (the check's band is on means)")
+
+
+def _ms_span(a: float, b: float) -> str:
+    def ms(v: float) -> str:
+        return f"{v * 1e3:,.0f}" if v >= 0.1 else f"{v * 1e3:.1f}"
+    return ms(a) if ms(a) == ms(b) else f"{ms(a)}-{ms(b)}"
 
 
 def provenance_lines(p: Plan) -> list[str]:
@@ -187,12 +217,35 @@ def _answer_details(p: Plan) -> str:
     from pdcluster.cluster.sim.plan_headroom import text
 
     c = p.chosen
-    parts = []
+    parts = [f'<p id="band">Error band: {html.escape(band_text(p, c))}.</p>']
     if c.anatomy is not None:
         parts.append(f'<p id="anatomy">Where its time goes: {html.escape(c.anatomy.line())}.</p>')
     if c.config in p.headrooms and p.cfg is not None:
         parts.append(f'<p id="headroom">Headroom: {html.escape(text(p.headrooms[c.config], p.cfg))}.</p>')
+    if p.twin is not None:
+        parts.append(f'<div id="twin"><p><b>{html.escape(twin_heading(p.twin))}</b></p><ul>'
+                     + "".join(f"<li>{html.escape(line)}</li>" for line in twin_lines(p.twin))
+                     + '</ul><p>Its whole plan: <a href="twin/plan.html">twin/plan.html</a>.</p></div>')
     return "\n".join(parts)
+
+
+def twin_heading(t: Plan) -> str:
+    prov = t.provenance
+    fitted = f", fitted to {prov.fitted_to}" if prov and prov.fitted_to else ""
+    return f"Side by side, the same sweep on the calibrated twin {prov.params if prov else '?'}{fitted}:"
+
+
+def twin_lines(t: Plan) -> list[str]:
+    """The twin plan's answer, as the main one's is given."""
+    from pdcluster.cluster.sim.plan_headroom import text
+
+    c = t.chosen
+    lines = [verdict(t), f"Decided by {decided_by(t)}.", f"Error band: {band_text(t, c)}."]
+    if c.anatomy is not None:
+        lines.append(f"Where its time goes: {c.anatomy.line()}.")
+    if c.config in t.headrooms and t.cfg is not None:
+        lines.append(f"Headroom: {text(t.headrooms[c.config], t.cfg)}.")
+    return lines
 
 
 def render_html(p: Plan, out: Path | None = None) -> str:
@@ -245,6 +298,8 @@ def write_outputs(p: Plan, out_dir: str | Path) -> tuple[Path, Path]:
             spec = configure(p.sim_base, o.config).model_dump(mode="json", exclude_defaults=True, exclude={"auth"})
             (out / "configs" / f"{i:02d}.yaml").write_text(f"# pdc plan's configuration {i}: {o.config.label}\n"
                                                            + yaml.safe_dump(spec, sort_keys=False))
+    if p.twin is not None:
+        write_outputs(p.twin, out / "twin")
     (out / "plan.json").write_text(to_json(p) + "\n")
     (out / "plan.html").write_text(render_html(p, out))
     return out / "plan.html", out / "plan.json"

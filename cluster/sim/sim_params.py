@@ -157,6 +157,30 @@ class LinkSpec(_Strict):
     latency_s: float = Field(ge=0)
 
 
+class ErrorBand(_Strict):
+    """How far a file's predictions were from real engines, as (predicted - real) / real, the
+    lowest and the highest seen per metric (means), and where: `pdc plan` turns it into the range
+    the real figure would fall in if the prediction errs as it did there."""
+
+    source: str = Field(min_length=1, description="what was compared, where and when")
+    ttft: tuple[float, float]
+    tpot: tuple[float, float]
+    e2e: tuple[float, float]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ErrorBand:
+        for name in ("ttft", "tpot", "e2e"):
+            lo, hi = getattr(self, name)
+            if not -1 < lo <= hi:
+                raise ValueError(f"{name}: [lowest, highest] relative errors, each above -1 (got [{lo}, {hi}])")
+        return self
+
+    def real_range(self, metric: str, predicted: float) -> tuple[float, float]:
+        """The real value if the prediction errs as it did: predicted / (1 + error), over the band."""
+        lo, hi = getattr(self, metric)
+        return predicted / (1 + hi), predicted / (1 + lo)
+
+
 class About(_Strict):
     """Where a file's numbers come from, in a line or two: `pdc plan` names it beside every
     answer (its table, page, JSON and written spec), so that no answer hides its model."""
@@ -166,6 +190,11 @@ class About(_Strict):
                     "this model on this device; fitted: some numbers fitted to a run (fitted_to)")
     summary: str = Field(min_length=1, description="what the file models, and how far it can be trusted")
     fitted_to: str | None = Field(None, min_length=1, description="fitted: the run or figures it reproduces")
+    error: ErrorBand | None = Field(None, description="its predictions against real engines (None: never compared)")
+    unchecked: str | None = Field(None, min_length=1, description="what has never been checked against real hardware")
+    calibrated_twin: str | None = Field(None, min_length=1, description="a shipped file of the same deployment fitted "
+                                                                          "to the users' measurements: pdc plan answers "
+                                                                          "with both")
 
     @model_validator(mode="after")
     def _a_fit_names_its_run(self) -> About:
