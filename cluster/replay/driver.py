@@ -28,7 +28,7 @@ from pdcluster.cluster.replay.records import BenchRequest, RequestResult
 class DriveConfig:
     base_url: str  # e.g. http://127.0.0.1:8000 (no /v1)
     model: str | None = None
-    max_concurrency: int = 8
+    max_concurrency: int | None = 8  # None: no cap
     request_rate: float | None = None  # requests/s; None: as fast as slots free
     burstiness: float = 1.0
     duration_s: float | None = None  # stop sending after this long (in-flight requests finish)
@@ -147,10 +147,11 @@ def _take_event(res: RequestResult, event: dict, now: float) -> None:
 
 async def run_phase(requests: list[BenchRequest], cfg: DriveConfig, label: str) -> list[RequestResult]:
     """Send these requests (one phase), wait for all of them, return results in send order."""
-    slots = asyncio.Semaphore(cfg.max_concurrency)
+    cap = cfg.max_concurrency or max(1, len(requests))  # no cap: a slot for every request
+    slots = asyncio.Semaphore(cap)
     tasks: list[asyncio.Task] = []
     bar = _progress(len(requests), label, cfg.progress)
-    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     async with httpx.AsyncClient(limits=limits, headers=cfg.headers) as client:
         t0 = time.monotonic()
         deadline = t0 + cfg.duration_s if cfg.duration_s is not None else None

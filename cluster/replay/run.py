@@ -49,7 +49,7 @@ class BenchConfig:
     closed_loop: bool = False  # trace: ignore its timestamps
     # load shape
     num_requests: int | None = None  # None: the whole trace, or SYNTHETIC_REQUESTS of a synthetic load
-    max_concurrency: int = 8
+    max_concurrency: int | None = 8  # None: no cap (a trace on its timestamps, by default: config_from_args)
     request_rate: float | None = None  # requests/s cap; None: closed loop only
     burstiness: float = 1.0
     duration_s: float | None = None
@@ -259,7 +259,9 @@ def add_load_arguments(r) -> None:
     t.add_argument("--closed-loop", action="store_true", default=None, help="ignore the trace's timestamps")
     ld = r.add_argument_group("load")
     ld.add_argument("--num-requests", type=int)
-    ld.add_argument("--max-concurrency", type=int)
+    ld.add_argument("--max-concurrency", type=int,
+                    help="requests in flight at most (default: 8, a preset's own, or no cap for a trace on its "
+                         "timestamps)")
     ld.add_argument("--request-rate", type=float, help="cap in requests/s (default: none, unless a preset sets one)")
     ld.add_argument("--burstiness", type=float, help="1: Poisson arrivals, 0: fixed spacing, else gamma")
     ld.add_argument("--duration", dest="duration_s", type=float, help="stop sending after this many seconds")
@@ -289,11 +291,42 @@ def load_flags(a) -> list[str]:
 
 
 def config_from_args(a, **overrides) -> BenchConfig:
-    """The BenchConfig the parsed arguments (add_load_arguments' and the command's own) name."""
+    """The BenchConfig the parsed arguments (add_load_arguments' and the command's own) name,
+    checked (check_load: ValueError naming the flag). A trace replayed on its timestamps has no
+    cap on requests in flight unless --max-concurrency gives one, as `vllm bench serve` sends."""
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields and v is not None and k != "preset"}
     given.update(overrides)
-    return BenchConfig.from_preset(a.preset, **given) if a.preset else BenchConfig(**given)
+    if given.get("trace") and not given.get("closed_loop") and "max_concurrency" not in given:
+        given["max_concurrency"] = None
+    if a.preset and given.get("trace"):
+        raise ValueError(f"--preset {a.preset} and --trace: a preset is a synthetic load; give one or the other")
+    cfg = BenchConfig.from_preset(a.preset, **given) if a.preset else BenchConfig(**given)
+    check_load(cfg)
+    return cfg
+
+
+def check_load(cfg: BenchConfig) -> None:
+    """ValueError naming the flag of the first value that makes no load."""
+    checks = [("--input-len", cfg.input_len, cfg.input_len >= 1), ("--output-len", cfg.output_len, cfg.output_len >= 1),
+              ("--num-prefixes", cfg.num_prefixes, cfg.num_prefixes >= 1),
+              ("--shared-prefix-ratio", cfg.shared_prefix_ratio, 0 <= cfg.shared_prefix_ratio < 1),
+              ("--num-requests", cfg.num_requests, cfg.num_requests is None or cfg.num_requests >= 1),
+              ("--max-concurrency", cfg.max_concurrency, cfg.max_concurrency is None or cfg.max_concurrency >= 1),
+              ("--request-rate", cfg.request_rate, cfg.request_rate is None or cfg.request_rate > 0),
+              ("--burstiness", cfg.burstiness, cfg.burstiness >= 0),
+              ("--time-scale", cfg.time_scale, cfg.time_scale > 0),
+              ("--duration", cfg.duration_s, cfg.duration_s is None or cfg.duration_s > 0),
+              ("--warmup", cfg.warmup, cfg.warmup >= 0), ("--trace-block-size", cfg.trace_block_size,
+                                                          cfg.trace_block_size >= 1),
+              ("--engine-block-size", cfg.engine_block_size, cfg.engine_block_size >= 1)]
+    for flag, value, ok in checks:
+        if not ok:
+            what = "between 0 and 1 (below 1)" if flag == "--shared-prefix-ratio" else (
+                "0 or more" if flag in ("--burstiness", "--warmup") else "above 0")
+            raise ValueError(f"{flag} {value}: must be {what}")
+    if cfg.trace and not Path(cfg.trace).is_file():
+        raise ValueError(f"--trace {cfg.trace}: no such file")
 
 
 def _cmd_run(a) -> None:

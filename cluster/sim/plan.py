@@ -169,14 +169,15 @@ def base_config(base: ClusterSpec, devices: int, prefill: int) -> Config:
 LOCAL_PREFILL_TOKENS = (2048, 8192)  # the default sweep's conditional disaggregation thresholds
 
 
-def variations(around: Config, load_concurrency: int) -> list[Config]:
-    """One setting at a time, around a configuration (module docstring)."""
+def variations(around: Config, load_concurrency: int | None) -> list[Config]:
+    """One setting at a time, around a configuration (module docstring); no caps for a load
+    without one (a trace on its timestamps)."""
     out = [dataclasses.replace(around, max_num_batched_tokens=b)
            for b in (around.max_num_batched_tokens // 2, around.max_num_batched_tokens * 2)]
     out += [dataclasses.replace(around, max_num_seqs=s) for s in (max(1, around.max_num_seqs // 2),
                                                                   around.max_num_seqs * 2)]
     out += [dataclasses.replace(around, policy=p) for p in POLICIES if p != around.policy]
-    caps = sorted({max(1, load_concurrency // 2), max(1, load_concurrency * 3 // 4)})
+    caps = sorted({max(1, load_concurrency // 2), max(1, load_concurrency * 3 // 4)}) if load_concurrency else []
     out += [dataclasses.replace(around, max_in_flight=cap) for cap in caps]
     out += [dataclasses.replace(around, local_prefill=n) for n in LOCAL_PREFILL_TOKENS]
     return out

@@ -64,7 +64,8 @@ def headroom(p: Plan, outcome: Outcome, precision: float = 0.05,
             requests = build_workload(c, c.vocab_size or vocab)
             run = simulate(spec, c, requests, vocab_size=vocab)
             o = evaluate(run, outcome.config, p.slo, p.devices)
-            ok = o.slo_met and (not open_load or _peak_in_flight(run.results) < c.max_concurrency)
+            ok = o.slo_met and (not open_load or c.max_concurrency is None
+                                or _peak_in_flight(run.results) < c.max_concurrency)
             tried[m] = (ok, o, run.summaries["formal"].concurrency)
             if on_run is not None:
                 on_run(m, ok)

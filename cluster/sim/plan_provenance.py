@@ -72,4 +72,5 @@ def describe_load(name: str, cfg: BenchConfig) -> str:
                  f"prefixes, {cfg.output_len:,} output tokens")
     rate = f"{cfg.request_rate:g} req/s" if cfg.request_rate else "closed loop"
     count = f"{cfg.num_requests} requests" if cfg.num_requests else "every request"
-    return f"{name}: {shape}; at most {cfg.max_concurrency} in flight, {rate}, {count}, seed {cfg.seed}"
+    cap = f"at most {cfg.max_concurrency} in flight" if cfg.max_concurrency else "no cap on requests in flight"
+    return f"{name}: {shape}; {cap}, {rate}, {count}, seed {cfg.seed}"

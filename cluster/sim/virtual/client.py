@@ -80,7 +80,7 @@ class _Phase:
     def __init__(self, client: VirtualClient, batch: list[BenchRequest], drive: DriveConfig):
         self.client, self.batch, self.drive = client, batch, drive
         self.loop = client.loop
-        self.free = drive.max_concurrency
+        self.free = drive.max_concurrency or len(batch)  # no cap: a slot for every request
         self.queue: deque[BenchRequest] = deque()  # arrived, waiting for a slot
         self.left = len(batch)  # not yet ended (or dropped)
         self.deadline_ns: int | None = None
