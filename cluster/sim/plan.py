@@ -237,14 +237,32 @@ def pareto(outcomes: list[Outcome]) -> list[Outcome]:
 
 
 def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
-    """Best first (module docstring); equal keys keep the sweep's order."""
-    return sorted(outcomes, key=lambda o: (not o.slo_met, o.failed > 0, -o.goodput_per_device,
-                                           o.ttft_s if o.ttft_s is not None else float("inf")))
+    """Best first (module docstring): by the SLO, serving everyone, then goodput per device, where
+    goodputs within TIE_REL of their group's best are equal (goodput_groups) and the lower TTFT
+    goes first; equal keys keep the sweep's order."""
+    groups = goodput_groups(outcomes)
+    return sorted(outcomes, key=lambda o: (groups[id(o)], o.ttft_s if o.ttft_s is not None else float("inf")))
 
 
 # Figures closer than this are equal: the virtual clock is exact, but a 1% difference is below what
 # its cost model can tell (docs/sim.md "Validation against real engines").
 TIE_REL = 0.01
+
+
+def _verdict(o: Outcome) -> tuple[bool, bool]:
+    return not o.slo_met, o.failed > 0
+
+
+def goodput_groups(outcomes: Sequence[Outcome]) -> dict[int, int]:
+    """id(outcome) -> its group, best first: the same verdicts (SLO met, everyone served) and a
+    goodput per device within TIE_REL of the group's highest. A function of the set alone."""
+    groups: dict[int, int] = {}
+    top, g = None, -1
+    for o in sorted(outcomes, key=lambda o: (_verdict(o), -o.goodput_per_device)):
+        if top is None or _verdict(o) != _verdict(top) or not _close(o.goodput_per_device, top.goodput_per_device):
+            top, g = o, g + 1
+        groups[id(o)] = g
+    return groups
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -267,17 +285,17 @@ def decided_by(p: Plan) -> str:
     q = f"p{p.slo.percentile}"
     if tied(a, b):
         n = sum(tied(a, o) for o in p.outcomes[1:])
-        equal = (a.goodput_per_device, a.ttft_s) == (b.goodput_per_device, b.ttft_s)
+        equal = a.ttft_s == b.ttft_s
         return (f"nothing: {n} other{'s' if n > 1 else ''} within {TIE_REL:.0%} on goodput, TTFT {q} and TPOT {q} "
                 f"(marked = in the table); " + ("equal, the first swept was taken" if equal else
-                                               f"first by less than that (goodput {a.goodput_per_device:.6g} against "
-                                               f"{b.goodput_per_device:.6g} req/s, TTFT {a.ttft_s * 1e3:.6g} against "
-                                               f"{b.ttft_s * 1e3:.6g} ms)"))
+                                               f"first by a TTFT {q} lower by less than that ({a.ttft_s * 1e3:.6g} "
+                                               f"against {b.ttft_s * 1e3:.6g} ms)"))
     if a.slo_met != b.slo_met:
         return "the SLO: the next misses it"
     if (a.failed > 0) != (b.failed > 0):
         return f"serving every request: the next refused or failed {b.failed}"
-    if not _close(a.goodput_per_device, b.goodput_per_device):
+    groups = goodput_groups(p.outcomes)
+    if groups[id(a)] != groups[id(b)]:
         return f"goodput per device: {a.goodput_per_device:.3f} against the next's {b.goodput_per_device:.3f} req/s"
     if not _close(a.ttft_s, b.ttft_s):
         return f"TTFT {q}, goodput within {TIE_REL:.0%}: {_ms(a.ttft_s)} against the next's {_ms(b.ttft_s)}"

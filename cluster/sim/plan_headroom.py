@@ -114,5 +114,6 @@ def text(h: Headroom, cfg: BenchConfig) -> str:
     """The headroom in a sentence."""
     if h.factor is None:
         return f"it meets the SLO at no load down to 1/{MAX_FACTOR:g} of this one; {h.beyond}"
-    return (f"it meets the SLO up to {h.load} ({h.factor:.2f}x this load; {h.throughput:.2f} req/s completed, "
+    times = "" if h.load.endswith("arrivals") else f"{h.factor:.2f}x this load; "
+    return (f"it meets the SLO up to {h.load} ({times}{h.throughput:.2f} req/s completed, "
             f"{h.concurrency:.1f} in flight on average); {h.beyond}")

@@ -58,7 +58,9 @@ class Provenance:
 
 
 def _band(b: tuple[float, float]) -> str:
-    return f"{b[0]:+.0%}" if b[0] == b[1] else f"{b[0]:+.0%} to {b[1]:+.0%}"
+    def pct(x: float) -> str:
+        return f"{x:+.1%}" if abs(x) < 0.01 else f"{x:+.0%}"
+    return pct(b[0]) if b[0] == b[1] else f"{pct(b[0])} to {pct(b[1])}"
 
 
 def describe_load(name: str, cfg: BenchConfig) -> str:
@@ -70,7 +72,8 @@ def describe_load(name: str, cfg: BenchConfig) -> str:
     else:
         shape = (f"{cfg.input_len:,}-token prompts, {cfg.shared_prefix_ratio:.0%} shared over {cfg.num_prefixes} "
                  f"prefixes, {cfg.output_len:,} output tokens")
-    rate = f"{cfg.request_rate:g} req/s" if cfg.request_rate else "closed loop"
+    rate = ("" if cfg.trace and not cfg.closed_loop else f", {cfg.request_rate:g} req/s" if cfg.request_rate
+            else ", closed loop")
     count = f"{cfg.num_requests} requests" if cfg.num_requests else "every request"
     cap = f"at most {cfg.max_concurrency} in flight" if cfg.max_concurrency else "no cap on requests in flight"
-    return f"{name}: {shape}; {cap}, {rate}, {count}, seed {cfg.seed}"
+    return f"{name}: {shape}; {cap}{rate}, {count}, seed {cfg.seed}"
