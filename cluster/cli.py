@@ -1,6 +1,6 @@
 """`pdc`: the command line.
 
-  pdc model tiny OUT_DIR [--arch qwen3] [--seed N]   write a tiny random-weight model (qwen3, llama, gemma3, gptoss, dsv4)
+  pdc model tiny OUT_DIR [--arch qwen3] [--seed N]   a tiny random-weight model (qwen3, llama, gemma3, gptoss, dsv4); --force to replace files
   pdc up SPEC.yaml                                   start a cluster, return when healthy
   pdc status [--name NAME]                           list instances: role, address, health
   pdc down [--name NAME]                             stop what `pdc up` started
@@ -27,6 +27,15 @@ STATE_DIR = Path(os.environ.get("PDC_STATE_DIR", Path.home() / ".pdcluster" / "s
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "deploy" / "p1d1-tiny-cpu.yaml"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdcluster")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _fail(msg: str, code: int = 2) -> None:
     print(f"pdc: {msg}", file=sys.stderr)
     raise SystemExit(code)
@@ -44,7 +53,11 @@ def _load(path: str):
 def cmd_model_tiny(a) -> None:
     from pdcluster.cluster.tiny_model import make_tiny_model
 
-    out = make_tiny_model(a.out_dir, arch=a.arch, seed=a.seed)
+    out_dir = Path(a.out_dir)
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not a.force):
+        _fail(f"{out_dir} is not an empty folder: pdc model tiny writes a whole checkpoint there, replacing "
+              f"what it holds (--force to do so)")
+    out = make_tiny_model(out_dir, arch=a.arch, seed=a.seed)
     print(f"wrote tiny {a.arch} model (seed {a.seed}) to {out}")
 
 
@@ -217,12 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     from pdcluster.cluster.replay.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="pdc", description="prefill/decode disaggregated vLLM clusters on Ray")
+    ap.add_argument("--version", action="version", version=f"pdc {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="what", required=True)
     tiny = model.add_parser("tiny", help="write a tiny random-weight checkpoint with a locally trained tokenizer")
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "gptoss", "dsv4"])
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--force", action="store_true", help="write into a folder that holds files (replacing them)")
     tiny.set_defaults(fn=cmd_model_tiny)
     up = sub.add_parser("up", help="start a cluster from a spec; returns when every instance is healthy")
     up.add_argument("spec")

@@ -212,6 +212,7 @@ def write_target_spec(target: Path, config, path: Path, result) -> None:
     head = (f"# Written by pdc plan from {_shown(str(target))}: {config.label}, chosen for {result.workload} on "
             f"{result.devices} devices, SLO {slo_text(result)}\n" + "".join(f"# {line}\n" for line in
                                                                          provenance_lines(result)))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + yaml.safe_dump(data, sort_keys=False))
     print(f"spec: {path} (pdc up {path} on the target's hardware)")
 
@@ -237,6 +238,7 @@ def write_spec(base, params: str | None, config, path: Path, result) -> None:
 
     head = (f"# Written by pdc plan: {config.label}, chosen for {result.workload} on {result.devices} devices, "
             f"SLO {slo_text(result)}\n" + "".join(f"# {line}\n" for line in provenance_lines(result)))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + yaml.safe_dump(data, sort_keys=False))
     print(f"spec: {path} (pdc up {path})")
 

@@ -63,3 +63,28 @@ def test_up_with_an_unsupported_vllm_fails_before_any_engine_starts(monkeypatch)
         assert "vLLM 0.31.0 is installed; pdcluster supports vLLM 0.23.0, 0.26.0, 0.32.0, 0.33.0, 0.34.0" in str(err)
     else:
         raise AssertionError("build_cluster started a cluster on vLLM 0.31.0")
+
+
+def test_model_tiny_refuses_a_folder_that_holds_files_without_force(tmp_path):
+    """Issue 28 item 5: it used to delete a checkpoint's weight shards without a word."""
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_text("a real shard")
+    r = pdc("model", "tiny", str(out))
+    assert r.returncode == 2 and "is not an empty folder" in r.stderr and "--force" in r.stderr
+    assert (out / "model-00001-of-00002.safetensors").read_text() == "a real shard"
+
+
+def test_version():
+    r = pdc("--version")
+    assert r.returncode == 0 and r.stdout.startswith("pdc ")
+
+
+def test_fit_and_plan_make_the_folder_they_are_told_to_write_in(tmp_path):
+    from pdcluster.cluster.cli import main
+
+    out = tmp_path / "new" / "deeper"
+    main(["plan", "dsv4-flash-910c", "--devices", "3", "--input-len", "4100", "--num-requests", "6", "--splits", "1",
+          "--slo-ttft-ms", "1000", "--headroom", "none", "--no-twin", "--out", str(tmp_path / "plan"),
+          "--write-spec", str(out / "chosen.yaml")])
+    assert (out / "chosen.yaml").read_text().startswith("# Written by pdc plan")

@@ -32,6 +32,7 @@ def _cmd_fit(a: argparse.Namespace) -> None:
         _fail(str(err))
     out = Path(a.out)
     name = a.name or out.stem
+    out.parent.mkdir(parents=True, exist_ok=True)  # --out DIR/x.yaml: DIR made, as any --out
     out.write_text(fitted_yaml(base_path.read_text(), result.numbers, name, f"run {run.meta.run_id} ({a.run})"))
     print(f"fitted {base.name} to run {run.meta.run_id}: {len(obs.prefill_s)} prefills that ran alone "
           f"(of {obs.prefill_requests}), {len(obs.decode_of)} D steps in {len(obs.decode_s)} spans "
