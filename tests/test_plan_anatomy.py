@@ -81,6 +81,7 @@ def test_a_configuration_that_misses_at_the_plans_load_searches_downwards(small_
     p1 = next(o for o in tight.outcomes if o.config.prefill == 1)
     h = headroom(tight, p1)
     assert h.factor is not None and h.factor < 1, h
+    assert "it misses the SLO (TTFT p90 " in h.beyond and "> 500.0 ms)" in h.beyond, h.beyond  # which bound
 
 
 def test_conditional_disaggregation_is_swept_and_d_prefills_the_short_remainders(small_plan):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
-from pdcluster.cluster.sim.plan import Outcome, Plan, configure, evaluate
+from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, Slo, configure, evaluate
 from pdcluster.cluster.sim.virtual.run import simulate
 
 MAX_FACTOR = 64.0
@@ -82,11 +82,11 @@ def headroom(p: Plan, outcome: Outcome, precision: float = 0.05,
         while lo >= 1 / MAX_FACTOR and not holds(lo):
             lo, hi = lo / 2, lo
         if lo < 1 / MAX_FACTOR:
-            return Headroom(None, "none", None, None, _why(tried[hi][1], cfg, hi), len(tried))
+            return Headroom(None, "none", None, None, _why(tried[hi][1], cfg, hi, p.slo), len(tried))
     while hi / lo > 1 + precision:
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if holds(mid) else (lo, mid)
-    return _found(cfg, lo, tried, _why(tried[hi][1], cfg, hi))
+    return _found(cfg, lo, tried, _why(tried[hi][1], cfg, hi, p.slo))
 
 
 def _peak_in_flight(results) -> int:
@@ -104,11 +104,19 @@ def _found(cfg: BenchConfig, m: float, tried: dict, beyond: str) -> Headroom:
     return Headroom(m, describe(cfg, m), o.throughput, in_flight, beyond, len(tried))
 
 
-def _why(o: Outcome, cfg: BenchConfig, m: float) -> str:
+def _why(o: Outcome, cfg: BenchConfig, m: float, slo: Slo) -> str:
     if o.slo_met:
         return (f"at {describe(cfg, m)} all {cfg.max_concurrency} of the load's requests in flight are taken: "
                 f"arrivals wait in the client (more in flight than the load allows)")
-    return f"at {describe(cfg, m)} it misses the SLO" + (f"; binds: {o.anatomy.binds}" if o.anatomy else "")
+    q, missed = f"p{slo.percentile}", []
+    for name, got, bound in (("TTFT", o.ttft_s, slo.ttft_s), ("TPOT", o.tpot_s, slo.tpot_s)):
+        if bound is not None and (got is None or got > bound):
+            missed.append(f"{name} {q} {'a miss' if got in (None, MISS) else f'{got * 1e3:,.1f} ms'} > "
+                          f"{bound * 1e3:,.1f} ms")
+    if slo.min_throughput is not None and o.throughput < slo.min_throughput:
+        missed.append(f"{o.throughput:.2f} req/s < {slo.min_throughput:g}")
+    return (f"at {describe(cfg, m)} it misses the SLO ({', '.join(missed) or 'no request served'})"
+            + (f"; binds: {o.anatomy.binds}" if o.anatomy else ""))
 
 def text(h: Headroom, cfg: BenchConfig) -> str:
     """The headroom in a sentence."""
