@@ -58,7 +58,9 @@ def test_a_silent_connection_is_closed_at_the_header_deadline_and_counted(server
     t0 = time.monotonic()
     with socket.create_connection(address) as conn:
         assert closed_within(conn, 5)
-    assert time.monotonic() - t0 >= HEADER_TIMEOUT_S  # not before its deadline
+    # Not before its deadline. libuv (uvloop) times from the loop's cached clock, in ms: it fired
+    # 0.14 ms short of 0.5 s once in a clean-clone run; 10 ms is that clock's slack, not a deadline's.
+    assert time.monotonic() - t0 >= HEADER_TIMEOUT_S - 0.01
     wait_until(lambda: app.refused == before + 1, 2, interval=0.01, what="the close counted")
 
 
