@@ -64,9 +64,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     from pdcluster.cluster.replay.run import config_from_args, load_flags
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, decided_by, plan
-    from pdcluster.cluster.sim.plan_headroom import text as headroom_text
     from pdcluster.cluster.sim.plan_report import (
-        band_text,
+        answer_details,
         format_table,
         provenance_lines,
         rerun_command,
@@ -134,12 +133,10 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     c = result.chosen
     print(f"chosen: {c.config.label} (SLO {'met' if c.slo_met else 'missed: no configuration meets it'}); "
           f"decided by {decided_by(result)}")
-    print(f"  error band: {band_text(result, c)}")
-    if c.anatomy is not None:
-        print(f"  where its time goes: {c.anatomy.line()}")
     if a.headroom != "none":
         _search_headroom(result, result.outcomes[:1] if a.headroom == "chosen" else result.outcomes)
-        print(f"  headroom: {headroom_text(result.headrooms[c.config], result.cfg)}")
+    for _, label, text in answer_details(result):
+        print(f"  {label.lower()}: {text}")
     if result.twin is not None:
         if a.headroom != "none":
             _search_headroom(result.twin, result.twin.outcomes[:1])

@@ -273,7 +273,7 @@ def _close(a: float | None, b: float | None) -> bool:
 
 def tied(a: Outcome, b: Outcome) -> bool:
     """Nothing measured tells a and b apart: the same verdicts, and goodput, TTFT and TPOT within TIE_REL."""
-    return ((a.slo_met, a.failed > 0) == (b.slo_met, b.failed > 0) and _close(a.goodput_per_device, b.goodput_per_device)
+    return (_verdict(a) == _verdict(b) and _close(a.goodput_per_device, b.goodput_per_device)
             and _close(a.ttft_s, b.ttft_s) and _close(a.tpot_s, b.tpot_s))
 
 
@@ -282,7 +282,7 @@ def decided_by(p: Plan) -> str:
     if len(p.outcomes) < 2:
         return "the only configuration"
     a, b = p.outcomes[0], p.outcomes[1]
-    q = f"p{p.slo.percentile}"
+    q = pname(p.slo.percentile)
     if tied(a, b):
         n = sum(tied(a, o) for o in p.outcomes[1:])
         equal = a.ttft_s == b.ttft_s

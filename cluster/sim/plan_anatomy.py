@@ -17,6 +17,7 @@ virtual-clock run, so `pdc plan` can say why a configuration misses or how close
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
@@ -105,7 +106,7 @@ def anatomy(run) -> Anatomy:
     p, d = busy["prefill"], busy["decode"]
     a = Anatomy(sum(p) / len(p), sum(d) / len(d), max(p), max(d), ttft_sum / n / 1e9 if n else None, shares,
                 refused, preempted, evicted, "")
-    return Anatomy(**{**a.__dict__, "binds": _binds(a)})
+    return dataclasses.replace(a, binds=_binds(a))
 
 
 def _binds(a: Anatomy) -> str:

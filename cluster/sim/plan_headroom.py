@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
-from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, Slo, configure, evaluate
+from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, Slo, configure, evaluate, pname
 from pdcluster.cluster.sim.virtual.run import simulate
 
 MAX_FACTOR = 64.0
@@ -33,19 +33,25 @@ class Headroom:
     runs: int
 
 
+def _kind(cfg: BenchConfig) -> str:
+    """What scales the load: a trace's pace, a synthetic load's rate, or a closed loop's cap."""
+    return "trace" if cfg.trace and not cfg.closed_loop else "rate" if cfg.request_rate and not cfg.trace else "closed"
+
+
 def scaled(cfg: BenchConfig, m: float) -> BenchConfig:
-    if cfg.trace and not cfg.closed_loop:
+    kind = _kind(cfg)
+    if kind == "trace":
         return dataclasses.replace(cfg, time_scale=cfg.time_scale / m)
-    if cfg.request_rate and not cfg.trace:
+    if kind == "rate":
         return dataclasses.replace(cfg, request_rate=cfg.request_rate * m)
     return dataclasses.replace(cfg, max_concurrency=max(1, round(cfg.max_concurrency * m)))
 
 
 def describe(cfg: BenchConfig, m: float) -> str:
-    s = scaled(cfg, m)
-    if cfg.trace and not cfg.closed_loop:
+    kind, s = _kind(cfg), scaled(cfg, m)
+    if kind == "trace":
         return f"{m:.2f}x the trace's arrivals"
-    if cfg.request_rate and not cfg.trace:
+    if kind == "rate":
         return f"{s.request_rate:.2f} req/s"
     return f"at most {s.max_concurrency} in flight"
 
@@ -55,7 +61,7 @@ def headroom(p: Plan, outcome: Outcome, precision: float = 0.05,
     """The search (module docstring) for one configuration of plan `p` (made by plan.plan)."""
     assert p.sim_base is not None and p.cfg is not None and p.vocab, "a plan made by plan.plan"
     spec, cfg, vocab = configure(p.sim_base, outcome.config), p.cfg, p.vocab
-    open_load = bool(cfg.trace and not cfg.closed_loop) or bool(cfg.request_rate and not cfg.trace)
+    open_load = _kind(cfg) != "closed"
     tried: dict[float, tuple[bool, Outcome, float | None]] = {}  # m -> (holds, outcome, mean in flight)
 
     def holds(m: float) -> bool:
@@ -108,7 +114,7 @@ def _why(o: Outcome, cfg: BenchConfig, m: float, slo: Slo) -> str:
     if o.slo_met:
         return (f"at {describe(cfg, m)} all {cfg.max_concurrency} of the load's requests in flight are taken: "
                 f"arrivals wait in the client (more in flight than the load allows)")
-    q, missed = f"p{slo.percentile}", []
+    q, missed = pname(slo.percentile), []
     for name, got, bound in (("TTFT", o.ttft_s, slo.ttft_s), ("TPOT", o.tpot_s, slo.tpot_s)):
         if bound is not None and (got is None or got > bound):
             missed.append(f"{name} {q} {'a miss' if got in (None, MISS) else f'{got * 1e3:,.1f} ms'} > "

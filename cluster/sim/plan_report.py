@@ -212,16 +212,22 @@ def verdict(p: Plan) -> str:
     return f"No configuration meets the SLO. Closest: {c.config.label} ({figures}, {c.failed} refused or failed)."
 
 
-def _answer_details(p: Plan) -> str:
-    """Where the chosen configuration's time goes, and how much more load it takes, if searched."""
+def answer_details(p: Plan) -> list[tuple[str, str, str]]:
+    """(id, label, text) of what follows the chosen configuration's verdict: its error band, where
+    its time goes and its headroom (if searched). The terminal, the page and the twin's lines."""
     from pdcluster.cluster.sim.plan_headroom import text
 
     c = p.chosen
-    parts = [f'<p id="band">Error band: {html.escape(band_text(p, c))}.</p>']
+    out = [("band", "Error band", band_text(p, c))]
     if c.anatomy is not None:
-        parts.append(f'<p id="anatomy">Where its time goes: {html.escape(c.anatomy.line())}.</p>')
+        out.append(("anatomy", "Where its time goes", c.anatomy.line()))
     if c.config in p.headrooms and p.cfg is not None:
-        parts.append(f'<p id="headroom">Headroom: {html.escape(text(p.headrooms[c.config], p.cfg))}.</p>')
+        out.append(("headroom", "Headroom", text(p.headrooms[c.config], p.cfg)))
+    return out
+
+
+def _answer_details(p: Plan) -> str:
+    parts = [f'<p id="{id_}">{label}: {html.escape(text)}.</p>' for id_, label, text in answer_details(p)]
     if p.twin is not None:
         parts.append(f'<div id="twin"><p><b>{html.escape(twin_heading(p.twin))}</b></p><ul>'
                      + "".join(f"<li>{html.escape(line)}</li>" for line in twin_lines(p.twin))
@@ -237,15 +243,8 @@ def twin_heading(t: Plan) -> str:
 
 def twin_lines(t: Plan) -> list[str]:
     """The twin plan's answer, as the main one's is given."""
-    from pdcluster.cluster.sim.plan_headroom import text
-
-    c = t.chosen
-    lines = [verdict(t), f"Decided by {decided_by(t)}.", f"Error band: {band_text(t, c)}."]
-    if c.anatomy is not None:
-        lines.append(f"Where its time goes: {c.anatomy.line()}.")
-    if c.config in t.headrooms and t.cfg is not None:
-        lines.append(f"Headroom: {text(t.headrooms[c.config], t.cfg)}.")
-    return lines
+    return [verdict(t), f"Decided by {decided_by(t)}."] + [f"{label}: {text}." for _, label, text in
+                                                             answer_details(t)]
 
 
 def render_html(p: Plan, out: Path | None = None) -> str:
