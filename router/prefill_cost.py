@@ -34,6 +34,10 @@ class PrefillCost(Protocol):
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         """A prefill P finished, as its engine timed it (a model that learns nothing ignores it)."""
 
+    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float) -> float:
+        """Predicted time from P's first step of the prompt to its last, behind `queued_tokens`
+        to compute (predicted at `queued_s`) that P took in before it."""
+
 
 class StepTimes(Protocol):
     def prefill_s(self, new_tokens: int, cached_tokens: int, budget: int) -> float:
@@ -56,6 +60,25 @@ class ModelledCost:
 
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         pass
+
+    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float) -> float:
+        new = prompt_tokens - min(cached_tokens, prompt_tokens)
+        return shared_steps_s(queued_tokens, queued_s, new, self.seconds(cached_tokens, prompt_tokens), self.budget)
+
+
+def shared_steps_s(ahead_tokens: int, ahead_s: float, own_tokens: int, own_s: float, budget: int) -> float:
+    """The steps a prompt of `own_tokens` (`own_s` alone) takes on a P that fills `budget` tokens a
+    step in order, behind `ahead_tokens` queued (`ahead_s` alone): its first step holds the end of
+    the queued work. A P with work queued is a P under load: the requests after this one are taken
+    to fill its last step as those before fill its first (at its own rate: they are not known yet).
+    An idle P runs it alone."""
+    if own_tokens <= 0:
+        return 0.0
+    if ahead_tokens <= 0:
+        return own_s
+    before = ahead_tokens % budget  # the queued work ends inside the prompt's first step
+    after = -(ahead_tokens + own_tokens) % budget  # what its last step has room for
+    return before * ahead_s / ahead_tokens + own_s + after * own_s / own_tokens
 
 
 def _features(cached_tokens: int, prompt_tokens: int) -> tuple[float, float]:
@@ -82,6 +105,9 @@ class FittedCost:
         a, b = self._coefficients()
         new, pairs = _features(cached_tokens, prompt_tokens)
         return a * new + b * pairs
+
+    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float) -> float:
+        return self.seconds(cached_tokens, prompt_tokens)  # fitted to such times: any sharing is in it
 
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         new, pairs = _features(cached_tokens, prompt_tokens)

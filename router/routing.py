@@ -76,7 +76,10 @@ class Route(Generic[I]):
     # Of P's, the tokens only pending there (routed, not yet confirmed by KV events).
     predicted_p_pending_tokens: int | None = None
     key: int = -1  # this route's promises in the pending blocks (unique per picker)
-    predicted_p_prefill_s: float = 0.0  # P's prefill of it, as the cost model predicts
+    # P's time for it alone, as the cost model predicts: what it adds to P's queue.
+    p_work_s: float = 0.0
+    # P's first step of it to its last, shared with the work queued before and after it.
+    predicted_p_prefill_s: float = 0.0
     # Whether D prefills it itself (router/local_prefill.py), and why; None: not decided (never).
     local: LocalDecision | None = None
 
@@ -187,9 +190,10 @@ class InstancePicker(Generic[I]):
         if self.local is not None:
             local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
                                                  self._load[d_name].local, self._load[p_name].seconds))
+        p_view = next(v for v in p_views if v.name == p_name)
+        taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
-                      pending_p[p_name] if pending_p else None, next(self._keys),
-                      next(v.prefill_s for v in p_views if v.name == p_name), local)
+                      pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
@@ -219,7 +223,7 @@ class InstancePicker(Generic[I]):
         """P's load while it works on the request: the tokens it will compute. Once P is done,
         its promise waits only for the events."""
         with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0),
-                           route.predicted_p_prefill_s):
+                           route.p_work_s):
             yield
         self._finished(route.prefill.name, route)
 

@@ -201,6 +201,9 @@ class AttentionOnlyCost:
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
         pass
 
+    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float) -> float:
+        return 10 * queued_tokens + queued_s  # what the picker hands it, to check
+
 
 def test_the_copy_rule_is_in_time_a_warm_remainder_over_long_history_costs_more_than_its_tokens():
     # As above, but timed: cold 100 x 50 = 5,000; warm 4 x 98 = 392 (8% of the cold time for 4% of
@@ -211,7 +214,10 @@ def test_the_copy_rule_is_in_time_a_warm_remainder_over_long_history_costs_more_
     routes = burst(pk, [same + [1000 + 4 * i + j for j in range(4)] for i in range(14)])
     names = [r.prefill.name for r in routes]
     assert names[:12] == ["p0"] * 12 and names[12] == "p1" and names[13] == "p1"
-    assert [r.predicted_p_prefill_s for r in routes[:2]] == [5000, 392]
+    assert [r.p_work_s for r in routes[:2]] == [5000, 392]  # alone: what each adds to p0's queue
+    # The time P takes once it starts it, asked with the queue on the P picked: the first request's
+    # 100 tokens (5,000) ahead of the second.
+    assert [r.predicted_p_prefill_s for r in routes[:2]] == [0, 10 * 100 + 5000]
 
 
 def test_the_picker_learns_p_s_prefill_times_from_what_p_reports():
