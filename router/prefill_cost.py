@@ -69,15 +69,15 @@ class ModelledCost:
 def shared_steps_s(ahead_tokens: int, ahead_s: float, own_tokens: int, own_s: float, budget: int) -> float:
     """The steps a prompt of `own_tokens` (`own_s` alone) takes on a P that fills `budget` tokens a
     step in order, behind `ahead_tokens` queued (`ahead_s` alone): its first step holds the end of
-    the queued work. A P with work queued is a P under load: the requests after this one are taken
-    to fill its last step as those before fill its first (at its own rate: they are not known yet).
-    An idle P runs it alone."""
+    the queued work. A P with more than a step's work queued is a P under load: the requests after
+    this one are taken to fill its last step as those before fill its first (at its own rate:
+    they are not known yet). An idle P runs it alone."""
     if own_tokens <= 0:
         return 0.0
     if ahead_tokens <= 0:
         return own_s
     before = ahead_tokens % budget  # the queued work ends inside the prompt's first step
-    after = -(ahead_tokens + own_tokens) % budget  # what its last step has room for
+    after = -(ahead_tokens + own_tokens) % budget if ahead_tokens > budget else 0  # its last step's room
     return before * ahead_s / ahead_tokens + own_s + after * own_s / own_tokens
 
 

@@ -70,10 +70,11 @@ def test_the_simulated_engine_is_predicted_by_its_own_cost_model():
 
 def test_a_prompt_behind_queued_work_shares_its_first_step_and_under_load_its_last():
     # 16K budget; 10K queued (2 s alone), 12K own (3 s alone): its first step holds the queue's
-    # 10K and 6K of its own, its last its other 6K and 10K of the next arrivals' (at its own rate).
-    assert shared_steps_s(10_000, 2.0, 12_000, 3.0, 16_000) == pytest.approx(2.0 + 3.0 + 10_000 * 3.0 / 12_000)
-    # Only the queue's tail within the prompt's first step counts: 26K queued ends 10K into a step.
-    assert shared_steps_s(26_000, 5.2, 12_000, 3.0, 16_000) == pytest.approx(2.0 + 3.0 + 2.5)
+    # 10K and 6K of its own, its last its other 6K (less than a step queued: P is not under load).
+    assert shared_steps_s(10_000, 2.0, 12_000, 3.0, 16_000) == pytest.approx(2.0 + 3.0)
+    # 26K queued ends 10K into a step, only that tail shares the prompt's first step; more than a
+    # step queued: the arrivals after it fill its last step's other 10K too (at its own rate).
+    assert shared_steps_s(26_000, 5.2, 12_000, 3.0, 16_000) == pytest.approx(2.0 + 3.0 + 10_000 * 3.0 / 12_000)
     # A queue ending on a step's boundary and a prompt filling its steps: nothing shared.
     assert shared_steps_s(16_000, 1.0, 16_000, 3.0, 16_000) == pytest.approx(3.0)
     assert shared_steps_s(0, 0.0, 12_000, 3.0, 16_000) == 3.0  # an idle P: alone
@@ -84,5 +85,8 @@ def test_the_modelled_cost_takes_its_own_prefill_alone_and_shares_steps_behind_a
     cost = ModelledCost(CostModel(load("dsv4-flash-910c"), 128), 16384)
     alone = cost.seconds(118_784, 131_072)
     assert cost.taken_s(118_784, 131_072, 0, 0.0) == alone
-    assert cost.taken_s(118_784, 131_072, 12_288, alone) == pytest.approx(alone + alone + 8_192 * alone / 12_288)  # 24K over two 16K steps
+    assert cost.taken_s(118_784, 131_072, 12_288, alone) == pytest.approx(2 * alone)  # its first step shared
+    # 28,672 queued: its last 12,288 in the prompt's first step, 8,192 after it in its last.
+    assert cost.taken_s(118_784, 131_072, 28_672, 3 * alone) == pytest.approx(3 * alone * 12_288 / 28_672 + alone
+                                                                           + 8_192 * alone / 12_288)
     assert FittedCost().taken_s(0, 1000, 5000, 9.0) == FittedCost().seconds(0, 1000)  # its times are such already
