@@ -29,7 +29,8 @@ batches (`Delta`, put on `req.out`): its first token at once, then at most one
 batch per `delta_interval_s`, each token with the time its step ended.
 
 What the KV does around a step (P: mark blocks ready for D; D: fetch them) is the
-`KvHooks` object's business (engine.py), as vLLM's is its KV connector's.
+`KvHooks` object's business (engine.py), as vLLM's is its KV connector's. A step's shape and
+duration, and which steps repeat, are scheduler_steps.py's; its outputs scheduler_outputs.py's.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from pdcluster.cluster.sim.kv_wire import BlockHash
 from pdcluster.cluster.sim.request import SimRequest, Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_outputs import StepOutputs
+from pdcluster.cluster.sim.scheduler_steps import StepShapes
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerCore(StepOutputs):
+class SchedulerCore(StepShapes, StepOutputs):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
                  on_events=None, clock_ns: Callable[[], int] = time.monotonic_ns):
         """`clock_ns`: the time every timestamp is taken from (the real-time loop: the host's
@@ -185,62 +187,6 @@ class SchedulerCore(StepOutputs):
         self._aborts.clear()
         self.steps += steps
         self._publish_events()
-
-    def step_s(self, batch: list[ScheduledChunk]) -> float:
-        """The batch's duration, from the cost model."""
-        chunks, contexts = self._shape(batch)
-        if not contexts:
-            return self.cost.prefill_step_s(chunks)
-        if not chunks:
-            return self.cost.decode_step_s(contexts)
-        return self.cost.mixed_step_s(chunks, contexts)
-
-    def decode_contexts(self, batch: list[ScheduledChunk]) -> list[int] | None:
-        """The batch's context lengths if every chunk of it is decode-shaped; None if it
-        computes prompt chunks."""
-        chunks, contexts = self._shape(batch)
-        return None if chunks else contexts
-
-    @staticmethod
-    def _shape(batch: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], list[int]]:
-        """(prompt chunks as (new, history), decode-shaped context lengths) of a batch."""
-        chunks, contexts = [], []
-        for c in batch:
-            r = c.req
-            if c.num_new_tokens > 1 or r.num_computed_tokens == 0:
-                chunks.append((c.num_new_tokens, r.num_computed_tokens))
-            else:
-                # One token over a cached context is decode-shaped, whether it samples the next
-                # output or recomputes a prompt's last token (D after its load, P on a full hit):
-                # one query row reading its context, as a decode request's.
-                contexts.append(r.num_computed_tokens + 1)
-        return chunks, contexts
-
-    def repeatable_steps(self, batch: list[ScheduledChunk]) -> int:
-        """How many steps, this one included, the scheduler would schedule exactly like this one
-        (the same requests decoding one token each, nothing admitted, no block allocated or
-        cached, nobody finishing before the last), if nothing comes in from outside meanwhile
-        (an arrival, a load's end, a release, an abort). A driver may run them as one and cut
-        them short at whichever step such an event falls in (cluster/sim/virtual/instance.py)."""
-        c = self.config
-        if self._aborts or self.decode_contexts(batch) is None or len(batch) != len(self.running):
-            return 1
-        # A waiting request that is not loading could be admitted at the next step.
-        if len(self.running) < c.max_num_seqs and any(r.status is not Status.LOADING for r in self.waiting):
-            return 1
-        bs, steps = c.block_size, c.max_model_len
-        for chunk in batch:
-            req = chunk.req
-            if req.stop_token_ids or (not req.ignore_eos and c.eos_token_id is not None):
-                return 1  # a drawn token could end it at any step
-            if not req.output_token_ids:
-                return 1  # its first token goes out as soon as this step ends
-            end = req.num_computed_tokens + 1  # the token this step computes, counted
-            samples = min(req.max_tokens - len(req.output_token_ids), c.max_model_len - req.num_tokens)
-            steps = min(steps, samples,  # it finishes at the last one at the latest
-                        len(req.blocks) * bs - end + 1,  # no block to allocate after this one
-                        bs - end % bs)  # no block filling up after this one
-        return max(1, steps)
 
     def hash_blocks(self, tokens: Sequence[int], known: list[BlockHash]) -> list[BlockHash]:
         """The pool's keys for every full block of `tokens`, extending `known` (its first
