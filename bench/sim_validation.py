@@ -33,7 +33,8 @@ from pdcluster.cluster.replay.metrics import summarize
 from pdcluster.cluster.replay.records import RequestResult
 from pdcluster.cluster.replay.run import BenchConfig, build_workload, run_bench
 from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.fit import FREE, FitResult, fit, fitted_yaml, observations, residual_summary, run_spec
+from pdcluster.cluster.sim.fit import FREE, FitResult, fit, observations, run_spec
+from pdcluster.cluster.sim.fit_output import fitted_yaml, residual_summary
 from pdcluster.cluster.sim.virtual.agreement import Agreement, compare, format_agreement
 from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.cluster.sim.vocab import spec_vocab

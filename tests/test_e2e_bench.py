@@ -97,7 +97,7 @@ def test_a_fit_of_this_run_predicts_another_load_within_the_stated_tolerance(clu
     import dataclasses
 
     from pdcluster.bench.sim_validation import fit_tiny
-    from pdcluster.cluster.sim.fit import fitted_yaml, residual_summary
+    from pdcluster.cluster.sim.fit_output import fitted_yaml, residual_summary
     from pdcluster.cluster.sim.virtual.agreement import compare, format_agreement
     from pdcluster.cluster.sim.virtual.run import simulate
     from pdcluster.proto.spec import SHIPPED_SIM_PARAMS

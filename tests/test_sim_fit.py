@@ -82,7 +82,8 @@ def test_bad_input_names_the_problem(truth_run, tmp_path, capsys):
 
 
 def test_a_fitted_number_the_base_file_leaves_at_its_default_is_written_in_its_section():
-    from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml
+    from pdcluster.cluster.sim.fit import FittedNumber
+    from pdcluster.cluster.sim.fit_output import fitted_yaml
 
     text = (SHIPPED_SIM_PARAMS / f"{BASE}.yaml").read_text()
     assert "decode_request_s" not in text  # the H200 file leaves it at 0
@@ -94,7 +95,8 @@ def test_a_fitted_number_the_base_file_leaves_at_its_default_is_written_in_its_s
 
 def test_a_fitted_file_says_what_it_was_fitted_to():
     """Issue 27 item 1: the base's own account (sourced, or another fit) is replaced by the fit's."""
-    from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml
+    from pdcluster.cluster.sim.fit import FittedNumber
+    from pdcluster.cluster.sim.fit_output import fitted_yaml
 
     text = (SHIPPED_SIM_PARAMS / f"{BASE}.yaml").read_text()
     assert SimParams.parse(yaml.safe_load(text)).about.fitted_to.startswith("../shared/data/calibration/")

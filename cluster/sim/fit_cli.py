@@ -16,7 +16,8 @@ def _fail(message: str) -> None:
 
 def _cmd_fit(a: argparse.Namespace) -> None:
     from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError
-    from pdcluster.cluster.sim.fit import FREE, FitError, fit, fitted_yaml, observations, residual_summary, run_spec
+    from pdcluster.cluster.sim.fit import FREE, FitError, fit, observations, run_spec
+    from pdcluster.cluster.sim.fit_output import fitted_yaml, residual_summary
     from pdcluster.proto.spec import SpecError, resolve_sim_params
     from pdcluster.router.run_store import load_run
 

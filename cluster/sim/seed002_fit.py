@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
-from pdcluster.cluster.sim.fit import FittedNumber, fitted_yaml, with_numbers
+from pdcluster.cluster.sim.fit import FittedNumber, with_numbers
+from pdcluster.cluster.sim.fit_output import fitted_yaml
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
