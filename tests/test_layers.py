@@ -16,7 +16,8 @@ LAYERS = ("proto", "transfer", "router", "cluster", "bench")
 # import nothing of the router, which talks to them only through proto/ and transfer/.
 ENGINE_MODULES = ("cluster/engine_actor.py", "cluster/engine_stats.py", "cluster/reference_engine.py",
                   "cluster/vllm_*.py", "cluster/vllm_site/*.py", "cluster/start_diagnosis.py", "cluster/sim/*.py")
-NOT_ENGINE = {"cluster/sim/fit.py", "cluster/sim/fit_cli.py", "cluster/sim/plan.py", "cluster/sim/plan_report.py",
+NOT_ENGINE = {"cluster/sim/fit.py", "cluster/sim/fit_cli.py", "cluster/sim/fit_output.py", "cluster/sim/fit_variation.py",
+              "cluster/sim/plan.py", "cluster/sim/plan_report.py",
               "cluster/sim/plan_anatomy.py", "cluster/sim/plan_headroom.py", "cluster/sim/plan_provenance.py",
               "cluster/sim/calibrate.py",
               "cluster/sim/seed002_fit.py"}  # planning tools kept beside the model

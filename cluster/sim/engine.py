@@ -35,6 +35,7 @@ from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
+from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
 from pdcluster.proto.engine import Engine
@@ -131,7 +132,8 @@ class SimEngineActor(ServesRequestChannel, Engine):
                 hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, self._d_kv,
                                                      self.config.block_size, self.cost, self.spec.transfer.timeout_s,
                                                      loop, self.spec.secret(), self.spec.transfer.encrypt)
-            self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish)
+            self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish,
+                                       variation=StepVariation(self.cost.params.variation, self.name))
             hooks.scheduler = self.scheduler
             self._task = loop.create_task(self.scheduler.run())
         elif self._task.done():

@@ -23,7 +23,8 @@ def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, sour
                 about: dict[str, str] | None = None) -> str:
     """The base file's text with each fitted number replaced and commented with its source run
     (numbers the run left undetermined keep their value and comment, with a note); a fitted number
-    the base file leaves at its default (not written) is added at the end of its section; the name
+    the base file leaves at its default (not written) is added at the end of its section (the
+    section at the end of the file if the base has none); the name
     replaced, and its `about` (sim_params.About): `about` if given, else a fit to `source`.
     Everything else (the shape, the device, its comments) as it was."""
     import yaml
@@ -56,10 +57,13 @@ def fitted_yaml(base_text: str, numbers: Sequence[FittedNumber], name: str, sour
         if section is not None and line.startswith("  "):
             section_end[section] = len(out)
     missing = [n for n in numbers.values() if n.determined and n.name not in written]
-    for n in sorted(missing, key=lambda n: -section_end.get(n.name.split(".")[0], len(out))):
+    for sec in dict.fromkeys(n.name.split(".")[0] for n in missing):
+        if sec not in section_end:  # a section the base file leaves out: added at the end
+            out.append(f"{sec}:")
+            section_end[sec] = len(out)
+    for n in sorted(reversed(missing), key=lambda n: -section_end[n.name.split(".")[0]]):  # in order
         sec, key = n.name.split(".")
-        at = section_end.get(sec, len(out))
-        out.insert(at, f"  {key}: {n.value:.6g}  # [fit] {source} (was {n.base:.6g}, the default)")
+        out.insert(section_end[sec], f"  {key}: {n.value:.6g}  # [fit] {source} (was {n.base:.6g}, the default)")
     return "\n".join(out) + "\n"
 
 

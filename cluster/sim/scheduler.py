@@ -18,6 +18,7 @@ from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.request import Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_core import SchedulerCore
+from pdcluster.cluster.sim.variation import StepVariation
 
 __all__ = ["KvHooks", "ScheduledChunk", "Scheduler", "SchedulerConfig", "StepCost"]
 
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 class Scheduler(SchedulerCore):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
-                 on_events=None):
-        super().__init__(config, pool, cost, hooks, on_events, clock_ns=time.monotonic_ns)
+                 on_events=None, variation: StepVariation | None = None):
+        super().__init__(config, pool, cost, hooks, on_events, clock_ns=time.monotonic_ns, variation=variation)
         self.lag_resets = 0
         self._wake = asyncio.Event()
         self._stopped = False
@@ -66,7 +67,7 @@ class Scheduler(SchedulerCore):
                     pass
                 continue
             try:
-                await self._sleep(self.step_s(batch))
+                await self._sleep(self.step_times_s(batch)[0])
             except BaseException:
                 self._in_step = False
                 raise

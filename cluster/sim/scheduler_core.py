@@ -46,19 +46,23 @@ from pdcluster.cluster.sim.request import SimRequest, Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_outputs import StepOutputs
 from pdcluster.cluster.sim.scheduler_steps import StepShapes
+from pdcluster.cluster.sim.variation import StepVariation
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerCore(StepShapes, StepOutputs):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
-                 on_events=None, clock_ns: Callable[[], int] = time.monotonic_ns):
+                 on_events=None, clock_ns: Callable[[], int] = time.monotonic_ns,
+                 variation: StepVariation | None = None):
         """`clock_ns`: the time every timestamp is taken from (the real-time loop: the host's
-        monotonic clock; the virtual clock: its own)."""
+        monotonic clock; the virtual clock: its own). `variation`: how step times vary around the
+        cost model's (cluster/sim/variation.py); None: not at all."""
         assert pool.block_size == config.block_size, "pool and scheduler disagree on the block size"
         self.config = config
         self.pool = pool
         self.cost = cost
+        self.variation = variation
         self.hooks = hooks or KvHooks()
         self.on_events = on_events  # called with each step's KV cache events (list), if any
         self.waiting: deque[SimRequest] = deque()  # WAITING and LOADING, in arrival order

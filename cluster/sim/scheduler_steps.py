@@ -3,7 +3,8 @@ its prompt chunks and decode-shaped requests, its time from the cost model, and 
 identical decode steps follow it (`repeatable_steps`, which the virtual clock runs as one).
 
 `StepShapes` is `SchedulerCore`'s half that reads a batch; it reads the core's config, cost
-model and queues (`self.config`, `self.cost`, `self.running`, `self.waiting`, `self._aborts`).
+model, variation and queues (`self.config`, `self.cost`, `self.variation`, `self.steps`,
+`self.running`, `self.waiting`, `self._aborts`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from pdcluster.cluster.sim.scheduler_config import ScheduledChunk
 
 
 class StepShapes:
+    def step_times_s(self, batch: list[ScheduledChunk], steps: int = 1) -> list[float]:
+        """The durations of the next `steps` steps of this batch (more than one: `repeatable_steps`
+        decode steps, each context one longer than at the one before), varied as the instance's
+        steps vary (`self.variation`: their index on the instance decides their draws, however
+        they are batched)."""
+        contexts = self.decode_contexts(batch)
+        durations = self.cost.decode_steps_s(contexts, steps) if steps > 1 else [self.step_s(batch)]
+        if self.variation is None:
+            return durations
+        return self.variation.apply(durations, self.steps, decode=contexts is not None)
+
     def step_s(self, batch: list[ScheduledChunk]) -> float:
         """The batch's duration, from the cost model."""
         chunks, contexts = self._shape(batch)

@@ -152,6 +152,20 @@ class DecodeSpec(_Strict):
     speculative: Speculative | None = None
 
 
+class Variation(_Strict):
+    """How a step's time varies around the model's on one instance (cluster/sim/variation.py): what
+    real engines' steps do from host jitter, contention and what the model leaves out. Spreads are
+    standard deviations of the time's logarithm (0.1: about +-10%); the time's mean is the model's.
+    `pdc sim fit` measures them on a run's D steps; all 0: every step exactly the model's."""
+
+    decode_sd: float = Field(0, ge=0, le=2, description="each decode step's own, independent of the next")
+    drift_sd: float = Field(0, ge=0, le=2, description="shared by drift_steps consecutive steps: slow phases, "
+                                                        "whole requests running slower or faster")
+    drift_steps: int = Field(1, ge=1, description="steps one drift value lasts")
+    prefill_sd: float = Field(0, ge=0, le=2, description="each step with prompt chunks, independent")
+    seed: int = Field(0, ge=0, description="with the instance's name, the draws' key")
+
+
 class LinkSpec(_Strict):
     bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
@@ -213,6 +227,7 @@ class SimParams(_Strict):
     efficiency: Efficiency
     overheads: Overheads
     decode: DecodeSpec = DecodeSpec()
+    variation: Variation = Variation()
     link: LinkSpec
 
     @classmethod

@@ -30,6 +30,7 @@ from pdcluster.cluster.replay.run import BenchConfig, build_workload, expected_a
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.scheduler_config import SchedulerConfig
+from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.virtual.agreement import served
 from pdcluster.cluster.sim.virtual.client import VirtualClient
 from pdcluster.cluster.sim.virtual.events import EventLoop
@@ -142,7 +143,8 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
             hooks = kv.producer() if role == "prefill" else kv.consumer()
             pool = BlockPool(num_blocks, eng.block_size, int_hashes=False)  # its events: the router's hashes
             core = VirtualScheduler(config, pool, cost, hooks,
-                                    lambda events, name=name: router_hooks[name](events), loop)
+                                    lambda events, name=name: router_hooks[name](events), loop,
+                                    StepVariation(cost.params.variation, name))
             inst = VirtualInstance(name, role, len(instances), loop, core, repeat_steps)
             instances[name] = inst
             out.append(inst)
