@@ -181,6 +181,7 @@ def test_every_output_names_the_model_its_basis_the_base_spec_and_the_load(plann
     """Issue 27 item 1: the terminal, plan.html, plan.json and the written spec."""
     want = ["model: dsv4-flash-910c (cluster/sim/params/dsv4-flash-910c.yaml), sourced",
             "unchecked: Never run against real engines with this model on this chip",
+            "steps vary: not at all (no spread measured for this file)",
             "base spec: deploy/p8d8-sim.yaml (the default)",
             "load: synthetic: 32,772-token prompts, 91% shared over 6 prefixes, 32 output tokens; at most 16 in "
             "flight, 6 req/s, 36 requests, seed 0"]
@@ -195,7 +196,8 @@ def test_every_output_names_the_model_its_basis_the_base_spec_and_the_load(plann
         assert not missing, (name, missing)
     prov = json.loads((planned / "plan.json").read_text())["provenance"]
     assert (prov["params"], prov["basis"], prov["fitted_to"]) == ("dsv4-flash-910c", "sourced", None)
-    assert prov["base_spec"] == want[2].removeprefix("base spec: ") and prov["workload"] == want[3].removeprefix("load: ")
+    assert prov["base_spec"] == want[3].removeprefix("base spec: ") and prov["workload"] == want[4].removeprefix("load: ")
+    assert prov["steps_vary"].startswith(want[2])
     assert prov["error"]["ttft"] == [-0.9, -0.9] and prov["calibrated_twin"] == "dsv4-flash-910c-seed002"
 
 

@@ -27,6 +27,7 @@ class Provenance:
     error: ErrorBand | None = None  # the file's predictions against real engines (None: never compared)
     unchecked: str | None = None  # what the file says was never checked against real hardware
     calibrated_twin: str | None = None  # a file of the same deployment fitted to the users' measurements
+    steps_vary: str = ""  # how its step times vary around the model's (params `variation`), in words
 
     @classmethod
     def of(cls, params_path: str, base_spec: str, workload: str, note: str | None = None) -> Provenance:
@@ -34,15 +35,20 @@ class Provenance:
         from pdcluster.proto.spec import SHIPPED_SIM_PARAMS
 
         p = SimParams.load(params_path)
+        v = p.variation
+        vary = (f"steps vary as measured: D {v.decode_sd:.2f} each + {v.drift_sd:.2f} over {v.drift_steps} steps, "
+                f"prefill {v.prefill_sd:.2f} (log spread)" if v.decode_sd or v.drift_sd or v.prefill_sd else
+                "steps vary: not at all (no spread measured for this file): TPOT and ITL percentiles show batch "
+                "and context effects only, narrower than a real engine's")
         path = Path(params_path)
         shown = (f"cluster/sim/params/{path.name}" if path.resolve().parent == SHIPPED_SIM_PARAMS.resolve()
                  else params_path)
         if p.about is None:
             return cls(p.name, shown, "unstated", "the file does not say where its numbers come from", None,
-                       base_spec, workload, note)
+                       base_spec, workload, note, steps_vary=vary)
         a = p.about
         return cls(p.name, shown, a.basis, " ".join(a.summary.split()), a.fitted_to, base_spec, workload, note,
-                   a.error, " ".join(a.unchecked.split()) if a.unchecked else None, a.calibrated_twin)
+                   a.error, " ".join(a.unchecked.split()) if a.unchecked else None, a.calibrated_twin, vary)
 
     def lines(self) -> list[str]:
         """The provenance as text, a fact a line."""
@@ -53,7 +59,7 @@ class Provenance:
         checked = (f"checked: {' '.join(e.source.split())}: predicted vs real TTFT {_band(e.ttft)}, TPOT "
                    f"{_band(e.tpot)}, E2E {_band(e.e2e)}" if e else "checked: never against real engines")
         return [f"model: {model}", f"  {self.summary}", checked,
-                *([f"unchecked: {self.unchecked}"] if self.unchecked else []),
+                *([f"unchecked: {self.unchecked}"] if self.unchecked else []), *([self.steps_vary] if self.steps_vary else []),
                 f"base spec: {self.base_spec}", f"load: {self.workload}", *([f"note: {self.note}"] if self.note else [])]
 
 
