@@ -111,6 +111,9 @@ def cmd_up(a) -> None:
     from pdcluster.cluster.launch import ClusterStartError, build_cluster, find_actors
 
     spec = _load(a.spec)
+    if spec.prefill.instances == 0:
+        _fail(f"{a.spec}: prefill.instances: 0 (no disaggregation) runs on the virtual clock only: "
+              f"pdc sim run {a.spec}, or pdc plan, which compares it with the P/D splits")
     started_ray = _connect(spec)
     if find_actors(spec.name):
         _fail(f"cluster {spec.name!r} is already up (pdc status; pdc down --name {spec.name})")

@@ -147,10 +147,22 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     print(f"written: {page}, {doc}")
     print(f"re-run one with its timelines: {rerun_command(result, out, 1)}  (01: the chosen; configs/NN.yaml: "
           f"rank NN), then pdc timeline report {out / 'runs' / '01' / 'timeline'}")
-    if a.write_spec and a.target:
-        write_target_spec(Path(a.target), c.config, Path(a.write_spec), result)
-    elif a.write_spec:
-        write_spec(base, a.params, c.config, Path(a.write_spec), result)
+    if a.write_spec:
+        written = spec_choice(result)
+        if written is not c:
+            print(f"note: the best is no disaggregation ({c.config.label}), which a P/D spec cannot launch "
+                  f"(serve each device with vllm serve); the spec written is the best split, rank "
+                  f"{result.outcomes.index(written) + 1}: {written.config.label}")
+        if a.target:
+            write_target_spec(Path(a.target), written.config, Path(a.write_spec), result)
+        else:
+            write_spec(base, a.params, written.config, Path(a.write_spec), result)
+
+
+def spec_choice(result):
+    """The outcome --write-spec writes: the chosen one, or the best with P if the chosen has none
+    (pdc up launches P/D clusters; no disaggregation is the virtual clock's baseline)."""
+    return next((o for o in result.outcomes if not o.config.colocated), result.chosen)
 
 
 def _search_headroom(result, outcomes) -> None:
@@ -178,7 +190,7 @@ def write_target_spec(target: Path, config, path: Path, result) -> None:
     """The target spec as its file says it, with the chosen split and settings and nothing else
     changed (its paths are the target hardware's): the role counts, the engine's chunked-prefill
     budget and running requests (a role's own value of either removed: it would override), the
-    router's policy and admission cap; validated as pdc up reads it, then written."""
+    router's policy, admission cap and local prefill; validated as pdc up reads it, then written."""
     import yaml
 
     from pdcluster.cluster.sim.plan_report import provenance_lines, slo_text
@@ -202,6 +214,11 @@ def write_target_spec(target: Path, config, path: Path, result) -> None:
     router["policy"] = config.policy
     if config.max_in_flight is not None:
         router.setdefault("admission", {})["max_in_flight"] = config.max_in_flight
+    if config.local_prefill is not None:  # conditional disaggregation as swept (0: never)
+        local = router.setdefault("local_prefill", {})
+        local["policy"] = "short_remainder" if config.local_prefill else "never"
+        if config.local_prefill:
+            local["max_tokens"] = config.local_prefill
     try:
         parse_spec(data, str(path))
     except SpecError as err:

@@ -40,7 +40,7 @@ class HttpLimits:
 
 
 
-LocalPolicy = Literal["never", "short_remainder"]
+LocalPolicy = Literal["never", "short_remainder", "always"]
 # See bench/README.md "D prefills short remainders": the threshold measured on the tiny model
 # and swept on the simulated P8+D8.
 DEFAULT_MAX_TOKENS = 1024
@@ -50,7 +50,9 @@ class LocalPrefillSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: LocalPolicy = Field("never", description="never: every prefill on P; short_remainder: D prefills "
-                                                     "what its own cache lacks when that is short")
+                                                     "what its own cache lacks when that is short; always: "
+                                                     "every request on D alone, no disaggregation (with "
+                                                     "prefill.instances 0: the virtual clock only)")
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1,
                             description="D prefills a request itself when at most this many prompt tokens are "
                                         "not in its prefix cache")

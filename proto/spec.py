@@ -109,6 +109,14 @@ class ClusterSpec(_Strict):
         if p.kind == "sim" and self.transfer.connector != "pdc":
             raise ValueError(f"transfer.connector: {self.transfer.connector} needs real vLLM engines; "
                              f"the simulated engine moves its state through the pdc transfer")
+        if self.decode.instances < 1:
+            raise ValueError("decode.instances: at least 1; D serves every request")
+        if self.prefill.instances < 1 and self.router.local_prefill.policy != "always":
+            raise ValueError("prefill.instances: 0 leaves nobody to prefill; at least 1, or "
+                             "router.local_prefill.policy: always (no disaggregation: D prefills every request)")
+        if self.prefill.instances < 1 and p.kind != "sim":
+            raise ValueError("prefill.instances: 0 (no disaggregation) is modelled on the virtual clock only "
+                             "(engine.kind: sim, pdc sim run, pdc plan); a real engine without P is vllm serve")
         for role in ("prefill", "decode"):
             eng = self.role_engine(role)
             if not eng.enable_prefix_caching:

@@ -140,7 +140,8 @@ class PlacementSpec(_Strict):
 
 
 class RoleSpec(_Strict):
-    instances: int = Field(1, ge=1, le=64)
+    # 0 only for prefill with router.local_prefill.policy always (ClusterSpec checks it).
+    instances: int = Field(1, ge=0, le=64)
     engine: EngineSpec = EngineSpec()
     resources: ResourceSpec = ResourceSpec()
     placement: PlacementSpec = PlacementSpec()

@@ -7,6 +7,8 @@ without engines; router/routing.py calls it on the D the policy picked.
 
 The rule, in order (`LocalPrefillSpec`, spec field `router.local_prefill`):
 - `policy: never`: always P (today's path, exactly);
+- `policy: always`: always D, whatever D holds or does (no disaggregation: with no P at all, the
+  virtual clock's baseline for `pdc plan`);
 - D's prefix index is stale (it lost events, router/kv_events.py): its hit is not known, P;
 - the remainder on D (prompt minus what D's events confirmed) is over `max_tokens` and P is
   not busy: P ("long_remainder"). P is busy when the P the policy picked has at least
@@ -24,8 +26,8 @@ from typing import Literal
 
 from pdcluster.proto.router_spec import LocalPrefillSpec
 
-Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy"]
-LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy"})
+Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy", "always"]
+LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy", "always"})
 
 @dataclass(frozen=True)
 class LocalView:
@@ -49,6 +51,8 @@ def decide(spec: LocalPrefillSpec, view: LocalView) -> LocalDecision:
     remainder = view.prompt_tokens - min(view.d_matched_tokens, view.prompt_tokens)
     if spec.policy == "never":
         return LocalDecision(False, "never", remainder)
+    if spec.policy == "always":
+        return LocalDecision(True, "always", remainder)
     if view.d_index_stale:
         return LocalDecision(False, "stale_index", remainder)
     p_busy = spec.p_busy_s is not None and view.p_queued_s >= spec.p_busy_s

@@ -126,6 +126,8 @@ class InstancePicker(Generic[I]):
         self._clock = clock
         self.cost = cost if cost is not None else FittedCost()
         self.local = local if local is not None and local.policy != "never" else None
+        # No disaggregation: every request on D (there may be no P at all).
+        self.colocated = self.local is not None and self.local.policy == "always"
         self._turn = itertools.count()
         self._keys = itertools.count()
         # Invariant: each instance's load is the sum over the requests between
@@ -167,6 +169,8 @@ class InstancePicker(Generic[I]):
         clock works them out once per prompt)."""
         turn = next(self._turn)
         n = len(prompt_token_ids)
+        if self.colocated:
+            return self._pick_colocated(prompt_token_ids, avoid, hashes, turn)
         prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
         matched_p = matched_d = pending_p = None
         if self.lookup is None:
@@ -196,6 +200,29 @@ class InstancePicker(Generic[I]):
                       pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
+        return route
+
+    def _pick_colocated(self, prompt_token_ids: Sequence[int], avoid: frozenset[str],
+                        hashes: Sequence[RouterHash] | None, turn: int) -> Route[I]:
+        """No disaggregation (router.local_prefill.policy always): D prefills and decodes every
+        request, so D is picked as P would be (its hit, pending blocks included, and the predicted
+        prefill queued on it) and is the route's P too."""
+        n = len(prompt_token_ids)
+        decode = self._up("decode", self.decode, avoid)
+        matched = pending = None
+        if self.lookup is not None:
+            hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
+            matched, pending = self._matched(decode, hashes, self.pending)
+        views = [PrefillView(d.name, matched[d.name] if matched else 0, self._load[d.name].tokens,
+                             self._load[d.name].requests, self._load[d.name].seconds,
+                             self.cost.seconds(matched[d.name] if matched else 0, n)) for d in decode]
+        view = pick_prefill(self.policy, views, turn)
+        d = next(i for i in decode if i.name == view.name)
+        local = decide(self.local, LocalView(n, view.matched_tokens, False, self._load[d.name].local, 0.0))
+        route = Route(d, d, None, view.matched_tokens if matched else None, None, next(self._keys), view.prefill_s,
+                      self.cost.taken_s(view.matched_tokens, n, view.queued_tokens, view.queued_s), local)
+        if self.pending is not None:  # the next request of this prefix sees it on this D at once
+            self.pending.add(d.name, route.key, hashes or [])
         return route
 
     def _matched(self, instances: list[I], hashes: list[RouterHash],
@@ -237,10 +264,16 @@ class InstancePicker(Generic[I]):
         assert route.local_prefill, "prefilling_locally: the route sends the prefill to P"
         load = self._load[route.decode.name]
         load.local += 1
+        # With no disaggregation, D's predicted prefill queue is what the next pick weighs.
+        seconds = route.p_work_s if self.colocated else 0.0
+        load.seconds += seconds
         try:
             yield
         finally:
             load.local -= 1
+            load.seconds = max(0.0, load.seconds - seconds) if load.local else 0.0  # no float residue
+        if self.colocated:
+            self._finished(route.decode.name, route)
 
     @contextlib.contextmanager
     def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:

@@ -30,7 +30,7 @@ def test_model_tiny_writes_a_loadable_checkpoint(tmp_path):
 
 def test_up_with_invalid_spec_fails_before_starting_anything(tmp_path):
     spec = tmp_path / "bad.yaml"
-    spec.write_text("model: {path: /nowhere}\nprefill: {instances: 0}\nengine: {block_sise: 64}\n")
+    spec.write_text("model: {path: /nowhere}\nprefill: {instances: -1}\nengine: {block_sise: 64}\n")
     r = pdc("up", str(spec), env_state=tmp_path)
     assert r.returncode == 2
     assert "prefill.instances" in r.stderr and "engine.block_sise" in r.stderr

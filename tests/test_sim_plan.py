@@ -211,14 +211,20 @@ def test_a_fitted_file_is_named_with_what_it_was_fitted_to(tmp_path, capsys):
 def test_the_plan_writes_its_table_json_and_a_spec_that_validates(planned, capsys):
     doc = json.loads((planned / "plan.json").read_text())
     configs = doc["configurations"]
-    splits = {(c["config"]["prefill"], c["config"]["decode"]) for c in configs}
-    assert splits >= {(1, 5), (3, 3), (5, 1)} and len(splits) == 5  # every other P, then the best's neighbours
+    splits = {c["config"]["prefill"] for c in configs}
+    best = doc["chosen"]["config"]["prefill"]
+    # No disaggregation (P0) and every other P, then the best's neighbours.
+    assert splits == {0, 1, 3, 5} | {p for p in (best - 1, best + 1) if 0 <= p < 6}
+    assert all(c["config"]["prefill"] + c["config"]["decode"] == 6 for c in configs)
     assert doc["chosen"] == configs[0]
     for a, b in zip(configs, configs[1:]):  # by verdict, then goodput (1% apart counts as equal), then TTFT
         va, vb = (not a["slo_met"], a["failed"] > 0), (not b["slo_met"], b["failed"] > 0)
         assert va < vb or (va == vb and b["goodput_per_device"] <= a["goodput_per_device"] * 1.01 + 1e-12), (a, b)
     spec = load_spec(planned / "chosen.yaml")  # as pdc up reads it
-    chosen = doc["chosen"]["config"]
+    # The load is light: no disaggregation ranks first, and the spec written is the best split.
+    assert doc["chosen"]["config"]["prefill"] == 0
+    chosen = next(c for c in configs if c["config"]["prefill"] > 0)["config"]
+    assert "note: the best is no disaggregation" in (planned / "stdout.txt").read_text()
     assert (spec.prefill.instances, spec.decode.instances) == (chosen["prefill"], chosen["decode"])
     assert spec.role_engine("prefill").max_num_batched_tokens == chosen["max_num_batched_tokens"]
     assert spec.router.policy == chosen["policy"] and spec.sim.params.endswith("dsv4-flash-910c.yaml")
@@ -293,7 +299,7 @@ def html_unescape(text: str) -> str:
 
 
 def test_bad_arguments_name_the_flag(tmp_path, capsys):
-    for args, message in ((["--slo-ttft-ms", "1000", "--splits", "0,3"], "--splits: P0 leaves"),
+    for args, message in ((["--slo-ttft-ms", "1000", "--splits", "4,3"], "--splits: P4 leaves no D"),
                           (["--slo-ttft-ms", "1000", "--policies", "fastest"], "unknown policy 'fastest'"),
                           (["--slo-ttft-ms", "1000", "--budgets", "lots"], "--budgets 'lots'"),
                           ([], "no SLO")):

@@ -147,7 +147,10 @@ def test_unknown_top_level_field():
 
 def test_zero_instances():
     msg = spec_error(minimal(prefill={"instances": 0}))
-    assert "prefill.instances: Input should be greater than or equal to 1" in msg
+    assert "prefill.instances: 0 leaves nobody to prefill" in msg  # unless D prefills all (test_routing_colocated)
+    assert "decode.instances: at least 1" in spec_error(minimal(decode={"instances": 0}))
+    assert "prefill.instances: Input should be greater than or equal to 0" in spec_error(
+        minimal(prefill={"instances": -1}))
 
 
 def test_negative_lease():
@@ -171,7 +174,7 @@ def test_wrong_literal():
 
 
 def test_all_errors_are_listed():
-    msg = spec_error(minimal(prefill={"instances": 0}, transfer={"timeout_s": 0}))
+    msg = spec_error(minimal(prefill={"instances": -1}, transfer={"timeout_s": 0}))
     assert "prefill.instances" in msg and "transfer.timeout_s" in msg
 
 

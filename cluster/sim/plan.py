@@ -4,7 +4,9 @@ Given a base cluster spec and a parameter file, a device budget (one device per 
 load and SLOs, every configuration tried is one `simulate` run of the whole load (the load is
 built and its prompts hashed once for all of them). What is swept:
 - the split: P from 1 to devices - 1, D the rest (by default every other P first, then the
-  neighbours of the best of those: the whole range, one step apart, where it matters);
+  neighbours of the best of those: the whole range, one step apart, where it matters), and P0,
+  no disaggregation: every device an instance that prefills and decodes its own requests
+  (router.local_prefill always), the baseline each split is weighed against;
 - the settings that matter, around the spec's own: the chunked-prefill budget
   (max_num_batched_tokens), the running requests per instance (max_num_seqs), the router's
   policy, a concurrency cap at the router (router.admission.max_in_flight: past it a
@@ -89,10 +91,15 @@ class Config:
     local_prefill: int | None = None
 
     @property
+    def colocated(self) -> bool:
+        """No P: every instance prefills and decodes (no disaggregation, the baseline)."""
+        return self.prefill == 0
+
+    @property
     def label(self) -> str:
         cap = f", cap {self.max_in_flight}" if self.max_in_flight else ""
-        local = ("" if self.local_prefill is None else ", D never prefills" if self.local_prefill == 0 else
-                 f", D prefills <= {self.local_prefill}")
+        local = (", no disaggregation" if self.colocated else "" if self.local_prefill is None else
+                 ", D never prefills" if self.local_prefill == 0 else f", D prefills <= {self.local_prefill}")
         return (f"P{self.prefill}D{self.decode}, budget {self.max_num_batched_tokens}, "
                 f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}")
 
@@ -151,7 +158,9 @@ def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
     if c.max_in_flight is not None:
         admission = AdmissionSpec(**{**admission.model_dump(), "max_in_flight": c.max_in_flight})
     local = base.router.local_prefill
-    if c.local_prefill == 0:
+    if c.colocated:
+        local = local.model_copy(update={"policy": "always"})
+    elif c.local_prefill == 0:
         local = local.model_copy(update={"policy": "never"})
     elif c.local_prefill is not None:
         local = local.model_copy(update={"policy": "short_remainder", "max_tokens": c.local_prefill})
@@ -179,7 +188,8 @@ def variations(around: Config, load_concurrency: int | None) -> list[Config]:
     out += [dataclasses.replace(around, policy=p) for p in POLICIES if p != around.policy]
     caps = sorted({max(1, load_concurrency // 2), max(1, load_concurrency * 3 // 4)}) if load_concurrency else []
     out += [dataclasses.replace(around, max_in_flight=cap) for cap in caps]
-    out += [dataclasses.replace(around, local_prefill=n) for n in LOCAL_PREFILL_TOKENS]
+    if not around.colocated:  # with no P, D prefills everything already
+        out += [dataclasses.replace(around, local_prefill=n) for n in LOCAL_PREFILL_TOKENS]
     return out
 
 
@@ -338,8 +348,8 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
     if grid:
         splits = grid.get("splits") or list(range(1, devices))
         for p in splits:
-            if not 1 <= p < devices:
-                raise ValueError(f"--splits: P{p} leaves no D (or no P) of {devices} devices")
+            if not 0 <= p < devices:
+                raise ValueError(f"--splits: P{p} leaves no D of {devices} devices (P0: no disaggregation)")
         b = base_config(sim_base, devices, 1)
         configs = [Config(p, devices - p, budget, seqs, policy, cap, local)
                    for p, budget, seqs, policy, cap, local in
@@ -349,11 +359,12 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
         run_all(configs, len(configs))
     else:
         coarse = list(range(1, devices, 2)) if devices > 4 else list(range(1, devices))
-        splits = [base_config(sim_base, devices, p) for p in coarse]
-        total = len(splits) + (2 if devices > 4 else 0) + len(variations(splits[0], cfg.max_concurrency))
+        # P0 first: the baseline with no disaggregation, on the same devices.
+        splits = [base_config(sim_base, devices, p) for p in [0, *coarse]]
+        total = len(splits) + (2 if devices > 4 else 0) + len(variations(splits[1], cfg.max_concurrency))
         run_all(splits, total)
         best = rank(list(done.values()))[0].config.prefill
-        run_all([base_config(sim_base, devices, p) for p in (best - 1, best + 1) if 1 <= p < devices], total)
+        run_all([base_config(sim_base, devices, p) for p in (best - 1, best + 1) if 0 <= p < devices], total)
         best_config = rank(list(done.values()))[0].config
         run_all(variations(best_config, cfg.max_concurrency), total)
     result.outcomes = rank(list(done.values()))

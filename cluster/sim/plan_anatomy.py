@@ -124,4 +124,5 @@ def _binds(a: Anatomy) -> str:
         return f"P (busy {a.p_busy:.0%}): at the edge of queueing"
     if a.d_busy >= BUSY:
         return f"D (slots {a.d_busy:.0%} held): at the edge of queueing"
-    return f"nothing saturates: the prefill itself is {a.ttft_shares.get('prefill', 0.0):.0%} of TTFT"
+    own = a.ttft_shares.get("prefill", 0.0) + a.ttft_shares.get("local_prefill", 0.0)  # on P, or on D alone
+    return f"nothing saturates: the prefill itself is {own:.0%} of TTFT"
