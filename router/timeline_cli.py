@@ -33,10 +33,21 @@ def _guarded(fn: Callable[[argparse.Namespace, Run], None]) -> Callable[[argpars
     return run
 
 
+def _window(a: argparse.Namespace, run: Run) -> Run:
+    """The requests `--phase` and `--between` pick (router/timeline_window.py); says which."""
+    from pdcluster.router.timeline_window import parse_between, select
+
+    picked, line = select(run, a.phase, parse_between(a.between) if a.between else None, a.replay)
+    print(line, file=sys.stderr if a.timeline_cmd in ("export", "report") else sys.stdout)
+    if not picked.records:
+        _fail(f"no request of run {run.meta.run_id} in that window ({line.removeprefix('window: ')})")
+    return picked
+
+
 def _summary(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.timeline_views import format_summary, summarize
 
-    print(format_summary(summarize(run)))
+    print(format_summary(summarize(_window(a, run))))
 
 
 def _show(a: argparse.Namespace, run: Run) -> None:
@@ -49,13 +60,24 @@ def _show(a: argparse.Namespace, run: Run) -> None:
 def _export(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.perfetto import write_trace
 
-    print(write_trace(run, a.out or Path(a.run) / "trace.json"))
+    print(write_trace(_window(a, run), a.out or Path(a.run) / "trace.json"))
 
 
 def _report(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.report import write_report
 
-    print(write_report(run, a.out or Path(a.run) / "report.html"))
+    print(write_report(_window(a, run), a.out or Path(a.run) / "report.html"))
+
+
+def _window_flags(p: argparse.ArgumentParser) -> None:
+    from pdcluster.router.timeline_window import CHOICES
+
+    p.add_argument("--phase", choices=CHOICES, default="auto",
+                   help="a replay's phase to look at (default auto: the formal window if the run has one, "
+                        "else every request; all: every request)")
+    p.add_argument("--between", metavar="A,B", help="only requests that arrived A to B seconds after the first")
+    p.add_argument("--replay", default="last", help="of a run that served several replays, whose phase: last "
+                                                    "(default), all, or one by name (bench-<token>, sim)")
 
 
 def add_timeline_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +85,7 @@ def add_timeline_commands(subparsers: argparse._SubParsersAction) -> None:
     sub = tl.add_subparsers(dest="timeline_cmd", required=True)
     p = sub.add_parser("summary", help="per-phase TTFT split, ITL, cache hits, failures")
     p.add_argument("run", help="run directory (meta.json + requests.jsonl)")
+    _window_flags(p)
     p.set_defaults(fn=_guarded(_summary))
     p = sub.add_parser("show", help="one request's waterfall")
     p.add_argument("run", help="run directory")
@@ -73,8 +96,10 @@ def add_timeline_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run directory")
     p.add_argument("--format", choices=["perfetto"], default="perfetto")
     p.add_argument("-o", "--out", type=Path, default=None, help="output file (default RUN/trace.json)")
+    _window_flags(p)
     p.set_defaults(fn=_guarded(_export))
     p = sub.add_parser("report", help="write a self-contained HTML report")
     p.add_argument("run", help="run directory")
     p.add_argument("-o", "--out", type=Path, default=None, help="output file (default RUN/report.html)")
+    _window_flags(p)
     p.set_defaults(fn=_guarded(_report))

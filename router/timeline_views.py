@@ -70,6 +70,7 @@ class Summary:
     policies: tuple[str, ...] = ()  # routing policies the requests were picked by
     predictions: dict[str, HitPrediction] = field(default_factory=dict)  # "P" / "D"
     requests_per_instance: dict[str, int] = field(default_factory=dict)
+    slowest: list[tuple[str, int]] = field(default_factory=list)  # (request id, TTFT ns), the slowest first
     # Per request, P's prefill time as predicted / as P's engine took it (p_scheduled to p_done).
     prefill_time_ratio: Ratios | None = None
     local: LocalSummary | None = None  # router/local_views.py; None: no local-prefill decisions
@@ -201,6 +202,7 @@ def summarize(run: Run) -> Summary:
         local=local_summary(run.records),
         requests_per_instance=dict(sorted(Counter(i for r in run.records
                                                   for i in (r.prefill_instance, r.decode_instance) if i).items())),
+        slowest=sorted(((r.request_id, a.ttft_ns) for r, a in atts if a.ttft_ns is not None), key=lambda x: -x[1])[:5],
     )
 
 
@@ -244,6 +246,9 @@ def format_summary(s: Summary) -> str:
     if s.migrated:
         moves = ", ".join(f"{n} off a lost {role}" for role, n in s.migrations.items())
         lines.append(f"moved off a lost instance: {s.migrated} requests ({moves})")
+    if s.slowest:
+        lines += ["", "slowest TTFT (pdc timeline show RUN ID for one):"]
+        lines += [f"  {rid}  {ns / NS_PER_MS:,.2f} ms" for rid, ns in s.slowest]
     lines += _routing_lines(s)
     if s.local is not None:
         lines += format_local(s.local)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdcluster.cluster.replay.records import BenchRequest, RequestResult
+from pdcluster.proto.load_phases import replay_request_id
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchReques
         body["model"] = cfg.model
     # Named by the client (X-Request-Id, as vLLM's server takes it): a request that fails before
     # its stream starts is still found in the router's timeline.
-    client_id = f"bench-{RUN_TOKEN}-{req.phase}-{req.index}"
+    client_id = replay_request_id(f"bench-{RUN_TOKEN}", req.phase, req.index)
     res = RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
                         start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens,
                         request_id=f"cmpl-{client_id}")

@@ -26,10 +26,11 @@ from pdcluster.cluster.replay.metrics import PhaseSummary, summarize_phases
 from pdcluster.cluster.replay.outputs import format_phase_breakdown, format_summary, write_run
 from pdcluster.cluster.replay.presets import PRESETS
 from pdcluster.cluster.replay.records import BenchRequest, RequestResult
+from pdcluster.proto.load_phases import PHASES
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline import RequestRecord
 
-PHASE_ORDER = ("warmup", "seed", "check", "formal")
+PHASE_ORDER = PHASES  # proto/load_phases.py: the replay names each request after its phase
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pdcluster.cluster.replay.run import PHASE_ORDER, BenchConfig
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.router import VirtualRouter
+from pdcluster.proto.load_phases import replay_request_id
 from pdcluster.router.timeline import RequestRecord
 
 
@@ -109,7 +110,7 @@ class _Phase:
                 self._ended()
                 continue
             self.free -= 1
-            rid = f"cmpl-sim-{req.phase}-{req.index}"
+            rid = f"cmpl-{replay_request_id('sim', req.phase, req.index)}"
             self.client.router.submit(rid, self.client.prompts.prepare(req), req.output_len,
                                       lambda rec, req=req: self._done(req, rec))
 
