@@ -267,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     add_sim_commands(sub)
     add_plan_command(sub)
     a = ap.parse_args(argv)
-    a.fn(a)
+    try:
+        a.fn(a)
+    except BrokenPipeError:  # `pdc ... | head` closed the pipe: stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ def _guarded(fn: Callable[[argparse.Namespace, Run], None]) -> Callable[[argpars
             fn(a, load_run(a.run))
         except KeyError as err:  # str(KeyError) would quote the message
             _fail(str(err.args[0]) if err.args else "unknown key")
+        except BrokenPipeError:
+            raise  # the reader went away (| head): pdc's main stops quietly
         except (OSError, ValueError) as err:  # missing/unreadable run dir, corrupt records, unwritable output
             _fail(str(err))
 

@@ -77,7 +77,10 @@ def test_csv_header_and_ttft_row_in_ms(run_dir):
     assert [float(v) for v in ttft[2:9]] == [375.0, 250.0, 500.0, 375.0, 437.5, 475.0, 497.5]
     tokens = next(r for r in rows if r[0] == "InputTokens")
     assert tokens[-1] == "tokens" and float(tokens[2]) == 128.0  # not scaled to ms
-    assert len(rows) == 1 + 8  # one row per metric for the one phase
+    assert len(rows) == 1 + 8 + 13  # one row per metric for the one phase, then the 13 common metrics
+    common = {r[0]: r for r in rows[9:]}
+    assert common["Request Throughput"][1:3] == ["formal", str(round(summarize_one(path).request_throughput_per_s, 4))]
+    assert common["Request Throughput"][-1] == "req/s" and common["Total Requests"][3:10] == [""] * 7
 
 
 def test_requests_jsonl_joins_timeline_by_request_id(run_dir):
@@ -129,3 +132,9 @@ def test_format_phase_breakdown_means_and_shares():
     assert rows["queue"] == ["1.5", "5.00%"]
     assert rows["TTFT"][-2:] == ["30", "100.00%"]
     assert "no complete timelines" in format_phase_breakdown([failed])
+
+
+def summarize_one(path):
+    from pdcluster.cluster.replay.saved import load_saved
+
+    return load_saved(path).phases["formal"]

@@ -4,7 +4,8 @@ A run directory holds:
 - summary.json: the config and one summary per phase, in seconds (field names
   carry their unit: `_s`, `_per_s`, `_tokens_per_s`; each stat says its unit);
 - summary.csv: AISBench's table (metric rows x Average..P99, N), latencies in
-  ms as AISBench prints them, one row per metric and phase;
+  ms as AISBench prints them, one row per metric and phase; then the common
+  metrics (throughputs, request counts, duration), one value each in Average;
 - requests.jsonl: every request (warmup included, marked by `phase`) with its
   derived metrics and, when the router recorded a timeline for it, the
   server-side critical-path breakdown, so client and server views can be joined.
@@ -91,10 +92,26 @@ def write_run(out_dir: str | Path, results: Sequence[RequestResult], summaries: 
                 st = s.stats[m]
                 vals = [_display(m, getattr(st, k)) for k in _STAT_FIELDS]
                 w.writerow([m, s.phase, *["" if v is None else round(v, 4) for v in vals], st.n, display_unit(m)])
+        for s in summaries:  # then the common metrics, one value each (in the Average column)
+            for label, value, unit in common_metrics(s):
+                w.writerow([label, s.phase, "" if value is None else round(value, 4), *[""] * 7, unit])
 
     with open(out / "requests.jsonl", "w") as f:
         f.writelines(json.dumps(request_line(r, timelines), separators=(",", ":")) + "\n" for r in results)
     return out
+
+
+def common_metrics(s: PhaseSummary) -> list[tuple[str, float | int | None, str]]:
+    """AISBench's common metrics of a phase: (label, value in its display unit, unit)."""
+    return [("Benchmark Duration", s.benchmark_duration_s * 1000, "ms"),
+            ("Total Requests", s.total_requests, ""), ("Failed Requests", s.failed_requests, ""),
+            ("Success Requests", s.success_requests, ""), ("Rejected Requests (429)", s.rejected_requests, ""),
+            ("Concurrency", s.concurrency, ""), ("Max Concurrency", s.max_concurrency, ""),
+            ("Request Throughput", s.request_throughput_per_s, "req/s"),
+            ("Total Input Tokens", s.total_input_tokens, ""), ("Total Generated Tokens", s.total_generated_tokens, ""),
+            ("Input Token Throughput", s.input_token_throughput_tokens_per_s, "token/s"),
+            ("Output Token Throughput", s.output_token_throughput_tokens_per_s, "token/s"),
+            ("Total Token Throughput", s.total_token_throughput_tokens_per_s, "token/s")]
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -131,22 +148,13 @@ def format_summary(s: PhaseSummary) -> str:
     header = ["Performance Parameters", "Average", "Min", "Max", "Median", "P75", "P90", "P99", "N"]
     parts = [f"== phase: {s.phase} ==", _table(header, [_stat_row(m, s.stats[m]) for m in METRICS]), ""]
 
-    common = [
-        ("Benchmark Duration", f"{_fmt(s.benchmark_duration_s * 1000)} ms"),
-        ("Total Requests", s.total_requests),
-        ("Failed Requests", s.failed_requests),
-        ("Success Requests", s.success_requests),
-        ("Rejected Requests (429)", f"{s.rejected_requests} ({s.rejections} 429s in all)"),
-        ("Concurrency", _fmt(s.concurrency)),
-        ("Max Concurrency", _fmt(s.max_concurrency)),
-        ("Request Throughput", f"{_fmt(s.request_throughput_per_s)} req/s"),
-        ("Total Input Tokens", s.total_input_tokens),
-        ("Total Generated Tokens", s.total_generated_tokens),
-        ("Input Token Throughput", f"{_fmt(s.input_token_throughput_tokens_per_s)} token/s"),
-        ("Output Token Throughput", f"{_fmt(s.output_token_throughput_tokens_per_s)} token/s"),
-        ("Total Token Throughput", f"{_fmt(s.total_token_throughput_tokens_per_s)} token/s"),
-    ]
-    parts.append(_table(["Common Metric", "Value"], [[k, str(v)] for k, v in common]))
+    common = []
+    for label, value, unit in common_metrics(s):
+        text = _fmt(value) + (f" {unit}" if unit else "")
+        if label == "Rejected Requests (429)":
+            text += f" ({s.rejections} 429s in all)"
+        common.append([label, text])
+    parts.append(_table(["Common Metric", "Value"], common))
     parts.append("")
     parts.append(f"Prefix cache hit ratio: measured {_pct(s.measured_hit_ratio)} ({s.measured_hit_requests} requests)"
                  f" | expected {_pct(s.expected_hit_ratio)} ({s.expected_hit_requests} requests)"
