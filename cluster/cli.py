@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.set_defaults(fn=cmd_demo)
     from pdcluster.cluster.lab_cli import add_lab_commands
     from pdcluster.cluster.plan_cli import add_plan_command
-    from pdcluster.cluster.replay.run import add_bench_commands
+    from pdcluster.cluster.replay.bench_cli import add_bench_commands
     from pdcluster.cluster.sim_cli import add_sim_commands
     from pdcluster.router.timeline_cli import add_timeline_commands
 

@@ -61,7 +61,7 @@ def _bounds_ms(a: argparse.Namespace) -> tuple[float | None, float | None]:
 def _cmd_plan(a: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from pdcluster.cluster.replay.run import config_from_args, load_flags
+    from pdcluster.cluster.replay.bench_cli import config_from_args, load_flags
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.plan import Slo, decided_by, plan
     from pdcluster.cluster.sim.plan_report import (
@@ -258,7 +258,7 @@ def write_spec(base, params: str | None, config, path: Path, result) -> None:
 
 
 def add_plan_command(subparsers) -> None:
-    from pdcluster.cluster.replay.run import add_load_arguments
+    from pdcluster.cluster.replay.bench_cli import add_load_arguments
 
     p = subparsers.add_parser("plan", help="pick a P:D split and settings for an SLO on the virtual clock")
     p.add_argument("params", help="cost-model parameter file (a shipped name, a path, or a pdc sim fit output)")

@@ -23,8 +23,8 @@ def _fail(message: str) -> None:
 
 
 def _cmd_run(a: argparse.Namespace) -> None:
+    from pdcluster.cluster.replay.bench_cli import config_from_args
     from pdcluster.cluster.replay.outputs import format_phase_breakdown
-    from pdcluster.cluster.replay.run import config_from_args
     from pdcluster.cluster.sim.cost import SimParamsError
     from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
     from pdcluster.proto.spec import SpecError, load_spec
@@ -57,7 +57,7 @@ def _cmd_run(a: argparse.Namespace) -> None:
 
 
 def add_sim_commands(subparsers) -> None:
-    from pdcluster.cluster.replay.run import add_load_arguments
+    from pdcluster.cluster.replay.bench_cli import add_load_arguments
 
     sim = subparsers.add_parser("sim", help="the simulated cluster on a virtual clock: run a load, fit parameters")
     sub = sim.add_subparsers(dest="sim_cmd", required=True)

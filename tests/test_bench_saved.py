@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdcluster.cluster.cli import main
+from pdcluster.cluster.replay.bench_cli import add_bench_commands
 from pdcluster.cluster.replay.outputs import format_summary
-from pdcluster.cluster.replay.run import add_bench_commands
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 LOAD = ["--input-len", "4100", "--shared-prefix-ratio", str(3712 / 4100), "--output-len", "16", "--num-prefixes", "2",

@@ -14,7 +14,8 @@ import pytest
 from fake_openai import FakeServerState, serve_fake
 
 from pdcluster.cluster.cli import main
-from pdcluster.cluster.replay.run import add_load_arguments, config_from_args, run_bench
+from pdcluster.cluster.replay.bench_cli import add_load_arguments, config_from_args
+from pdcluster.cluster.replay.run import run_bench
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
