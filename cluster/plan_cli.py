@@ -43,17 +43,16 @@ def _bounds_ms(a: argparse.Namespace) -> tuple[float | None, float | None]:
         if getattr(a, f"old_{old}") is not None:
             _fail(f"--slo-{old}-p90 (seconds) is gone: the bound is in milliseconds, --slo-{old}-ms MS (or "
                   f"--goodput {old}:MS), at --slo-percentile P (default 90)")
+    from pdcluster.cluster.replay.goodput import parse_goodput
+
     bounds = {"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms}
-    for item in a.goodput or []:
-        key, sep, value = item.partition(":")
-        if not sep or key not in GOODPUT_KEYS:
-            _fail(f"--goodput {item!r}: KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)} (e.g. ttft:2000 tpot:6)")
-        try:
-            ms = float(value)
-        except ValueError:
-            _fail(f"--goodput {item!r}: {value!r} is not a number of milliseconds")
+    try:
+        given = parse_goodput(a.goodput or [], GOODPUT_KEYS)
+    except ValueError as err:
+        _fail(str(err))
+    for key, ms in given.items():
         if bounds[key] is not None:
-            _fail(f"--goodput {item!r}: the {key.upper()} bound is given twice")
+            _fail(f"--goodput {key}:{ms:g}: the {key.upper()} bound is given twice (--slo-{key}-ms too)")
         bounds[key] = ms
     return bounds["ttft"], bounds["tpot"]
 

@@ -24,7 +24,8 @@ def cluster():
 def bench(cluster, tmp_path_factory):
     cfg = BenchConfig(base_url=cluster.url, input_len=2100, shared_prefix_ratio=1920 / 2100, output_len=8,
                       num_prefixes=2, num_requests=8, max_concurrency=4, warmup=1, progress=False,
-                      out=str(tmp_path_factory.mktemp("bench") / "run"))
+                      out=str(tmp_path_factory.mktemp("bench") / "run"), metric_percentiles=(50.0, 90.0),
+                      goodput_ms={"ttft": 60_000.0, "e2el": 0.001})
     return run_bench(cfg, log=lambda m: None)
 
 
@@ -62,6 +63,12 @@ def test_outputs_are_written(bench):
     lines = [json.loads(l) for l in (bench.out_dir / "requests.jsonl").read_text().splitlines()]
     formal = [l for l in lines if l["phase"] == "formal"]
     assert len(formal) == 8 and all(l["timeline"] and l["timeline"]["complete"] for l in formal)
+    # vllm bench serve's result options: p50/p90 of TTFT, TPOT and ITL; no request ends in 1 us.
+    slo = summary["slo"]
+    assert slo["phase"] == "formal" and set(slo["percentiles"]) == {"ttft", "tpot", "itl"}
+    assert 0 < slo["percentiles"]["ttft"]["p50"] <= slo["percentiles"]["ttft"]["p90"]
+    assert (slo["good_requests"], slo["requests"], slo["goodput_per_s"]) == (0, 8, 0.0)
+    assert "goodput (TTFT <= 60000 ms and E2EL <= 0.001 ms): 0 of 8 requests" in report(bench)
 
 
 # ---- issue 18 item 4, small: fit on this module's runs, predict another load, run it, compare ------

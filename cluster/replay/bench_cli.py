@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from pdcluster.cluster.replay.goodput import parse_goodput, parse_metrics, parse_percentiles
 from pdcluster.cluster.replay.presets import PRESETS
 from pdcluster.cluster.replay.run import SYNTHETIC_REQUESTS, BenchConfig, report, run_bench
 
@@ -30,6 +31,14 @@ def add_bench_commands(subparsers) -> None:
     r.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     r.add_argument("--api-key", default=os.environ.get("PDC_API_KEY"),
                    help="the router's API key (default: $PDC_API_KEY), sent as a Bearer token")
+    o = r.add_argument_group("results, as vllm bench serve names them")
+    o.add_argument("--percentile-metrics", type=_checked(parse_metrics),
+                   help="metrics to print percentiles of: ttft, tpot, itl, e2el (default ttft,tpot,itl)")
+    o.add_argument("--metric-percentiles", type=_checked(parse_percentiles),
+                   help="those percentiles, comma-separated (default 99)")
+    o.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="bounds in ms (ttft, tpot, e2el): the formal requests that met them all, and their rate "
+                        "(default: none)")
     r.set_defaults(fn=_cmd_run)
     s = sub.add_parser("show", help="print a saved run's tables (a pdc bench run or pdc sim run --out directory)")
     s.add_argument("dir")
@@ -38,6 +47,17 @@ def add_bench_commands(subparsers) -> None:
     c = sub.add_parser("compare", help="saved runs' formal windows side by side, each as a ratio to the first")
     c.add_argument("dirs", nargs="+", metavar="dir")
     c.set_defaults(fn=_cmd_compare)
+
+
+def _checked(parse):
+    """An argparse type from a parser raising ValueError: its message, as argparse's error."""
+    def check(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    check.__name__ = parse.__name__
+    return check
 
 
 def _defaults(field: str) -> str:
@@ -108,6 +128,8 @@ def config_from_args(a, **overrides) -> BenchConfig:
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     given = {k: v for k, v in vars(a).items() if k in fields and v is not None and k != "preset"}
     given.update(overrides)
+    if getattr(a, "goodput", None):
+        given["goodput_ms"] = parse_goodput(a.goodput)
     if given.get("trace") and not given.get("closed_loop") and "max_concurrency" not in given:
         given["max_concurrency"] = None
     if a.preset and given.get("trace"):

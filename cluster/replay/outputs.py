@@ -71,7 +71,8 @@ def request_line(r: RequestResult, timelines: dict[str, RequestRecord] | None) -
 
 
 def write_run(out_dir: str | Path, results: Sequence[RequestResult], summaries: Iterable[PhaseSummary],
-              config: dict, timelines: dict[str, RequestRecord] | None = None) -> Path:
+              config: dict, timelines: dict[str, RequestRecord] | None = None, slo=None) -> Path:
+    """`slo`: goodput.py's SloFigures, if the run asked for them (summary.json's "slo")."""
     """Write summary.json, summary.csv and requests.jsonl into out_dir (created); returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +82,7 @@ def write_run(out_dir: str | Path, results: Sequence[RequestResult], summaries: 
         "units": {"*_s": "seconds", "*_per_s": "per second", "stats": "each metric's own `unit`"},
         "config": config,
         "phases": {s.phase: summary_dict(s) for s in summaries},
+        **({"slo": asdict(slo)} if slo is not None else {}),
     }
     (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
 

@@ -20,6 +20,7 @@ import httpx
 
 from pdcluster.cluster.replay import workloads
 from pdcluster.cluster.replay.driver import DriveConfig, run_phase
+from pdcluster.cluster.replay.goodput import DEFAULT_METRICS, DEFAULT_PERCENTILES, SloFigures, format_slo, slo_figures
 from pdcluster.cluster.replay.metrics import PhaseSummary, summarize_phases
 from pdcluster.cluster.replay.outputs import format_phase_breakdown, format_summary, write_run
 from pdcluster.cluster.replay.presets import PRESETS
@@ -64,6 +65,10 @@ class BenchConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     progress: bool = True
     preset: str | None = None
+    # vllm bench serve's result options (cluster/replay/goodput.py), on the formal window.
+    percentile_metrics: tuple[str, ...] = DEFAULT_METRICS
+    metric_percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    goodput_ms: dict[str, float] | None = None  # KEY -> bound in ms
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> BenchConfig:
@@ -89,6 +94,7 @@ class BenchRun:
     timelines: dict[str, RequestRecord]
     out_dir: Path
     requests: list[BenchRequest] = dataclasses.field(default_factory=list)  # what was sent, by index
+    slo: SloFigures | None = None  # --percentile-metrics / --metric-percentiles / --goodput, if asked
 
 
 def server_info(base_url: str, api_key: str | None = None) -> tuple[int | None, str | None]:
@@ -172,12 +178,18 @@ def run_bench(cfg: BenchConfig, log=print) -> BenchRun:
     mismatches = workloads.check_hits(
         (by_index[r.index], r.cached_tokens) for r in results if r.ok and r.phase in ("check", "formal"))
     summaries = summarize_phases(results, cfg.max_concurrency)
+    slo = None
+    if (cfg.goodput_ms or tuple(cfg.percentile_metrics) != DEFAULT_METRICS
+            or tuple(cfg.metric_percentiles) != DEFAULT_PERCENTILES) and summaries:
+        main = "formal" if "formal" in summaries else next(reversed(summaries))
+        slo = slo_figures(results, main, summaries[main].benchmark_duration_s, cfg.percentile_metrics,
+                          cfg.metric_percentiles, cfg.goodput_ms)
     timelines = {rec.request_id: rec for rec in load_run(run_dir).records} if run_dir else {}
     out = Path(cfg.out or Path(".pdcluster/bench") / f"{cfg.preset or 'bench'}-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {**dataclasses.asdict(cfg), "vocab_size": vocab, "timeline_run_dir": run_dir,
               "hit_mismatches": mismatches}
-    write_run(out, results, summaries.values(), config, timelines or None)
-    return BenchRun(cfg, results, summaries, mismatches, timelines, out, requests)
+    write_run(out, results, summaries.values(), config, timelines or None, slo)
+    return BenchRun(cfg, results, summaries, mismatches, timelines, out, requests, slo)
 
 
 def expected_after_failures(results: list[RequestResult], by_index: dict[int, BenchRequest],
@@ -210,6 +222,8 @@ def report(run: BenchRun) -> str:
     main = run.summaries.get("formal") or next(reversed(run.summaries.values()), None)
     if main is not None:
         parts.append(format_summary(main))
+    if run.slo is not None:
+        parts.append(format_slo(run.slo))
     parts.append("cache check: " + ("every reported cached_tokens matched the expectation" if not run.hit_mismatches
                                     else f"{len(run.hit_mismatches)} mismatches:\n  " + "\n  ".join(
                                         run.hit_mismatches[:10])))
