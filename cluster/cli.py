@@ -127,7 +127,7 @@ def cmd_up(a) -> None:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     (STATE_DIR / f"{spec.name}.json").write_text(json.dumps(
         {"name": spec.name, "spec": str(Path(a.spec).resolve()), "url": cluster.url, "started_ray": started_ray,
-         "ray_address": spec.ray_address, "run_dir": cluster.run_dir}))
+         "ray_address": spec.ray_address, "run_dir": cluster.run_dir, "checkout": CHECKOUT}))
     print(f"cluster {spec.name!r} up in {time.monotonic() - t0:.0f} s: P{len(cluster.prefill)} D{len(cluster.decode)}")
     for info in cluster.infos:
         print(f"  {info.name:<10} {info.role:<8} pid {info.pid:<7} node {info.node_ip}")
@@ -137,9 +137,16 @@ def cmd_up(a) -> None:
         print(f"timelines: {cluster.run_dir}  (pdc timeline summary {cluster.run_dir})")
 
 
-def _states(name: str | None) -> list[dict]:
+# The checkout (or install) this pdc runs from: `pdc up` records it, and `pdc down` without
+# --name or --all stops only the clusters it started.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+
+
+def _states(name: str | None, everyone: bool = True) -> list[dict]:
+    """The `pdc up` records: one by name, every one, or (everyone False) this checkout's."""
     files = [STATE_DIR / f"{name}.json"] if name else sorted(STATE_DIR.glob("*.json"))
-    return [json.loads(f.read_text()) for f in files if f.exists()]
+    states = [json.loads(f.read_text()) for f in files if f.exists()]
+    return states if name or everyone else [st for st in states if st.get("checkout") == CHECKOUT]
 
 
 def _join_ray(st: dict) -> None:
@@ -203,9 +210,15 @@ def cmd_down(a) -> None:
     from pdcluster.cluster.launch import find_actors, stop_routers
     from pdcluster.proto.names import is_router
 
-    states = _states(a.name)
+    if a.name and a.all:
+        _fail("--name and --all: stop one cluster, or every one")
+    states = _states(a.name, everyone=a.all)
     if not states:
-        _fail("no cluster started by pdc up" + (f" named {a.name!r}" if a.name else ""), code=1)
+        others = len(_states(None)) if not (a.name or a.all) else 0
+        _fail("no cluster started by pdc up" + (f" named {a.name!r}" if a.name else " from this checkout" if others
+                                                  else "")
+              + (f" ({others} from elsewhere: pdc status lists them, pdc down --name NAME or --all stops them)"
+                 if others else ""), code=1)
     for st in states:
         try:
             _join_ray(st)
@@ -245,10 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start a cluster from a spec; returns when every instance is healthy")
     up.add_argument("spec")
     up.set_defaults(fn=cmd_up)
-    for name, fn, help_ in (("status", cmd_status, "list instances"), ("down", cmd_down, "stop a cluster")):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("--name", default=None, help="cluster name (default: all started by pdc up)")
-        p.set_defaults(fn=fn)
+    status = sub.add_parser("status", help="list the clusters pdc up started, and their instances")
+    status.add_argument("--name", default=None, help="one cluster (default: every one pdc up started)")
+    status.set_defaults(fn=cmd_status)
+    down = sub.add_parser("down", help="stop the clusters this checkout started (or --name, --all)")
+    down.add_argument("--name", default=None, help="the cluster to stop, whichever checkout started it")
+    down.add_argument("--all", action="store_true", help="every cluster pdc up started, from any checkout")
+    down.set_defaults(fn=cmd_down)
     demo = sub.add_parser("demo", help="start a cluster, serve a few requests, stop it")
     demo.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC))
     demo.add_argument("--replay", default="c90-tiny", choices=sorted(PRESETS),

@@ -43,6 +43,20 @@ def test_status_and_down_without_a_cluster(tmp_path):
     assert r.returncode == 1 and "no cluster started by pdc up" in r.stderr
 
 
+def test_down_leaves_clusters_another_checkout_started(tmp_path):
+    """Issue 28 item 5: a cluster recorded by another checkout (or an older pdc, which recorded
+    none) is not this one's to stop without --name or --all."""
+    for name, checkout in (("theirs", "/elsewhere/pdcluster"), ("old", None)):
+        state = {"name": name, "spec": "/x.yaml", "url": "http://127.0.0.1:1", "started_ray": False,
+                 "ray_address": None, "run_dir": None, **({"checkout": checkout} if checkout else {})}
+        (tmp_path / f"{name}.json").write_text(json.dumps(state))
+    r = pdc("down", env_state=tmp_path)
+    assert r.returncode == 1 and "no cluster started by pdc up from this checkout (2 from elsewhere" in r.stderr
+    assert len(list(tmp_path.glob("*.json"))) == 2  # nothing touched
+    r = pdc("down", "--name", "theirs", "--all", env_state=tmp_path)
+    assert r.returncode == 2 and "--name and --all" in r.stderr
+
+
 def test_up_with_an_unsupported_vllm_fails_before_any_engine_starts(monkeypatch):
     from e2e import cluster_spec_for
 
