@@ -236,6 +236,20 @@ def cmd_down(a) -> None:
         (STATE_DIR / f"{st['name']}.json").unlink(missing_ok=True)
 
 
+def cmd_check(a) -> None:
+    from pdcluster.cluster.check import check
+
+    spec = _load(a.spec)  # the spec's own errors: exit 2, each field named
+    print(f"{a.spec}: the spec is valid ({spec.device}, P{spec.prefill.instances} D{spec.decode.instances}, "
+          f"{spec.role_engine('prefill').kind} engines)")
+    findings = check(spec)
+    for f in findings:
+        print(f)
+    failed = [f for f in findings if f.level == "FAIL"]
+    if failed:
+        _fail(f"{len(failed)} check(s) failed: pdc up {a.spec} would not start")
+
+
 def cmd_demo(a) -> None:
     from pdcluster.cluster.demo import run_demo
 
@@ -258,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start a cluster from a spec; returns when every instance is healthy")
     up.add_argument("spec")
     up.set_defaults(fn=cmd_up)
+    check = sub.add_parser("check", help="validate a spec without launching it: fields, model, vLLM, device, ports")
+    check.add_argument("spec")
+    check.set_defaults(fn=cmd_check)
     status = sub.add_parser("status", help="list the clusters pdc up started, and their instances")
     status.add_argument("--name", default=None, help="one cluster (default: every one pdc up started)")
     status.set_defaults(fn=cmd_status)
