@@ -54,6 +54,8 @@ def cmd_model_tiny(a) -> None:
     from pdcluster.cluster.tiny_model import make_tiny_model
 
     out_dir = Path(a.out_dir)
+    if a.seed < 0:
+        _fail(f"--seed {a.seed}: 0 or more")
     if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not a.force):
         _fail(f"{out_dir} is not an empty folder: pdc model tiny writes a whole checkpoint there, replacing "
               f"what it holds (--force to do so)")
@@ -256,7 +258,8 @@ def cmd_demo(a) -> None:
     run_demo(_load(a.spec), replay=None if a.no_replay else a.replay)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every `pdc` command (the tests parse the README's command lines with it)."""
     from pdcluster.cluster.replay.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="pdc", description="prefill/decode disaggregated vLLM clusters on Ray")
@@ -299,7 +302,11 @@ def main(argv: list[str] | None = None) -> None:
     add_bench_commands(sub)
     add_sim_commands(sub)
     add_plan_command(sub)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     try:
         a.fn(a)
     except BrokenPipeError:  # `pdc ... | head` closed the pipe: stop quietly, as a shell tool does

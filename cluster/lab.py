@@ -69,6 +69,15 @@ HEAD_LABEL = "head"
 IFNAMSIZ = 15  # the kernel's limit on an interface name
 
 
+def check_lab_name(name: str) -> None:
+    """LabError unless `name` can name a lab (its interfaces and namespaces carry it)."""
+    if not re.fullmatch(r"[a-z][a-z0-9]*", name):
+        raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
+
+
+MAX_HOSTS = 16  # hosts a lab makes at most: each is a Ray node (raylet and its workers) on this one machine
+
+
 @dataclass
 class LabHost:
     """One rehearsed host: a namespace, its veth pair, its address and Ray label."""
@@ -151,10 +160,10 @@ class Lab(LinkControl):
     def plan(cls, hosts: int = 2, name: str = "pdclab", subnet: str = "10.213.0.0/24",
              ray_cpus_per_host: int = 2, object_store_mb: int = 128, partition_tolerance_s: float = 30.0) -> Lab:
         """The lab `up` would make, with nothing made; LabError if the name or subnet cannot hold it."""
-        if not re.fullmatch(r"[a-z][a-z0-9]*", name):
-            raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
-        if hosts < 1:
-            raise LabError(f"hosts: {hosts} (at least 1)")
+        check_lab_name(name)
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise LabError(f"hosts: {hosts} (1 to {MAX_HOSTS}: each host is a Ray node of its own, ~0.5 GB and "
+                           f"some CPU)")
         try:
             net = ipaddress.IPv4Network(subnet)
         except ValueError as err:

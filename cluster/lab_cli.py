@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pdcluster.cluster.lab import LABEL_KEY, Lab, LabError
+from pdcluster.cluster.lab import LABEL_KEY, Lab, LabError, check_lab_name
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], None]:
@@ -71,6 +71,7 @@ def _status(a: argparse.Namespace) -> None:
 
 def _down(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
+    check_lab_name(a.name)  # a name no lab can have is a typo, not "nothing to do"
     found = Lab.down_by_name(a.name)
     print(f"lab {a.name!r} down in {time.monotonic() - t0:.1f} s" if found else f"no lab {a.name!r} (nothing to do)")
 

@@ -52,9 +52,20 @@ def _summary(a: argparse.Namespace, run: Run) -> None:
     print(format_summary(summarize(_window(a, run))))
 
 
+MIN_WIDTH = 52
+
+
+def _out(path: Path) -> Path:
+    """An output file's path, its folder made (as every --out)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _show(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.timeline_views import format_waterfall
 
+    if a.width is not None and a.width < MIN_WIDTH:
+        _fail(f"--width {a.width}: at least {MIN_WIDTH} characters (the phase, where and times take 42)")
     width = a.width or shutil.get_terminal_size((100, 24)).columns  # the bars use what the terminal has
     print(format_waterfall(run, a.request_id, width=width))
 
@@ -62,13 +73,13 @@ def _show(a: argparse.Namespace, run: Run) -> None:
 def _export(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.perfetto import write_trace
 
-    print(write_trace(_window(a, run), a.out or Path(a.run) / "trace.json"))
+    print(write_trace(_window(a, run), _out(a.out or Path(a.run) / "trace.json")))
 
 
 def _report(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.report import write_report
 
-    print(write_report(_window(a, run), a.out or Path(a.run) / "report.html"))
+    print(write_report(_window(a, run), _out(a.out or Path(a.run) / "report.html")))
 
 
 def _window_flags(p: argparse.ArgumentParser) -> None:

@@ -61,16 +61,17 @@ def test_subnet_must_hold_head_and_hosts(lab_dir):
     for bad in ("10.213.0.1/24", "fd00::/64", "nonsense"):
         with pytest.raises(LabError, match="subnet"):
             Lab.plan(subnet=bad)
-    with pytest.raises(LabError, match="at least 1"):
-        Lab.plan(hosts=0)
+    for bad in (0, 17):  # each host a Ray node on this one machine: 16 at most
+        with pytest.raises(LabError, match=rf"hosts: {bad} \(1 to 16"):
+            Lab.plan(hosts=bad, subnet="10.213.0.0/24")
 
 
 def test_interface_names_fit_the_kernel(lab_dir):
-    lab = Lab.plan(hosts=99, name="abcdefghi")  # the longest name that fits 99 hosts
+    lab = Lab.plan(hosts=16, name="abcdefghi")  # the longest name that fits 16 hosts
     names = [lab.bridge] + [n for h in lab.hosts for n in (h.veth, h.peer)]
     assert max(map(len, names)) == IFNAMSIZ == 15 and len(set(names)) == len(names)
     with pytest.raises(LabError, match=r"'abcdefghij-h10ns' is 16 characters \(max 15\).*at most 9 characters"):
-        Lab.plan(hosts=99, name="abcdefghij")
+        Lab.plan(hosts=16, name="abcdefghij")
     for bad in ("Lab", "my-lab", "1lab", ""):
         with pytest.raises(LabError, match="lab name"):
             Lab.plan(name=bad)
