@@ -33,7 +33,6 @@ import dataclasses
 import ipaddress
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -58,7 +57,7 @@ from pdcluster.cluster.lab_ray import (  # noqa: F401
     use_ray_token,
     wait_for_nodes,
 )
-from pdcluster.cluster.lab_state import DEFAULT_ROOT, check_names, lab_root, private_dir
+from pdcluster.cluster.lab_state import DEFAULT_ROOT, check_lab_name, check_names, lab_root, private_dir
 
 # LabError is defined in lab_tc (the lowest layer) and re-exported from here, where callers import it.
 from pdcluster.cluster.lab_tc import LabError, LinkControl, tbf_args
@@ -67,14 +66,6 @@ from pdcluster.cluster.ray_settings import FailureDetection
 
 HEAD_LABEL = "head"
 IFNAMSIZ = 15  # the kernel's limit on an interface name
-
-
-def check_lab_name(name: str) -> None:
-    """LabError unless `name` can name a lab (its interfaces and namespaces carry it)."""
-    if not re.fullmatch(r"[a-z][a-z0-9]*", name):
-        raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
-
-
 MAX_HOSTS = 16  # hosts a lab makes at most: each is a Ray node (raylet and its workers) on this one machine
 
 

@@ -13,7 +13,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from pdcluster.cluster.lab import LABEL_KEY, Lab, LabError, check_lab_name
+from pdcluster.cluster.lab import LABEL_KEY, Lab, LabError
+from pdcluster.cluster.lab_state import check_lab_name
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], None]:

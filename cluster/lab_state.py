@@ -10,6 +10,7 @@ unlinks or kills anything it would not have made itself.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -44,6 +45,12 @@ def private_dir(path: Path, create: bool = True) -> Path:
         raise LabError(f"{path} can be written by others (mode {stat.S_IMODE(st.st_mode):o}): chmod 700 it, or set "
                        "PDC_LAB_DIR to a directory of your own")
     return path
+
+
+def check_lab_name(name: str) -> None:
+    """LabError unless `name` can name a lab (its interfaces, namespaces and directory carry it)."""
+    if not re.fullmatch(r"[a-z][a-z0-9]*", name):
+        raise LabError(f"lab name {name!r}: use lower-case letters and digits, starting with a letter")
 
 
 def check_names(found: dict, planned: dict, path: Path) -> None:
