@@ -25,7 +25,7 @@ from pdcluster.cluster.vllm_patches_dsv4 import SINCE as DSV4_SINCE
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.vllm_compat import SUPPORTED, installed_version
 
-# The NPU set deploy/setup.sh installs (README "Devices"): vLLM-Ascend's newest on PyPI and its vLLM.
+# The NPU set deploy/setup.sh installs (docs/devices.md): vLLM-Ascend's newest on PyPI and its vLLM.
 NPU_VLLM, NPU_VLLM_ASCEND = "0.23.0", "0.23.0.post1"
 # Model types some supported vLLM versions lack: the versions that have them.
 MODEL_SINCE = {"deepseek_v4": DSV4_SINCE}

@@ -79,7 +79,15 @@ def _connect(spec) -> bool:
     detection = FailureDetection.tolerating(spec.partition_tolerance_s)
     started = False
     if spec.ray_address is not None:
-        ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            ray.init(address=spec.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        except (ConnectionError, RuntimeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            _fail(f"cannot join the Ray cluster at ray_address {spec.ray_address}: {first}. A Ray started with "
+                  f"token authentication (as pdc up and pdc lab start theirs) answers only callers holding its "
+                  f"token: this host needs the head's ~/.ray/auth_token (or RAY_AUTH_TOKEN) and RAY_AUTH_MODE "
+                  f"unset or token; on the machine that runs the Ray head (a lab's too), ray_address: auto "
+                  f"finds it", code=1)
     else:
         try:
             ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)

@@ -250,7 +250,7 @@ def _nixl_listener_survives(module, cls_name: str) -> None:
     msgpack, an unknown rank) raised out of the thread and ended it, so no new D could handshake
     with that P until it restarted. The same loop, each message checked: a bad one is dropped
     and counted (plane nixl_side_channel, logged at a bounded rate), the listener goes on. The
-    channel still authenticates no one (README: keep it on a private network)."""
+    channel still authenticates no one (docs/multihost.md: keep it on a private network)."""
     import inspect
 
     import msgspec

@@ -35,9 +35,9 @@ from pdcluster.proto.spec_sections import (  # noqa: F401  (the sections, import
 
 
 class ClusterSpec(_Strict):
-    name: str = "pdcluster"
+    name: str = "pdcluster"  # the cluster's name: its Ray actors (NAME:prefill-0, ...), pdc down --name, run directories
     model: ModelSpec
-    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    device: Literal["cpu", "cuda", "npu"] = "cpu"  # what the engines run on (proto/devices.py; docs/devices.md)
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     partition_tolerance_s: float = Field(
         30.0, gt=0, le=3600,

@@ -26,8 +26,8 @@ class _Strict(BaseModel):
 class TinyModelSpec(_Strict):
     """Generate a tiny random-weight model at `model.path` if it is missing."""
 
-    arch: Literal["qwen3", "llama", "gemma3", "gptoss", "dsv4"] = "qwen3"
-    seed: int = 0
+    arch: Literal["qwen3", "llama", "gemma3", "gptoss", "dsv4"] = "qwen3"  # the architecture (cluster/tiny_model.py)
+    seed: int = 0  # its random weights' seed
 
 
 class ModelSpec(_Strict):
@@ -52,17 +52,19 @@ class EngineSpec(_Strict):
     max_num_batched_tokens and max_num_seqs mean the same to it as to vLLM.
     """
 
-    kind: EngineKind | None = None
-    block_size: int | None = Field(None, gt=0)
-    max_model_len: int | None = Field(None, gt=0)
-    max_num_batched_tokens: int | None = Field(None, gt=0)
-    max_num_seqs: int | None = Field(None, gt=0)
+    kind: EngineKind | None = None  # vllm: real engines; sim: the simulated engine (the spec's sim: section)
+    block_size: int | None = Field(None, gt=0, description="tokens per KV block; P's and D's must agree (blocks move "
+                                                           "one to one)")
+    max_model_len: int | None = Field(None, gt=0, description="the longest prompt + output an engine takes")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="tokens one engine step computes at most (the "
+                                                                       "chunked-prefill budget)")
+    max_num_seqs: int | None = Field(None, gt=0, description="requests an engine runs at once at most")
     kv_cache_space_gib: int | None = Field(None, ge=1, description="KV pool per instance on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enable_prefix_caching: bool | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
-    enforce_eager: bool | None = None
-    seed: int | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU/NPU memory share vLLM takes")
+    enable_prefix_caching: bool | None = None  # must be true: both sides skip what their prefix cache holds
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # weights and KV; P's and D's must agree
+    enforce_eager: bool | None = None  # no CUDA/NPU graphs
+    seed: int | None = None  # vLLM's sampling seed
     extra: dict[str, Any] = Field(default_factory=dict, description="more AsyncEngineArgs, passed as is")
 
     def merged_over(self, base: EngineSpec) -> EngineSpec:
@@ -103,8 +105,8 @@ DEFAULT_ENGINE = EngineSpec(
 
 class ResourceSpec(_Strict):
     cpus: float = Field(0, ge=0, description="Ray num_cpus per instance")
-    gpus: int = Field(0, ge=0)
-    npus: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0, description="GPUs per instance (Ray's GPU resource); device cuda needs 1 or more")
+    npus: int = Field(0, ge=0, description="NPUs per instance (Ray's NPU resource); device npu needs 1 or more")
     cpu_bind: list[str] | None = Field(
         None, description="per instance, the cores its engine's threads use (CPU: VLLM_CPU_OMP_THREADS_BIND)")
 
@@ -277,7 +279,7 @@ class AuthSpec(_Strict):
 class RouterSpec(_Strict):
     # The HTTP API's address: loopback unless the spec names another (0.0.0.0: every interface).
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="the HTTP port (every router process shares it)")
     # How the router picks P and D (router/policies.py). prefix_aware reads every
     # instance's KV cache events (vLLM's kv_events_config over ZMQ).
     policy: Policy = "round_robin"

@@ -5,7 +5,7 @@ with an OpenAI-style body naming the field. The JSON must be strict JSON (no NaN
 Infinity), valid UTF-8, with no number a float or a 64-bit integer cannot hold (msgspec's
 decoder, ~2.5x faster than json's: 0.33 vs 0.80 ms for a 16K-token prompt).
 
-Parameters (README "OpenAI API"): those in `CommonRequest` and the endpoint's model are
+Parameters (docs/api.md): those in `CommonRequest` and the endpoint's model are
 served; `UNSUPPORTED` lists the OpenAI parameters that would change the output and that the
 router cannot honour: a request setting one to anything but its no-op value is refused
 (400 naming it), never silently served without it; any other field is ignored, as vLLM does.

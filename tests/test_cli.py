@@ -102,3 +102,26 @@ def test_fit_and_plan_make_the_folder_they_are_told_to_write_in(tmp_path):
           "--slo-ttft-ms", "1000", "--headroom", "none", "--no-twin", "--out", str(tmp_path / "plan"),
           "--write-spec", str(out / "chosen.yaml")])
     assert (out / "chosen.yaml").read_text().startswith("# Written by pdc plan")
+
+
+def test_a_ray_address_that_refuses_us_is_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Issue 28 item 5: joining a Ray that wants its token without it (as a lab's printed address
+    did) ends in one line saying how, not ray.init's ConnectionError traceback."""
+    import pytest
+    import ray
+    import yaml
+
+    from pdcluster.cluster import cli
+
+    def refused(**kw):
+        raise ConnectionError("InvalidAuthToken: the token is missing or wrong\nmore lines")
+
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.setattr(cli, "STATE_DIR", tmp_path / "state")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"model": {"path": str(tmp_path)}, "ray_address": "10.213.0.1:6379"}))
+    with pytest.raises(SystemExit) as err:
+        cli.main(["up", str(spec)])
+    msg = capsys.readouterr().err
+    assert err.value.code == 1 and "cannot join the Ray cluster at ray_address 10.213.0.1:6379: InvalidAuthToken" in msg
+    assert "~/.ray/auth_token" in msg and "ray_address: auto" in msg and "more lines" not in msg

@@ -2,7 +2,7 @@
 its model runner is vLLM's GPUModelRunner with its own KV tensors, so the connector is driven
 by vLLM 0.23's hooks (get_finished, failed loads as blocks: transfer/vllm_compat.py), and its
 KV comes as a tuple per layer (transfer/paged_kv.py moves each part; tests/test_npu_kv_layout.py).
-What only an NPU can show is in the README's version matrix."""
+What only an NPU can show is in docs/devices.md's version matrix."""
 
 from __future__ import annotations
 
