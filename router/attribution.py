@@ -58,6 +58,7 @@ def critical_path(atts: Iterable[Attribution]) -> tuple[str, ...]:
 # Every interval worth drawing: (name, start event, end event, where it runs).
 INTERVALS: tuple[tuple[str, str, str, str], ...] = (
     ("router", "arrival", "dispatch", "router"),
+    ("to_p", "dispatch", "p_queued", "router"),  # the hop to P's scheduler: the channel, P's front end taking it in
     ("p_queue", "p_queued", "p_scheduled", "prefill"),
     ("prefill", "p_scheduled", "p_done", "prefill"),
     ("handoff", "p_done", "d_queued", "router"),

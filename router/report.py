@@ -18,7 +18,7 @@ from pdcluster.router.timeline_views import NS_PER_MS, Stats, Summary, is_failed
 
 PART_COLORS = {"migration": "#8c564b", "queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",
                "first_decode": "#2ca02c", "local_prefill": "#d62728", "ttft": "#222222"}
-INTERVAL_COLORS = {"router": "#bdbdbd", "p_queue": "#aec7e8", "prefill": "#1f77b4", "handoff": "#8c8c8c",
+INTERVAL_COLORS = {"router": "#bdbdbd", "to_p": "#d9d9d9", "p_queue": "#aec7e8", "prefill": "#1f77b4", "handoff": "#8c8c8c",
                    "d_queue": "#c5b0d5", "transfer": "#ff7f0e", "d_kv_wait": "#9467bd", "first_decode": "#2ca02c",
                    "return": "#636363", "decode": "#98df8a", "local_prefill": "#d62728"}
 MAX_ROWS = 300  # beyond this a per-request chart is unreadable anyway: show the first ones by arrival

@@ -46,8 +46,10 @@ def test_a_request_d_prefilled_itself_has_its_own_phase_and_still_sums_to_ttft()
 
 def test_plain_intervals():
     ivs = {iv.name: iv for iv in intervals(rec(**PLAIN))}
-    assert list(ivs) == ["router", "p_queue", "prefill", "handoff", "d_queue", "transfer", "d_kv_wait",
+    assert list(ivs) == ["router", "to_p", "p_queue", "prefill", "handoff", "d_queue", "transfer", "d_kv_wait",
                          "first_decode", "return", "decode"]
+    # Arrival to first token with no gap: the hop to P's queue has a name of its own.
+    assert ivs["router"].end_ns == ivs["to_p"].start_ns and ivs["to_p"].end_ns == ivs["p_queue"].start_ns
     assert ivs["transfer"] == Interval("transfer", "transfer", T + 12_000, T + 15_000)
     assert ivs["handoff"].where == "router" and ivs["handoff"].duration_ns == 500
     assert ivs["d_kv_wait"].duration_ns == 1_000 and ivs["decode"].duration_ns == 11_300
@@ -83,7 +85,7 @@ def test_failed_during_transfer():
     assert a.parts_ns == {"queue": 1_000, "prefill": 10_000}  # only parts with both bounds
     assert a.error == "kv pull failed"
     # the transfer interval needs transfer_end: not drawn
-    assert [iv.name for iv in intervals(rec(**ev))] == ["router", "p_queue", "prefill", "handoff", "d_queue"]
+    assert [iv.name for iv in intervals(rec(**ev))] == ["router", "to_p", "p_queue", "prefill", "handoff", "d_queue"]
 
 
 def test_first_token_without_arrival_has_no_ttft():

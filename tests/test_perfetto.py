@@ -42,7 +42,7 @@ def test_one_named_process_per_instance(run):
 def test_slices_and_timestamps(run):
     events = to_trace_events(run)["traceEvents"]
     ph = Counter(e["ph"] for e in events)
-    assert ph["B"] == ph["E"] == 10 + 10 + 10 + 5 + 1  # intervals of r1..r5
+    assert ph["B"] == ph["E"] == 11 + 11 + 11 + 6 + 1  # intervals of r1..r5
     prefill = next(e for e in events if e["ph"] == "B" and e["name"] == "prefill" and e["args"]["request_id"] == "r2")
     assert prefill["ts"] == 20_000.0  # us since the first arrival (r1 at T)
     assert prefill["args"]["prompt_tokens"] == 300 and prefill["args"]["p_cached_tokens"] == 100
