@@ -141,9 +141,23 @@ def test_exports_of_the_real_run(cluster, batch, tmp_path):
 
     _, run, _ = batch
     trace = json.loads(json.dumps(to_trace_events(run)))
-    assert validate_trace(trace) == []
+    assert validate_trace(trace) == []  # slices nest, never go back in time on a lane, flows sit in slices
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert any("prefill-0" in n for n in names) and any("decode-0" in n for n in names)
+    # Issue 28 item 3 on a real run: a track per instance, a request's slice on each instance it
+    # was on, lanes only for requests at once, and every KV arrow forward in time from P to D.
+    events = trace["traceEvents"]
+    requests = [e for e in events if e["ph"] == "B" and e.get("cat") == "request"]
+    assert {e["name"] for e in requests} == {r.request_id for r in run.records}
+    lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert len(lanes) < len(requests)
+    flows: dict[int, dict] = {}
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            flows.setdefault(e["id"], {})[e["ph"]] = e
+    assert flows and all(f["f"]["ts"] >= f["s"]["ts"] for f in flows.values())
+    pid_role = {e["pid"]: e["args"]["name"].split("(")[-1] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {(pid_role[f["s"]["pid"]], pid_role[f["f"]["pid"]]) for f in flows.values()} == {("prefill)", "decode)")}
     assert f"{len(run.records)} requests" in format_summary(summarize(run))
     assert "transfer" in format_waterfall(run, run.records[0].request_id)
     html = render_report(run)

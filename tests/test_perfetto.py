@@ -27,22 +27,33 @@ def test_export_is_valid_and_round_trips(run, tmp_path):
     assert trace["displayTimeUnit"] == "ms" and trace["metadata"]["run_id"] == "run-test"
 
 
-def test_one_named_process_per_instance(run):
+def test_one_track_per_instance_with_a_lane_per_request_running_at_once(run):
+    """Issue 28 item 3: a process per instance, its requests as slices on it, requests that
+    overlap in time on sub-tracks (lanes), not a thread per request."""
     events = to_trace_events(run)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(names.values()) == ["D0 (decode)", "P0 (prefill)", "P1 (prefill)", "router (router)"]
-    assert len(set(names)) == 4
-    # one thread per request on each process it touched, named after the request
-    threads = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     pid = {v.split()[0]: k for k, v in names.items()}
-    assert {t for p, t in threads if p == pid["P0"]} == {"r1", "r3"}  # r5 failed before P0 scheduled it
-    assert {t for p, t in threads if p == pid["router"]} == {"r1", "r2", "r3", "r4", "r5"}
+    lanes = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    requests = {(e["pid"], e["tid"], e["name"]) for e in events if e["ph"] == "B" and e.get("cat") == "request"}
+    # P0: r1 (2-24 ms) and r3 (21-32 ms) overlap: two lanes. r5 failed before P0 scheduled it.
+    assert {(t, r) for p, t, r in requests if p == pid["P0"]} == {(1, "r1"), (2, "r3")}
+    assert {n for p, n in lanes if p == pid["P0"]} == {"lane 1", "lane 2"}
+    # The router's part of each (arrival to P's queue, then D's first token to the client's): r1
+    # 0-40, r2 10-70, r3 20-40, r4 30-32 (failed on D), r5 40-41: four at once at 30 ms, four lanes.
+    assert {r for p, _, r in requests if p == pid["router"]} == {"r1", "r2", "r3", "r4", "r5"}
+    assert len({n for p, n in lanes if p == pid["router"]}) == 4
+    # A request's phases nest in its slice: r2's on D0 are inside [its first, its last].
+    d0 = [e for e in events if e["pid"] == pid["D0"] and e.get("args", {}).get("request_id") == "r2" and e["ph"] == "B"]
+    outer, inner = d0[0], d0[1:]
+    assert outer["name"] == "r2" and outer["args"]["phases"] == [e["name"] for e in inner if e.get("cat") != "request"]
 
 
 def test_slices_and_timestamps(run):
     events = to_trace_events(run)["traceEvents"]
     ph = Counter(e["ph"] for e in events)
-    assert ph["B"] == ph["E"] == 11 + 11 + 11 + 6 + 1  # intervals of r1..r5
+    # The phases of r1..r5 (11, 11, 11, 6, 1), and each request once per instance it was on (3, 3, 3, 3, 1).
+    assert ph["B"] == ph["E"] == 11 + 11 + 11 + 6 + 1 + 3 + 3 + 3 + 3 + 1
     prefill = next(e for e in events if e["ph"] == "B" and e["name"] == "prefill" and e["args"]["request_id"] == "r2")
     assert prefill["ts"] == 20_000.0  # us since the first arrival (r1 at T)
     assert prefill["args"]["prompt_tokens"] == 300 and prefill["args"]["p_cached_tokens"] == 100
@@ -52,18 +63,22 @@ def test_slices_and_timestamps(run):
     assert transfer["args"]["bytes_per_group"] == {"0": 1000, "1": 500}
 
 
-def test_one_flow_per_request_from_prefill_to_decode(run):
+def test_one_flow_per_request_forward_from_ps_kv_to_ds_load(run):
     events = to_trace_events(run)["traceEvents"]
-    flows = [e for e in events if e["ph"] in ("s", "f")]
     by_id = {}
-    for e in flows:
-        by_id.setdefault(e["id"], {})[e["ph"]] = e
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            by_id.setdefault(e["id"], {})[e["ph"]] = e
     # r4 reached D (d_queued), r5 never reached P's scheduler: no flow
     assert sorted(f["s"]["args"]["request_id"] for f in by_id.values()) == ["r1", "r2", "r3", "r4"]
+    assert all(f["f"]["ts"] >= f["s"]["ts"] for f in by_id.values())  # forward in time, every one
     r1 = next(f for f in by_id.values() if f["s"]["args"]["request_id"] == "r1")
     assert r1["f"]["bp"] == "e" and r1["s"]["cat"] == r1["f"]["cat"]
-    assert r1["s"]["ts"] == 14_000.0  # mid prefill (4..24 ms)
-    assert r1["f"]["ts"] == 26_500.0  # mid d_queue (26..27 ms), D's first slice
+    assert r1["s"]["ts"] == 23_999.0  # P's KV ready: the end of its prefill (4-24 ms), inside the slice
+    assert r1["f"]["ts"] == 27_000.0  # D's load: the start of its transfer (27-31 ms)
+    # r4 pulled nothing that was timed (it failed in its transfer): its arrow ends on D's queue.
+    r4 = next(f for f in by_id.values() if f["s"]["args"]["request_id"] == "r4")
+    assert r4["f"]["ts"] >= r4["s"]["ts"]
 
 
 def test_out_of_order_events_still_give_a_valid_trace(tmp_path):
