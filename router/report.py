@@ -1,4 +1,5 @@
-"""A run as ONE self-contained HTML page: summary, Gantt, TTFT attribution bars, phase CDFs.
+"""A run as ONE self-contained HTML page: its provenance, summary, each instance over time
+(router/report_instances.py), Gantt, TTFT attribution bars, phase CDFs.
 
 The charts are SVG generated here (no JavaScript, no external resources), so
 the page opens from a file on a machine without internet and stays readable
@@ -12,17 +13,29 @@ import math
 from html import escape
 from pathlib import Path
 
+from pdcluster.proto.load_phases import phase_of
 from pdcluster.router.attribution import CRITICAL_PATH, INTERVALS, OPTIONAL_PARTS, attribute, intervals
+from pdcluster.router.report_instances import instances_html
 from pdcluster.router.run_store import Run
-from pdcluster.router.timeline_views import NS_PER_MS, Stats, Summary, is_failed, last_event, run_origin_ns, summarize
+from pdcluster.router.timeline_views import (
+    NS_PER_MS,
+    Stats,
+    Summary,
+    human_bytes,
+    is_failed,
+    last_event,
+    run_origin_ns,
+    summarize,
+)
 
 PART_COLORS = {"migration": "#8c564b", "queue": "#9e9e9e", "prefill": "#1f77b4", "transfer": "#ff7f0e", "d_wait": "#9467bd",
                "first_decode": "#2ca02c", "local_prefill": "#d62728", "ttft": "#222222"}
 INTERVAL_COLORS = {"router": "#bdbdbd", "to_p": "#d9d9d9", "p_queue": "#aec7e8", "prefill": "#1f77b4", "handoff": "#8c8c8c",
                    "d_queue": "#c5b0d5", "transfer": "#ff7f0e", "d_kv_wait": "#9467bd", "first_decode": "#2ca02c",
                    "return": "#636363", "decode": "#98df8a", "local_prefill": "#d62728"}
-MAX_ROWS = 300  # beyond this a per-request chart is unreadable anyway: show the first ones by arrival
-LABEL_W, ROW_H, AXIS_H = 130, 16, 44
+MAX_ROWS = 1000  # beyond this a per-request chart is unreadable anyway: show the first ones by arrival
+LABEL_W, ROW_H, AXIS_H = 130, 16, 44  # LABEL_W: at least; wider for long request ids (shown whole)
+CHAR_W = 6.6  # px per character of an 11px label
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
@@ -36,7 +49,7 @@ tr:nth-child(even) td { background: #f6f6f6; } table.text td, table.text th { te
 .legend span { display: inline-block; margin-right: 14px; font-size: 12px; }
 .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: -2px; }
 .cdfs { display: flex; flex-wrap: wrap; gap: 8px; }
-svg text { font: 11px system-ui, sans-serif; fill: #333; } svg .failed { fill: #c62828; }
+svg text { font: 11px system-ui, sans-serif; fill: #333; } svg .failed { fill: #c62828; } svg .phase { fill: #666; font-style: italic; }
 svg .grid { stroke: #e4e4e4; } svg .axis { stroke: #888; }
 """
 
@@ -77,26 +90,41 @@ def _rect(x: float, y: float, w: float, h: float, color: str, tip: str, extra: s
             f"<title>{escape(tip)}</title></rect>")
 
 
+def _rows(run: Run) -> list:
+    """The requests the per-request charts draw: the first MAX_ROWS by arrival."""
+    return sorted(run.records, key=lambda r: r.events.get("arrival", min(r.events.values(), default=0)))[:MAX_ROWS]
+
+
+def _label_w(recs) -> int:
+    return max(LABEL_W, int(CHAR_W * max((len(r.request_id) for r in recs), default=0)) + 12)
+
+
 def _gantt(run: Run, width: int = 1150) -> str:
     t0 = run_origin_ns(run)
-    recs = run.records[:MAX_ROWS]
+    recs = _rows(run)
+    label_w = _label_w(recs)
     end = max((_ms(t - t0) for r in recs for t in r.events.values()), default=1.0)
     ticks = _ticks(end)
-    plot_w = width - LABEL_W - 20
+    plot_w = width - label_w - 20
 
     def x(ms: float) -> float:
-        return LABEL_W + ms / ticks[-1] * plot_w
+        return label_w + ms / ticks[-1] * plot_w
 
     height = len(recs) * ROW_H + AXIS_H + 6
-    rows = []
+    rows, phase = [], None
     for i, r in enumerate(recs):
         y = 4 + i * ROW_H
         failed = is_failed(r)
         cls = ' class="failed"' if failed else ""
         stripe = "#fafafa" if i % 2 else "#fff"
-        parts = [f'<rect x="{LABEL_W}" y="{y}" width="{plot_w}" height="{ROW_H}" fill="{stripe}"/>',
-                 (f'<text x="{LABEL_W - 6}" y="{y + ROW_H - 4}" text-anchor="end"'
-                 f'{cls}>{escape(r.request_id[:18])}</text>')]
+        parts = [f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{ROW_H}" fill="{stripe}"/>',
+                 (f'<text x="{label_w - 6}" y="{y + ROW_H - 4}" text-anchor="end"'
+                 f'{cls}>{escape(r.request_id)}</text>')]
+        if (now := phase_of(r.request_id)) != phase and now is not None:  # a replay's phase begins here
+            parts.append(f'<line class="axis" x1="{label_w}" x2="{label_w + plot_w}" y1="{y}" y2="{y}"/>'
+                         f'<text class="phase" x="{label_w + plot_w - 4}" y="{y + 11}" text-anchor="end">'
+                         f"{escape(now)} phase</text>")
+        phase = now
         for iv in sorted(intervals(r), key=lambda iv: iv.name == "transfer"):  # the KV pull on top
             s, e = _ms(iv.start_ns - t0), _ms(iv.end_ns - t0)
             tip = f"{r.request_id} {iv.name} on {iv.where}: {e - s:.3f} ms ({s:.3f} → {e:.3f} ms)"
@@ -110,22 +138,24 @@ def _gantt(run: Run, width: int = 1150) -> str:
             tip = f"{r.request_id} failed after {last_event(r)}: {r.error or 'no error recorded'}"
             parts.append(f'<text class="failed" x="{x(at):.1f}" y="{y + ROW_H - 4}" text-anchor="middle">✕'
                          f"<title>{escape(tip)}</title></text>")
-        rows.append(f'<g class="row" data-request-id="{escape(r.request_id)}">{"".join(parts)}</g>')
+        rows.append(f'<g class="row" data-request-id="{escape(r.request_id)}" data-phase="{escape(phase or "")}">'
+                    f'{"".join(parts)}</g>')
     axis = _x_axis(ticks, x, 4, height - AXIS_H + 4, "ms since the first arrival (router clock)")
     return (f'<svg id="gantt-svg" width="{width}" height="{height}">'
             f'{axis}{"".join(rows)}</svg>')
 
 
 def _attribution_bars(run: Run, width: int = 1150) -> str:
-    recs = run.records[:MAX_ROWS]
+    recs = _rows(run)
+    label_w = _label_w(recs)
     atts = [attribute(r) for r in recs]
     end = max((sum(a.parts_ns.values()) for a in atts), default=0)
     ticks = _ticks(_ms(end))
     right = 190  # room for the TTFT / failure label
-    plot_w = width - LABEL_W - right
+    plot_w = width - label_w - right
 
     def x(ms: float) -> float:
-        return LABEL_W + ms / ticks[-1] * plot_w
+        return label_w + ms / ticks[-1] * plot_w
 
     height = len(recs) * ROW_H + AXIS_H + 6
     rows = []
@@ -133,8 +163,8 @@ def _attribution_bars(run: Run, width: int = 1150) -> str:
         y, at = 4 + i * ROW_H, 0.0
         failed = is_failed(r)
         cls = ' class="failed"' if failed else ""
-        parts = [(f'<text x="{LABEL_W - 6}" y="{y + ROW_H - 4}" text-anchor="end"'
-                 f'{cls}>{escape(r.request_id[:18])}</text>')]
+        parts = [(f'<text x="{label_w - 6}" y="{y + ROW_H - 4}" text-anchor="end"'
+                 f'{cls}>{escape(r.request_id)}</text>')]
         for name in CRITICAL_PATH:
             if name in a.parts_ns:
                 d = _ms(a.parts_ns[name])
@@ -195,7 +225,7 @@ def _summary_html(s: Summary) -> str:
     cards = "".join(f'<div class="card{" bad" if bad else ""}"><b>{v}</b>{k}</div>' for k, v, bad in (
         ("requests", s.total, False), ("completed", s.completed, False), ("failed", s.failed, s.failed > 0),
         ("P hit ratio", _pct(s.p_hit_ratio), False), ("D hit ratio", _pct(s.d_hit_ratio), False),
-        ("tokens transferred", s.transferred_tokens, False)))
+        ("tokens transferred", f"{s.transferred_tokens:,}", False)))
     crit = [head.format("TTFT part", "<th>share of TTFT</th>")]
     for name in (*_shown(s), "ttft"):
         share = "100%" if name == "ttft" and s.shares else _pct(s.shares.get(name))
@@ -206,7 +236,7 @@ def _summary_html(s: Summary) -> str:
             for n, _, _, w in INTERVALS if n in s.intervals]
     dec = [head.format("decode", ""), f"<tr><td>ITL</td>{_stats_cells(s.itl)}</tr>",
            f"<tr><td>TPOT</td>{_stats_cells(s.tpot)}</tr>"]
-    groups = ", ".join(f"group {g}: {b:,} B" for g, b in s.bytes_per_group.items()) or "none"
+    groups = ", ".join(f"group {g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     html = [f'<div class="cards">{cards}</div>',
             (f'<p class="muted">Shares are over the {s.attributed} requests that reached their first token with every '
             "part recorded; a part's statistics are over every request that has it.</p>"),
@@ -241,7 +271,22 @@ def _shown(s: Summary) -> tuple[str, ...]:
     return tuple(n for n in CRITICAL_PATH if n not in OPTIONAL_PARTS or n in s.phases)
 
 
-def render_report(run: Run) -> str:
+def _provenance(run: Run) -> str:
+    """What the run ran: the spec's name, model, engines (and a simulated engine's parameter file)."""
+    spec = run.meta.spec if isinstance(run.meta.spec, dict) else {}
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {"name": spec.get("model")}
+    engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
+    kind = engine.get("kind") or "vllm"
+    sim = (spec.get("sim") or {}).get("params")
+    parts = [f"spec <b>{escape(str(spec.get('name', '?')))}</b>",
+             f"model {escape(str(model.get('name') or model.get('path', '?')))}",
+             f"P{(spec.get('prefill') or {}).get('instances', '?')} D{(spec.get('decode') or {}).get('instances', '?')}",
+             f"{escape(kind)} engines" + (f", parameter file {escape(str(sim))}" if kind == "sim" and sim else "")]
+    return "; ".join(parts)
+
+
+def render_report(run: Run, window: str | None = None) -> str:
+    """`window`: which of the run's requests these are (router/timeline_window.py's line)."""
     s = summarize(run)
     t0 = run_origin_ns(run)
     atts = [attribute(r) for r in run.records]
@@ -253,14 +298,18 @@ def render_report(run: Run) -> str:
     zero = dt.datetime.fromtimestamp((run.meta.started_wall_ns + t0 - run.meta.started_mono_ns) / 1e9, dt.UTC)
     insts = ", ".join(f"{escape(i.name)} ({escape(i.role)}, {escape(i.node_ip)})" for i in run.meta.instances) or "-"
     vers = ", ".join(f"{escape(k)} {escape(v)}" for k, v in run.meta.versions.items())
-    shown = f" (first {MAX_ROWS} of {len(run.records)} by record order)" if len(run.records) > MAX_ROWS else ""
+    shown = f" (first {MAX_ROWS} of {len(run.records)} by arrival)" if len(run.records) > MAX_ROWS else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pdcluster run {escape(run.meta.run_id)}</title>
 <link rel="icon" href="data:,"><style>{CSS}</style></head><body>
 <h1>Run {escape(run.meta.run_id)}</h1>
 <div class="muted">started {started}; time zero = first arrival, {zero.strftime("%H:%M:%S.%f")[:-3]} UTC;
 instances: {insts}<br>{vers}</div>
+<p id="provenance">{_provenance(run)}</p>{f'<p id="window" class="muted">{escape(window)}</p>' if window else ""}
 <section id="summary"><h2>Summary</h2>{_summary_html(s)}</section>
+<section id="instances"><h2>Each instance over time</h2>{instances_html(run)}
+<p class="muted">P: prefills in progress (scheduled, not done) and queued at it; D: requests running and the KV
+tokens they held. Each line is scaled to its own maximum.</p></section>
 <section id="gantt"><h2>Requests over time{shown}</h2>{_legend(INTERVAL_COLORS)}{_gantt(run)}
 <p class="muted">One row per request; the KV pull is the outlined lower-half bar. ✕ marks where a failed request
 stopped. Hover a segment for its numbers.</p></section>
@@ -272,7 +321,7 @@ stopped. Hover a segment for its numbers.</p></section>
 """
 
 
-def write_report(run: Run, path: str | Path) -> Path:
+def write_report(run: Run, path: str | Path, window: str | None = None) -> Path:
     path = Path(path)
-    path.write_text(render_report(run), encoding="utf-8")
+    path.write_text(render_report(run, window), encoding="utf-8")
     return path

@@ -37,13 +37,17 @@ def _guarded(fn: Callable[[argparse.Namespace, Run], None]) -> Callable[[argpars
 
 def _window(a: argparse.Namespace, run: Run) -> Run:
     """The requests `--phase` and `--between` pick (router/timeline_window.py); says which."""
+    return _window_and_line(a, run)[0]
+
+
+def _window_and_line(a: argparse.Namespace, run: Run) -> tuple[Run, str]:
     from pdcluster.router.timeline_window import parse_between, select
 
     picked, line = select(run, a.phase, parse_between(a.between) if a.between else None, a.replay)
     print(line, file=sys.stderr if a.timeline_cmd in ("export", "report") else sys.stdout)
     if not picked.records:
         _fail(f"no request of run {run.meta.run_id} in that window ({line.removeprefix('window: ')})")
-    return picked
+    return picked, line
 
 
 def _summary(a: argparse.Namespace, run: Run) -> None:
@@ -79,7 +83,8 @@ def _export(a: argparse.Namespace, run: Run) -> None:
 def _report(a: argparse.Namespace, run: Run) -> None:
     from pdcluster.router.report import write_report
 
-    print(write_report(_window(a, run), _out(a.out or Path(a.run) / "report.html")))
+    picked, line = _window_and_line(a, run)
+    print(write_report(picked, _out(a.out or Path(a.run) / "report.html"), line))
 
 
 def _window_flags(p: argparse.ArgumentParser) -> None:

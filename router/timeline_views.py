@@ -206,6 +206,15 @@ def summarize(run: Run) -> Summary:
     )
 
 
+def human_bytes(n: float) -> str:
+    """55072260096 -> '55.1 GB' (decimal units, as link rates are given)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n} TB"
+
+
 def _has_transfer_split(a: Attribution) -> bool:
     return a.transfer_hidden_ns is not None and "transfer" in a.parts_ns
 
@@ -236,7 +245,7 @@ def format_summary(s: Summary) -> str:
               _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
               (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}), "
               f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}")]
-    groups = ", ".join(f"group {g}: {b} B" for g, b in s.bytes_per_group.items()) or "none"
+    groups = ", ".join(f"group {g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
     if moved := s.transfer_hidden_ns + s.transfer_exposed_ns:
         lines.append(f"KV transfer time: {s.transfer_hidden_ns / 1e6:.1f} ms hidden under prefills "

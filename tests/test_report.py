@@ -55,3 +55,30 @@ def test_report_renders_in_chromium(run, tmp_path):
         page.screenshot(path=str(shot), full_page=True)
     assert errors == []
     assert shot.exists() and shot.stat().st_size > 20_000
+
+
+def test_full_ids_the_phases_each_instance_and_the_provenance(tmp_path):
+    """Issue 28 item 4, on a replayed run: request ids whole, each phase where it begins, the
+    formal window by default, a chart per instance, bytes in human units, what the run ran."""
+    from test_timeline_window import replay_run
+
+    from pdcluster.router.timeline_window import select
+
+    run = replay_run(tmp_path)  # seed, check, four formal requests and one user request, ids ~30 characters
+    html = render_report(run)
+    for r in run.records:
+        assert f">{r.request_id}</text>" in html  # whole, not cut to 18 characters
+    assert [m for m in re.findall(r'data-phase="(\w*)"', html)][:3] == ["seed", "check", "formal"]
+    assert html.count(" phase</text>") == 3  # a mark where the seed, check and formal phases begin
+    assert html.count('<svg class="instance"') == 0  # no P or D events in this run: nothing per instance
+    formal, line = select(run)
+    page = render_report(formal, line)
+    assert page.count('class="row"') == 4 and "window: the formal phase (4 of 7 requests" in page
+    assert 'id="provenance">spec <b>' in page
+
+
+def test_each_instance_is_drawn_over_time(run):
+    html = render_report(run)
+    assert html.count('<svg class="instance"') == 3  # P0, P1, D0
+    assert "P0 (prefill)" in html and "D0 (decode)" in html and "KV tokens held: max " in html
+    assert "group 0: 6.0 kB" in html  # human units

@@ -104,7 +104,7 @@ def test_summary_text(run):
     assert text.startswith("run run-test: 5 requests, 3 completed, 2 failed")
     assert "  queue              4      5.25      4.00     10.00     10.00   13.3%" in text
     assert "  TTFT               3     40.00     40.00     60.00     60.00  100.0%" in text
-    assert "hit 21.1%" in text and "group 0: 6000 B, group 1: 3000 B" in text
+    assert "hit 21.1%" in text and "group 0: 6.0 kB, group 1: 3.0 kB" in text
     assert "r4: after transfer_start: decode instance D0 ended r4 without a finish" in text
 
 
