@@ -69,6 +69,8 @@ class RouterMetrics:
                                        "permissions): the requests were served all the same", ["sink"], registry=r)
         for reason in ("in_flight", "queue"):
             self.rejected.labels(reason=reason)  # every reason shows, at 0 until one happens
+        for role in ("prefill", "decode"):
+            self.migrations.labels(role=role)  # as the reasons: a dashboard's panel reads 0, not "no data"
         # Each labels() call takes a lock and a dict lookup (~1.3 us); a request touches ~15 children.
         self._outcome = {o: self.requests.labels(outcome=o) for o in ("ok", "error")}
         self._phase = {name: self.phase.labels(phase=name) for name in CRITICAL_PATH}
