@@ -87,3 +87,11 @@ def test_429s_are_counted_apart_from_failures_and_retried_when_asked():
     by = {r.index: r for r in results}
     assert by[1].ok and by[1].rejections == 1 and by[1].output_tokens == 4  # served on its second try
     assert by[3].rejected and by[3].rejections == 3  # two retries, then the third 429 ends it
+
+
+def test_each_replay_names_its_requests_apart_and_keeps_its_name_across_phases():
+    import dataclasses
+
+    a, b = DriveConfig(base_url="x"), DriveConfig(base_url="x")
+    assert a.replay_token != b.replay_token and len(a.replay_token) == 8
+    assert dataclasses.replace(a, request_rate=None).replay_token == a.replay_token  # a phase's own settings

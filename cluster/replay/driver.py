@@ -41,13 +41,15 @@ class DriveConfig:
     # A 429 (the server's admission control) is resent after its Retry-After, at most this
     # many times; 0: it ends the request (counted as rejected, apart from failures).
     retries_after_429: int = 0
+    # Names this replay's requests (`bench-<token>-<phase>-<index>`, proto/load_phases.py): one
+    # per replay, so that two replays of one process on one cluster stay apart in its records.
+    replay_token: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-RUN_TOKEN = uuid.uuid4().hex[:8]  # this process's request ids, apart from another driver's
 
 
 def _inter_arrival(rng: random.Random, rate: float, burstiness: float) -> float:
@@ -78,7 +80,7 @@ async def send_one(client: httpx.AsyncClient, cfg: DriveConfig, req: BenchReques
         body["model"] = cfg.model
     # Named by the client (X-Request-Id, as vLLM's server takes it): a request that fails before
     # its stream starts is still found in the router's timeline.
-    client_id = replay_request_id(f"bench-{RUN_TOKEN}", req.phase, req.index)
+    client_id = replay_request_id(f"bench-{cfg.replay_token}", req.phase, req.index)
     res = RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
                         start_s=time.monotonic(), end_s=0.0, expected_cached_tokens=req.expected_cached_tokens,
                         request_id=f"cmpl-{client_id}")
