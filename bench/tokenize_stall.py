@@ -41,7 +41,7 @@ class InstantBackend(TokenBackend):
         return self.card
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
-                       arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
+                       arrival_ns: int | None = None, traceparent: str | None = None) -> AsyncIterator[GenerationChunk]:
         yield GenerationChunk([prompt_token_ids[0]] * sampling.max_tokens, finish_reason="length")
 
 

@@ -21,6 +21,7 @@ from pdcluster.proto.spec_sections import (  # noqa: F401  (the sections, import
     EngineSpec,
     ModelSpec,
     NetworkSpec,
+    ObservabilitySpec,
     PlacementSpec,
     ResourceSpec,
     RoleSpec,
@@ -52,6 +53,7 @@ class ClusterSpec(_Strict):
     decode: RoleSpec = RoleSpec()
     transfer: TransferSpec = TransferSpec()
     router: RouterSpec = RouterSpec()
+    observability: ObservabilitySpec = ObservabilitySpec()
     network: NetworkSpec = NetworkSpec()
     auth: AuthSpec = AuthSpec()
 

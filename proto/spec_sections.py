@@ -276,6 +276,14 @@ class AuthSpec(_Strict):
         return keys
 
 
+class ObservabilitySpec(_Strict):
+    """Where the router sends what it records, besides its run directory and /metrics."""
+
+    otlp_endpoint: str | None = Field(None, description="an OTLP/HTTP traces endpoint (e.g. http://collector:4318/"
+                                                        "v1/traces): each request's phases as spans (router/otlp.py)")
+    service_name: str = Field("pdcluster", min_length=1, description="the spans' service.name")
+
+
 class RouterSpec(_Strict):
     # The HTTP API's address: loopback unless the spec names another (0.0.0.0: every interface).
     host: str = "127.0.0.1"

@@ -57,8 +57,9 @@ class TokenBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
-                 arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
-        """`arrival_ns`: when the HTTP request arrived (time.monotonic_ns), for its timeline."""
+                 arrival_ns: int | None = None, traceparent: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """`arrival_ns`: when the HTTP request arrived (time.monotonic_ns), for its timeline;
+        `traceparent`: the client's W3C trace context, kept in its record (router/otlp.py)."""
 
     def admit(self) -> None:
         """Raise BackendError (a 429) if a request arriving now would be refused: the front end

@@ -47,6 +47,7 @@ from pdcluster.router.openai_models import (
     refuse_unsupported,
 )
 from pdcluster.router.openai_stream import Job, envelope, run_job, sse
+from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.text_codec import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     app = HttpApp(limits)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
-                 max_tokens_param: str, arrival_ns: int, client_id: str | None = None) -> Job:
+                 max_tokens_param: str, arrival_ns: int, client_id: str | None = None,
+                 traceparent: str | None = None) -> Job:
         card: ModelCard = backend.model_card()
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
@@ -131,7 +133,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=stops, stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns)
+                    return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns, traceparent=traceparent)
 
     def check_model(req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> None:
         name = backend.model_card().name
@@ -196,7 +198,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             prompt = prompt[0]
         ids = await prompts.text(prompt) if isinstance(prompt, str) else list(prompt)
         return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
-                                    request.headers.get("x-request-id")))
+                                    request.headers.get("x-request-id"),
+                                    valid_traceparent(request.headers.get("traceparent"))))
 
     async def chat_completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
@@ -214,7 +217,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
-                                    request.headers.get("x-request-id")))
+                                    request.headers.get("x-request-id"),
+                                    valid_traceparent(request.headers.get("traceparent"))))
 
     async def models(request: HttpRequest) -> Response:
         card = backend.model_card()

@@ -34,6 +34,7 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     arrival_ns: int  # time.monotonic_ns() when the HTTP request arrived
+    traceparent: str | None = None  # the client's W3C trace context (router/otlp.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -65,7 +66,8 @@ def _usage(job: Job, completion_tokens: int, last: GenerationChunk | None) -> Us
 
 async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncIterator[Delta]:
     """The one generation path: backend chunks -> text deltas, stop strings applied."""
-    gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns)
+    gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns,
+                           traceparent=job.traceparent)
     detok = Detokenizer(tokenizer)
     # Streamed text keeps the last len(longest stop)-1 characters back, so a
     # stop string split across tokens never reaches the client.

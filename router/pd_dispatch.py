@@ -175,12 +175,13 @@ class PDDispatcher(TokenBackend):
         return self._card
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec,
-                       arrival_ns: int | None = None) -> AsyncIterator[GenerationChunk]:
+                       arrival_ns: int | None = None, traceparent: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Drives the request's lifecycle (router/lifecycle.py): its commands become calls on the
         engines' channels, the replies, failures and the deadline its inputs."""
         self.admit()  # before anything is recorded or routed: a refused request costs nothing more
         lc = Lifecycle(self.core, request_id, prompt_token_ids, sampling,
                        time.monotonic_ns() if arrival_ns is None else arrival_ns)
+        lc.rec.traceparent = traceparent
         self._hear(self.begin_sinks, lc.rec)
         deadline = time.monotonic() + self._timeout_s
         calls = _Calls()

@@ -169,6 +169,13 @@ class RouterActor:
                                      pending_blocks if spec.router.track_pending else None,
                                      lambda: self.app.refused)
         self.dispatcher.sinks.append(self.metrics.observe)
+        self.spans = None  # each request's phases as OpenTelemetry spans (spec observability.otlp_endpoint)
+        if spec.observability.otlp_endpoint:
+            from pdcluster.router.otlp import OtlpSpans
+
+            self.spans = OtlpSpans(spec.observability.otlp_endpoint, spec.model.served_name,
+                                   spec.observability.service_name)
+            self.dispatcher.sinks.append(self.spans.observe)
         self.dispatcher.rejection_listeners.append(self.metrics.reject)
         self.dispatcher.sink_failure_listeners.append(self.metrics.record_failed)
         self.app = build_app(self.dispatcher, self.tokenizer, HttpLimits(
@@ -312,7 +319,8 @@ class RouterActor:
 
     def set_recording(self, on: bool) -> None:
         """Turn the record sinks (run directory, metrics) on or off: for measuring their cost."""
-        self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])) if on else []
+        self.dispatcher.sinks = ([self.metrics.observe] + ([self.store.append] if self.store else [])
+                                 + ([self.spans.observe] if self.spans else [])) if on else []
         self.dispatcher.begin_sinks = [self.store.begin] if on and self.store else []
 
     def set_transfer_mode(self, mode: str, transport: str | None = None) -> None:
@@ -377,3 +385,6 @@ class RouterActor:
             if self.store is not None:
                 self.store.close()
                 self.store = None
+            if self.spans is not None:
+                self.spans.close()  # the batch still queued goes out first
+                self.spans = None

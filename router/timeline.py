@@ -103,12 +103,15 @@ class RequestRecord:
     transfer_error: str | None = None  # the KV pull failed but D recomputed: the request still succeeded
     # Of P's predicted hit, the tokens only pending there (routed, not yet confirmed by events).
     predicted_p_pending_tokens: int | None = None
-    # P's prefill time as the router's cost model predicted it (router/prefill_cost.py).
+    # P's first step of it to its last, as the router predicted it (router/prefill_cost.py taken_s).
     predicted_p_prefill_s: float | None = None
     # D prefilled it itself (router/local_prefill.py): no P events, no transfer; and the
     # decision's reason either way (None: local prefill off).
     local_prefill: bool = False
     prefill_reason: str | None = None
+    # The client's W3C traceparent header, if it sent one (router/otlp.py continues its trace);
+    # left out of the file when absent.
+    traceparent: str | None = None
     # Each move off a lost instance, in order. Before the first token the record's events are
     # the last attempt's (the lost ones dropped); after it they stay the first token's.
     migrations: list[Migration] = field(default_factory=list)
@@ -124,6 +127,8 @@ class RequestRecord:
         d["transfer_groups"] = [dict(g.__dict__) for g in self.transfer_groups]
         d["migrations"] = [dict(m.__dict__) for m in self.migrations]
         d["token_us"] = compact_token_times(d.pop("token_ns"))
+        if d["traceparent"] is None:
+            del d["traceparent"]
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod

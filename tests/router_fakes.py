@@ -36,14 +36,16 @@ class FakeBackend(TokenBackend):
         self.script, self.final, self.finish = script, final, finish
         self.error, self.error_after, self.delay = error, error_after, delay
         self.calls: list[tuple[str, list[int], SamplingSpec]] = []
+        self.traceparents: list[str | None] = []  # each call's, as the front end passed it
         self.closed_early: list[str] = []  # request ids whose iterator was closed before the end
         self.instances = {"prefill-0": True, "decode-0": True}
 
     def model_card(self) -> ModelCard:
         return self.card
 
-    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None):
+    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None, traceparent=None):
         self.calls.append((request_id, list(prompt_token_ids), sampling))
+        self.traceparents.append(traceparent)
         done = False
         try:
             for i, t in enumerate(self.script):

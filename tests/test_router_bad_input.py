@@ -128,7 +128,7 @@ def test_a_body_that_never_arrives_is_408_and_others_are_served(tok, tok_dir):
 class EndlessBackend(FakeBackend):
     """Streams chunks of 2,000 tokens until closed: a client that stops reading must not hold it forever."""
 
-    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None):
+    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None, traceparent=None):
         self.calls.append((request_id, list(prompt_token_ids), sampling))
         try:
             while True:

@@ -32,7 +32,7 @@ class PacedBackend(TokenBackend):
     def model_card(self) -> ModelCard:
         return self.card
 
-    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None):
+    async def generate(self, request_id, prompt_token_ids, sampling, arrival_ns=None, traceparent=None):
         for i in range(sampling.max_tokens):
             await asyncio.sleep(INTERVAL_S)
             yield GenerationChunk([5], "length" if i == sampling.max_tokens - 1 else None)
