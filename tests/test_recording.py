@@ -137,8 +137,10 @@ def test_a_record_round_trips_through_its_json_line():
     assert RequestRecord.from_dict(json.loads(line)) == rec
     written = asdict(rec)  # the same dict asdict() would write, token times as distances in us
     written["token_us"] = [7, 4, 999]  # 7, 11 and 1,010 us
-    del written["token_ns"]
+    del written["token_ns"], written["traceparent"]  # no traceparent: left out
     assert json.loads(line) == written
+    traced = RequestRecord("r2", traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    assert RequestRecord.from_dict(json.loads(traced.to_json())) == traced
     assert rec.transfer_groups[0] == GroupTransfer(0, 3, 12288)  # the record itself untouched
 
 
