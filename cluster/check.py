@@ -8,7 +8,8 @@ that need the machine, run where `pdc up` would run (the head host):
   the model (DeepSeek-V4 is in vLLM 0.32 and later, in no released vLLM-Ascend);
 - the device: enough of it on this host for one instance (a GPU, an NPU; CPU cores for
   `cpu_bind`), or the Ray cluster the spec names (`ray_address`), which only `pdc up` reaches;
-- the ports every plane binds, free on this host (single host: every instance binds here).
+- the ports every plane binds, free on this host (single host: every instance binds here);
+- a router placed on another host (`router.labels`) but listening on loopback.
 Each check is a line, `ok`, `warn` or `FAIL`; any FAIL makes the exit code 2.
 """
 
@@ -42,7 +43,19 @@ class Finding:
 
 def check(spec: ClusterSpec) -> list[Finding]:
     model_type = _model_type(spec)
-    return [*_model(spec, model_type), *_vllm(spec, model_type), *_device(spec), *_ports(spec)]
+    reach = router_reach(spec)
+    return [*_model(spec, model_type), *_vllm(spec, model_type), *_device(spec), *_ports(spec),
+            *([reach] if reach else [])]
+
+
+def router_reach(spec: ClusterSpec) -> Finding | None:
+    """A router placed on another host (router.labels) that listens on loopback answers no one
+    but that host: say so (pdc up says it too)."""
+    if spec.router.labels and spec.router.host in ("127.0.0.1", "localhost", "::1"):
+        return Finding("warn", f"router.labels {spec.router.labels} put the routers on another host, but "
+                               f"router.host {spec.router.host} answers only on that host: set router.host to "
+                               f"0.0.0.0 (or that host's address) for clients elsewhere")
+    return None
 
 
 def _model_type(spec: ClusterSpec) -> str | None:

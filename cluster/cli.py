@@ -124,6 +124,10 @@ def cmd_up(a) -> None:
     if spec.prefill.instances == 0:
         _fail(f"{a.spec}: prefill.instances: 0 (no disaggregation) runs on the virtual clock only: "
               f"pdc sim run {a.spec}, or pdc plan, which compares it with the P/D splits")
+    from pdcluster.cluster.check import router_reach
+
+    if (reach := router_reach(spec)) is not None:
+        print(f"pdc up: warning: {reach.what}", file=sys.stderr)
     started_ray = _connect(spec)
     if find_actors(spec.name):
         _fail(f"cluster {spec.name!r} is already up (pdc status; pdc down --name {spec.name})")
