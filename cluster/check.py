@@ -51,7 +51,7 @@ def check(spec: ClusterSpec) -> list[Finding]:
 def router_reach(spec: ClusterSpec) -> Finding | None:
     """A router placed on another host (router.labels) that listens on loopback answers no one
     but that host: say so (pdc up says it too)."""
-    if spec.router.labels and spec.router.host in ("127.0.0.1", "localhost", "::1"):
+    if spec.router.labels and spec.router.host in ("127.0.0.1", "localhost", "::1"):  # said so: not unset
         return Finding("warn", f"router.labels {spec.router.labels} put the routers on another host, but "
                                f"router.host {spec.router.host} answers only on that host: set router.host to "
                                f"0.0.0.0 (or that host's address) for clients elsewhere")
@@ -154,7 +154,7 @@ def _accelerators(device: str) -> int:
 
 
 def _ports(spec: ClusterSpec) -> list[Finding]:
-    ports = [ListenPort(spec.router.host, spec.router.port, "router.port")]
+    ports = [ListenPort(spec.router.bind_host("127.0.0.1"), spec.router.port, "router.port")]
     for role in ("prefill", "decode"):
         for i in range(getattr(spec, role).instances):
             ports += listen_ports(spec, role, i)

@@ -285,8 +285,9 @@ class ObservabilitySpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    # The HTTP API's address: loopback unless the spec names another (0.0.0.0: every interface).
-    host: str = "127.0.0.1"
+    # The HTTP API's address (0.0.0.0: every interface). Unset: loopback, or, for routers that
+    # router.labels put on another host, that host's address (loopback there answers no client).
+    host: str | None = None
     port: int = Field(8000, ge=1, le=65535, description="the HTTP port (every router process shares it)")
     # How the router picks P and D (router/policies.py). prefix_aware reads every
     # instance's KV cache events (vLLM's kv_events_config over ZMQ).
@@ -336,3 +337,10 @@ class RouterSpec(_Strict):
                                                        "each a Ray actor on the first one's node")
     labels: dict[str, str] | None = Field(
         None, description="put the routers on a Ray node with these labels; default: the node `pdc up` runs on")
+
+    def bind_host(self, node_ip: str) -> str:
+        """The address the routers listen on, on a node whose Ray address is `node_ip`."""
+        if self.host is not None:
+            return self.host
+        return node_ip if self.labels else "127.0.0.1"
+

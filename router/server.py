@@ -280,10 +280,11 @@ class RouterActor:
             self.dispatcher.sinks.append(self.store.append)
             self.dispatcher.begin_sinks.append(self.store.begin)
         r = self.spec.router
+        host = self._host()
         if self.index == 0 and not self.restarted:  # (restarted: its peers may hold the port, rightly)
             # uvicorn would sys.exit() inside this actor instead. Checked without SO_REUSEPORT
             # even for several routers: a stale cluster's routers would share the port otherwise.
-            _check_port_free(r.host, r.port)
+            _check_port_free(host, r.port)
         listening = self._listening_socket()
         await self.dispatcher.connect_channels(self.spec.secret())
         # What is alive now (Ray, the tokenizer, transformers) lives as long as the router: out of
@@ -291,16 +292,26 @@ class RouterActor:
         gc.freeze()
         # No access log or X-Forwarded-For rewriting: per-request work the router has no use for.
         http = bounded_http(r.header_timeout_s, connection_cap(r.max_connections), self.app.refused_one)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=r.host, port=r.port, log_level="warning",
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=r.port, log_level="warning",
                                                      access_log=False, proxy_headers=False, http=http,
                                                      timeout_graceful_shutdown=1))
         self._task = asyncio.create_task(self._server.serve(sockets=None if listening is None else [listening]))
         while not self._server.started:
             if self._task.done():  # e.g. the port is taken
                 exc = self._task.exception()
-                raise RuntimeError(f"router could not serve on {r.host}:{r.port}: {exc or 'server exited'}")
+                raise RuntimeError(f"router could not serve on {host}:{r.port}: {exc or 'server exited'}")
             await asyncio.sleep(0.05)
-        return f"http://{r.host}:{r.port}"
+        return f"http://{host}:{r.port}"
+
+    def _host(self) -> str:
+        """router.host, or (unset) loopback, or this router's node address when router.labels
+        placed it on another host."""
+        r = self.spec.router
+        if r.host is not None or not r.labels:
+            return r.bind_host("")  # the node's address is not needed
+        import ray
+
+        return r.bind_host(ray.util.get_node_ip_address())
 
     def _listening_socket(self) -> socket.socket | None:
         """None: uvicorn binds router.host:port itself. Several routers: each binds it with
@@ -310,11 +321,12 @@ class RouterActor:
             return None
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        host = self._host()
         try:
-            sock.bind((r.host, r.port))
+            sock.bind((host, r.port))
         except OSError as err:
             sock.close()
-            raise RuntimeError(f"router.port {r.port} on {r.host} is not free: {err.strerror}") from None
+            raise RuntimeError(f"router.port {r.port} on {host} is not free: {err.strerror}") from None
         return sock
 
     def set_recording(self, on: bool) -> None:

@@ -78,9 +78,11 @@ def test_a_simulated_cluster_needs_no_vllm_and_no_device():
     assert [f.level for f in check(load_spec(DEPLOY / "p8d8-sim.yaml"))].count("FAIL") == 0
 
 
-def test_a_router_on_another_host_listening_on_loopback_is_named(tmp_path):
-    path = spec_file(tmp_path, router={"labels": {"pdc-host": "host2"}})
+def test_a_router_on_another_host_told_to_listen_on_loopback_is_named(tmp_path):
+    path = spec_file(tmp_path, router={"labels": {"pdc-host": "host2"}, "host": "127.0.0.1"})
     (finding,) = [f for f in check(load_spec(path)) if f.what.startswith("router.labels")]
     assert finding.level == "warn" and "router.host 127.0.0.1 answers only on that host" in finding.what
-    path = spec_file(tmp_path, router={"labels": {"pdc-host": "host2"}, "host": "0.0.0.0"})
-    assert not [f for f in check(load_spec(path)) if f.what.startswith("router.labels")]
+    for router in ({"labels": {"pdc-host": "host2"}},  # unset: it listens on its host's address
+                   {"labels": {"pdc-host": "host2"}, "host": "0.0.0.0"}):
+        path = spec_file(tmp_path, router=router)
+        assert not [f for f in check(load_spec(path)) if f.what.startswith("router.labels")]

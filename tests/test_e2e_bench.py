@@ -150,3 +150,26 @@ def _run_dir(bench) -> str:
     import json
 
     return json.loads((bench.out_dir / "summary.json").read_text())["config"]["timeline_run_dir"]
+
+
+def test_a_trace_arriving_at_once_has_all_64_in_flight_on_real_engines(cluster, tmp_path):
+    """Issue 28 item 1, on real engines: 64 requests with one timestamp are sent at once (no
+    silent cap of 8): the router held all 64 at the same moment, each of them answered."""
+    import json
+
+    from pdcluster.cluster.sim.plan_headroom import _peak_in_flight
+
+    trace = tmp_path / "trace.jsonl"
+    # Each its own 1,024-token prompt (two 512-token hash ids), 2 tokens out: P takes ~0.1 s a
+    # prompt, so the first answers long after the last was sent.
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 1024, "output_length": 2,
+                                         "hash_ids": [10_000 + 2 * i, 10_001 + 2 * i]}) + "\n" for i in range(64)))
+    cfg = BenchConfig(base_url=cluster.url, trace=str(trace), max_concurrency=None, seed_phase=False,
+                      progress=False, out=str(tmp_path / "run"))
+    run = run_bench(cfg, log=lambda m: None)
+    assert len(run.results) == 64 and all(r.ok for r in run.results), [r.error for r in run.results if not r.ok][:3]
+    assert _peak_in_flight(run.results) == 64
+    records = run_with(cluster.run_dir, [r.request_id for r in run.results]).records
+    arrivals = sorted(r.events["arrival"] for r in records)
+    first_done = min(r.events["finish"] for r in records)
+    assert arrivals[-1] < first_done  # at the router, all 64 at once

@@ -19,7 +19,7 @@ def test_up_status_serve_down(tmp_path):
     spec = cluster_spec_for("e2e-cli")
     spec_file = tmp_path / "cluster.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
-    url = f"http://{spec.router.host}:{spec.router.port}"
+    url = f"http://{spec.router.bind_host('127.0.0.1')}:{spec.router.port}"
     up = pdc("up", str(spec_file), env_state=tmp_path, timeout=600)
     try:
         assert up.returncode == 0, up.stderr[-3000:]

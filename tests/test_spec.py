@@ -67,6 +67,15 @@ def test_p1d1_tiny_cpu():
     assert (spec.router.host, spec.router.port) == ("127.0.0.1", 8000)
 
 
+def test_an_unset_router_host_is_loopback_or_the_routers_own_host():
+    """Issue 28 item 5: a router router.labels put on another host listens on that host's address."""
+    from pdcluster.proto.spec_sections import RouterSpec
+
+    assert RouterSpec().host is None and RouterSpec().bind_host("10.0.0.7") == "127.0.0.1"
+    assert RouterSpec(labels={"pdc-host": "b"}).bind_host("10.0.0.7") == "10.0.0.7"
+    assert RouterSpec(labels={"pdc-host": "b"}, host="0.0.0.0").bind_host("10.0.0.7") == "0.0.0.0"
+
+
 def test_p2d2_tiny_cpu():
     spec = load_spec(DEPLOY / "p2d2-tiny-cpu.yaml")
     assert (spec.prefill.instances, spec.decode.instances) == (2, 2)
