@@ -66,12 +66,21 @@ def _out(path: Path) -> Path:
 
 
 def _show(a: argparse.Namespace, run: Run) -> None:
+    from pdcluster.router.attribution import attribute
     from pdcluster.router.timeline_views import format_waterfall
 
     if a.width is not None and a.width < MIN_WIDTH:
         _fail(f"--width {a.width}: at least {MIN_WIDTH} characters (the phase, where and times take 42)")
+    request_id = a.request_id
+    if request_id is None:  # the window's slowest first token
+        picked = _window(a, run)
+        timed = [(attribute(r).ttft_ns, r.request_id) for r in picked.records if attribute(r).ttft_ns is not None]
+        if not timed:
+            _fail(f"no request of run {run.meta.run_id} in that window reached its first token: name one")
+        request_id = max(timed)[1]
+        print(f"the slowest first token in the window: {request_id}")
     width = a.width or shutil.get_terminal_size((100, 24)).columns  # the bars use what the terminal has
-    print(format_waterfall(run, a.request_id, width=width))
+    print(format_waterfall(run, request_id, width=width))
 
 
 def _export(a: argparse.Namespace, run: Run) -> None:
@@ -105,9 +114,10 @@ def add_timeline_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run directory (meta.json + requests.jsonl)")
     _window_flags(p)
     p.set_defaults(fn=_guarded(_summary))
-    p = sub.add_parser("show", help="one request's waterfall")
+    p = sub.add_parser("show", help="one request's waterfall (default: the window's slowest first token)")
     p.add_argument("run", help="run directory")
-    p.add_argument("request_id")
+    p.add_argument("request_id", nargs="?", help="the request (default: the slowest TTFT in --phase's window)")
+    _window_flags(p)
     p.add_argument("--width", type=int, default=None, help="line width in characters (default: the terminal's)")
     p.set_defaults(fn=_guarded(_show))
     p = sub.add_parser("export", help="write a Chrome/Perfetto trace (open in ui.perfetto.dev)")

@@ -94,3 +94,14 @@ def test_the_summary_says_its_window_and_lists_the_slowest_requests(tmp_path, ca
         with pytest.raises(SystemExit) as err:
             cli("summary", str(tmp_path / "run"), *argv)
         assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_show_without_a_request_draws_the_windows_slowest(tmp_path, capsys):
+    replay_run(tmp_path)
+    cli("show", str(tmp_path / "run"), "--width", "80")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("window: the formal phase")
+    assert out[1] == "the slowest first token in the window: cmpl-bench-0a1b2c3d-formal-5"  # 43 ms
+    assert out[2].startswith("request cmpl-bench-0a1b2c3d-formal-5:")
+    cli("show", str(tmp_path / "run"), "--phase", "seed", "--width", "80")
+    assert "slowest first token in the window: cmpl-bench-0a1b2c3d-seed-0" in capsys.readouterr().out
