@@ -132,16 +132,21 @@ def test_a_fit_of_this_run_predicts_another_load_within_the_stated_tolerance(clu
 def test_the_timeline_summary_reads_the_replays_formal_window_and_gives_its_ttft(bench, capsys):
     """Issue 28 item 2: `pdc timeline summary RUN` (what the demo suggests after its replay) on
     the cluster's run directory, which holds other modules' requests too: the formal window of
-    this replay (the last), the same server TTFT as the replay's own breakdown."""
+    this replay, the same server TTFT as the replay's own breakdown."""
     from pdcluster.cluster.cli import main
     from pdcluster.cluster.replay.outputs import format_phase_breakdown
 
     joined = [bench.timelines[r.request_id] for r in bench.results if r.phase == "formal"]
     replay_ms = float(format_phase_breakdown(joined).split("TTFT (server)")[1].split()[0])
     capsys.readouterr()
-    main(["timeline", "summary", _run_dir(bench)])
+    from pdcluster.proto.load_phases import replay_of
+
+    # The run holds this module's other replays (the fit's) and other modules' requests: name
+    # this replay (the default reads the last one).
+    replay = replay_of(bench.results[0].request_id)
+    main(["timeline", "summary", _run_dir(bench), "--replay", replay])
     out = capsys.readouterr().out
-    assert out.startswith("window: the formal phase") and "(8 of " in out.splitlines()[0]
+    assert out.startswith(f"window: the formal phase of replay {replay}") and "(8 of " in out.splitlines()[0]
     ttft_row = next(ln for ln in out.splitlines() if ln.split()[:1] == ["TTFT"] and "critical" not in ln).split()
     assert ttft_row[1] == "8" and abs(float(ttft_row[2]) - replay_ms) < 0.01, (ttft_row, replay_ms)
 
