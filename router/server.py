@@ -22,6 +22,7 @@ from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.http_protocol import bounded_http, connection_cap
+from pdcluster.router.instance_memory import recall_instances, remember_instances
 from pdcluster.router.pd_dispatch import Instance, PDDispatcher
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefill_cost import FittedCost, PrefillCost
@@ -68,28 +69,6 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as err:
             raise RuntimeError(f"router.port {port} on {host} is not free: {err.strerror}") from None
-
-
-def _instances_key(spec: ClusterSpec) -> bytes:
-    return f"pdc-instances/{spec.name}".encode()
-
-
-def remember_instances(spec: ClusterSpec, infos: list[InstanceInfo]) -> None:
-    """Keep the cluster's instances where a router Ray restarts finds them (Ray's internal KV,
-    in the GCS): the launcher that handed them over may be long gone."""
-    import msgspec
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(_instances_key(spec), msgspec.json.encode(infos), overwrite=True, namespace=NAMESPACE)
-
-
-def recall_instances(spec: ClusterSpec) -> list[InstanceInfo]:
-    import msgspec
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    data = _internal_kv_get(_instances_key(spec), namespace=NAMESPACE)
-    assert data is not None, f"no instances kept for cluster {spec.name}: a router restarted before any started"
-    return msgspec.json.decode(data, type=list[InstanceInfo])
 
 
 class RouterActor:
