@@ -75,8 +75,10 @@ def test_the_commands_exit_2_naming_the_flag(argv, capsys, tmp_path):
 
 
 def test_a_trace_arriving_at_once_is_sent_at_once(tmp_path):
-    """64 requests with one timestamp: 64 in flight at the server, not the old silent 8."""
-    state = FakeServerState(delay_s=0.05)
+    """64 requests with one timestamp: 64 in flight at the server, not the old silent 8. Each
+    answers after 0.5 s, longer than sending all 64 takes even on a loaded machine (at 0.05 s
+    one had answered before the last was sent, in a clean-clone run)."""
+    state = FakeServerState(delay_s=0.5)
     cfg = dataclasses.replace(parse("--trace", trace_file(tmp_path, 64), "--engine-block-size", "128"),
                               out=None, seed_phase=False)
     with serve_fake(state) as url:

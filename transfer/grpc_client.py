@@ -259,7 +259,9 @@ class KvFetcher:
         if self._seal_key is not None:  # a new stream nonce, so a new key, for every stream
             request.seal = new_stream_nonce()
             seal = StreamSeal(self._seal_key, request.seal)
-        call = stub.ReadBlocks(request, timeout=max(0.01, deadline - time.monotonic()))
+        # wait_for_ready: a channel still reconnecting (P's host back from a cut: its backoff is at
+        # most 0.5 s) holds the call until it is up, within the deadline, instead of failing it.
+        call = stub.ReadBlocks(request, timeout=max(0.01, deadline - time.monotonic()), wait_for_ready=True)
         with self._lock:
             self._calls[job.request_id] = call
             if job.request_id in self._cancelled:  # cancelled before the call started
