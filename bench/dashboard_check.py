@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,13 +25,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from pdcluster.bench.wrk_load import free_port, wait_http
+
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     conf["global"]["scrape_interval"] = conf["global"]["evaluation_interval"] = "1s"
     conf["scrape_configs"][0]["static_configs"] = [{"targets": [a.router]}]
     panels = json.loads((DEPLOY / "grafana" / "pdcluster-dashboard.json").read_text())["panels"]
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="pdc-prom-") as tmp:
         (Path(tmp) / "prometheus.yml").write_text(yaml.safe_dump(conf))
         prom = subprocess.Popen(["prometheus", f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
@@ -56,14 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                 stderr=open(Path(tmp) / "prometheus.log", "w"))
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{base}/-/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            wait_http(f"{base}/-/ready", 30, prom)  # 503 until its storage is up
             if a.load:
                 subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "bench", "run", "--base-url",
                                 f"http://{a.router}", "--preset", "c90-tiny", "--no-progress",
