@@ -181,9 +181,7 @@ class InstancePicker(Generic[I]):
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
             matched_d, _ = self._matched(decode, hashes, None)
-        p_views = [PrefillView(p.name, matched_p[p.name] if matched_p else 0, self._load[p.name].tokens,
-                               self._load[p.name].requests, self._load[p.name].seconds,
-                               self.cost.seconds(matched_p[p.name] if matched_p else 0, n)) for p in prefill]
+        p_views = self._prefill_views(prefill, matched_p, n)
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                               matched_d[d.name] if matched_d else 0) for d in decode]
         p_name = pick_prefill(self.policy, p_views, turn).name
@@ -213,10 +211,7 @@ class InstancePicker(Generic[I]):
         if self.lookup is not None:
             hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
             matched, pending = self._matched(decode, hashes, self.pending)
-        views = [PrefillView(d.name, matched[d.name] if matched else 0, self._load[d.name].tokens,
-                             self._load[d.name].requests, self._load[d.name].seconds,
-                             self.cost.seconds(matched[d.name] if matched else 0, n)) for d in decode]
-        view = pick_prefill(self.policy, views, turn)
+        view = pick_prefill(self.policy, self._prefill_views(decode, matched, n), turn)
         d = next(i for i in decode if i.name == view.name)
         local = decide(self.local, LocalView(n, view.matched_tokens, False, self._load[d.name].local, 0.0))
         route = Route(d, d, None, view.matched_tokens if matched else None, None, next(self._keys), view.prefill_s,
@@ -224,6 +219,13 @@ class InstancePicker(Generic[I]):
         if self.pending is not None:  # the next request of this prefix sees it on this D at once
             self.pending.add(d.name, route.key, hashes or [])
         return route
+
+    def _prefill_views(self, instances: list[I], matched: dict[str, int] | None, n: int) -> list[PrefillView]:
+        """What pick_prefill weighs of each instance that would prefill a prompt of n tokens: what
+        it holds of it, its queue, and the prompt's predicted time there."""
+        return [PrefillView(i.name, matched[i.name] if matched else 0, self._load[i.name].tokens,
+                            self._load[i.name].requests, self._load[i.name].seconds,
+                            self.cost.seconds(matched[i.name] if matched else 0, n)) for i in instances]
 
     def _matched(self, instances: list[I], hashes: list[RouterHash],
                  pending: PendingBlocks | None) -> tuple[dict[str, int], dict[str, int]]:

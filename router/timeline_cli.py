@@ -74,7 +74,8 @@ def _show(a: argparse.Namespace, run: Run) -> None:
     request_id = a.request_id
     if request_id is None:  # the window's slowest first token
         picked = _window(a, run)
-        timed = [(attribute(r).ttft_ns, r.request_id) for r in picked.records if attribute(r).ttft_ns is not None]
+        ttfts = ((attribute(r).ttft_ns, r.request_id) for r in picked.records)
+        timed = [(ns, rid) for ns, rid in ttfts if ns is not None]
         if not timed:
             _fail(f"no request of run {run.meta.run_id} in that window reached its first token: name one")
         request_id = max(timed)[1]
