@@ -88,12 +88,10 @@ def observations(run: Run, cost: CostModel, sim_clock: bool | None = None) -> Ob
     spec = run_spec(run)
     if sim_clock is None:
         sim_clock = spec.role_engine("decode").kind == "sim"
-    records = [r for r in run.records if r.error is None and "arrival" in r.events]
+    records = served(run)
     if not records:
         raise FitError(f"run {run.meta.run_id} has no successful request")
-    p_eng = spec.role_engine("prefill")
-    threshold = int(p_eng.extra.get("long_prefill_token_threshold", 0))
-    chunk = min(p_eng.max_num_batched_tokens, threshold) if threshold else p_eng.max_num_batched_tokens
+    chunk = prefill_chunk(spec)
     prefills = _alone_prefills(records)
     kept = _spaced(prefills, MAX_PREFILLS)
     p_works = [_prefill_steps(cost, r.prompt_tokens - r.p_cached_tokens, r.p_cached_tokens, chunk) for r in kept]
@@ -110,6 +108,18 @@ def observations(run: Run, cost: CostModel, sim_clock: bool | None = None) -> Ob
     return Observations(StepWork.stack([w for ws in p_works for w in ws]), p_of, p_s,
                         StepWork.stack([cost.step_work((), g.contexts) for span in spans for g in span]), d_of, d_s,
                         len(prefills), len(gaps))
+
+
+def served(run: Run) -> list[RequestRecord]:
+    """The run's requests that arrived and succeeded: the ones whose steps say something."""
+    return [r for r in run.records if r.error is None and "arrival" in r.events]
+
+
+def prefill_chunk(spec: ClusterSpec) -> int:
+    """The most new tokens one of P's steps computes for a prompt (the budget, or vLLM's per-request cap)."""
+    p_eng = spec.role_engine("prefill")
+    threshold = int(p_eng.extra.get("long_prefill_token_threshold", 0))
+    return min(p_eng.max_num_batched_tokens, threshold) if threshold else p_eng.max_num_batched_tokens
 
 
 def _alone_prefills(records: list[RequestRecord]) -> list[RequestRecord]:

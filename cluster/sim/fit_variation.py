@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.fit import _alone_prefills, _decode_steps, _prefill_steps, run_spec
+from pdcluster.cluster.sim.fit import _alone_prefills, _decode_steps, _prefill_steps, prefill_chunk, run_spec, served
 from pdcluster.router.run_store import Run
 
 MAX_LAG = 32  # lags the drift is read over
@@ -83,7 +83,7 @@ def measure(run: Run, params: SimParams) -> MeasuredVariation:
     """The variation of the run's steps around `params` (the file fitted to it)."""
     spec = run_spec(run)
     cost = CostModel(params, spec.role_engine("decode").block_size)
-    records = [r for r in run.records if r.error is None and "arrival" in r.events]
+    records = served(run)
     by_request: dict[str, list[float]] = defaultdict(list)
     for g in _decode_steps(records, spec.role_engine("decode").kind == "sim"):
         by_request[g.request].append(np.log(g.seconds / cost.decode_step_s(g.contexts)))
@@ -95,9 +95,7 @@ def measure(run: Run, params: SimParams) -> MeasuredVariation:
     total_var = sd ** 2
     drift_var = min(drift_var, total_var)
 
-    p_eng = spec.role_engine("prefill")
-    threshold = int(p_eng.extra.get("long_prefill_token_threshold", 0))
-    chunk = min(p_eng.max_num_batched_tokens, threshold) if threshold else p_eng.max_num_batched_tokens
+    chunk = prefill_chunk(spec)
     scaled = []
     for r in _alone_prefills(records):
         steps = _prefill_steps(cost, r.prompt_tokens - r.p_cached_tokens, r.p_cached_tokens, chunk)
