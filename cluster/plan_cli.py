@@ -62,7 +62,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
 
     from pdcluster.cluster.replay.bench_cli import config_from_args, load_flags
     from pdcluster.cluster.sim.cost import SimParamsError
-    from pdcluster.cluster.sim.plan import Slo, decided_by, plan
+    from pdcluster.cluster.sim.plan import plan
+    from pdcluster.cluster.sim.plan_rank import decided_by
     from pdcluster.cluster.sim.plan_report import (
         answer_details,
         format_table,
@@ -73,6 +74,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
         twin_lines,
         write_outputs,
     )
+    from pdcluster.cluster.sim.plan_types import Slo
     from pdcluster.proto.router_spec import POLICIES
     from pdcluster.proto.spec import SpecError, load_spec
 

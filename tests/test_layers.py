@@ -19,6 +19,7 @@ ENGINE_MODULES = ("cluster/engine_actor.py", "cluster/engine_stats.py", "cluster
 NOT_ENGINE = {"cluster/sim/fit.py", "cluster/sim/fit_cli.py", "cluster/sim/fit_output.py", "cluster/sim/fit_variation.py",
               "cluster/sim/plan.py", "cluster/sim/plan_report.py",
               "cluster/sim/plan_anatomy.py", "cluster/sim/plan_headroom.py", "cluster/sim/plan_provenance.py",
+              "cluster/sim/plan_types.py", "cluster/sim/plan_rank.py",
               "cluster/sim/calibrate.py",
               "cluster/sim/seed002_fit.py"}  # planning tools kept beside the model
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from pdcluster.cluster.replay.run import BenchConfig
-from pdcluster.cluster.sim.plan import Slo, plan
+from pdcluster.cluster.sim.plan import plan
 from pdcluster.cluster.sim.plan_anatomy import Anatomy, _binds, _union_ns
 from pdcluster.cluster.sim.plan_headroom import headroom, scaled
+from pdcluster.cluster.sim.plan_types import Slo
 from pdcluster.proto.spec import load_spec
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -87,7 +88,8 @@ def test_a_configuration_that_misses_at_the_plans_load_searches_downwards(small_
 def test_conditional_disaggregation_is_swept_and_d_prefills_the_short_remainders(small_plan):
     """Issue 27 item 4: router.local_prefill in the sweep. The load's remainder (3,076 tokens past
     the 29K shared prefix) is under 8,192: once D holds a family, D prefills it itself."""
-    from pdcluster.cluster.sim.plan import Config, configure
+    from pdcluster.cluster.sim.plan import configure
+    from pdcluster.cluster.sim.plan_types import Config
 
     local = Config(3, 3, 16384, 16, "prefix_aware", None, 8192)
     spec = configure(small_plan.sim_base, local)

@@ -13,7 +13,9 @@ from chromium import chromium_page
 
 from pdcluster.cluster.cli import main
 from pdcluster.cluster.replay.run import BenchConfig
-from pdcluster.cluster.sim.plan import MISS, Config, Outcome, Slo, all_requests_percentile, pareto, rank
+from pdcluster.cluster.sim.plan import all_requests_percentile
+from pdcluster.cluster.sim.plan_rank import pareto, rank
+from pdcluster.cluster.sim.plan_types import MISS, Config, Outcome, Slo
 from pdcluster.proto.spec import load_spec
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -58,8 +60,8 @@ def test_percentiles_are_over_every_request_a_refused_one_a_miss(values, q, want
 def test_a_miss_reads_as_such_in_the_table_and_as_null_in_the_json():
     import math
 
-    from pdcluster.cluster.sim.plan import Plan
     from pdcluster.cluster.sim.plan_report import format_table, to_json
+    from pdcluster.cluster.sim.plan_types import Plan
 
     p = Plan(Slo(ttft_s=1.0, tpot_s=0.006), 8, "c90", [outcome(4, 1.4, 0.006, 0.6, True),
                                                        outcome(6, MISS, MISS, 0.1, False, failed=40)])
@@ -72,7 +74,8 @@ def test_a_miss_reads_as_such_in_the_table_and_as_null_in_the_json():
 def test_goodputs_within_1_percent_are_equal_and_the_lower_ttft_goes_first():
     """On a trace the first row had goodput 0.18021 and TTFT 2,459 ms, the second 0.18015 and
     2,376 ms: a goodput difference below what the model can tell decided, and was said to be TTFT."""
-    from pdcluster.cluster.sim.plan import Plan, decided_by
+    from pdcluster.cluster.sim.plan_rank import decided_by
+    from pdcluster.cluster.sim.plan_types import Plan
 
     slow, fast = outcome(4, 2.459, 0.0102, 0.18021, True), outcome(5, 2.376, 0.0105, 0.18015, True)
     ranked = rank([slow, fast])
@@ -85,8 +88,9 @@ def test_goodputs_within_1_percent_are_equal_and_the_lower_ttft_goes_first():
 
 def test_equal_results_are_a_tie_and_the_plan_says_nothing_decided():
     """Issue 27 item 5: the C90 preset's first seven rows were equal to the last digit."""
-    from pdcluster.cluster.sim.plan import Plan, decided_by
+    from pdcluster.cluster.sim.plan_rank import decided_by
     from pdcluster.cluster.sim.plan_report import format_table, to_json
+    from pdcluster.cluster.sim.plan_types import Plan
 
     slo = Slo(ttft_s=2.0, tpot_s=0.006)
     first, same, within = outcome(8, 1.67, 0.0052, 0.345, True), outcome(8, 1.67, 0.0052, 0.345, True), \
@@ -108,7 +112,8 @@ def test_equal_results_are_a_tie_and_the_plan_says_nothing_decided():
     (outcome(6, 1.671, 0.0060, 0.345, True), "TPOT p90 differs: 5.20 ms against the next's 6.00 ms"),
 ])
 def test_the_plan_says_what_decided_between_the_first_two(second, says):
-    from pdcluster.cluster.sim.plan import Plan, decided_by
+    from pdcluster.cluster.sim.plan_rank import decided_by
+    from pdcluster.cluster.sim.plan_types import Plan
 
     p = Plan(Slo(ttft_s=2.0, tpot_s=0.006), 16, "c90", [outcome(8, 1.67, 0.0052, 0.345, True), second])
     assert says in decided_by(p)
@@ -261,8 +266,8 @@ def test_the_html_is_self_contained_and_renders_with_the_chosen_one_marked(plann
 
 
 def test_the_front_is_drawn_among_the_configurations_that_met_the_slo():
-    from pdcluster.cluster.sim.plan import Plan
     from pdcluster.cluster.sim.plan_report import _svg
+    from pdcluster.cluster.sim.plan_types import Plan
 
     met_fast, met_slow = outcome(4, 1.0, 0.005, 0.6, True), outcome(5, 1.5, 0.004, 0.5, True)
     missed = outcome(6, 0.5, 0.003, 0.7, False)  # beats both: the front over every point would start there
@@ -366,9 +371,9 @@ def test_no_twin_skips_it(tmp_path):
 
 
 def test_the_error_band_is_where_the_real_figure_falls_if_the_model_errs_as_when_checked():
-    from pdcluster.cluster.sim.plan import Plan
     from pdcluster.cluster.sim.plan_provenance import Provenance
     from pdcluster.cluster.sim.plan_report import band_text, real_band
+    from pdcluster.cluster.sim.plan_types import Plan
     from pdcluster.cluster.sim.sim_params import ErrorBand
 
     band = ErrorBand(source="a check", ttft=(-0.5, 0.25), tpot=(0.0, 0.0), e2e=(-0.1, 0.1))

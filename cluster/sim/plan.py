@@ -33,115 +33,18 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pdcluster.cluster.replay.metrics import per_request, percentile
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
-from pdcluster.cluster.sim.plan_anatomy import Anatomy, anatomy
+from pdcluster.cluster.sim.plan_anatomy import anatomy
 from pdcluster.cluster.sim.plan_provenance import Provenance, describe_load
+from pdcluster.cluster.sim.plan_rank import rank
+from pdcluster.cluster.sim.plan_types import MISS, Config, Outcome, Plan, Slo
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
 from pdcluster.proto.router_spec import POLICIES, AdmissionSpec
 from pdcluster.proto.spec import ClusterSpec
-
-MISS = math.inf  # a refused or failed request's TTFT and TPOT: it missed any bound
-# Bounds outside these are taken for a unit mistake (seconds given as ms, or the reverse), not an SLO.
-PLAUSIBLE_TTFT_MS, PLAUSIBLE_TPOT_MS = (1.0, 600_000.0), (0.1, 2_000.0)
-
-
-def pname(q: int) -> str:
-    return f"p{q}"
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    percentile: int = 90  # 1..99: the bounds hold for this share of all requests sent
-    min_throughput: float | None = None  # formal requests/s over the whole cluster
-
-    def __post_init__(self):
-        if not 1 <= self.percentile <= 99:
-            raise ValueError(f"--slo-percentile {self.percentile}: a percentile from 1 to 99")
-        if self.ttft_s is None and self.tpot_s is None and self.min_throughput is None:
-            raise ValueError("no SLO: give --slo-ttft-ms, --slo-tpot-ms (or --goodput ttft:MS tpot:MS) "
-                             "and/or --min-throughput")
-        for name, v, (lo, hi) in (("TTFT", self.ttft_s, PLAUSIBLE_TTFT_MS), ("TPOT", self.tpot_s, PLAUSIBLE_TPOT_MS)):
-            if v is not None and not lo <= v * 1e3 <= hi:
-                ms = v * 1e3
-                raise ValueError(f"a {name} bound of {f'{ms:,.0f}' if ms >= 100 else f'{ms:g}'} ms is implausible "
-                                 f"({lo:g} to {hi:,.0f} ms): "
-                                 f"the SLO flags take milliseconds (--slo-{name.lower()}-ms, --goodput "
-                                 f"{name.lower()}:MS)")
-        if self.min_throughput is not None and not self.min_throughput > 0:
-            raise ValueError(f"--min-throughput {self.min_throughput:g}: requests per second, above 0")
-
-
-@dataclass(frozen=True)
-class Config:
-    prefill: int
-    decode: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    policy: str
-    max_in_flight: int | None  # the router's admission cap; None: the spec's
-    # Conditional disaggregation: D prefills a request itself when at most this many of its prompt
-    # tokens are not in D's cache (router.local_prefill short_remainder); 0: never; None: the spec's.
-    local_prefill: int | None = None
-
-    @property
-    def colocated(self) -> bool:
-        """No P: every instance prefills and decodes (no disaggregation, the baseline)."""
-        return self.prefill == 0
-
-    @property
-    def label(self) -> str:
-        cap = f", cap {self.max_in_flight}" if self.max_in_flight else ""
-        local = (", no disaggregation" if self.colocated else "" if self.local_prefill is None else
-                 ", D never prefills" if self.local_prefill == 0 else f", D prefills <= {self.local_prefill}")
-        return (f"P{self.prefill}D{self.decode}, budget {self.max_num_batched_tokens}, "
-                f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    config: Config
-    ttft_s: float | None  # at the SLO's percentile
-    tpot_s: float | None
-    e2e_mean_s: float | None
-    throughput: float  # successful formal requests per second
-    goodput_per_device: float  # formal requests meeting the latency SLO, per second, per device
-    slo_met: bool
-    failed: int  # formal requests refused (429) or failed
-    hit_ratio: float | None
-    virtual_s: float
-    wall_s: float
-    anatomy: Anatomy | None = None  # where its time goes, what binds it (plan_anatomy.py)
-
-    @property
-    def measured(self) -> bool:
-        """Both percentiles known and on served requests (neither None nor MISS): a point to plot."""
-        return self.ttft_s is not None and self.tpot_s is not None and MISS not in (self.ttft_s, self.tpot_s)
-
-
-@dataclass
-class Plan:
-    slo: Slo
-    devices: int
-    workload: str
-    outcomes: list[Outcome] = field(default_factory=list)  # ranked, best first
-    provenance: Provenance | None = None  # None: a plan made by hand (tests)
-    sim_base: ClusterSpec | None = None  # the base spec as simulated: each configuration is configure(sim_base, c)
-    rerun_flags: list[str] = field(default_factory=list)  # the load's flags, for `pdc sim run` (plan_report)
-    cfg: BenchConfig | None = None  # the load (plan_headroom scales it)
-    vocab: int | None = None  # the prompts' vocabulary
-    headrooms: dict = field(default_factory=dict)  # Config -> plan_headroom.Headroom, for those searched
-    twin: Plan | None = None  # the same sweep on the parameter file's calibrated twin (Provenance.calibrated_twin)
-
-    @property
-    def chosen(self) -> Outcome:
-        return self.outcomes[0]
 
 
 def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
@@ -233,89 +136,6 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
     return Outcome(config, ttft, tpot, s.stats["E2EL"].avg, throughput, good / duration / devices, met,
                    s.total_requests - s.success_requests, s.measured_hit_ratio, run.virtual_s, run.wall_s,
                    anatomy(run))
-
-
-def pareto(outcomes: list[Outcome]) -> list[Outcome]:
-    """The configurations no other beats on both TTFT and TPOT, by TTFT."""
-    pts = sorted((o for o in outcomes if o.measured), key=lambda o: (o.ttft_s, o.tpot_s))
-    front, best_tpot = [], float("inf")
-    for o in pts:
-        if o.tpot_s < best_tpot:
-            front.append(o)
-            best_tpot = o.tpot_s
-    return front
-
-
-def rank(outcomes: Sequence[Outcome]) -> list[Outcome]:
-    """Best first (module docstring): by the SLO, serving everyone, then goodput per device, where
-    goodputs within TIE_REL of their group's best are equal (goodput_groups) and the lower TTFT
-    goes first; equal keys keep the sweep's order."""
-    groups = goodput_groups(outcomes)
-    return sorted(outcomes, key=lambda o: (groups[id(o)], o.ttft_s if o.ttft_s is not None else float("inf")))
-
-
-# Figures closer than this are equal: the virtual clock is exact, but a 1% difference is below what
-# its cost model can tell (docs/sim.md "Validation against real engines").
-TIE_REL = 0.01
-
-
-def _verdict(o: Outcome) -> tuple[bool, bool]:
-    return not o.slo_met, o.failed > 0
-
-
-def goodput_groups(outcomes: Sequence[Outcome]) -> dict[int, int]:
-    """id(outcome) -> its group, best first: the same verdicts (SLO met, everyone served) and a
-    goodput per device within TIE_REL of the group's highest. A function of the set alone."""
-    groups: dict[int, int] = {}
-    top, g = None, -1
-    for o in sorted(outcomes, key=lambda o: (_verdict(o), -o.goodput_per_device)):
-        if top is None or _verdict(o) != _verdict(top) or not _close(o.goodput_per_device, top.goodput_per_device):
-            top, g = o, g + 1
-        groups[id(o)] = g
-    return groups
-
-
-def _close(a: float | None, b: float | None) -> bool:
-    if a is None or b is None or MISS in (a, b):
-        return a == b
-    return abs(a - b) <= TIE_REL * max(abs(a), abs(b))
-
-
-def tied(a: Outcome, b: Outcome) -> bool:
-    """Nothing measured tells a and b apart: the same verdicts, and goodput, TTFT and TPOT within TIE_REL."""
-    return (_verdict(a) == _verdict(b) and _close(a.goodput_per_device, b.goodput_per_device)
-            and _close(a.ttft_s, b.ttft_s) and _close(a.tpot_s, b.tpot_s))
-
-
-def decided_by(p: Plan) -> str:
-    """What put the chosen configuration ahead of the next, in words (issue 27 item 5)."""
-    if len(p.outcomes) < 2:
-        return "the only configuration"
-    a, b = p.outcomes[0], p.outcomes[1]
-    q = pname(p.slo.percentile)
-    if tied(a, b):
-        n = sum(tied(a, o) for o in p.outcomes[1:])
-        equal = a.ttft_s == b.ttft_s
-        return (f"nothing: {n} other{'s' if n > 1 else ''} within {TIE_REL:.0%} on goodput, TTFT {q} and TPOT {q} "
-                f"(marked = in the table); " + ("equal, the first swept was taken" if equal else
-                                               f"first by a TTFT {q} lower by less than that ({a.ttft_s * 1e3:.6g} "
-                                               f"against {b.ttft_s * 1e3:.6g} ms)"))
-    if a.slo_met != b.slo_met:
-        return "the SLO: the next misses it"
-    if (a.failed > 0) != (b.failed > 0):
-        return f"serving every request: the next refused or failed {b.failed}"
-    groups = goodput_groups(p.outcomes)
-    if groups[id(a)] != groups[id(b)]:
-        return f"goodput per device: {a.goodput_per_device:.3f} against the next's {b.goodput_per_device:.3f} req/s"
-    if not _close(a.ttft_s, b.ttft_s):
-        return f"TTFT {q}, goodput within {TIE_REL:.0%}: {_ms(a.ttft_s)} against the next's {_ms(b.ttft_s)}"
-    return (f"nothing the ranking reads (goodput and TTFT {q} within {TIE_REL:.0%}); TPOT {q} differs: "
-            f"{_ms(a.tpot_s, 2)} against the next's {_ms(b.tpot_s, 2)}")
-
-
-def _ms(v: float | None, digits: int = 0) -> str:
-    return "none" if v is None else "a miss" if v == MISS else f"{v * 1e3:,.{digits}f} ms"
-
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
          grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcluster.cluster.replay.run import BenchConfig, build_workload
-from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, Slo, configure, evaluate, pname
+from pdcluster.cluster.sim.plan import configure, evaluate
+from pdcluster.cluster.sim.plan_types import MISS, Outcome, Plan, Slo, pname
 from pdcluster.cluster.sim.virtual.run import simulate
 
 MAX_FACTOR = 64.0

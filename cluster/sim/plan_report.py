@@ -11,7 +11,8 @@ import json
 import math
 from pathlib import Path
 
-from pdcluster.cluster.sim.plan import MISS, Outcome, Plan, decided_by, pareto, pname, tied
+from pdcluster.cluster.sim.plan_rank import decided_by, pareto, tied
+from pdcluster.cluster.sim.plan_types import MISS, Outcome, Plan, pname
 
 
 def _ms(v: float | None) -> str:
