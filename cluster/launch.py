@@ -47,7 +47,8 @@ def prefill_cost(spec) -> PrefillCost:
     router process; the virtual clock's router takes it too."""
     eng = spec.role_engine("prefill")
     if eng.kind == "sim":
-        return ModelledCost(CostModel(SimParams.load(spec.sim.params), eng.block_size), eng.max_num_batched_tokens)
+        cost = CostModel(SimParams.load(spec.sim.params), eng.block_size, spec.sim.devices_per_instance)
+        return ModelledCost(cost, eng.max_num_batched_tokens)
     return FittedCost()
 
 

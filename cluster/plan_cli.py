@@ -110,14 +110,17 @@ def _cmd_plan(a: argparse.Namespace) -> None:
 
         shown_spec = (_shown(a.target) + " (the target)" if a.target else
                       "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec)
+        degrees = sorted(set(_list(a.devices_per_instance, int, "--devices-per-instance")))
+        if not degrees:
+            _fail(f"--devices-per-instance {a.devices_per_instance!r}: one or more degrees, e.g. 1,2,4")
         result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec,
-                      note=note)
+                      note=note, degrees=degrees)
         twin = result.provenance.calibrated_twin if result.provenance and not a.no_twin else None
         if twin:  # issue 27 item 2: the model fitted to the users' measurements answers beside it
             bar.reset()
             bar.set_description(f"configurations ({twin})")
             result.twin = plan(base, twin, a.devices, cfg, slo, workload, grid or None, progress,
-                               base_spec=shown_spec, note=note)
+                               base_spec=shown_spec, note=note, degrees=degrees)
     except (SpecError, SimParamsError, ValueError, OSError) as err:
         _fail(str(err))
     finally:
@@ -263,7 +266,10 @@ def add_plan_command(subparsers) -> None:
 
     p = subparsers.add_parser("plan", help="pick a P:D split and settings for an SLO on the virtual clock")
     p.add_argument("params", help="cost-model parameter file (a shipped name, a path, or a pdc sim fit output)")
-    p.add_argument("--devices", type=int, required=True, help="devices to split between P and D (one per instance)")
+    p.add_argument("--devices", type=int, required=True, help="devices to split between P and D")
+    p.add_argument("--devices-per-instance", default="1",
+                   help="tensor parallel degrees to sweep, e.g. 1,2,4 (each one the parameter file's parallel "
+                        "section prices; default 1: one device per instance)")
     p.add_argument("--spec", default=str(DEFAULT_SPEC), help="the base cluster spec (default deploy/p8d8-sim.yaml)")
     add_load_arguments(p)
     s = p.add_argument_group("SLO")

@@ -217,6 +217,8 @@ class SimSpec(_Strict):
     # requests fit in this machine's memory; the modelled transfer time uses the full size.
     payload_scale: int = Field(1024, ge=1, description="modelled state bytes per byte moved")
     kv_blocks: int | None = Field(None, gt=0, description="KV blocks per instance; default: the params file's")
+    devices_per_instance: int = Field(1, ge=1, description="devices one instance runs on (tensor parallel); "
+                                                            "a degree the params file's parallel section prices")
 
 
 class NetworkSpec(_Strict):

@@ -33,6 +33,12 @@ and the field. `CostModel(params, block_size)` answers the engine's questions:
   holds, one block counting every full and compressed component (window and
   state components are per request, a few blocks each, and not counted).
 
+An instance of several devices (`devices`, tensor parallel; params `parallel`): the matmuls and
+attention split over them at the degree's efficiency, each device reads 1/t of the weights and its
+share of the KV (all of it when the KV is not sharded), every layer adds its all-reduces of the
+step's hidden states, KV memory is the devices' (less the weights' share each frees), and KV moves
+over every device's port. At one device every figure is the file's, to the bit.
+
 Pure Python: no engine, no device. What is modelled and what is not, and the
 calibration against measured figures: docs/sim.md.
 """
@@ -151,6 +157,7 @@ class StepWork:
     decode: bool | np.ndarray = False  # it decodes (the decode overhead)
     decode_requests: float | np.ndarray = 0.0  # decode-shaped requests in it (the per-request overhead)
     speculative: bool | np.ndarray = False  # decode only, with speculation: an iteration / accept_length
+    tokens: float | np.ndarray = 0.0  # tokens through the layers (new and decode): the all-reduces' size
 
     @staticmethod
     def stack(works: Sequence[StepWork]) -> StepWork:
@@ -160,12 +167,19 @@ class StepWork:
 
 
 class CostModel:
-    """Step times, state sizes and transfer times from one parameter file and the engine's block size."""
+    """Step times, state sizes and transfer times from one parameter file and the engine's block
+    size, for an instance of `devices` devices (a degree the file's `parallel` section prices)."""
 
-    def __init__(self, params: SimParams, block_size: int):
+    def __init__(self, params: SimParams, block_size: int, devices: int = 1):
         assert block_size > 0, f"block_size {block_size}: must be positive"
+        params.check_degree(devices)
         self.params = params
         self.block_size = block_size
+        self.devices = devices
+        par = params.parallel
+        # Divisors of the compute, the KV read and the weights' read; all 1 on one device (exact).
+        self._compute_split = devices * par.efficiency[devices] if par else 1
+        self._kv_split = devices if par and par.kv_sharded else 1
         self.components: tuple[Component, ...] = tuple(self._component(c) for c in params.model.components)
         self._per_block_bytes = sum(c.bytes_per_block for c in self.components if c.kind in ("full", "compressed"))
 
@@ -239,17 +253,23 @@ class CostModel:
         p = self.params
         compute_s = (work.gemm_flops / (p.device.gemm_flops * p.efficiency.gemm)
                      + work.attention_self_flops / (p.device.attention_flops * p.efficiency.attention)
-                     + work.attention_history_flops / (p.device.attention_flops * p.efficiency.attention_history))
+                     + work.attention_history_flops / (p.device.attention_flops * p.efficiency.attention_history)
+                     ) / self._compute_split
         # Every forward reads the weights: a step of a few prefill tokens (D's recompute of the
         # last prompt token) is bandwidth-bound like a decode step.
-        memory_s = ((p.model.weight_bytes_per_step + work.decode_read_bytes)
+        memory_s = ((p.model.weight_bytes_per_step / self.devices + work.decode_read_bytes / self._kv_split)
                     / (p.device.hbm_bytes_per_s * p.efficiency.memory_bandwidth))
-        context_read_s = work.context_read_bytes / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read)
+        context_read_s = (work.context_read_bytes / self._kv_split
+                          / (p.device.hbm_bytes_per_s * p.efficiency.prefill_kv_read))
         overhead_s = (_maximum(_where(work.prefill, p.overheads.prefill_step_s, 0.0),
                                _where(work.decode, p.overheads.decode_step_s, 0.0))
                       + p.overheads.decode_request_s * work.decode_requests)
         device_s = _maximum(compute_s, memory_s)
         seconds = overhead_s + _maximum(0.0, device_s - p.overheads.hidden_device_s) + context_read_s
+        if self.devices > 1:  # a ring all-reduce moves 2 (t - 1) / t of the data through each device
+            par, t = p.parallel, self.devices
+            seconds = seconds + p.model.layers * par.collectives_per_layer * (
+                par.collective_latency_s + 2 * (t - 1) / t * work.tokens * par.hidden_bytes / par.collective_bytes_per_s)
         spec = p.decode.speculative
         if spec is None or not _any(work.speculative):
             return seconds
@@ -284,7 +304,7 @@ class CostModel:
         gemm = 2 * m.body_params * (new_tokens + decode_tokens) + 2 * m.lm_head_params * (len(chunks) + decode_tokens)
         return StepWork(gemm, self_flops, history_flops, context_bytes, decode_bytes, prefill=bool(chunks),
                         decode=bool(len(context_lens)), decode_requests=float(len(context_lens)),
-                        speculative=speculative)
+                        speculative=speculative, tokens=float(new_tokens + decode_tokens))
 
     # -- state and transfer --
 
@@ -322,11 +342,15 @@ class CostModel:
         return tuple(range(last - counts[c.name] + 1, last + 1) for c in self.components)
 
     def transfer_s(self, nbytes: int) -> float:
-        """Link latency + bytes / bandwidth."""
+        """Link latency + bytes / bandwidth (the link is each device's: t devices, t ports)."""
         assert nbytes >= 0, f"transfer of {nbytes} bytes"
-        return self.params.link.latency_s + nbytes / self.params.link.bytes_per_s
+        return self.params.link.latency_s + nbytes / (self.params.link.bytes_per_s * self.devices)
 
     def kv_capacity_blocks(self) -> int:
         """Blocks per instance the device's KV memory holds (one block: every full and compressed component)."""
         assert self._per_block_bytes > 0, f"{self.params.name}: no full or compressed component to size blocks by"
-        return int(self.params.device.kv_cache_bytes // self._per_block_bytes)
+        kv_bytes = self.params.device.kv_cache_bytes
+        if self.devices > 1:  # each device frees its share of the weights; holds 1/t of the KV, or all of it
+            t, par = self.devices, self.params.parallel
+            kv_bytes = (kv_bytes + par.weight_memory_bytes * (1 - 1 / t)) * self._kv_split
+        return int(kv_bytes // self._per_block_bytes)

@@ -78,7 +78,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         eng = spec.role_engine(role)
         self.name = f"{role}-{index}"
         self.engine_id = f"{spec.name}-{self.name}"
-        self.cost = CostModel(SimParams.load(spec.sim.params), eng.block_size)
+        self.cost = CostModel(SimParams.load(spec.sim.params), eng.block_size, spec.sim.devices_per_instance)
         components = self.cost.components
         num_blocks = (spec.sim.kv_blocks or self.cost.kv_capacity_blocks()) + 1  # + vLLM's null block
         vocab, eos = model_vocab(spec.model.path)

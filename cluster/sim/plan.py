@@ -1,9 +1,10 @@
 """`pdc plan`: pick a P:D split and its settings for an SLO, on the virtual clock (issue 18 item 5).
 
-Given a base cluster spec and a parameter file, a device budget (one device per instance), a
+Given a base cluster spec and a parameter file, a device budget (one device per instance, or as
+many as `--devices-per-instance` says: tensor parallel degrees the parameter file prices), a
 load and SLOs, every configuration tried is one `simulate` run of the whole load (the load is
 built and its prompts hashed once for all of them). What is swept:
-- the split: P from 1 to devices - 1, D the rest (by default every other P first, then the
+- the split: P from 1 to instances - 1, D the rest (by default every other P first, then the
   neighbours of the best of those: the whole range, one step apart, where it matters), and P0,
   no disaggregation: every device an instance that prefills and decodes its own requests
   (router.local_prefill always), the baseline each split is weighed against;
@@ -14,7 +15,7 @@ built and its prompts hashed once for all of them). What is swept:
   disaggregation (router.local_prefill: D prefills short remainders itself).
 By default the settings are varied one at a time (each at half and twice the spec's value, each
 other policy, caps at half and three quarters of the load's concurrency, D prefilling remainders
-of at most 2,048 or 8,192 tokens) on the best split, so a 16-device C90 plan is 20 runs; `--splits`, `--budgets` etc. name values to cross instead.
+of at most 2,048 or 8,192 tokens) on the best split of all degrees, so a 16-device C90 plan is 20 runs; `--splits`, `--budgets` etc. name values to cross instead.
 
 Every request sent counts (issue 27 item 3): the SLO's percentiles are over all formal requests,
 a refused (429) or failed one a miss (an infinite TTFT and TPOT), so a configuration that sheds
@@ -40,6 +41,7 @@ from pdcluster.cluster.sim.plan_anatomy import anatomy
 from pdcluster.cluster.sim.plan_provenance import Provenance, describe_load
 from pdcluster.cluster.sim.plan_rank import rank
 from pdcluster.cluster.sim.plan_types import MISS, Config, Outcome, Plan, Slo
+from pdcluster.cluster.sim.sim_params import SimParams
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
 from pdcluster.cluster.sim.virtual.run import VirtualRun, as_sim_spec, simulate
 from pdcluster.cluster.sim.vocab import spec_vocab
@@ -48,15 +50,21 @@ from pdcluster.proto.spec import ClusterSpec
 
 
 def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
-    """The base spec with a configuration's split and settings."""
+    """The base spec with a configuration's split and settings. Devices per instance: the simulated
+    engine's `sim.devices_per_instance`; for real engines vLLM's tensor_parallel_size and as many
+    GPUs or NPUs per instance (left as they are at one device)."""
     engine = base.engine.model_copy(update={"max_num_batched_tokens": c.max_num_batched_tokens,
                                             "max_num_seqs": c.max_num_seqs})
     roles = {}
     for role, n in (("prefill", c.prefill), ("decode", c.decode)):
         r = getattr(base, role)
         own = r.engine.model_copy(update={"max_num_batched_tokens": None, "max_num_seqs": None})
+        resources = {"cpu_bind": None}
+        if c.devices_per_instance > 1:
+            own = own.model_copy(update={"extra": {**own.extra, "tensor_parallel_size": c.devices_per_instance}})
+            resources |= {k: c.devices_per_instance for k in ("gpus", "npus") if getattr(r.resources, k)}
         roles[role] = r.model_copy(update={"instances": n, "engine": own, "resources": r.resources.model_copy(
-            update={"cpu_bind": None}), "placement": r.placement.model_copy(update={"per_instance": None})})
+            update=resources), "placement": r.placement.model_copy(update={"per_instance": None})})
     admission = base.router.admission
     if c.max_in_flight is not None:
         admission = AdmissionSpec(**{**admission.model_dump(), "max_in_flight": c.max_in_flight})
@@ -68,14 +76,17 @@ def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
     elif c.local_prefill is not None:
         local = local.model_copy(update={"policy": "short_remainder", "max_tokens": c.local_prefill})
     router = base.router.model_copy(update={"policy": c.policy, "admission": admission, "local_prefill": local})
+    sim = {} if base.sim is None else {"sim": base.sim.model_copy(
+        update={"devices_per_instance": c.devices_per_instance}).model_dump()}
     return type(base).model_validate({**base.model_dump(), "engine": engine.model_dump(),
-                                      **{k: v.model_dump() for k, v in roles.items()}, "router": router.model_dump()})
+                                      **{k: v.model_dump() for k, v in roles.items()}, "router": router.model_dump(),
+                                      **sim})
 
 
-def base_config(base: ClusterSpec, devices: int, prefill: int) -> Config:
+def base_config(base: ClusterSpec, instances: int, prefill: int, devices_per_instance: int = 1) -> Config:
     eng = base.role_engine("prefill")
-    return Config(prefill, devices - prefill, eng.max_num_batched_tokens, base.role_engine("decode").max_num_seqs,
-                  base.router.policy, None)
+    return Config(prefill, instances - prefill, eng.max_num_batched_tokens, base.role_engine("decode").max_num_seqs,
+                  base.router.policy, None, devices_per_instance=devices_per_instance)
 
 
 LOCAL_PREFILL_TOKENS = (2048, 8192)  # the default sweep's conditional disaggregation thresholds
@@ -139,13 +150,20 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
          grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,
-         base_spec: str = "<spec>", note: str | None = None) -> Plan:
+         base_spec: str = "<spec>", note: str | None = None, degrees: Sequence[int] = (1,)) -> Plan:
     """Sweep and rank. `grid`: explicit values ("splits" as P counts, "budgets", "max_seqs", "policies",
     "caps") crossed with each other; None: the default staged sweep (module docstring). `base_spec`:
-    where `base` came from, for the provenance."""
+    where `base` came from, for the provenance. `degrees`: devices per instance to try, each one
+    the parameter file prices (its `parallel` section) and `devices` divides into two instances or more."""
     if devices < 2:
         raise ValueError(f"--devices {devices}: a P/D cluster needs at least 2 devices")
     sim_base = as_sim_spec(base, params)
+    priced = SimParams.load(sim_base.sim.params)
+    for t in degrees:
+        priced.check_degree(t)
+        if devices % t or devices // t < 2:
+            raise ValueError(f"--devices-per-instance {t}: {devices} devices make no whole number of instances "
+                             f"of {t} devices, two or more")
     vocab, _ = spec_vocab(sim_base)
     requests = build_workload(cfg, cfg.vocab_size or vocab)
     prompts = PromptCache(sim_base.role_engine("prefill").block_size)
@@ -166,25 +184,36 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
                 on_run(len(done), total, out)
 
     if grid:
-        splits = grid.get("splits") or list(range(1, devices))
-        for p in splits:
-            if not 0 <= p < devices:
-                raise ValueError(f"--splits: P{p} leaves no D of {devices} devices (P0: no disaggregation)")
         b = base_config(sim_base, devices, 1)
-        configs = [Config(p, devices - p, budget, seqs, policy, cap, local)
-                   for p, budget, seqs, policy, cap, local in
-                   itertools.product(splits, grid.get("budgets") or [b.max_num_batched_tokens],
-                                     grid.get("max_seqs") or [b.max_num_seqs], grid.get("policies") or [b.policy],
-                                     grid.get("caps") or [None], grid.get("local_prefill") or [None])]
+        configs = []
+        for t in degrees:
+            n = devices // t
+            splits = grid.get("splits") or list(range(1, n))
+            for p in splits:
+                if not 0 <= p < n:
+                    raise ValueError(f"--splits: P{p} leaves no D of {n} instances of {t} device{'s' * (t > 1)} "
+                                     f"(P0: no disaggregation)")
+            configs += [Config(p, n - p, budget, seqs, policy, cap, local, t)
+                        for p, budget, seqs, policy, cap, local in
+                        itertools.product(splits, grid.get("budgets") or [b.max_num_batched_tokens],
+                                          grid.get("max_seqs") or [b.max_num_seqs], grid.get("policies") or [b.policy],
+                                          grid.get("caps") or [None], grid.get("local_prefill") or [None])]
         run_all(configs, len(configs))
     else:
-        coarse = list(range(1, devices, 2)) if devices > 4 else list(range(1, devices))
-        # P0 first: the baseline with no disaggregation, on the same devices.
-        splits = [base_config(sim_base, devices, p) for p in [0, *coarse]]
-        total = len(splits) + (2 if devices > 4 else 0) + len(variations(splits[1], cfg.max_concurrency))
-        run_all(splits, total)
-        best = rank(list(done.values()))[0].config.prefill
-        run_all([base_config(sim_base, devices, p) for p in (best - 1, best + 1) if 0 <= p < devices], total)
+        # Per degree: P0 first (the baseline with no disaggregation, on the same devices), every other
+        # split, then the neighbours of that degree's best; then the settings around the best of all.
+        firsts = {}
+        for t in degrees:
+            n = devices // t
+            coarse = list(range(1, n, 2)) if n > 4 else list(range(1, n))
+            firsts[t] = [base_config(sim_base, n, p, t) for p in [0, *coarse]]
+        total = (sum(len(f) + (2 if devices // t > 4 else 0) for t, f in firsts.items())
+                 + len(variations(firsts[degrees[0]][1], cfg.max_concurrency)))
+        for t, splits in firsts.items():
+            run_all(splits, total)
+            n = devices // t
+            best = rank([o for c, o in done.items() if c.devices_per_instance == t])[0].config.prefill
+            run_all([base_config(sim_base, n, p, t) for p in (best - 1, best + 1) if 0 <= p < n], total)
         best_config = rank(list(done.values()))[0].config
         run_all(variations(best_config, cfg.max_concurrency), total)
     result.outcomes = rank(list(done.values()))

@@ -28,7 +28,7 @@ def rows(p: Plan) -> list[list[str]]:
     for i, o in enumerate(p.outcomes, 1):
         c = o.config
         mark = "=" if i > 1 and tied(p.chosen, o) else ""  # nothing measured tells it from the chosen one
-        out.append([str(i), mark, f"{c.prefill}:{c.decode}", str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
+        out.append([str(i), mark, c.split, str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
                     str(c.max_in_flight or "-"), "-" if c.local_prefill is None else "never" if c.local_prefill == 0 else f"<= {c.local_prefill}", _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
                     f"{o.throughput:.2f}", f"{o.goodput_per_device:.3f}", str(o.failed),
                     "met" if o.slo_met else "missed"])
@@ -167,7 +167,7 @@ def _svg(p: Plan) -> str:
         cx, cy = x(c.ttft_s), y(c.tpot_s * 1e3)
         parts.append(f'<circle id="chosen" cx="{cx:.1f}" cy="{cy:.1f}" r="11" class="chosen"/>')
         parts.append(f'<text x="{cx + 14:.1f}" y="{cy - 10:.1f}" class="label">chosen: '
-                     f'P{c.config.prefill}:D{c.config.decode}</text>')
+                     f'P:D {c.config.split}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 

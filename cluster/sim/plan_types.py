@@ -55,6 +55,16 @@ class Config:
     # Conditional disaggregation: D prefills a request itself when at most this many of its prompt
     # tokens are not in D's cache (router.local_prefill short_remainder); 0: never; None: the spec's.
     local_prefill: int | None = None
+    devices_per_instance: int = 1  # tensor parallel degree: every instance, P and D, runs on this many
+
+    @property
+    def devices(self) -> int:
+        return (self.prefill + self.decode) * self.devices_per_instance
+
+    @property
+    def split(self) -> str:
+        """"P:D", and " xT" with T devices per instance."""
+        return f"{self.prefill}:{self.decode}" + (f" x{self.devices_per_instance}" if self.devices_per_instance > 1 else "")
 
     @property
     def colocated(self) -> bool:
@@ -66,7 +76,8 @@ class Config:
         cap = f", cap {self.max_in_flight}" if self.max_in_flight else ""
         local = (", no disaggregation" if self.colocated else "" if self.local_prefill is None else
                  ", D never prefills" if self.local_prefill == 0 else f", D prefills <= {self.local_prefill}")
-        return (f"P{self.prefill}D{self.decode}, budget {self.max_num_batched_tokens}, "
+        tp = f" x{self.devices_per_instance} devices" if self.devices_per_instance > 1 else ""
+        return (f"P{self.prefill}D{self.decode}{tp}, budget {self.max_num_batched_tokens}, "
                 f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdcluster.proto.spec import read_yaml
 
@@ -166,6 +166,35 @@ class Variation(_Strict):
     seed: int = Field(0, ge=0, description="with the instance's name, the draws' key")
 
 
+class Parallel(_Strict):
+    """How one instance's times scale with its devices (tensor parallel degree t: every layer's
+    weights and query heads split t ways, two all-reduces of the layer's hidden states per layer).
+    A file without it models one device per instance; with it, `pdc plan --devices-per-instance`
+    and `sim.devices_per_instance` may ask for any degree listed in `efficiency`. The `link` section
+    is one device's port: t devices move KV over t of them."""
+
+    efficiency: dict[int, float] = Field(description="degree -> the share of a t-fold speed-up the matmuls and "
+                                                     "attention keep on t devices (1: perfect); degree 1 must be 1.0")
+    collective_bytes_per_s: float = Field(gt=0, description="an all-reduce's bus bandwidth per device")
+    collective_latency_s: float = Field(ge=0, description="one all-reduce's fixed time")
+    collectives_per_layer: int = Field(2, ge=0, description="all-reduces per layer per step")
+    hidden_bytes: int = Field(gt=0, description="one token's hidden state in one all-reduce, bytes")
+    kv_sharded: bool = Field(description="each device holds 1/t of the KV (KV heads >= t); false: every device "
+                                         "holds all of it (one KV head, MQA/MLA), so t devices hold no more requests")
+    weight_memory_bytes: float = Field(ge=0, description="the weights' device memory at degree 1: t devices free "
+                                                          "(1 - 1/t) of it per device for KV")
+
+    @field_validator("efficiency")
+    @classmethod
+    def _degrees(cls, efficiency: dict[int, float]) -> dict[int, float]:
+        if efficiency.get(1) != 1.0:
+            raise ValueError("degree 1 must be listed, as 1.0 (the file's other numbers are its)")
+        for t, e in efficiency.items():
+            if t < 1 or not 0 < e <= 1:
+                raise ValueError(f"degree {t} -> {e}; degrees from 1, each a share in (0, 1]")
+        return efficiency
+
+
 class LinkSpec(_Strict):
     bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
@@ -228,7 +257,20 @@ class SimParams(_Strict):
     overheads: Overheads
     decode: DecodeSpec = DecodeSpec()
     variation: Variation = Variation()
+    parallel: Parallel | None = None  # None: one device per instance
     link: LinkSpec
+
+    @property
+    def degrees(self) -> list[int]:
+        """The devices per instance the file prices (its `parallel` section's degrees; else 1)."""
+        return sorted(self.parallel.efficiency) if self.parallel else [1]
+
+    def check_degree(self, devices: int) -> None:
+        """SimParamsError unless the file states how times scale to `devices` per instance."""
+        if devices not in self.degrees:
+            how = (f"its parallel section prices {', '.join(map(str, self.degrees))}" if self.parallel else
+                   "it has no parallel section: one device per instance")
+            raise SimParamsError(f"{self.name}: {devices} devices per instance: {how}")
 
     @classmethod
     def load(cls, path: str | Path) -> SimParams:

@@ -123,7 +123,7 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
                          f"({block_size}): its expected hits would be another cache's")
     prompts = prompts or PromptCache(block_size)
     loop = EventLoop()
-    cost = CostModel(SimParams.load(spec.sim.params), block_size)
+    cost = CostModel(SimParams.load(spec.sim.params), block_size, spec.sim.devices_per_instance)
     instances: dict[str, VirtualInstance] = {}
     kv = VirtualKv(loop, cost, spec.transfer.lease_s, release=lambda p, ids: instances[p].release(ids),
                    load_ended=lambda d, rid, err: instances[d].load_ended(rid, err))
