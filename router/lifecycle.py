@@ -337,9 +337,9 @@ class Lifecycle(Generic[I]):
             if route.local_prefill:
                 return self._fail(BackendError(f"decode on {route.decode.name} ended with {delta.finish_reason!r}: "
                                                f"D's own prefill of the request failed or D aborted it", 502))
+            why = f" ({delta.transfer.error})" if delta.transfer and delta.transfer.error else ""
             return self._fail(BackendError(f"decode on {route.decode.name} ended with {delta.finish_reason!r}: the KV "
-                                           f"transfer from {route.prefill.name} failed or D aborted the request", 502,
-                                           "kv_transfer_error"))
+                                           f"transfer from {route.prefill.name} failed or D aborted the request{why}", 502, "kv_transfer_error"))
         p_cached, moves = a.pre.p_cached_tokens if a.pre else 0, len(self.rec.migrations)
         if delta.finish_reason is not None:
             pd = pd_final(route, p_cached, delta, moves)

@@ -240,3 +240,29 @@ def test_idle_and_oversized_calls_without_the_secret_hold_nothing(make_p, stub_t
         assert call.exception(timeout=10).code() == grpc.StatusCode.UNIMPLEMENTED
     never.set()
     raw.close()
+
+
+def test_a_pull_whose_connection_died_before_any_kv_came_is_tried_once_more(make_p, make_d, monkeypatch):
+    """A ReadBlocks that ends UNAVAILABLE with nothing received (its connection died: a healed cut
+    leaves one for dead) is tried once more on a new connection; twice, and the load fails naming why."""
+    from pdcluster.transfer.grpc_server import KvTransferService
+
+    p = make_p()
+    real, calls = KvTransferService._read_blocks, []
+
+    def dies_first(self, request, context):
+        calls.append(request.transfer_id)
+        if calls.count(request.transfer_id) <= (2 if request.transfer_id == "twice" else 1):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        yield from real(self, request, context)
+    monkeypatch.setattr(KvTransferService, "_read_blocks", dies_first)
+    for tid in ("once", "twice"):
+        offer(p, tid, (2, 5, 7, 9))
+    d = make_d()
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (0, 1, 2, 3), transfer_id="once"))
+    r = wait_results(d.fetcher, {"d-once"})
+    assert (r.finished, r.failed, calls) == ({"d-once"}, set(), ["once", "once"])
+    d.fetcher.submit(make_job(p.server.address, (0, 1, 2, 3), (4, 5, 6, 7), transfer_id="twice"))
+    r = wait_results(d.fetcher, {"d-twice"})
+    assert r.failed == {"d-twice"} and calls.count("twice") == 2
+    assert r.timings["d-twice"].error == f"UNAVAILABLE from P at {p.server.address}: Socket closed"

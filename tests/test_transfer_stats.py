@@ -41,3 +41,33 @@ def test_it_crosses_vllms_boundary_as_builtins_and_comes_back_checked():
     assert TransferStats.from_params(None) is None
     with pytest.raises(msgspec.ValidationError, match="blocks_per_group"):
         TransferStats.from_params(params | {"blocks_per_group": "many"})
+
+
+def d_connector(*request_ids: str):
+    """D's connector, scheduler side only, each request planned."""
+    from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.vllm_compat import API
+
+    conn = object.__new__(PdcConnector)
+    conn.api, conn._loading = API["0.32.0"], set(request_ids)
+    conn._d_stats = {r: planned() for r in request_ids}
+    return conn
+
+
+def test_a_failed_pull_says_why_whichever_step_the_workers_word_comes_in():
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from pdcluster.transfer.connector_meta import PullTimings
+    from pdcluster.transfer.grpc_client import PullTiming
+
+    why = "UNAVAILABLE from P at 10.0.0.1:5000: Socket closed"
+    conn = d_connector("a", "b")
+    timing = PullTiming(10, 30, (0, 0), why)
+    conn.update_connector_output(KVConnectorOutput(failed_recving={"a"}, kv_connector_worker_meta=PullTimings({"a": timing})))
+    conn.update_connector_output(KVConnectorOutput(failed_recving={"b"}))  # its timing a step later
+    assert conn._d_stats["b"].error == "KV pull from P failed"
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PullTimings({"b": timing})))
+    assert conn._d_stats["a"].error == conn._d_stats["b"].error == f"KV pull from P failed: {why}"
+    ok = d_connector("c")
+    ok.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PullTimings({"c": PullTiming(10, 30, (200, 0))})))
+    assert ok._d_stats["c"].error is None and ok._d_stats["c"].transfer_end_ns == 30

@@ -125,6 +125,7 @@ def wait_results(fetcher: KvFetcher, ids, timeout=TIMEOUT_S + 1.0) -> LoadResult
         r = fetcher.take_results()
         acc.finished |= r.finished
         acc.failed |= r.failed
+        acc.timings |= r.timings
         if set(ids) <= acc.finished or time.monotonic() > deadline:
             return acc
         time.sleep(0.005)

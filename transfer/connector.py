@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 
 # kv_transfer_params key of D's per-request report (TransferStats.to_params, in D's final output).
 D_STATS_KEY = "pdc_d_stats"
+FAILED_PULL = "KV pull from P failed"  # the report's error, followed by why when D's worker said
 
 
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
@@ -142,10 +143,13 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         now_ns = time.monotonic_ns()
         timings = connector_output.kv_connector_worker_meta
-        if isinstance(timings, PullTimings):
-            for request_id, t in timings.pulls.items():
-                if (report := self._d_stats.get(request_id)) is not None:
-                    self._d_stats[request_id] = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
+        pulls = timings.pulls if isinstance(timings, PullTimings) else {}
+        for request_id, t in pulls.items():
+            if (report := self._d_stats.get(request_id)) is not None:
+                report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
+                if report.error is not None and t.error:  # reported failed at an earlier step: now why
+                    report = replace(report, error=f"{FAILED_PULL}: {t.error}")
+                self._d_stats[request_id] = report
         for request_id in connector_output.finished_recving or ():
             self._loading.discard(request_id)
             if (report := self._d_stats.get(request_id)) is not None:  # the scheduler sees the KV from this step on
@@ -155,7 +159,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         # (vLLM < 0.32 has no failed_recving: there the report keeps what was planned.)
         for request_id in (connector_output.failed_recving if self.api.failed_recving else None) or ():
             if (report := self._d_stats.get(request_id)) is not None:
-                self._d_stats[request_id] = report.failed("KV pull from P failed")
+                why = pulls[request_id].error if request_id in pulls else None
+                self._d_stats[request_id] = report.failed(f"{FAILED_PULL}: {why}" if why else FAILED_PULL)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._tables is not None and self.is_producer:

@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 # D's channels retry a lost P every 0.5 s at most (gRPC's default backoff grows to
 # 2 min, so a P restarted by Ray would stay unreachable long after it is back),
 # and a job waits up to CONNECT_S for its P to accept a connection.
-CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+# Each channel its own connection (not gRPC's process-wide subchannel pool): a channel made anew
+# after a lost connection really dials P again (`_fresh_stub`).
+CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500),
+                  ("grpc.use_local_subchannel_pool", 1)]
 MAX_WAITING_LOADS = 256  # loads queued for D's fetch threads before a new one fails at once
 CONNECT_S = 5.0
 RELEASE_S = 5.0  # D's word to P that a lease may end
@@ -48,6 +51,12 @@ RELEASE_AFTER_FAILURE_S = 1.0  # P may be cut off; its lease ends on its own
 
 class TransferError(RuntimeError):
     pass
+
+
+def _connection_lost(err: BaseException) -> bool:
+    """A call that failed for its connection (UNAVAILABLE, not P's word on a stale data channel)."""
+    return (isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+            and not is_stale_channel(err))
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class PullTiming:
     start_ns: int
     end_ns: int
     bytes_per_group: tuple[int, ...]
+    error: str | None = None  # why it failed, in a line (None: it did not)
 
 
 @dataclass
@@ -153,6 +163,12 @@ class KvFetcher:
                 self._stubs[key] = kv_stub(handle.address, self._auth, handle.engine_id)
             return self._stubs[key][1]
 
+    def _fresh_stub(self, handle: TransferHandle) -> pb_grpc.KvTransferStub:
+        """A new channel to P in place of the one cached (jobs on the old one finish on it)."""
+        with self._lock:
+            self._stubs[(handle.address, handle.engine_id)] = kv_stub(handle.address, self._auth, handle.engine_id)
+        return self._stub(handle)
+
     def _check_peer(self, stub: pb_grpc.KvTransferStub, handle: TransferHandle, deadline: float) -> None:
         """Once per P (and again after a failure): wait for it to accept a connection, compare layouts."""
         if handle.address in self._checked_peers:
@@ -165,6 +181,7 @@ class KvFetcher:
                 raise TransferError(f"P at {handle.address} {REFUSED_HINT}") from None
             if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
+            self._fresh_stub(handle)  # the next job dials anew, not behind this connection's attempt
             raise TransferError(f"P at {handle.address} accepts no connection (waited {wait_s:.0f} s)") from None
         mine = layout_of(self._engine_id, self._kv)
         strip = lambda layout: [(l.name, l.group, list(l.block_shape), l.dtype) for l in layout.layers]  # noqa: E731
@@ -178,7 +195,7 @@ class KvFetcher:
         check, stream."""
         with self._lock:
             self._waiting -= 1
-        ok = False
+        ok, why = False, None
         start_ns = time.monotonic_ns()
         bytes_per_group = [0] * len(job.plan.groups)
         try:
@@ -191,7 +208,9 @@ class KvFetcher:
             ok = True
         except Exception as err:  # any failure fails this request, never the engine
             self._checked_peers.discard(job.handle.address)  # P may have restarted: wait for it next time
-            log.error("KV load of %s from %s failed: %s", job.request_id, job.handle.address, err)
+            why = (f"{err.code().name} from P at {job.handle.address}: {err.details()}" if isinstance(err, grpc.RpcError)
+                   else str(err) or type(err).__name__)
+            log.error("KV load of %s from %s failed: %s", job.request_id, job.handle.address, why)
         finally:
             with self._lock:
                 self._calls.pop(job.request_id, None)
@@ -201,7 +220,7 @@ class KvFetcher:
             # Only requests vLLM parked for this load wait for a result (a
             # release-only job is for a request that is not waiting).
             if job.plan.num_blocks:
-                timing = PullTiming(start_ns, time.monotonic_ns(), tuple(bytes_per_group))
+                timing = PullTiming(start_ns, time.monotonic_ns(), tuple(bytes_per_group), why)
                 with self._lock:
                     self._results.finished.add(job.request_id)
                     self._results.timings[job.request_id] = timing
@@ -245,6 +264,13 @@ class KvFetcher:
                 if attempt == 1 and is_stale_channel(err):  # P sent nothing: once more on a new pair
                     log.info("P %s found channel %s dead before sending: %s on a new one",
                              job.handle.address, channel.name, job.request_id)
+                    continue
+                if attempt == 1 and _connection_lost(err) and not any(bytes_per_group) and time.monotonic() < deadline:
+                    # Nothing came: the connection died under the call (a cut that healed leaves
+                    # one for dead); once more on a new connection, within the same deadline.
+                    log.info("lost the connection to P %s before any KV of %s came (%s): once more on a new one",
+                             job.handle.address, job.request_id, err.details())
+                    stub = self._fresh_stub(job.handle)
                     continue
                 raise
         log.info("received %d blocks (%.1f MB) of %s from %s in %.1f ms", job.plan.num_blocks,
