@@ -96,6 +96,7 @@ class TransferStats:
     blocks_per_group: tuple[int, ...] = ()
     bytes_per_group: tuple[int, ...] = ()
     error: str | None = None
+    group_names: tuple[str, ...] = ()  # each KV-cache group's, for reports ("full_attention (FullAttentionSpec)", "c4_kv")
     # time.monotonic_ns of D's host; 0: not recorded (nothing pulled)
     transfer_start_ns: int = 0
     transfer_end_ns: int = 0
@@ -103,11 +104,13 @@ class TransferStats:
 
     @classmethod
     def planned(cls, d_cached_tokens: int, transferred_tokens: int, blocks_per_group: tuple[int, ...],
-                bytes_per_block: tuple[int, ...], transfer_start_ns: int = 0) -> TransferStats:
+                bytes_per_block: tuple[int, ...], transfer_start_ns: int = 0,
+                group_names: tuple[str, ...] = ()) -> TransferStats:
         """D's plan: the tokens its cache holds and those coming from P, per KV-cache group the
-        blocks that come and their bytes."""
+        blocks that come and their bytes (and the groups' names)."""
         return cls(d_cached_tokens, transferred_tokens, tuple(blocks_per_group),
-                   tuple(n * b for n, b in zip(blocks_per_group, bytes_per_block)), transfer_start_ns=transfer_start_ns)
+                   tuple(n * b for n, b in zip(blocks_per_group, bytes_per_block)), group_names=tuple(group_names),
+                   transfer_start_ns=transfer_start_ns)
 
     def pulled(self, start_ns: int, end_ns: int, bytes_per_group: tuple[int, ...] | None = None) -> TransferStats:
         """The pull ran from `start_ns` to `end_ns`, moving `bytes_per_group` (default: as planned)."""

@@ -171,7 +171,7 @@ def to_trace_events(run: Run) -> dict:
             for k, iv in enumerate(st.phases):
                 a = dict(args, phase=iv.name)
                 if iv.name == "transfer":
-                    a["bytes_per_group"] = {str(g.group): g.bytes for g in rec.transfer_groups}
+                    a["bytes_per_group"] = {g.label: g.bytes for g in rec.transfer_groups}
                 if iv.name in st.clipped:
                     a["out_of_order_ns"] = st.clipped[iv.name]
                 events.append({"name": iv.name, "ph": "B", "cat": iv.where, "ts": us(iv.start_ns), **where, "args": a})

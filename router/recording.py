@@ -67,8 +67,9 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset)
         rec.d_cached_tokens = last.num_cached_tokens
     if t is not None:
         rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
-        rec.transfer_groups = [GroupTransfer(g, blocks, nbytes) for g, (blocks, nbytes)
-                               in enumerate(zip(t.blocks_per_group, t.bytes_per_group))]
+        names = t.group_names if len(t.group_names) == len(t.blocks_per_group) else ("",) * len(t.blocks_per_group)
+        rec.transfer_groups = [GroupTransfer(g, blocks, nbytes, name) for g, (blocks, nbytes, name)
+                               in enumerate(zip(t.blocks_per_group, t.bytes_per_group, names))]
         _mark(rec, "transfer_start", t.transfer_start_ns, clock)
         _mark(rec, "transfer_end", t.transfer_end_ns, clock)
         _mark(rec, "d_kv_ready", t.kv_ready_ns, clock)

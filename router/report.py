@@ -236,7 +236,7 @@ def _summary_html(s: Summary) -> str:
             for n, _, _, w in INTERVALS if n in s.intervals]
     dec = [head.format("decode", ""), f"<tr><td>ITL</td>{_stats_cells(s.itl)}</tr>",
            f"<tr><td>TPOT</td>{_stats_cells(s.tpot)}</tr>"]
-    groups = ", ".join(f"group {g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
+    groups = ", ".join(f"{escape(g)}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     html = [f'<div class="cards">{cards}</div>',
             (f'<p class="muted">Shares are over the {s.attributed} requests that reached their first token with every '
             "part recorded; a part's statistics are over every request that has it.</p>"),

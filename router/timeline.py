@@ -66,6 +66,12 @@ class GroupTransfer:
     group: int
     blocks: int
     bytes: int
+    name: str = ""  # the KV-cache group's, as D's engine reports it ("": not reported)
+
+    @property
+    def label(self) -> str:
+        """"group 1 (c4_kv)", or "group 1" unnamed: indices tell apart groups of one kind."""
+        return f"group {self.group} ({self.name})" if self.name else f"group {self.group}"
 
 
 @dataclass

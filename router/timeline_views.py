@@ -55,7 +55,7 @@ class Summary:
     p_cached_tokens: int
     d_cached_tokens: int
     transferred_tokens: int
-    bytes_per_group: dict[int, int]  # KV-cache group -> bytes pulled, summed over requests
+    bytes_per_group: dict[str, int]  # KV-cache group's label (GroupTransfer.label) -> bytes pulled, summed over requests
     recomputed: int  # requests whose KV pull failed and D recomputed the prompt
     # Requests moved off a lost instance (router/migration.py), and the moves, per lost role.
     migrated: int = 0
@@ -172,10 +172,10 @@ def summarize(run: Run) -> Summary:
     itl = [b - a for r in run.records for a, b in zip(r.token_ns, r.token_ns[1:])]
     tpot = [(r.events["last_token"] - r.events["first_token"]) // (r.output_tokens - 1) for r in run.records
             if r.output_tokens > 1 and "first_token" in r.events and "last_token" in r.events]
-    groups: Counter[int] = Counter()
+    groups: Counter[tuple[int, str]] = Counter()
     for r in run.records:
         for g in r.transfer_groups:
-            groups[g.group] += g.bytes
+            groups[g.group, g.label] += g.bytes
     failed = [r for r in run.records if is_failed(r)]
     kinds = Counter((last_event(r), error_kind(r)) for r in failed)
     return Summary(
@@ -187,7 +187,7 @@ def summarize(run: Run) -> Summary:
         p_cached_tokens=sum(r.p_cached_tokens for r in run.records),
         d_cached_tokens=sum(r.d_cached_tokens for r in run.records),
         transferred_tokens=sum(r.transferred_tokens for r in run.records),
-        bytes_per_group=dict(sorted(groups.items())),
+        bytes_per_group={label: b for (_, label), b in sorted(groups.items())},
         recomputed=sum(1 for r in run.records if r.transfer_error),
         migrated=sum(1 for r in run.records if r.migrations),
         migrations=dict(sorted(Counter(m.role for r in run.records for m in r.migrations).items())),
@@ -245,7 +245,7 @@ def format_summary(s: Summary) -> str:
               _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
               (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}), "
               f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}")]
-    groups = ", ".join(f"group {g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
+    groups = ", ".join(f"{g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
     if moved := s.transfer_hidden_ns + s.transfer_exposed_ns:
         lines.append(f"KV transfer time: {s.transfer_hidden_ns / 1e6:.1f} ms hidden under prefills "
@@ -323,7 +323,7 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
             lines.append(f"  {name:<13}{att.parts_ns[name] / NS_PER_MS:>10.3f} ms {share}".rstrip())
         else:
             lines.append(f"  {name:<13}{'-':>10}")
-    groups = ", ".join(f"group {g.group}: {g.blocks} blocks {g.bytes} B" for g in rec.transfer_groups) or "none"
+    groups = ", ".join(f"{g.label}: {g.blocks} blocks {human_bytes(g.bytes)}" for g in rec.transfer_groups) or "none"
     lines += ["", (f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}, D cached "
                   f"{rec.d_cached_tokens}, transferred {rec.transferred_tokens}, output {rec.output_tokens}"),
               f"KV bytes: {groups}"]

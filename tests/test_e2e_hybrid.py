@@ -92,6 +92,9 @@ def test_window_groups_move_only_the_window(cluster, served, hybrid):
         assert blocks == [expected_window] * hybrid.window_groups + [n_blocks - hit_blocks] * hybrid.full_groups, (
             n, hit, blocks)
         assert expected_window <= -(-hybrid.window // BLOCK) + 1  # bounded by the window, not the prompt
+        # Each group named by its kind and vLLM's spec, for the reports.
+        kinds = sorted(g.name.split(" ")[0] for g in rec.transfer_groups)
+        assert kinds == ["full_attention"] * hybrid.full_groups + ["sliding_window"] * hybrid.window_groups, kinds
 
 
 def test_no_blocks_leak(cluster, served):

@@ -60,7 +60,7 @@ def test_slices_and_timestamps(run):
     transfer = next(e for e in events if e["ph"] == "B" and e["name"] == "transfer" and e["args"]["request_id"] == "r1")
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names[transfer["pid"]] == "D0 (decode)"  # the pull is drawn on the D that pulls
-    assert transfer["args"]["bytes_per_group"] == {"0": 1000, "1": 500}
+    assert transfer["args"]["bytes_per_group"] == {"group 0 (swa_kv)": 1000, "group 1": 500}
 
 
 def test_one_flow_per_request_forward_from_ps_kv_to_ds_load(run):

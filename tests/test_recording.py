@@ -24,6 +24,7 @@ def last_delta(error=None, **times):
     return DecodeDelta([7], finish_reason="length", num_cached_tokens=1000,
                        transfer=TransferStats(d_cached_tokens=128, transferred_tokens=872, blocks_per_group=(7,),
                                               bytes_per_group=(7 * 131072,), error=error,
+                                              group_names=("full_attention (FullAttentionSpec)",),
                                               transfer_start_ns=t["start"] * MS, transfer_end_ns=t["end"] * MS,
                                               kv_ready_ns=t["ready"] * MS),
                        engine=EngineTimes(t["queued"] * MS, t["scheduled"] * MS, t["first"] * MS))
@@ -48,7 +49,8 @@ def test_decode_end_fills_transfer_and_d_events():
     assert rec.events == {"d_queued": 55 * MS, "d_scheduled": 63 * MS, "d_first_token": 66 * MS,
                           "transfer_start": 56 * MS, "transfer_end": 61 * MS, "d_kv_ready": 62 * MS}
     assert (rec.d_cached_tokens, rec.transferred_tokens) == (128, 872)
-    assert rec.transfer_groups == [GroupTransfer(0, 7, 7 * 131072)]
+    assert rec.transfer_groups == [GroupTransfer(0, 7, 7 * 131072, "full_attention (FullAttentionSpec)")]
+    assert rec.transfer_groups[0].label == "group 0 (full_attention (FullAttentionSpec))"
     assert rec.finish_reason == "length" and rec.transfer_error is None and rec.error is None
 
 

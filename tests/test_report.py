@@ -81,4 +81,4 @@ def test_each_instance_is_drawn_over_time(run):
     html = render_report(run)
     assert html.count('<svg class="instance"') == 3  # P0, P1, D0
     assert "P0 (prefill)" in html and "D0 (decode)" in html and "KV tokens held: max " in html
-    assert "group 0: 6.0 kB" in html  # human units
+    assert "group 0 (swa_kv): 6.0 kB" in html  # human units, under the group's name

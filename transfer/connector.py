@@ -138,7 +138,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         for g in plan.groups:
             blocks[g.group] = g.num_blocks
         return TransferStats.planned(plan.d_cached_tokens, plan.transferred_tokens, tuple(blocks),
-                                     tuple(g.page_bytes for g in self.groups))
+                                     tuple(g.page_bytes for g in self.groups), group_names=tuple(g.name for g in self.groups))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         now_ns = time.monotonic_ns()

@@ -57,6 +57,11 @@ class GroupInfo:
     window_blocks: int
     page_bytes: int  # one block of this group, summed over its layers
 
+    @property
+    def name(self) -> str:
+        """For reports: its kind and vLLM's spec, e.g. "sliding_window (SlidingWindowSpec)"."""
+        return f"{self.kind} ({self.spec_name})"
+
 
 def layer_kind(spec: KVCacheSpec) -> tuple[GroupKind, int]:
     """The transfer kind of one layer's spec, and its window in tokens (0: none)."""

@@ -99,7 +99,8 @@ class VirtualKv:
         loads = self.cost.blocks_to_load(t.num_tokens, t.d_hit_tokens)
         end_ns = modelled_end_ns(t.d_start_ns, self._arrivals(t, loads), self.link)
         t.stats = TransferStats.planned(t.d_hit_tokens, t.num_tokens - t.d_hit_tokens, tuple(map(len, loads)),
-                                        tuple(c.bytes_per_block for c in self.cost.components)
+                                        tuple(c.bytes_per_block for c in self.cost.components),
+                                        group_names=tuple(c.name for c in self.cost.components)
                                         ).pulled(t.d_start_ns, end_ns)
         # After whatever runs now (P's step is still ending: its request is held only after it).
         self.loop.at(self.loop.now_ns, lambda: self._p_release(t))
