@@ -72,8 +72,10 @@ def test_transfer_broken_halfway_recomputes_same_tokens(cluster, mode, transport
             ray.get(inst.actor.reset_prefix_cache.remote())
         normal = complete(cluster.url, prompt, 8)
     assert broken.status_code == 200 == normal.status_code, (broken.text, normal.text)
-    assert broken.json()["usage"]["pd"]["transfer_error"].startswith("KV pull from P failed: UNAVAILABLE from P at ")
-    assert broken.json()["usage"]["pd"]["transfer_error"].endswith("injected fault")
+    why = broken.json()["usage"]["pd"]["transfer_error"]
+    # Why, from D's worker: P's abort, or over torch_dist the pair P closed as it aborted, whichever D saw first.
+    assert why.startswith("KV pull from P failed: "), why
+    assert why.endswith("injected fault") or (transport == "torch_dist" and "closed the channel or died" in why), why
     assert normal.json()["usage"]["pd"]["transfer_error"] is None
     assert broken.json()["choices"][0]["token_ids"] == normal.json()["choices"][0]["token_ids"]
     assert_no_kv_in_use(cluster)
