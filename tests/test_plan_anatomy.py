@@ -11,7 +11,7 @@ import pytest
 from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.plan import plan
 from pdcluster.cluster.sim.plan_anatomy import Anatomy, _binds, _union_ns
-from pdcluster.cluster.sim.plan_headroom import headroom, scaled
+from pdcluster.cluster.sim.plan_headroom import headroom, scaled, text
 from pdcluster.cluster.sim.plan_types import Slo
 from pdcluster.proto.spec import load_spec
 
@@ -83,6 +83,13 @@ def test_a_configuration_that_misses_at_the_plans_load_searches_downwards(small_
     h = headroom(tight, p1)
     assert h.factor is not None and h.factor < 1, h
     assert "it misses the SLO (TTFT p90 " in h.beyond and "> 500.0 ms)" in h.beyond, h.beyond  # which bound
+
+
+def test_a_configuration_that_never_meets_the_slo_says_so(small_plan):
+    never = dataclasses.replace(small_plan, slo=Slo(0.002, 0.0002))  # 2 ms TTFT, 0.2 ms TPOT: no load meets it
+    h = headroom(never, never.chosen)
+    assert h.factor is None and text(h, never.cfg).startswith(
+        "it misses the SLO at every load tried, down to 1/64 of this one; at "), text(h, never.cfg)
 
 
 def test_conditional_disaggregation_is_swept_and_d_prefills_the_short_remainders(small_plan):

@@ -128,7 +128,7 @@ def _why(o: Outcome, cfg: BenchConfig, m: float, slo: Slo) -> str:
 def text(h: Headroom, cfg: BenchConfig) -> str:
     """The headroom in a sentence."""
     if h.factor is None:
-        return f"it meets the SLO at no load down to 1/{MAX_FACTOR:g} of this one; {h.beyond}"
+        return f"it misses the SLO at every load tried, down to 1/{MAX_FACTOR:g} of this one; {h.beyond}"
     times = "" if h.load.endswith("arrivals") else f"{h.factor:.2f}x this load; "
     return (f"it meets the SLO up to {h.load} ({times}{h.throughput:.2f} req/s completed, "
             f"{h.concurrency:.1f} in flight on average); {h.beyond}")
