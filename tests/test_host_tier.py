@@ -1,0 +1,54 @@
+"""An instance's host tier, worker side (transfer/host_tier.py, issue 29): blocks copied out of a
+paged KV cache and back into other blocks byte for byte, in vLLM's CPU and flash-attn layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_fakes import LAYERS, LAYOUTS, P_BLOCKS, block, source_caches
+
+from pdcluster.transfer.host_tier import HostTier
+from pdcluster.transfer.paged_kv import PagedKv
+
+
+def keys(*names: str, group: int = 0) -> list[tuple[int, bytes]]:
+    return [(group, n.encode()) for n in names]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_come_back_byte_for_byte_into_other_blocks(layout):
+    shape_fn, block_dim = LAYOUTS[layout]
+    caches = source_caches(shape_fn(P_BLOCKS))
+    tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
+    tier.store(keys("a", "b", "c"), [2, 5, 7])
+    for t in caches.values():  # the engine reuses every block: the tier's copies are its own
+        t.zero_()
+    tier.load(keys("c", "a"), [1, 9])
+    want = source_caches(shape_fn(P_BLOCKS))
+    for name in LAYERS:
+        assert torch.equal(block(caches[name], block_dim, 1), block(want[name], block_dim, 7))
+        assert torch.equal(block(caches[name], block_dim, 9), block(want[name], block_dim, 2))
+        assert not block(caches[name], block_dim, 0).any()  # nothing else written
+    per_block = sum(block(want[n], block_dim, 0).numel() * 4 for n in LAYERS)
+    assert tier.block_bytes(0) == per_block and tier.nbytes == 3 * per_block
+
+
+def test_evicted_blocks_are_gone_and_a_load_of_one_names_it():
+    caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
+    tier.store(keys("a", "b"), [1, 2])
+    tier.evict(keys("a", "zz"))
+    assert keys("a")[0] not in tier and keys("b")[0] in tier and tier.nbytes == tier.block_bytes(0)
+    with pytest.raises(KeyError, match="no bytes for 1 of the 2 blocks to load .first: group 0, hash 61"):
+        tier.load(keys("a", "b"), [3, 4])
+
+
+def test_one_call_moves_one_groups_blocks_one_key_each():
+    caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    tier = HostTier(PagedKv(caches, {LAYERS[0]: 0, LAYERS[1]: 1}, P_BLOCKS))
+    with pytest.raises(ValueError, match="one key per block"):
+        tier.store(keys("a"), [1, 2])
+    with pytest.raises(ValueError, match=r"groups \[0, 1\]: one call moves one group's"):
+        tier.store(keys("a") + keys("b", group=1), [1, 2])
+    tier.store(keys("a", group=1), [3])  # a group holds its own layers only
+    assert tier.block_bytes(1) == tier.block_bytes(0) and tier.nbytes == tier.block_bytes(1)
