@@ -81,13 +81,14 @@ class CommonRequest(BaseModel):
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 2048
 
-# OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
+# OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off". Only
+# null is off for the logprob counts: vLLM reads 0 as "each token's own logprob, no alternatives".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "top_logprobs": (None, 0),
-    "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "top_logprobs": (None,),
+    "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
 }
 
