@@ -110,9 +110,7 @@ def _cmd_plan(a: argparse.Namespace) -> None:
 
         shown_spec = (_shown(a.target) + " (the target)" if a.target else
                       "deploy/p8d8-sim.yaml (the default)" if a.spec == str(DEFAULT_SPEC) else a.spec)
-        degrees = sorted(set(_list(a.devices_per_instance, int, "--devices-per-instance")))
-        if not degrees:
-            _fail(f"--devices-per-instance {a.devices_per_instance!r}: one or more degrees, e.g. 1,2,4")
+        degrees = _list(a.devices_per_instance, int, "--devices-per-instance")
         result = plan(base, a.params, a.devices, cfg, slo, workload, grid or None, progress, base_spec=shown_spec,
                       note=note, degrees=degrees)
         twin = result.provenance.calibrated_twin if result.provenance and not a.no_twin else None

@@ -345,4 +345,3 @@ class RouterSpec(_Strict):
         if self.host is not None:
             return self.host
         return node_ip if self.labels else "127.0.0.1"
-

@@ -70,6 +70,10 @@ D_STATS_KEY = "pdc_d_stats"
 FAILED_PULL = "KV pull from P failed"  # the report's error, followed by why when D's worker said
 
 
+def _failed_pull(why: str | None) -> str:
+    return f"{FAILED_PULL}: {why}" if why else FAILED_PULL
+
+
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -138,7 +142,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         for g in plan.groups:
             blocks[g.group] = g.num_blocks
         return TransferStats.planned(plan.d_cached_tokens, plan.transferred_tokens, tuple(blocks),
-                                     tuple(g.page_bytes for g in self.groups), group_names=tuple(g.name for g in self.groups))
+                                     tuple(g.page_bytes for g in self.groups),
+                                     group_names=tuple(g.name for g in self.groups))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         now_ns = time.monotonic_ns()
@@ -148,7 +153,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             if (report := self._d_stats.get(request_id)) is not None:
                 report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
                 if report.error is not None and t.error:  # reported failed at an earlier step: now why
-                    report = replace(report, error=f"{FAILED_PULL}: {t.error}")
+                    report = replace(report, error=_failed_pull(t.error))
                 self._d_stats[request_id] = report
         for request_id in connector_output.finished_recving or ():
             self._loading.discard(request_id)
@@ -160,7 +165,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         for request_id in (connector_output.failed_recving if self.api.failed_recving else None) or ():
             if (report := self._d_stats.get(request_id)) is not None:
                 why = pulls[request_id].error if request_id in pulls else None
-                self._d_stats[request_id] = report.failed(f"{FAILED_PULL}: {why}" if why else FAILED_PULL)
+                self._d_stats[request_id] = report.failed(_failed_pull(why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._tables is not None and self.is_producer:

@@ -28,12 +28,13 @@ class HostTier:
         self._layers: dict[int, list[str]] = {}  # group -> its layers (parts), in the cache's order
         for info in kv.layers.values():
             self._layers.setdefault(info.group, []).append(info.name)
+        self._group_bytes = {g: sum(kv.layers[n].block_bytes for n in names) for g, names in self._layers.items()}
         # Invariant: a key is here with one tensor for each layer of its group, or not at all.
         self._blocks: dict[BlockKey, dict[str, torch.Tensor]] = {}
 
     def block_bytes(self, group: int) -> int:
         """One block of `group` in the tier, all its layers: what the book counts per block."""
-        return sum(self._kv.layers[name].block_bytes for name in self._layers[group])
+        return self._group_bytes[group]
 
     @property
     def nbytes(self) -> int:

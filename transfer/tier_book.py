@@ -71,16 +71,19 @@ class TierBook:
         after it (a tier holding a block whose parent it lacks could never hit on it)."""
         until = now_s + min(max(retain_s, 0.0), self.max_retention_s)
         stored, evicted, refused = [], [], []
+        earlier: set[BlockKey] = set()  # the prompt's blocks before this one: never evicted for it
         for i, (key, nbytes) in enumerate(blocks):
             if (entry := self._entries.get(key)) is not None:
                 entry.retain_until_s = max(entry.retain_until_s, until)
                 self._entries.move_to_end(key)
+                earlier.add(key)
                 continue
-            freed = self._make_room(nbytes, now_s, protect={k for k, _ in blocks[:i]})
+            freed = self._make_room(nbytes, now_s, protect=earlier)
             if freed is None:
                 refused = [k for k, _ in blocks[i:] if k not in self._entries]
                 break
             evicted += freed
+            earlier.add(key)
             self._entries[key] = _Entry(nbytes, until)
             self.used_bytes += nbytes
             stored.append(key)
@@ -132,16 +135,23 @@ class TierBook:
         need = self.used_bytes + nbytes - self.capacity_bytes
         if need <= 0:
             return []
-        free = [(k, e) for k, e in self._entries.items() if not e.leases and k not in protect]
-        order = ([k for k, e in free if e.retain_until_s <= now_s]  # LRU order, as held
-                 + [k for k, e in sorted((x for x in free if x[1].retain_until_s > now_s),
-                                         key=lambda x: x[1].retain_until_s)])
-        victims, got = [], 0
-        for k in order:
+        victims, got, retained = [], 0, []
+        for k, e in self._entries.items():  # LRU order, as held: stops as soon as there is room
+            if e.leases or k in protect:
+                continue
+            if e.retain_until_s > now_s:
+                retained.append((e.retain_until_s, k))
+                continue
+            victims.append(k)
+            got += e.nbytes
             if got >= need:
                 break
-            victims.append(k)
-            got += self._entries[k].nbytes
+        if got < need:  # then the retained ones, the soonest to expire first
+            for _, k in sorted(retained, key=lambda x: x[0]):
+                victims.append(k)
+                got += self._entries[k].nbytes
+                if got >= need:
+                    break
         if got < need:
             return None
         for k in victims:

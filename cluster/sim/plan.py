@@ -121,7 +121,7 @@ def all_requests_percentile(values: Sequence[float], q: float) -> float | None:
     return percentile(v, q)
 
 
-def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome:
+def evaluate(run: VirtualRun, config: Config, slo: Slo) -> Outcome:
     s = run.summaries["formal"]
     ttfts, tpots, good = [], [], 0
     for r in run.results:
@@ -144,9 +144,10 @@ def evaluate(run: VirtualRun, config: Config, slo: Slo, devices: int) -> Outcome
     met = (s.success_requests > 0 and (slo.ttft_s is None or (ttft is not None and ttft <= slo.ttft_s))
            and (slo.tpot_s is None or (tpot is not None and tpot <= slo.tpot_s))
            and (slo.min_throughput is None or throughput >= slo.min_throughput))
-    return Outcome(config, ttft, tpot, s.stats["E2EL"].avg, throughput, good / duration / devices, met,
+    return Outcome(config, ttft, tpot, s.stats["E2EL"].avg, throughput, good / duration / config.devices, met,
                    s.total_requests - s.success_requests, s.measured_hit_ratio, run.virtual_s, run.wall_s,
                    anatomy(run))
+
 
 def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, slo: Slo, workload: str,
          grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,
@@ -157,6 +158,9 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
     the parameter file prices (its `parallel` section) and `devices` divides into two instances or more."""
     if devices < 2:
         raise ValueError(f"--devices {devices}: a P/D cluster needs at least 2 devices")
+    degrees = sorted(set(degrees))
+    if not degrees:
+        raise ValueError("--devices-per-instance: one or more degrees, e.g. 1,2,4")
     sim_base = as_sim_spec(base, params)
     priced = SimParams.load(sim_base.sim.params)
     for t in degrees:
@@ -178,7 +182,7 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
                 continue
             t0 = time.perf_counter()
             run = simulate(configure(sim_base, c), cfg, requests, prompts=prompts, vocab_size=vocab)
-            out = dataclasses.replace(evaluate(run, c, slo, devices), wall_s=time.perf_counter() - t0)
+            out = dataclasses.replace(evaluate(run, c, slo), wall_s=time.perf_counter() - t0)
             done[c] = out
             if on_run is not None:
                 on_run(len(done), total, out)

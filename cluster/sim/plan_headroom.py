@@ -70,7 +70,7 @@ def headroom(p: Plan, outcome: Outcome, precision: float = 0.05,
             c = scaled(cfg, m)
             requests = build_workload(c, c.vocab_size or vocab)
             run = simulate(spec, c, requests, vocab_size=vocab)
-            o = evaluate(run, outcome.config, p.slo, p.devices)
+            o = evaluate(run, outcome.config, p.slo)
             ok = o.slo_met and (not open_load or c.max_concurrency is None
                                 or _peak_in_flight(run.results) < c.max_concurrency)
             tried[m] = (ok, o, run.summaries["formal"].concurrency)
