@@ -93,6 +93,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         # P serves torch_dist transfers over this backend when a handle asks for them.
         "channel_backend": DEVICES[spec.device].collective_backend,
     }
+    if eng.host_tier_gib:
+        extra["host_tier_bytes"] = int(eng.host_tier_gib * 2**30)
     args: dict[str, Any] = dict(
         model=spec.model.path,
         served_model_name=spec.model.served_name,
@@ -298,6 +300,7 @@ class EngineActor(ServesRequestChannel, Engine):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        from pdcluster.transfer.connector import P_TIER_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
         transfer_id = req.transfer_id or req.request_id
@@ -313,6 +316,7 @@ class EngineActor(ServesRequestChannel, Engine):
             # pdcluster's connector returns the handle the router built already: only another's matter.
             connector_params=final.kv_transfer_params if self.connector != "pdc" else None,
             p_cached_tokens=final.num_cached_tokens or 0, engine=EngineTimes.from_vllm(final.metrics),
+            p_tier_tokens=(final.kv_transfer_params or {}).get(P_TIER_KEY, 0) if self.connector == "pdc" else 0,
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
@@ -346,6 +350,11 @@ class EngineActor(ServesRequestChannel, Engine):
             pending, pending_ns = [], []
 
     async def reset_prefix_cache(self) -> bool:
+        import inspect
+
+        # And the connector's host KV tier, on a vLLM that passes the reset on (0.32 does).
+        if "reset_connector" in inspect.signature(self.llm.reset_prefix_cache).parameters:
+            return await self.llm.reset_prefix_cache(reset_connector=True)
         return await self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:

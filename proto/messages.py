@@ -69,6 +69,7 @@ class PrefillResult:
     prompt_tokens: int
     p_cached_tokens: int  # P's own prefix-cache hit
     engine: EngineTimes = EngineTimes()
+    p_tier_tokens: int = 0  # of p_cached_tokens, those P loaded from its host KV tier
 
 
 @dataclass(frozen=True)

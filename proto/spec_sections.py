@@ -61,6 +61,9 @@ class EngineSpec(_Strict):
     max_num_seqs: int | None = Field(None, gt=0, description="requests an engine runs at once at most")
     kv_cache_space_gib: int | None = Field(None, ge=1, description="KV pool per instance on CPU, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU/NPU memory share vLLM takes")
+    host_tier_gib: float | None = Field(
+        None, ge=0, description="a host-memory KV tier per instance, GiB (0 or unset: none): prompt blocks the device "
+                                "cache drops come back from it (transfer/tier_scheduler.py); prefill only, so far")
     enable_prefix_caching: bool | None = None  # must be true: both sides skip what their prefix cache holds
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # weights and KV; P's and D's must agree
     enforce_eager: bool | None = None  # no CUDA/NPU graphs

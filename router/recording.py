@@ -45,12 +45,12 @@ def forget_attempt(rec: RequestRecord) -> None:
     for event in _ATTEMPT_EVENTS:
         rec.events.pop(event, None)
     rec.local_prefill, rec.prefill_reason = False, None
-    rec.p_cached_tokens = rec.d_cached_tokens = rec.transferred_tokens = 0
+    rec.p_cached_tokens = rec.p_tier_tokens = rec.d_cached_tokens = rec.transferred_tokens = 0
     rec.transfer_groups, rec.transfer_error = [], None
 
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
-    rec.p_cached_tokens = pre.p_cached_tokens
+    rec.p_cached_tokens, rec.p_tier_tokens = pre.p_cached_tokens, pre.p_tier_tokens
     _mark(rec, "p_queued", pre.engine.queued_ns, clock)
     _mark(rec, "p_scheduled", pre.engine.scheduled_ns, clock)
     _mark(rec, "p_done", pre.engine.first_token_ns, clock)

@@ -49,6 +49,11 @@ def test_engine_args_are_what_vllm_needs():
     assert (args["model"], args["served_model_name"]) == ("/m", "tiny")
 
 
+def test_a_host_tier_reaches_ps_connector_in_bytes():
+    p = plan_instance(spec(prefill={"instances": 2, "engine": {"host_tier_gib": 0.5}}), "prefill", 0)
+    assert p.engine_args["kv_transfer_config"]["kv_connector_extra_config"]["host_tier_bytes"] == 1 << 29
+
+
 def test_error_policy_and_extra_args():
     p = plan_instance(spec(transfer={"on_failure": "error"}, engine={"extra": {"swap_space": 0}}), "decode", 0)
     assert p.engine_args["kv_transfer_config"]["kv_load_failure_policy"] == "fail"

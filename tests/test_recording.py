@@ -14,9 +14,9 @@ from pdcluster.router.timeline import ClockOffset, GroupTransfer, RequestRecord
 MS = 1_000_000
 
 
-def prefill_result(queued=10, scheduled=11, done=50, cached=256):
+def prefill_result(queued=10, scheduled=11, done=50, cached=256, tier=128):
     return PrefillResult("r", connector_params=None, prompt_tokens=1000, p_cached_tokens=cached,
-                         engine=EngineTimes(queued * MS, scheduled * MS, done * MS))
+                         engine=EngineTimes(queued * MS, scheduled * MS, done * MS), p_tier_tokens=tier)
 
 
 def last_delta(error=None, **times):
@@ -34,7 +34,7 @@ def test_prefill_events_move_onto_the_router_clock():
     rec = RequestRecord("r")
     record_prefill(rec, prefill_result(), ClockOffset(offset_ns=2 * MS, uncertainty_ns=0))
     assert rec.events == {"p_queued": 8 * MS, "p_scheduled": 9 * MS, "p_done": 48 * MS}
-    assert rec.p_cached_tokens == 256
+    assert (rec.p_cached_tokens, rec.p_tier_tokens) == (256, 128)
 
 
 def test_unrecorded_engine_times_stay_absent():
@@ -139,8 +139,11 @@ def test_a_record_round_trips_through_its_json_line():
     assert RequestRecord.from_dict(json.loads(line)) == rec
     written = asdict(rec)  # the same dict asdict() would write, token times as distances in us
     written["token_us"] = [7, 4, 999]  # 7, 11 and 1,010 us
-    del written["token_ns"], written["traceparent"]  # no traceparent: left out
+    del written["token_ns"], written["traceparent"], written["p_tier_tokens"]  # none: left out
     assert json.loads(line) == written
+    tiered = RequestRecord("r3", p_cached_tokens=256, p_tier_tokens=128)
+    assert json.loads(tiered.to_json())["p_tier_tokens"] == 128
+    assert RequestRecord.from_dict(json.loads(tiered.to_json())) == tiered
     traced = RequestRecord("r2", traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
     assert RequestRecord.from_dict(json.loads(traced.to_json())) == traced
     assert rec.transfer_groups[0] == GroupTransfer(0, 3, 12288)  # the record itself untouched

@@ -49,7 +49,7 @@ def d_connector(*request_ids: str):
     from pdcluster.transfer.vllm_compat import API
 
     conn = object.__new__(PdcConnector)
-    conn.api, conn._loading = API["0.32.0"], set(request_ids)
+    conn.api, conn._loading, conn._tier = API["0.32.0"], set(request_ids), None
     conn._d_stats = {r: planned() for r in request_ids}
     return conn
 

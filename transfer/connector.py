@@ -41,12 +41,14 @@ from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import LoadJob
 from pdcluster.transfer.grpc_server import NULL_BLOCK_ID
 from pdcluster.transfer.plan import TransferPlan, plan_transfer
+from pdcluster.transfer.tier_scheduler import TierScheduler
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    RequestStatus,
     SupportsHMA,
 )
 
@@ -67,6 +69,9 @@ log = logging.getLogger(__name__)
 
 # kv_transfer_params key of D's per-request report (TransferStats.to_params, in D's final output).
 D_STATS_KEY = "pdc_d_stats"
+# kv_transfer_params key of P's host-tier hit: of the prompt tokens P did not compute, those it
+# loaded from its host tier (in P's final output; absent: none).
+P_TIER_KEY = "pdc_p_tier_tokens"
 FAILED_PULL = "KV pull from P failed"  # the report's error, followed by why when D's worker said
 
 
@@ -92,6 +97,9 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self._tables = None if self.api.block_state else vllm_compat.BlockTables()
         # Scheduler side ----------------------------------------------------
         self._pending = PdcMetadata()
+        # P's host tier (transfer/tier_scheduler.py), when the spec gives it bytes.
+        self._tier = TierScheduler(self.groups, self.settings.host_tier_bytes) \
+            if self.settings.host_tier_bytes and self.is_producer else None
         # P: request_id -> (transfer_id, request) for requests producing for D, from
         # their first schedule (update_state_after_alloc) until request_finished.
         self._producing: dict[str, tuple[str, Request]] = {}
@@ -110,6 +118,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.is_producer:  # P: what its host tier holds past the device cache's hit, loaded in the step
+            return (self._tier.lookup(request, num_computed_tokens), False) if self._tier is not None else (0, False)
         handle = self._handle_of(request)
         if handle is None or request.request_id in self._handled:
             return 0, False
@@ -120,6 +130,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         if self.is_producer:
             if (transfer_id := transfer_id_of(request.kv_transfer_params)) is not None:
                 self._producing[request.request_id] = (transfer_id, request)
+            if self._tier is not None:
+                self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
             return
         handle = self._handle_of(request)
         if handle is None or request.request_id in self._handled:
@@ -149,6 +161,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         now_ns = time.monotonic_ns()
         timings = connector_output.kv_connector_worker_meta
         pulls = timings.pulls if isinstance(timings, PullTimings) else {}
+        if self._tier is not None and isinstance(timings, PullTimings) and timings.tier_lost:
+            self._tier.lost(timings.tier_lost)
         for request_id, t in pulls.items():
             if (report := self._d_stats.get(request_id)) is not None:
                 report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
@@ -172,6 +186,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             self._tables.update(scheduler_output)
         if self._producing:
             self._add_source_steps(scheduler_output)
+        if self._tier is not None:
+            self._pending.tier = self._tier.take_orders()
         meta, self._pending = self._pending, PdcMetadata()
         return meta
 
@@ -194,6 +210,10 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 tuple(tuple(g) for g in state.get_block_ids(request_id)),
                 min(request.num_computed_tokens + num_scheduled, request.num_prompt_tokens)))
 
+    def reset_cache(self) -> bool:
+        # vLLM's reset_prefix_cache(reset_connector=True): the host tier empties with the device cache.
+        return self._tier.reset() if self._tier is not None else True
+
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         assert gpu_block_pool.null_block.block_id == NULL_BLOCK_ID, (
             f"vLLM's null block is {gpu_block_pool.null_block.block_id}, not {NULL_BLOCK_ID}: update grpc_server")
@@ -205,7 +225,17 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.is_producer:
-            return self._finish_prefill(request)
+            delay, params = self._finish_prefill(request)
+            if self._tier is None:
+                return delay, params
+            tier_tokens = self._tier.hit_tokens.get(request.request_id, 0)
+            if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                # Its blocks go to the tier before vLLM frees them: held by the transfer's lease, or else
+                # until the worker says they are stored.
+                delay |= self._tier.finished(request, block_ids, time.monotonic(), free_after=not delay)
+            else:
+                self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps still in flight)
+            return delay, ({P_TIER_KEY: tier_tokens} if tier_tokens else params)
         handle = self._handle_of(request)
         if handle is None:
             return False, None
@@ -221,8 +251,6 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         return False, {D_STATS_KEY: report.to_params() if report is not None else None}
 
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        from pdcluster.transfer.vllm_compat import RequestStatus
-
         if self._tables is not None:
             self._tables.forget(request.request_id)
         entry = self._producing.pop(request.request_id, None)

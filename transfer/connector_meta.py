@@ -5,16 +5,16 @@ the worker's pull timings back (`PullTimings`), and the settings both read from 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdcluster.transfer.grpc_client import LoadJob, PullTiming
+from pdcluster.transfer.tier_book import BlockKey
+from pdcluster.transfer.tier_scheduler import TierOrders
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-if TYPE_CHECKING:
-    pass
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -29,6 +29,7 @@ class ConnectorSettings:
     break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
     channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
     encrypt: bool = False  # KV bytes sealed on the gRPC stream (transfer/kv_seal.py)
+    host_tier_bytes: int = 0  # the instance's host KV tier (transfer/tier_scheduler.py); 0: none
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -64,14 +65,17 @@ class PdcMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)  # P: request ids whose blocks P took back
     loads: list[LoadJob] = field(default_factory=list)  # D: what to receive (or only release)
     cancels: list[str] = field(default_factory=list)  # D: request ids whose load must stop
+    tier: TierOrders | None = None  # the host tier's copies, carried out before everything above
 
 
 @dataclass
 class PullTimings(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: how each finished pull went (for the request's timeline)."""
+    """Worker -> scheduler: how each finished pull went (for the request's timeline), and the
+    host tier's blocks the worker found no bytes for (the book forgets them)."""
 
     pulls: dict[str, PullTiming] = field(default_factory=dict)
+    tier_lost: tuple[BlockKey, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
-        return PullTimings({**self.pulls, **other.pulls})
+        return PullTimings({**self.pulls, **other.pulls}, (*self.tier_lost, *other.tier_lost))

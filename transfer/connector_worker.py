@@ -4,11 +4,13 @@ what finished."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from pdcluster.transfer.connector_meta import PdcMetadata, PullTimings
 from pdcluster.transfer.grpc_client import KvFetcher, PullTiming
 from pdcluster.transfer.grpc_server import KvServer
+from pdcluster.transfer.host_tier import HostTier
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.sources import SourceTable
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
@@ -19,6 +21,10 @@ if TYPE_CHECKING:
     import torch
 
     from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.tier_book import BlockKey
+    from pdcluster.transfer.tier_scheduler import TierOrders
+
+log = logging.getLogger(__name__)
 
 
 def _cluster_secret() -> str:
@@ -31,6 +37,11 @@ def _cluster_secret() -> str:
     secret = os.environ.get(SECRET_ENV)
     assert secret, f"{SECRET_ENV} is not set in this vLLM worker: the engine actor sets it before the engine starts"
     return secret
+
+
+def kv_caches_on_accelerator(kv_caches: dict) -> bool:
+    first = next(iter(kv_caches.values()))
+    return (first[0] if isinstance(first, tuple) else first).device.type != "cpu"
 
 
 class _Worker:
@@ -50,6 +61,10 @@ class _Worker:
         self.sources: SourceTable | None = None
         self.server = self.fetcher = None
         s = conn.settings
+        # The host tier's bytes (the scheduler side's book decides); CPU engines' cache is host memory already.
+        self.tier = HostTier(self.kv, pin=kv_caches_on_accelerator(kv_caches)) if s.host_tier_bytes else None
+        self._tier_lost: list[BlockKey] = []
+        self._tier_freed: set[str] = set()  # requests whose blocks vLLM may free now that they are stored
         secret = _cluster_secret()
         if conn.is_producer:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
@@ -61,6 +76,8 @@ class _Worker:
             self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret, seal=s.encrypt)
 
     def start(self, meta: PdcMetadata) -> None:
+        if meta.tier is not None:  # first: a load fills blocks this step's sources then serve
+            self._run_tier(meta.tier)
         if self.sources is not None:
             for request_id in meta.preempted:
                 self.sources.preempted(request_id)
@@ -78,8 +95,32 @@ class _Worker:
             for request_id in meta.cancels:
                 self.fetcher.cancel(request_id)
 
+    def _run_tier(self, orders: TierOrders) -> None:
+        assert self.tier is not None, "host tier orders reached a worker without a tier: host_tier_bytes out of step"
+        for copy in orders.copies:
+            try:
+                if copy.op == "store":
+                    self.tier.store(copy.keys, copy.block_ids)
+                elif copy.op == "load":
+                    self.tier.load(copy.keys, copy.block_ids)
+                else:
+                    self.tier.evict(copy.keys)
+            except (KeyError, RuntimeError, MemoryError) as err:
+                # A load that fails leaves its blocks to vLLM's kv_load_failure_policy (recompute them, or
+                # end the request); a store that fails keeps nothing. Either way the book forgets the keys.
+                log.error("host tier %s of %d blocks (request %s) failed: %s", copy.op, len(copy.hashes),
+                          copy.request_id, err)
+                if copy.op == "load":
+                    self._error_blocks |= set(copy.block_ids)
+                self.tier.evict(copy.keys)
+                self._tier_lost += copy.keys
+        self._tier_freed |= set(orders.free_after)
+
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=self.sources.take_finished() if self.sources else set())
+        if self._tier_freed:
+            out.finished_sending |= self._tier_freed
+            self._tier_freed = set()
         if self.fetcher is not None:
             r = self.fetcher.take_results()
             out.finished_recving, out.failed_recving = r.finished, r.failed
@@ -96,9 +137,10 @@ class _Worker:
         return out
 
     def take_timings(self) -> PullTimings | None:
-        if not self._timings:
+        if not self._timings and not self._tier_lost:
             return None
-        out, self._timings = PullTimings(self._timings), {}
+        out = PullTimings(self._timings, tuple(self._tier_lost))
+        self._timings, self._tier_lost = {}, []
         return out
 
     def stop(self) -> None:

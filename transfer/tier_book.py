@@ -128,6 +128,10 @@ class TierBook:
             self.used_bytes -= self._entries.pop(k).nbytes
         return out
 
+    def clear(self) -> tuple[BlockKey, ...]:
+        """Forget every block no lease holds (a cache reset); the ones forgotten."""
+        return self.drop(list(self._entries))
+
     def _make_room(self, nbytes: int, now_s: float, protect: set[BlockKey]) -> list[BlockKey] | None:
         """Evict until `nbytes` fit; None (nothing evicted) if they cannot."""
         if nbytes > self.capacity_bytes:

@@ -1,0 +1,147 @@
+"""The host tier's scheduler side (transfer/tier_scheduler.py, issue 29): what P's connector asks
+its tier as vLLM schedules and ends requests, and the orders it gives the worker, on hand-made
+requests (block hashes and token counts as vLLM's Request holds them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdcluster.transfer.groups import GroupInfo
+from pdcluster.transfer.tier_scheduler import TierCopy, TierScheduler, TierUnsupported
+
+BS = 4  # tokens per block
+PAGE = 100  # bytes per block and group
+
+
+def full(index: int) -> GroupInfo:
+    return GroupInfo(index, "full_attention", "FullAttentionSpec", BS, 0, PAGE)
+
+
+@dataclass
+class Req:
+    """What the tier reads of vLLM's Request."""
+
+    request_id: str
+    num_tokens: int
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens
+
+
+def req(request_id: str, family: str, num_tokens: int) -> Req:
+    """A prompt of `num_tokens` whose full blocks hash as `family`'s: prompts of one family share a prefix."""
+    return Req(request_id, num_tokens, [f"{family}{i}".encode() for i in range(num_tokens // BS)])
+
+
+def ended(sched: TierScheduler, r: Req, block_ids, free_after=False, now_s=0.0) -> bool:
+    r.num_computed_tokens = r.num_tokens
+    return sched.finished(r, block_ids, now_s, free_after=free_after)
+
+
+def test_an_ended_prompts_full_blocks_are_stored_then_a_later_prompt_loads_them_into_its_own_blocks():
+    sched = TierScheduler([full(0)], capacity_bytes=10 * PAGE)
+    a = req("a", "f", 13)  # 3 full blocks and 1 token
+    assert ended(sched, a, [[7, 8, 9, 10]], free_after=True)
+    orders = sched.take_orders()
+    assert orders.copies == [TierCopy("store", 0, (b"f0", b"f1", b"f2"), (7, 8, 9), "a")] and orders.free_after == ["a"]
+
+    b = req("b", "f", 13)
+    assert sched.lookup(b, 0) == 3 * BS
+    sched.allocated(b, [[1, 2, 3, 4]], 3 * BS)
+    assert sched.hit_tokens == {"b": 12}
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1", b"f2"), (1, 2, 3), "b")]
+    assert not ended(sched, b, [[1, 2, 3, 4]]) and sched.hit_tokens == {}  # all held: nothing to store
+
+
+def test_the_hit_starts_past_the_device_caches_and_leaves_one_token_to_compute():
+    sched = TierScheduler([full(0)], capacity_bytes=10 * PAGE)
+    ended(sched, req("a", "f", 16), [[1, 2, 3, 4]])
+    sched.take_orders()
+    b = req("b", "f", 16)  # 4 full blocks: the last token is computed, so the 4th block is not a hit
+    assert sched.lookup(b, 1 * BS) == 2 * BS
+    sched.allocated(b, [[5, 6, 7, 8]], 2 * BS)
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f1", b"f2"), (6, 7), "b")]
+    assert sched.lookup(req("c", "g", 16), 0) == 0  # another family: nothing
+
+
+def test_every_group_must_hold_a_block_for_it_to_hit_and_each_group_loads_its_own_blocks():
+    sched = TierScheduler([full(0), full(1)], capacity_bytes=5 * PAGE)  # 2.5 blocks of both groups
+    ended(sched, req("a", "f", 12), [[1, 2, 3], [11, 12, 13]])
+    stores = sched.take_orders().copies
+    # Kept block by block, in both groups: the 3rd block fits in group 0 only.
+    assert stores == [TierCopy("store", 0, (b"f0", b"f1", b"f2"), (1, 2, 3), "a"),
+                      TierCopy("store", 1, (b"f0", b"f1"), (11, 12), "a")]
+    b = req("b", "f", 13)
+    assert sched.lookup(b, 0) == 2 * BS
+    sched.allocated(b, [[4, 5, 6, 7], [14, 15, 16, 17]], 2 * BS)
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1"), (4, 5), "b"),
+                                          TierCopy("load", 1, (b"f0", b"f1"), (14, 15), "b")]
+
+
+def test_a_full_tier_orders_evictions_before_the_stores_that_need_the_room():
+    sched = TierScheduler([full(0)], capacity_bytes=3 * PAGE)
+    ended(sched, req("a", "f", 12), [[1, 2, 3]])
+    ended(sched, req("b", "g", 8), [[4, 5]])
+    copies = sched.take_orders().copies
+    assert copies[1:] == [TierCopy("evict", 0, (b"f0", b"f1")), TierCopy("store", 0, (b"g0", b"g1"), (4, 5), "b")]
+    assert sched.lookup(req("c", "f", 13), 0) == 0  # f's first block went: no hit, though f2 is held
+
+
+def test_blocks_a_load_reads_are_leased_until_its_order_is_given():
+    sched = TierScheduler([full(0)], capacity_bytes=2 * PAGE)
+    ended(sched, req("a", "f", 8), [[1, 2]])
+    sched.take_orders()
+    b = req("b", "f", 9)
+    sched.lookup(b, 0)
+    sched.allocated(b, [[3, 4, 5]], 2 * BS)
+    ended(sched, req("c", "g", 8), [[6, 7]])  # wants the room f holds: refused while f is leased
+    assert [c.op for c in sched.take_orders().copies] == ["load"]
+    ended(sched, req("d", "g", 8), [[6, 7]])  # the order given, f may go
+    assert [c.op for c in sched.take_orders().copies] == ["evict", "store"]
+
+
+def test_a_request_that_ends_without_its_allocation_or_aborted_leaves_no_state():
+    sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
+    ended(sched, req("a", "f", 8), [[1, 2]])
+    sched.take_orders()
+    b = req("b", "f", 9)
+    assert sched.lookup(b, 0) == 2 * BS  # looked up, never allocated (no room in the device cache)
+    sched.forget("b")
+    sched.allocated(b, [[3, 4, 5]], 2 * BS)  # a stale allocation orders nothing
+    assert sched.take_orders().copies == [] and sched.hit_tokens == {}
+
+
+def test_blocks_the_worker_lost_are_forgotten():
+    sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
+    ended(sched, req("a", "f", 8), [[1, 2]])
+    sched.lost([(0, b"f1")])
+    assert sched.lookup(req("b", "f", 12), 0) == 1 * BS
+
+
+def test_only_computed_prompt_blocks_are_kept():
+    sched = TierScheduler([full(0)], capacity_bytes=10 * PAGE)
+    a = req("a", "f", 12)
+    a.num_computed_tokens = 5  # e.g. a chunked prefill that ended early: 1 block is computed
+    sched.finished(a, [[1, 2, 3]], 0.0, free_after=False)
+    assert sched.take_orders().copies == [TierCopy("store", 0, (b"f0",), (1,), "a")]
+
+
+def test_groups_a_tier_cannot_keep_yet_are_refused_by_name():
+    window = GroupInfo(1, "sliding_window", "SlidingWindowSpec", BS, 3, PAGE)
+    with pytest.raises(TierUnsupported, match=r"full-attention groups only .* group 1: sliding_window"):
+        TierScheduler([full(0), window], capacity_bytes=PAGE)
+    with pytest.raises(TierUnsupported, match=r"one block size in every group, not \[4, 8\]"):
+        TierScheduler([full(0), GroupInfo(1, "full_attention", "FullAttentionSpec", 8, 0, PAGE)], PAGE)
+
+
+def test_a_reset_empties_the_tier_and_orders_its_bytes_freed():
+    sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
+    ended(sched, req("a", "f", 8), [[1, 2]])
+    sched.take_orders()
+    assert sched.reset() and sched.take_orders().copies == [TierCopy("evict", 0, (b"f0", b"f1"))]
+    assert sched.lookup(req("b", "f", 12), 0) == 0 and sched.book.used_bytes == 0

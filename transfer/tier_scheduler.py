@@ -1,0 +1,154 @@
+"""An instance's host tier, scheduler side (issue 29): what the connector's scheduler side
+(transfer/connector.py) asks of its tier, and the orders it gives its worker.
+
+The tier is write-through: a request that ends hands its computed prompt blocks to the tier's book
+(transfer/tier_book.py), which keeps what room allows; the worker copies them out of the device
+cache (transfer/host_tier.py) before vLLM frees them. A later request whose prefix the device
+cache lost but the tier holds loads those blocks back into blocks vLLM allocated for it, in the
+step that schedules it (a synchronous load, as vLLM's scheduler calls it), and computes the rest.
+
+The worker carries out `take_orders()` in order, so an order never reads a block a later one
+evicted; a lease pins the blocks a load reads from its lookup until its order is given.
+
+Keys are (KV-cache group, vLLM's block hash), as vLLM's OffloadingConnector keys its blocks: one
+prompt block's hash names its KV in every full-attention group. Window and compressed groups
+(Gemma3, gpt-oss, DeepSeek-V4) keep only a window, or use other block sizes: not yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdcluster.transfer.groups import GroupInfo
+from pdcluster.transfer.tier_book import BlockKey, TierBook
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class TierUnsupported(ValueError):
+    """A host tier asked for where it cannot work yet; the message says why."""
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """One order to the worker: copy `group`'s blocks between the device cache and the tier.
+    load: tier -> device blocks `block_ids`; store: device blocks -> tier; evict: free the keys
+    (block_ids empty)."""
+
+    op: str  # "store" | "load" | "evict"
+    group: int
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...] = ()
+    request_id: str = ""
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        return [(self.group, h) for h in self.hashes]
+
+
+@dataclass
+class TierOrders:
+    copies: list[TierCopy] = field(default_factory=list)  # in the order decided: carry them out in it
+    # Requests whose blocks vLLM frees once the worker stored them (reported as finished_sending).
+    free_after: list[str] = field(default_factory=list)
+
+
+class TierScheduler:
+    def __init__(self, groups: Sequence[GroupInfo], capacity_bytes: int, max_retention_s: float = 0.0):
+        odd = [g for g in groups if g.kind != "full_attention"]
+        if odd:
+            raise TierUnsupported(
+                f"a host KV tier keeps full-attention groups only so far; this model has "
+                f"{', '.join(f'group {g.index}: {g.name}' for g in odd)}: set host_tier_gib only for such models")
+        if len({g.block_size for g in groups}) > 1:
+            raise TierUnsupported(f"a host KV tier needs one block size in every group, not "
+                                  f"{sorted({g.block_size for g in groups})}")
+        self.block_size = groups[0].block_size
+        self._groups = tuple(g.index for g in groups)
+        self._block_bytes = {g.index: g.page_bytes for g in groups}
+        self.book = TierBook(capacity_bytes, max_retention_s)
+        self._orders = TierOrders()
+        self._leases: list[int] = []  # loads planned since the last orders were taken
+        self._first: dict[str, int] = {}  # request -> the first block of its last lookup's hit
+        # Invariant: a request is here from the step its tier hit was allocated until it ends, with
+        # the tokens that hit came to (the report's tier hit).
+        self.hit_tokens: dict[str, int] = {}
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past the device cache's hit (`num_computed_tokens`, whole blocks) the tier holds
+        in every group. At least one prompt token is left to compute, as vLLM's own cache leaves."""
+        first = num_computed_tokens // self.block_size
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        end = first
+        while end < last and all((g, request.block_hashes[end]) in self.book for g in self._groups):
+            end += 1
+        if end > first:  # counted as used now: not the next block a keep evicts
+            self.book.match({g: request.block_hashes[first:end] for g in self._groups})
+        self._first[request.request_id] = first
+        return (end - first) * self.block_size
+
+    def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_tier_tokens: int) -> None:
+        """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
+        `num_tier_tokens` of the last lookup's from the tier: order their load."""
+        first = self._first.pop(request.request_id, None)
+        if num_tier_tokens <= 0 or first is None:
+            return
+        end = first + num_tier_tokens // self.block_size
+        hashes = tuple(request.block_hashes[first:end])
+        self._leases.append(self.book.lease([(g, h) for g in self._groups for h in hashes]))
+        for g in self._groups:
+            self._orders.copies.append(TierCopy("load", g, hashes, tuple(block_ids[g][first:end]), request.request_id))
+        self.hit_tokens[request.request_id] = num_tier_tokens
+
+    def finished(self, request: Request, block_ids: Sequence[Sequence[int]], now_s: float, free_after: bool,
+                 retain_s: float = 0.0) -> bool:
+        """The request ended: keep its computed prompt blocks. True when the worker must store
+        some before vLLM frees them; with `free_after` the worker then reports the request (the
+        caller holds the blocks no other way)."""
+        self.forget(request.request_id)
+        n = min(len(request.block_hashes), request.num_computed_tokens // self.block_size,
+                request.num_prompt_tokens // self.block_size, *(len(ids) for ids in block_ids))
+        hashes = request.block_hashes[:n]
+        kept = self.book.keep([((g, h), self._block_bytes[g]) for h in hashes for g in self._groups], now_s, retain_s)
+        self._order_evictions(kept.evicted)
+        if not kept.stored:
+            return False
+        index = {h: i for i, h in enumerate(hashes)}
+        for g in self._groups:
+            stored = tuple(h for gg, h in kept.stored if gg == g)
+            self._orders.copies.append(
+                TierCopy("store", g, stored, tuple(block_ids[g][index[h]] for h in stored), request.request_id))
+        if free_after:
+            self._orders.free_after.append(request.request_id)
+        return True
+
+    def _order_evictions(self, keys: Sequence[BlockKey]) -> None:
+        by_group: dict[int, list[bytes]] = {}
+        for g, h in keys:
+            by_group.setdefault(g, []).append(h)
+        self._orders.copies += [TierCopy("evict", g, tuple(hs)) for g, hs in by_group.items()]
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without handing its blocks to the tier."""
+        self.hit_tokens.pop(request_id, None)
+        self._first.pop(request_id, None)
+
+    def reset(self) -> bool:
+        """Empty the tier (vLLM's reset_prefix_cache with reset_connector): the worker frees the
+        bytes with the next orders. False if a load still holds blocks."""
+        self._order_evictions(self.book.clear())
+        return len(self.book) == 0
+
+    def lost(self, keys: Sequence[BlockKey]) -> None:
+        """The worker found no bytes for these keys (a load failed): forget them."""
+        self.book.drop(keys)
+
+    def take_orders(self) -> TierOrders:
+        for lease in self._leases:  # the worker reads them before any later order evicts one
+            self.book.release(lease)
+        self._leases = []
+        out, self._orders = self._orders, TierOrders()
+        return out
