@@ -41,8 +41,10 @@ def settled(spec: ClusterSpec) -> ClusterSpec:
     return settle_spec(spec, [NodeView("node-0", "127.0.0.1", {})], environ={})
 
 
-def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) -> ClusterSpec:
-    """A tiny CPU cluster on free ports; `overrides` are merged into the top level."""
+def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, prefill_engine: dict | None = None,
+                     **overrides) -> ClusterSpec:
+    """A tiny CPU cluster on free ports; `overrides` are merged into the top level, and
+    `prefill_engine` is P's `prefill.engine`."""
     # Every fixed port from one run found free now (KV ports, then two KV-event ports per
     # instance, then the router's): modules that follow each other never share a port with
     # the previous cluster's engine processes, which may still be exiting.
@@ -53,7 +55,7 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
         "model": {"path": tiny_model_dir(), "name": "tiny-qwen3"},
         "engine": {"block_size": 128, "max_model_len": 8192, "max_num_batched_tokens": 8192,
                    "kv_cache_space_gib": 1, "dtype": "float32"},
-        "prefill": {"instances": prefill, "resources": {"cpu_bind": ["0"] * prefill}},
+        "prefill": {"instances": prefill, "resources": {"cpu_bind": ["0"] * prefill}, "engine": prefill_engine or {}},
         "decode": {"instances": decode, "resources": {"cpu_bind": ["1"] * decode}},
         "transfer": {"base_port": ports, "timeout_s": 20, "lease_s": 60,
                      "break_transfers_with_prefix": FAULT_PREFIX},
@@ -64,14 +66,21 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, **overrides) 
     return parse_spec(data)
 
 
+P1_BLOCKS = 70  # P's device KV pool in p1d1-bf16, vLLM's null block included: 69 usable blocks of 128 tokens
+P1_TIER_GIB = 0.05  # and its host tier: 400 blocks of the tiny bf16 model (128 KiB each)
+
+
 def p1d1_bf16_spec() -> ClusterSpec:
     """The P1D1 that test_e2e_local_prefill and test_e2e_recompute share (shared_cluster
     "p1d1-bf16"): bfloat16 as the users' engines run, D prefills short remainders itself
     (router.local_prefill, max_tokens 256, prefix_aware routing), and a failed transfer makes D
     prefill instead (transfer.on_failure recompute) with a short lease, since a broken pull never
     releases P's blocks: the lease outlives D's wait for a P that accepts no connection
-    (grpc_client.CONNECT_S, 5 s)."""
+    (grpc_client.CONNECT_S, 5 s). P has a host KV tier beside a small device pool (P1_BLOCKS
+    blocks, just over one max_model_len prompt), which test_e2e_tier evicts prompts from."""
     return cluster_spec_for("e2e-p1d1-bf16", engine={"dtype": "bfloat16"},
+                            prefill_engine={"host_tier_gib": P1_TIER_GIB,
+                                            "extra": {"num_gpu_blocks_override": P1_BLOCKS}},
                             transfer={"on_failure": "recompute", "lease_s": 9},
                             router={"policy": "prefix_aware",
                                     "local_prefill": {"policy": "short_remainder", "max_tokens": 256}})

@@ -52,3 +52,33 @@ def test_one_call_moves_one_groups_blocks_one_key_each():
         tier.store(keys("a") + keys("b", group=1), [1, 2])
     tier.store(keys("a", group=1), [3])  # a group holds its own layers only
     assert tier.block_bytes(1) == tier.block_bytes(0) and tier.nbytes == tier.block_bytes(1)
+
+
+def tier_worker(caches):
+    """P's connector worker with only its host tier (no KV server, no sources)."""
+    from pdcluster.transfer.connector_worker import _Worker
+
+    worker = object.__new__(_Worker)
+    worker.sources, worker.fetcher, worker._timings, worker._error_blocks = None, None, {}, set()
+    worker.tier, worker._tier_lost, worker._tier_freed = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS)), [], set()
+    return worker
+
+
+def test_the_worker_carries_out_orders_in_order_and_a_failed_load_fails_its_blocks():
+    from pdcluster.transfer.connector_meta import PdcMetadata
+    from pdcluster.transfer.tier_scheduler import TierCopy, TierOrders
+
+    caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    worker = tier_worker(caches)
+    worker.start(PdcMetadata(tier=TierOrders([
+        TierCopy("store", 0, (b"a", b"b"), (1, 2), "r1"),
+        TierCopy("evict", 0, (b"a",)),
+        TierCopy("load", 0, (b"a", b"b"), (5, 6), "r2"),  # a's bytes are gone (the book out of step): it fails
+        TierCopy("load", 0, (b"b",), (7,), "r3"),
+    ], free_after=["r1"])))
+    want = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    assert all(torch.equal(caches[n][7], want[n][2]) for n in LAYERS)  # r3's load ran after r2's failed
+    assert worker.take_error_blocks() == {5, 6}  # vLLM recomputes them, or fails r2 (kv_load_failure_policy)
+    assert worker.take_timings().tier_lost == ((0, b"a"),)  # the book forgets the block with no bytes, only it
+    assert worker.results().finished_sending == {"r1"}  # stored: vLLM may free r1's blocks
+    assert worker.results().finished_sending == set()

@@ -107,13 +107,13 @@ class _Worker:
                     self.tier.evict(copy.keys)
             except (KeyError, RuntimeError, MemoryError) as err:
                 # A load that fails leaves its blocks to vLLM's kv_load_failure_policy (recompute them, or
-                # end the request); a store that fails keeps nothing. Either way the book forgets the keys.
+                # end the request); a store that fails keeps nothing. Either way the book forgets the keys
+                # the tier has no bytes for, and only those: a later order may read the others.
                 log.error("host tier %s of %d blocks (request %s) failed: %s", copy.op, len(copy.hashes),
                           copy.request_id, err)
                 if copy.op == "load":
                     self._error_blocks |= set(copy.block_ids)
-                self.tier.evict(copy.keys)
-                self._tier_lost += copy.keys
+                self._tier_lost += [k for k in copy.keys if k not in self.tier]
         self._tier_freed |= set(orders.free_after)
 
     def results(self) -> KVConnectorTransferResults:

@@ -7,9 +7,8 @@ A kept block is one host tensor per layer of its KV-cache group, keyed like the 
 blocks must not be reused meanwhile), `load` copies kept blocks into device blocks the engine
 allocated for them (before the step that reads them), `evict` frees them. `pin`: page-locked host
 memory, so that the copies back to an accelerator run at the link's speed (off on CPU engines,
-whose "device" cache is host memory already).
-
-Not wired to the connector yet (issue 29's next step).
+whose "device" cache is host memory already). The connector's worker (transfer/connector_worker.py)
+carries out the orders of transfer/tier_scheduler.py with it.
 """
 
 from __future__ import annotations

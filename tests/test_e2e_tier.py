@@ -1,0 +1,95 @@
+"""End to end on real engines: P's host KV tier (issue 29; transfer/tier_scheduler.py).
+
+The shared bf16 P1D1 (tests/e2e.py p1d1_bf16_spec) gives P a device pool of 69 usable blocks and
+a host tier. Four 3,000-token families through the router, one after another, push the first
+out of P's device cache; when it comes again, P loads its blocks from the tier instead of
+computing them, D pulls them from P, and the tokens equal a single engine's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+from e2e import (
+    P1_BLOCKS,
+    assert_no_kv_in_use,
+    complete,
+    local_prefill_as,
+    p1d1_bf16_spec,
+    reset_caches,
+    shared_cluster,
+    tiny_model_dir,
+)
+
+from pdcluster.cluster.reference_engine import GreedyReference
+from pdcluster.router.run_store import load_run
+
+# One bf16 P1D1 with test_e2e_local_prefill and test_e2e_recompute, which run first.
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1-bf16")]
+PROMPT = 3000  # 24 blocks of 128; 23 full ones can hit
+FULL = (PROMPT - 1) // 128 * 128  # vLLM computes a prompt's last token at least: 2,944 tokens can hit
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return shared_cluster("p1d1-bf16", p1d1_bf16_spec)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    reference = ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0", dtype="bfloat16")
+    yield reference
+    ray.kill(reference)  # the local Ray outlives this module
+
+
+def family(name: str) -> list[int]:
+    rng = random.Random(f"tier-{name}")
+    return [rng.randrange(3, 1000) for _ in range(PROMPT)]
+
+
+def run(cluster, prompt):
+    r = complete(cluster.url, prompt, 16)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    rec = load_run(cluster.run_dir).record(body["id"])
+    return body["choices"][0]["token_ids"], body["usage"]["pd"], rec
+
+
+def p_prefill_ns(rec) -> int:
+    return rec.events["p_done"] - rec.events["p_scheduled"]
+
+
+def reset_d(cluster) -> None:
+    """D forgets what it holds, so that the next request's prompt comes from P whole."""
+    d = cluster.decode[0].actor
+    assert ray.get(d.reset_prefix_cache.remote())
+
+
+def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster, reference):
+    assert 3 * (PROMPT // 128 + 1) > P1_BLOCKS - 1, "three other families must fill P's device pool"
+    a = family("a")
+    cold_tokens, pd, cold = run(cluster, a)
+    assert (pd["p_cached_tokens"], cold.p_tier_tokens) == (0, 0)
+    for name in "bce":  # each needs 24 blocks: by the third, every block of a's was taken
+        run(cluster, family(name))
+    assert_no_kv_in_use(cluster)
+    reset_d(cluster)
+
+    with local_prefill_as(cluster, policy="never"):  # D's index looks full until D's next step
+        tokens, pd, again = run(cluster, a)
+    assert pd["p_cached_tokens"] == FULL and again.p_tier_tokens == FULL, (pd, again.p_tier_tokens)
+    assert pd["transferred_tokens"] == PROMPT  # D pulled all of it from P, the loaded blocks included
+    assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
+    # Loading 23 blocks is a copy; computing them was the prefill (~16x longer here).
+    assert p_prefill_ns(again) < p_prefill_ns(cold) / 2, (p_prefill_ns(again), p_prefill_ns(cold))
+    assert_no_kv_in_use(cluster)
+
+
+def test_a_cache_reset_empties_the_tier(cluster):
+    a = family("a")
+    run(cluster, a)  # in P's device cache and its tier
+    reset_caches(cluster)
+    _, pd, rec = run(cluster, a)
+    assert (pd["p_cached_tokens"], rec.p_tier_tokens) == (0, 0)
