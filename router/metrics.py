@@ -47,6 +47,8 @@ class RouterMetrics:
                              buckets=BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdc_prompt_tokens", "prompt tokens", registry=r)
         self.cached = Counter("pdc_cached_tokens", "prompt tokens a prefix cache held", ["side"], registry=r)
+        self.tier_hits = Counter("pdc_tier_hit_tokens", "of the cached prompt tokens, those an instance loaded from "
+                                 "its KV tier (docs/kv_tiers.md)", ["side", "tier"], registry=r)
         self.predicted = Counter("pdc_predicted_cached_tokens",
                                  "prompt tokens the router's prefix index expected a prefix cache to hold",
                                  ["side"], registry=r)
@@ -76,6 +78,7 @@ class RouterMetrics:
         self._phase = {name: self.phase.labels(phase=name) for name in CRITICAL_PATH}
         sides = ("prefill", "decode")
         self._cached = {side: self.cached.labels(side=side) for side in sides}
+        self._p_host_tier = self.tier_hits.labels(side="prefill", tier="host")  # at 0 without a tier
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
@@ -106,6 +109,8 @@ class RouterMetrics:
         self.prompt_tokens.inc(rec.prompt_tokens)
         self._cached["prefill"].inc(rec.p_cached_tokens)
         self._cached["decode"].inc(rec.d_cached_tokens)
+        if rec.p_tier_tokens:
+            self._p_host_tier.inc(rec.p_tier_tokens)
         for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
                                            ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
             if predicted is not None and not rec.error:

@@ -74,7 +74,7 @@ def test_metrics_count_what_records_report():
     in_flight = {"prefill-0": 2, "decode-0": 1}
     m = RouterMetrics(lambda: in_flight)
     rec = RequestRecord("r", prompt_tokens=1000, p_cached_tokens=256, d_cached_tokens=128, transferred_tokens=872,
-                        transfer_groups=[GroupTransfer(0, 7, 917504)], token_ns=[100 * MS, 110 * MS, 130 * MS])
+                        p_tier_tokens=128, transfer_groups=[GroupTransfer(0, 7, 917504)], token_ns=[100 * MS, 110 * MS, 130 * MS])
     for name, t in [("arrival", 0), ("p_scheduled", 5), ("p_done", 50), ("transfer_start", 55),
                     ("transfer_end", 60), ("d_scheduled", 62), ("first_token", 100)]:
         rec.mark(name, t * MS)
@@ -89,6 +89,7 @@ def test_metrics_count_what_records_report():
     assert _metric(text, "pdc_inter_token_seconds_count") == 2
     assert _metric(text, 'pdc_cached_tokens_total{side="prefill"}') == 256
     assert _metric(text, 'pdc_cached_tokens_total{side="decode"}') == 128
+    assert _metric(text, 'pdc_tier_hit_tokens_total{side="prefill",tier="host"}') == 128  # of P's 256
     assert _metric(text, 'pdc_transfer_bytes_total{group="0"}') == 917504
     assert _metric(text, 'pdc_predicted_cached_tokens_total{side="prefill"}') == 384
     assert _metric(text, 'pdc_hit_predictions_total{outcome="over",side="prefill"}') == 1

@@ -29,6 +29,7 @@ def test_html_is_self_contained_and_has_the_sections(run):
     assert html.count('class="row"') == len(run.records) == html.count('class="bar"')
     assert html.count('<svg class="cdf"') == 6  # five critical-path parts + TTFT
     assert "ms since the first arrival" in html and "TTFT 40.00 ms" in html and "failed after dispatch" in html
+    assert "P cached 120 (64 from its host tier), D cached 30" in html
 
 
 def test_cli_report_default_path(tmp_path, capsys):
