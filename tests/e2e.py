@@ -295,6 +295,8 @@ def stop_shared_cluster(name: str) -> None:
         context.__exit__(None, None, None)
 
 
+
+
 # The labs that modules marked `pytest.mark.shared_lab(name)` share: name -> Lab.up's arguments.
 # "lab4": four hosts; a host cut for less than 20 s keeps its Ray node (cluster/ray_settings.py).
 LABS = {"lab4": {"hosts": 4, "name": "pdcl4", "subnet": "10.213.61.0/24", "partition_tolerance_s": 20.0}}
@@ -323,7 +325,7 @@ def stop_shared_lab(name: str) -> None:
 
 # ---------------------------------------------------------------- the session's local Ray
 
-_REFERENCE: list = []  # the shared tiny-Qwen3 reference engine's actor, while the local Ray stands
+_REFERENCE: dict[str, object] = {}  # dtype -> the shared tiny-Qwen3 reference engine's actor, while the local Ray stands
 
 
 def local_ray() -> None:
@@ -348,14 +350,14 @@ def stop_local_ray() -> None:
         ray.shutdown()
 
 
-def shared_reference():
-    """The single tiny-Qwen3 float32 engine (cluster/reference_engine.py) that the local-Ray
+def shared_reference(dtype: str = "float32"):
+    """The single tiny-Qwen3 engine of `dtype` (cluster/reference_engine.py) that the local-Ray
     modules compare with, on core 0: started by the first that asks, gone with the local Ray."""
     import ray
 
     from pdcluster.cluster.reference_engine import GreedyReference
 
     local_ray()
-    if not _REFERENCE:
-        _REFERENCE.append(ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0"))
-    return _REFERENCE[0]
+    if dtype not in _REFERENCE:
+        _REFERENCE[dtype] = ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0", dtype=dtype)
+    return _REFERENCE[dtype]

@@ -27,11 +27,10 @@ from e2e import (
     p1d1_bf16_spec,
     reset_caches,
     shared_cluster,
-    tiny_model_dir,
+    shared_reference,
     wait_until,
 )
 
-from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.router.attribution import attribute
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
@@ -51,9 +50,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    reference = ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0", dtype="bfloat16")
-    yield reference
-    ray.kill(reference)  # the local Ray outlives this module
+    return shared_reference("bfloat16")  # test_e2e_tier's too
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:
