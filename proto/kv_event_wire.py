@@ -49,6 +49,10 @@ class AllBlocksCleared:
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
+# The medium of a host-memory tier's blocks (vLLM's CPU offloading names them so; so does P's host
+# tier, transfer/tier_scheduler.py); the device pool's are "GPU" or unset, whatever the device.
+HOST_MEDIUM = "CPU"
+
 KV_EVENTS_TOPIC = "kv"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the publisher's end-of-replay marker
 

@@ -159,6 +159,11 @@ class KvEventFeed(OrderedBatches):
         with self._lock:
             return st.index.matched_blocks(hashes)
 
+    def tier_matched_blocks(self, instance: str, hashes: Sequence[RouterHash], start: int) -> int:
+        st = self._get(instance)
+        with self._lock:
+            return st.index.tier_matched_blocks(hashes, start)
+
     def matched_tokens(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         return self.matched_blocks(instance, hashes) * self.block_size
 

@@ -18,8 +18,11 @@ business (router/kv_events.py); this module only applies them.
 
 Blocks are keyed per KV cache group (`group_idx`): a hybrid model stores the
 same engine hash once per group, and removing it from one group must not drop
-the others. Only the engine's own pool counts (medium GPU or unset; vLLM calls
-its main pool GPU on every device); offload tiers are not prefix-cache hits.
+the others. The engine's own pool (medium GPU or unset; vLLM calls its main pool
+GPU on every device) and its host tier (medium CPU: P's host tier, or vLLM's CPU
+offloading) are indexed apart (`host`): a prompt's hit there is the device's run
+of blocks, then the tier's run past it (`tier_matched_blocks`), which the engine
+loads instead of computing. Other media (disk, remote) are skipped.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.proto.kv_event_wire import BlockRemoved, BlockStored, EngineHash, KvEvent
+from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored, EngineHash, KvEvent
 
 RouterHash = bytes
 ROOT: RouterHash = b"\0" * 32  # the parent of a prompt's first block
@@ -117,6 +120,19 @@ class InstanceIndex:
     # Engine hash -> router hash of blocks whose router hash the caller worked out already (the
     # virtual clock hashes every prompt both ways): taken instead of hashing the tokens again.
     known: Mapping[EngineHash, RouterHash] | None = field(default=None, repr=False)
+    # The instance's host tier's blocks (medium CPU), kept as this index keeps the device's; None
+    # until the first such event. Its parents may be device blocks: a tier's run may start past
+    # the device's hit.
+    host: InstanceIndex | None = field(default=None, repr=False)
+
+    def _index_of(self, medium: str | None) -> InstanceIndex | None:
+        if medium in PRIMARY_MEDIA:
+            return self
+        if medium == HOST_MEDIUM:
+            if self.host is None:
+                self.host = InstanceIndex(self.block_size, known=self.known)
+            return self.host
+        return None
 
     def apply(self, seq: int, events: Sequence[KvEvent]) -> bool:
         """Apply batch `seq`. False if batches were missed before it: the index is then
@@ -126,24 +142,27 @@ class InstanceIndex:
             self.lost_history()
         self.next_seq = seq + 1
         for ev in events:
-            if isinstance(ev, BlockStored):
-                self._stored(ev)
-            elif isinstance(ev, BlockRemoved):
-                if ev.medium not in PRIMARY_MEDIA:
+            if isinstance(ev, BlockStored | BlockRemoved):
+                index = self._index_of(ev.medium)
+                if index is None:
                     self.skipped_events += 1
-                    continue
-                for h in ev.block_hashes:
-                    self._drop(ev.group_idx, h)
+                elif isinstance(ev, BlockStored):
+                    index._stored(ev, self)
+                else:
+                    for h in ev.block_hashes:
+                        index._drop(ev.group_idx, h)
             else:
                 self.clear()
                 self.stale = False  # the engine's cache is empty: known exactly from here
         return contiguous
 
-    def _stored(self, ev: BlockStored) -> None:
+    def _stored(self, ev: BlockStored, device: InstanceIndex) -> None:
+        """`device`: the instance's device index (self, or the one whose host tier this is), where a
+        parent may be too."""
         # vLLM stores blocks of another size for hybrid models (hash-block sized
         # pieces); the router's chain cannot place them.
-        if ev.medium not in PRIMARY_MEDIA or ev.block_size != self.block_size:
-            self.skipped_events += 1
+        if ev.block_size != self.block_size:
+            device.skipped_events += 1
             return
         g, bs = ev.group_idx, self.block_size
         assert len(ev.token_ids) == bs * len(ev.block_hashes), (
@@ -154,6 +173,8 @@ class InstanceIndex:
             parent = ROOT
         elif ev.parent_block_hash in held:
             parent = held[ev.parent_block_hash]
+        elif ev.parent_block_hash in device._held.get(g, ()):
+            parent = device._held[g][ev.parent_block_hash]
         else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
             return
         routers = self._router_hashes(ev, parent)
@@ -198,6 +219,8 @@ class InstanceIndex:
         self._held.clear()
         self._count.clear()
         self.clears += 1
+        if self.host is not None:  # vLLM's reset with its connector's: the tier empties too
+            self.host.clear()
 
     def lost_history(self) -> None:
         """Batches were lost for good: forget everything, say so until the cache is known again."""
@@ -214,6 +237,11 @@ class InstanceIndex:
         (a model with one KV cache group: 0)."""
         count = self._count.get(group)
         return len(list(itertools.takewhile(count.__contains__, hashes))) if count else 0  # the run, in C
+
+    def tier_matched_blocks(self, hashes: Sequence[RouterHash], start: int, group: int = 0) -> int:
+        """How many blocks of the prompt past its first `start` (the device's hit) the host tier
+        holds, in a run: what the engine would load from it instead of computing."""
+        return self.host.matched_blocks(hashes[start:], group) if self.host is not None else 0
 
     def holds(self, block: RouterHash, group: int = 0) -> bool:
         return block in self._count.get(group, ())

@@ -48,6 +48,10 @@ class PrefixLookup(Protocol):
     def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         """How many leading blocks of a prompt (its chain hashes) `instance` holds; 0 if unknown."""
 
+    def tier_matched_blocks(self, instance: str, hashes: Sequence[RouterHash], start: int) -> int:
+        """How many blocks past the first `start` `instance`'s host KV tier holds, in a run (it loads
+        them instead of computing them); 0 if it has none."""
+
     def clears(self, instance: str) -> int:
         """How many times what `instance` holds was emptied (cache reset, restart): a promise of
         blocks made before the last one is void."""
@@ -238,7 +242,9 @@ class InstancePicker(Generic[I]):
             if pending is not None:
                 pending.settle(i.name, now, self.lookup.clears(i.name), lambda h, name=i.name: self.lookup.holds(name, h))
                 extra = pending.pending_blocks(i.name, hashes, confirmed)
-            held[i.name], promised[i.name] = (confirmed + extra) * self.block_size, extra * self.block_size
+            # Then what its host tier holds past that: loaded, not computed (priced as a hit for now).
+            tier = self.lookup.tier_matched_blocks(i.name, hashes, confirmed + extra)
+            held[i.name], promised[i.name] = (confirmed + extra + tier) * self.block_size, extra * self.block_size
         return held, promised
 
     def ended(self, route: Route[I]) -> None:

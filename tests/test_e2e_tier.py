@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import pytest
 import ray
 from e2e import (
@@ -20,11 +21,11 @@ from e2e import (
     p1d1_bf16_spec,
     reset_caches,
     shared_cluster,
-    tiny_model_dir,
+    shared_reference,
 )
 
-from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.router.run_store import load_run
+from pdcluster.router.timeline_views import format_summary, summarize
 
 # One bf16 P1D1 with test_e2e_local_prefill and test_e2e_recompute, which run first.
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1-bf16")]
@@ -39,9 +40,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    reference = ray.remote(num_cpus=0)(GreedyReference).remote(tiny_model_dir(), "0", dtype="bfloat16")
-    yield reference
-    ray.kill(reference)  # the local Ray outlives this module
+    return shared_reference("bfloat16")  # test_e2e_local_prefill's
 
 
 def family(name: str) -> list[int]:
@@ -61,6 +60,13 @@ def p_prefill_ns(rec) -> int:
     return rec.events["p_done"] - rec.events["p_scheduled"]
 
 
+def tier_hits(cluster) -> float:
+    """The router's count of prompt tokens P's host tier gave (/metrics)."""
+    series = 'pdc_tier_hit_tokens_total{side="prefill",tier="host"} '
+    line = next(ln for ln in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines() if ln.startswith(series))
+    return float(line.removeprefix(series))
+
+
 def reset_d(cluster) -> None:
     """D forgets what it holds, so that the next request's prompt comes from P whole."""
     d = cluster.decode[0].actor
@@ -77,14 +83,19 @@ def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster,
     assert_no_kv_in_use(cluster)
     reset_d(cluster)
 
+    hits_before = tier_hits(cluster)  # the router's counter, over the modules sharing the cluster
+    cluster.each_router("catch_up_kv_events")  # P's tier announced a's blocks (medium CPU)
     with local_prefill_as(cluster, policy="never"):  # D's index looks full until D's next step
         tokens, pd, again = run(cluster, a)
     assert pd["p_cached_tokens"] == FULL and again.p_tier_tokens == FULL, (pd, again.p_tier_tokens)
     assert pd["transferred_tokens"] == PROMPT  # D pulled all of it from P, the loaded blocks included
+    assert again.predicted_p_hit_tokens == FULL  # the router's index: none on P's device, all in its tier
     assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
     # Loading 23 blocks is a copy; computing them was the prefill (~16x longer here).
     assert p_prefill_ns(again) < p_prefill_ns(cold) / 2, (p_prefill_ns(again), p_prefill_ns(cold))
     assert_no_kv_in_use(cluster)
+    assert tier_hits(cluster) - hits_before == FULL
+    assert f"{FULL} from its host tier" in format_summary(summarize(load_run(cluster.run_dir)))
 
 
 def test_a_cache_reset_empties_the_tier(cluster):

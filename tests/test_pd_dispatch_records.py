@@ -85,6 +85,9 @@ def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):
         def matched_blocks(self, instance, hashes):
             return 1 if instance == "prefill-1" else 0
 
+        def tier_matched_blocks(self, instance, hashes, start):
+            return 0
+
     ps, ds = [FakeEngine(), FakeEngine(p_cached=4)], [FakeEngine()]
     disp = make(ps, ds, policy="prefix_aware", block_size=4, lookup=HoldsFirstBlock())
     records = records_of(disp)
@@ -126,6 +129,9 @@ def test_an_instance_restarted_on_another_node_is_dialled_at_its_new_addresses(c
 
 class NothingHeld:
     def matched_blocks(self, instance, hashes):
+        return 0
+
+    def tier_matched_blocks(self, instance, hashes, start):
         return 0
 
     def clears(self, instance):

@@ -114,9 +114,27 @@ def test_known_hashes_are_taken_and_the_rest_hashed_from_them():
 def test_blocks_of_another_size_or_medium_are_skipped_and_counted():
     idx = InstanceIndex(BS)
     idx.apply(0, [BlockStored((1,), None, tuple(range(8)), 8),  # a hybrid model's other block size
-                  BlockStored((2,), None, tuple(PROMPT[:4]), BS, medium="CPU"),  # an offload tier
-                  BlockRemoved((2,), medium="CPU")])
+                  BlockStored((2,), None, tuple(PROMPT[:4]), BS, medium="DISK"),  # a tier the router does not price
+                  BlockRemoved((2,), medium="DISK")])
     assert len(idx) == 0 and idx.skipped_events == 3
+
+
+def test_a_host_tiers_blocks_are_held_apart_and_continue_the_devices_run():
+    idx = InstanceIndex(BS)
+    hashes = chain_hashes(PROMPT, BS)  # 3 full blocks
+    idx.apply(0, [BlockStored((11, 12, 13), None, tuple(PROMPT[:12]), BS, medium="CPU"),  # the tier: all three
+                  BlockStored((11,), None, tuple(PROMPT[:4]), BS)])  # the device: the first
+    assert (idx.matched_blocks(hashes), idx.tier_matched_blocks(hashes, 1), len(idx)) == (1, 2, 1)
+    # A tier run may hang off a device block: its parent's router hash comes from the device's index.
+    other = InstanceIndex(BS)
+    other.apply(0, [BlockStored((11,), None, tuple(PROMPT[:4]), BS),
+                    BlockStored((12, 13), 11, tuple(PROMPT[4:12]), BS, medium="CPU")])
+    assert (other.matched_blocks(hashes), other.tier_matched_blocks(hashes, 1)) == (1, 2)
+    other.apply(1, [BlockRemoved((12,), medium="CPU")])  # evicted from the tier: its run ends before it
+    assert other.tier_matched_blocks(hashes, 1) == 0 and other.matched_blocks(hashes) == 1
+    idx.apply(1, [AllBlocksCleared()])  # a reset: the device and the tier
+    assert (idx.matched_blocks(hashes), idx.tier_matched_blocks(hashes, 0)) == (0, 0)
+    assert InstanceIndex(BS).tier_matched_blocks(hashes, 0) == 0  # no tier at all
 
 
 def test_groups_are_kept_apart():

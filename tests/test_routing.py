@@ -23,11 +23,12 @@ class HeldBlocks:
 
     def __init__(self):
         self.held: dict[str, set[bytes]] = {}
+        self.tier: dict[str, set[bytes]] = {}  # what each instance's host tier holds
         self.emptied: dict[str, int] = {}
         self.stale_instances: set[str] = set()
 
-    def store(self, instance: str, tokens: Sequence[int]) -> None:
-        self.held.setdefault(instance, set()).update(chain_hashes(tokens, BS))
+    def store(self, instance: str, tokens: Sequence[int], where: str = "device") -> None:
+        (self.held if where == "device" else self.tier).setdefault(instance, set()).update(chain_hashes(tokens, BS))
 
     def matched_blocks(self, instance: str, hashes: Sequence[bytes]) -> int:
         n = 0
@@ -36,6 +37,12 @@ class HeldBlocks:
                 break
             n += 1
         return n
+
+    def tier_matched_blocks(self, instance: str, hashes: Sequence[bytes], start: int) -> int:
+        n = start
+        while n < len(hashes) and hashes[n] in self.tier.get(instance, set()):
+            n += 1
+        return n - start
 
     def clears(self, instance: str) -> int:
         return self.emptied.get(instance, 0)
@@ -69,6 +76,15 @@ def test_prefix_aware_goes_where_the_prefix_is_and_predicts_the_hit():
     assert (route.prefill.name, route.predicted_p_hit_tokens) == ("p2", 12)
     # D by load; all idle, the one holding the prefix.
     assert (route.decode.name, route.predicted_d_hit_tokens) == ("d1", 12)
+
+
+def test_a_prefix_in_a_p_s_host_tier_is_a_hit_there_past_its_device_s():
+    held = HeldBlocks()
+    held.store("p0", family(1)[:4])  # one block on p0's device
+    held.store("p1", family(1)[:4])
+    held.store("p1", family(1), where="tier")  # p1's tier holds all three
+    route = picker("prefix_aware", held).pick(family(1, suffix=50), max_tokens=8)
+    assert (route.prefill.name, route.predicted_p_hit_tokens) == ("p1", 12)
 
 
 def test_prefix_aware_leaves_a_busy_holder_when_its_queue_costs_more():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pdcluster.proto.kv_event_wire import BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.tier_scheduler import TierCopy, TierScheduler, TierUnsupported
 
@@ -27,6 +28,11 @@ class Req:
     num_tokens: int
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return list(range(100, 100 + self.num_tokens))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,8 +94,8 @@ def test_a_full_tier_orders_evictions_before_the_stores_that_need_the_room():
     ended(sched, req("a", "f", 12), [[1, 2, 3]])
     ended(sched, req("b", "g", 8), [[4, 5]])
     copies = sched.take_orders().copies
-    assert copies[1:] == [TierCopy("evict", 0, (b"f0", b"f1")), TierCopy("store", 0, (b"g0", b"g1"), (4, 5), "b")]
-    assert sched.lookup(req("c", "f", 13), 0) == 0  # f's first block went: no hit, though f2 is held
+    assert copies[1:] == [TierCopy("evict", 0, (b"f2", b"f1")), TierCopy("store", 0, (b"g0", b"g1"), (4, 5), "b")]
+    assert sched.lookup(req("c", "f", 13), 0) == 1 * BS  # f's tail went first: its head still hits
 
 
 def test_blocks_a_load_reads_are_leased_until_its_order_is_given():
@@ -143,5 +149,46 @@ def test_a_reset_empties_the_tier_and_orders_its_bytes_freed():
     sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
     ended(sched, req("a", "f", 8), [[1, 2]])
     sched.take_orders()
-    assert sched.reset() and sched.take_orders().copies == [TierCopy("evict", 0, (b"f0", b"f1"))]
+    assert sched.reset() and sched.take_orders().copies == [TierCopy("evict", 0, (b"f1", b"f0"))]
     assert sched.lookup(req("b", "f", 12), 0) == 0 and sched.book.used_bytes == 0
+
+
+def test_what_the_tier_stores_and_evicts_is_announced_in_runs_with_their_parents():
+    sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
+    a = req("a", "f", 12)
+    ended(sched, a, [[1, 2, 3]])
+    assert sched.take_events() == [BlockStored([b"f0", b"f1", b"f2"], None, list(range(100, 112)), BS, 0, "CPU")]
+    sched.lost([(0, b"f1")])  # a hole: the next prompt of the family stores two runs, each with its parent
+    b = req("b", "f", 16)
+    ended(sched, b, [[4, 5, 6, 7]])
+    assert sched.take_events() == [BlockRemoved((b"f1",), 0, "CPU"),
+                                   BlockStored([b"f1"], b"f0", list(range(104, 108)), BS, 0, "CPU"),
+                                   BlockStored([b"f3"], b"f2", list(range(112, 116)), BS, 0, "CPU")]
+    ended(sched, req("c", "g", 4), [[8]])
+    assert sched.take_events() == [BlockRemoved((b"f3",), 0, "CPU"), BlockStored([b"g0"], None, [100, 101, 102, 103],
+                                                                                 BS, 0, "CPU")]
+    salted = req("d", "h", 4)
+    salted.cache_salt = "s"  # its hashes cover the salt, which the router's chain does not: kept, not announced
+    sched.reset()
+    ended(sched, salted, [[9]])
+    assert [type(e) for e in sched.take_events()] == [BlockRemoved]
+
+
+def test_ps_connector_hands_vllm_the_tiers_events_as_its_own():
+    from vllm.distributed import kv_events
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from pdcluster.transfer.connector import PdcConnector
+
+    conn = object.__new__(PdcConnector)
+    conn._tier = TierScheduler([full(0)], capacity_bytes=2 * PAGE)
+    ended(conn._tier, req("a", "f", 8), [[1, 2]])
+    ended(conn._tier, req("b", "g", 4), [[3]])  # evicts f1, a's last
+    stored_a, removed, stored_b = conn.take_events()
+    assert isinstance(stored_a, kv_events.BlockStored) and isinstance(removed, kv_events.BlockRemoved)
+    h = maybe_convert_block_hash  # as vLLM's block pool hands its own hashes out
+    assert (stored_a.block_hashes, stored_a.parent_block_hash, stored_a.medium) == ([h(b"f0"), h(b"f1")], None, "CPU")
+    assert (removed.block_hashes, removed.medium, stored_b.parent_block_hash) == ([h(b"f1")], "CPU", None)
+    assert stored_a.token_ids == list(range(100, 108)) and stored_a.block_size == BS and conn.take_events() == []
+    conn._tier = None
+    assert conn.take_events() == ()

@@ -210,6 +210,25 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 tuple(tuple(g) for g in state.get_block_ids(request_id)),
                 min(request.num_computed_tokens + num_scheduled, request.num_prompt_tokens)))
 
+    def take_events(self):
+        # What P's host tier stored and evicted, published by vLLM beside its device cache's events.
+        if self._tier is None:
+            return ()
+        from pdcluster.proto import kv_event_wire as wire
+        from pdcluster.transfer.vllm_compat import BlockRemoved, BlockStored, maybe_convert_block_hash
+
+        out = []
+        for ev in self._tier.take_events():
+            hashes = [maybe_convert_block_hash(h) for h in ev.block_hashes]
+            if isinstance(ev, wire.BlockRemoved):
+                out.append(BlockRemoved(block_hashes=hashes, medium=ev.medium, group_idx=ev.group_idx))
+            else:
+                parent = None if ev.parent_block_hash is None else maybe_convert_block_hash(ev.parent_block_hash)
+                out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(ev.token_ids),
+                                       block_size=ev.block_size, lora_id=None, medium=ev.medium, lora_name=None,
+                                       group_idx=ev.group_idx))
+        return out
+
     def reset_cache(self) -> bool:
         # vLLM's reset_prefix_cache(reset_connector=True): the host tier empties with the device cache.
         return self._tier.reset() if self._tier is not None else True

@@ -11,7 +11,9 @@ What it promises:
 - A block a lease holds (a load reading it) is never evicted; `keep` stores fewer blocks rather
   than evict one.
 - Eviction order: blocks whose retention ran out (or never had one) first, least recently used
-  (kept or matched) first; then retained blocks, the soonest to expire first. A retention is the
+  (kept or matched) first, and of one prompt's blocks used together the last first (as vLLM frees
+  a request's blocks, tail first: a prefix's head is worth more than its tail, which never hits
+  without it); then retained blocks, the soonest to expire first. A retention is the
   request's hint (its session's next turn expected within so long), cut to `max_retention_s`.
 - `match` finds a prompt's longest prefix held in every group it names: a hit is a run of whole
   blocks from the prompt's first, as the engine's own prefix cache counts one.
@@ -75,7 +77,7 @@ class TierBook:
         for i, (key, nbytes) in enumerate(blocks):
             if (entry := self._entries.get(key)) is not None:
                 entry.retain_until_s = max(entry.retain_until_s, until)
-                self._entries.move_to_end(key)
+                self._entries.move_to_end(key)  # (not evicted for the blocks after it; reordered below)
                 earlier.add(key)
                 continue
             freed = self._make_room(nbytes, now_s, protect=earlier)
@@ -87,7 +89,13 @@ class TierBook:
             self._entries[key] = _Entry(nbytes, until)
             self.used_bytes += nbytes
             stored.append(key)
+        self._used_tail_first([k for k, _ in blocks if k in self._entries])
         return Kept(tuple(stored), tuple(evicted), tuple(refused))
+
+    def _used_tail_first(self, keys: Sequence[BlockKey]) -> None:
+        """Mark a prompt's blocks used now, its first the most recently: evicted tail first."""
+        for k in reversed(keys):
+            self._entries.move_to_end(k)
 
     def match(self, prompt: Mapping[int, Sequence[bytes]]) -> int:
         """How many of the prompt's first blocks the tier holds in every group it names:
@@ -99,9 +107,7 @@ class TierBook:
             if any((g, hashes[i]) not in self._entries for g, hashes in prompt.items()):
                 n = i
                 break
-        for g, hashes in prompt.items():
-            for h in hashes[:n]:
-                self._entries.move_to_end((g, h))
+        self._used_tail_first([(g, hashes[i]) for i in range(n) for g, hashes in prompt.items()])
         return n
 
     def lease(self, keys: Sequence[BlockKey]) -> int:

@@ -10,6 +10,10 @@ step that schedules it (a synchronous load, as vLLM's scheduler calls it), and c
 The worker carries out `take_orders()` in order, so an order never reads a block a later one
 evicted; a lease pins the blocks a load reads from its lookup until its order is given.
 
+What the tier holds is published as KV cache events with medium "CPU" (`take_events()`, which
+the connector hands vLLM to publish beside the device cache's): the router's prefix index counts
+a tier's blocks apart from the device's (router/prefix_index.py).
+
 Keys are (KV-cache group, vLLM's block hash), as vLLM's OffloadingConnector keys its blocks: one
 prompt block's hash names its KV in every full-attention group. Window and compressed groups
 (Gemma3, gpt-oss, DeepSeek-V4) keep only a window, or use other block sizes: not yet.
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.tier_book import BlockKey, TierBook
 
@@ -71,6 +76,7 @@ class TierScheduler:
         self._block_bytes = {g.index: g.page_bytes for g in groups}
         self.book = TierBook(capacity_bytes, max_retention_s)
         self._orders = TierOrders()
+        self._events: list[BlockStored | BlockRemoved] = []  # for the router, until taken
         self._leases: list[int] = []  # loads planned since the last orders were taken
         self._first: dict[str, int] = {}  # request -> the first block of its last lookup's hit
         # Invariant: a request is here from the step its tier hit was allocated until it ends, with
@@ -95,6 +101,7 @@ class TierScheduler:
         `num_tier_tokens` of the last lookup's from the tier: order their load."""
         first = self._first.pop(request.request_id, None)
         if num_tier_tokens <= 0 or first is None:
+            self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
             return
         end = first + num_tier_tokens // self.block_size
         hashes = tuple(request.block_hashes[first:end])
@@ -121,6 +128,8 @@ class TierScheduler:
             stored = tuple(h for gg, h in kept.stored if gg == g)
             self._orders.copies.append(
                 TierCopy("store", g, stored, tuple(block_ids[g][index[h]] for h in stored), request.request_id))
+            if _plain(request):
+                self._events += self._stored_events(request, g, sorted(index[h] for h in stored))
         if free_after:
             self._orders.free_after.append(request.request_id)
         return True
@@ -130,6 +139,26 @@ class TierScheduler:
         for g, h in keys:
             by_group.setdefault(g, []).append(h)
         self._orders.copies += [TierCopy("evict", g, tuple(hs)) for g, hs in by_group.items()]
+        self._events += [BlockRemoved(tuple(hs), g, HOST_MEDIUM) for g, hs in by_group.items()]
+
+    def _stored_events(self, request: Request, group: int, indices: Sequence[int]) -> list[BlockStored]:
+        """One event per run of consecutive blocks newly kept, as vLLM's block pool announces its
+        own: each names its first block's parent, so the router can place it in the prompt's chain."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs, hashes = self.block_size, request.block_hashes
+        return [BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
+                            request.all_token_ids[run[0] * bs:(run[-1] + 1) * bs], bs, group, HOST_MEDIUM)
+                for run in runs]
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """What the tier stored and evicted since the last call, for vLLM to publish."""
+        out, self._events = self._events, []
+        return out
 
     def forget(self, request_id: str) -> None:
         """The request ended without handing its blocks to the tier."""
@@ -144,7 +173,7 @@ class TierScheduler:
 
     def lost(self, keys: Sequence[BlockKey]) -> None:
         """The worker found no bytes for these keys (a load failed): forget them."""
-        self.book.drop(keys)
+        self._order_evictions(self.book.drop(keys))  # (the worker's evict of them is a no-op)
 
     def take_orders(self) -> TierOrders:
         for lease in self._leases:  # the worker reads them before any later order evicts one
@@ -152,3 +181,9 @@ class TierScheduler:
         self._leases = []
         out, self._orders = self._orders, TierOrders()
         return out
+
+
+def _plain(request: Request) -> bool:
+    """A prompt whose block hashes cover its tokens alone: the router's chain can place its blocks
+    (a LoRA's or a cache salt's hashes cover more, which the router does not hash)."""
+    return getattr(request, "lora_request", None) is None and getattr(request, "cache_salt", None) is None

@@ -122,6 +122,12 @@ USES: tuple[Symbol, ...] = (
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.supports_sleep_mode", since="0.33.0"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.bind_gpu_block_pool"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.build_connector_worker_meta"),
+    # P's host tier (transfer/tier_scheduler.py): its events, its reset, the hashes it keys by
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.take_events"),
+    Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.reset_cache"),
+    Symbol("vllm.v1.core.kv_cache_utils", "maybe_convert_block_hash"),
+    Symbol("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_block_ids"),
+    *(Symbol("vllm.distributed.kv_events", name) for name in ("BlockStored.lora_id", "BlockStored.lora_name")),
     Symbol("vllm.v1.core.sched.output", "SchedulerOutput.kv_connector_block_state", since="0.32.0"),
     Symbol("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids"),
     Symbol("vllm.v1.core.sched.output", "SchedulerOutput.num_scheduled_tokens"),
@@ -227,6 +233,8 @@ _LAZY = {
     **dict.fromkeys(("FullAttentionSpec", "MambaSpec", "MLAAttentionSpec", "SlidingWindowMLASpec",
                      "SlidingWindowSpec", "UniformTypeKVCacheSpecs"), KV_CACHE_INTERFACE),
     "RequestStatus": "vllm.v1.request",
+    "BlockStored": "vllm.distributed.kv_events", "BlockRemoved": "vllm.distributed.kv_events",
+    "maybe_convert_block_hash": "vllm.v1.core.kv_cache_utils",
     # the engine actor, the reference engine, the stat logger
     "AsyncEngineArgs": "vllm", "SamplingParams": "vllm", "RequestOutputKind": "vllm.sampling_params",
     "AsyncLLM": "vllm.v1.engine.async_llm", "KVTransferConfig": "vllm.config", "KVEventsConfig": "vllm.config.kv_events",

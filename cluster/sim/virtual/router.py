@@ -66,6 +66,9 @@ class _IndexLookup:
     def matched_blocks(self, instance: str, hashes: list[RouterHash]) -> int:
         return self.indexes[instance].matched_blocks(hashes)
 
+    def tier_matched_blocks(self, instance: str, hashes: list[RouterHash], start: int) -> int:
+        return self.indexes[instance].tier_matched_blocks(hashes, start)
+
     def clears(self, instance: str) -> int:
         return self.indexes[instance].clears
 
