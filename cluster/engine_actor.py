@@ -300,7 +300,7 @@ class EngineActor(ServesRequestChannel, Engine):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        from pdcluster.transfer.connector import P_TIER_KEY
+        from pdcluster.transfer.connector import P_TIER_FAILED_KEY, P_TIER_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
         transfer_id = req.transfer_id or req.request_id
@@ -311,12 +311,14 @@ class EngineActor(ServesRequestChannel, Engine):
                                                request_id=req.request_id):
                 final = out
         assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
+        tier = (final.kv_transfer_params or {}) if self.connector == "pdc" else {}
         return PrefillResult(
             request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
             # pdcluster's connector returns the handle the router built already: only another's matter.
             connector_params=final.kv_transfer_params if self.connector != "pdc" else None,
-            p_cached_tokens=final.num_cached_tokens or 0, engine=EngineTimes.from_vllm(final.metrics),
-            p_tier_tokens=(final.kv_transfer_params or {}).get(P_TIER_KEY, 0) if self.connector == "pdc" else 0,
+            # vLLM counts a tier hit whose load failed as cached; P computed it.
+            p_cached_tokens=(final.num_cached_tokens or 0) - tier.get(P_TIER_FAILED_KEY, 0),
+            engine=EngineTimes.from_vllm(final.metrics), p_tier_tokens=tier.get(P_TIER_KEY, 0),
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import ray
 from e2e import (
+    FAULT_PREFIX,
     P1_BLOCKS,
     assert_no_kv_in_use,
     complete,
@@ -24,6 +25,8 @@ from e2e import (
     shared_reference,
 )
 
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, summarize
 
@@ -96,6 +99,26 @@ def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster,
     assert_no_kv_in_use(cluster)
     assert tier_hits(cluster) - hits_before == FULL
     assert f"{FULL} from its host tier" in format_summary(summarize(load_run(cluster.run_dir)))
+
+
+def test_a_tier_load_that_fails_is_computed_instead_and_the_tokens_stay_exact(cluster, reference):
+    """P's tier fails the load (fault injection by request id): vLLM recomputes those blocks
+    (the cluster's transfer.on_failure: recompute), D pulls them as usual, nothing leaks."""
+    f = family("fault")
+    run(cluster, f)
+    for name in ("x", "y", "z"):
+        run(cluster, family(name))
+    reset_d(cluster)
+    p, d = cluster.prefill[0].actor, cluster.decode[0].actor
+    sampling = SamplingSpec(max_tokens=16, temperature=0, ignore_eos=True)
+    pre = ray.get(p.prefill.remote(PrefillRequest(FAULT_PREFIX + "tier", f, sampling, transfer_id="tier-fault")))
+    assert (pre.p_cached_tokens, pre.p_tier_tokens) == (0, 0)  # vLLM counted it cached; P computed it
+    handle = TransferHandle(cluster.prefill[0].engine_id, cluster.prefill[0].kv_address, "tier-fault", PROMPT)
+    deltas = [ray.get(ref) for ref in d.decode.options(num_returns="streaming").remote(
+        DecodeRequest("tier-fault-d", f, sampling, handle))]
+    assert deltas[-1].transfer.error is None and deltas[-1].transfer.transferred_tokens == PROMPT
+    assert [t for delta in deltas for t in delta.new_token_ids] == ray.get(reference.greedy.remote(f, 16))
+    assert_no_kv_in_use(cluster)  # P's and D's blocks all back (the tier's lease ended with its order)
 
 
 def test_a_cache_reset_empties_the_tier(cluster):

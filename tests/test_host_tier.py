@@ -56,11 +56,14 @@ def test_one_call_moves_one_groups_blocks_one_key_each():
 
 def tier_worker(caches):
     """P's connector worker with only its host tier (no KV server, no sources)."""
+    from pdcluster.transfer.connector_meta import ConnectorSettings
     from pdcluster.transfer.connector_worker import _Worker
 
     worker = object.__new__(_Worker)
     worker.sources, worker.fetcher, worker._timings, worker._error_blocks = None, None, {}, set()
-    worker.tier, worker._tier_lost, worker._tier_freed = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS)), [], set()
+    worker.tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
+    worker._tier_lost, worker._tier_failed, worker._tier_freed = [], [], set()
+    worker.settings = ConnectorSettings(break_prefix="fault-")
     return worker
 
 
@@ -79,6 +82,11 @@ def test_the_worker_carries_out_orders_in_order_and_a_failed_load_fails_its_bloc
     want = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
     assert all(torch.equal(caches[n][7], want[n][2]) for n in LAYERS)  # r3's load ran after r2's failed
     assert worker.take_error_blocks() == {5, 6}  # vLLM recomputes them, or fails r2 (kv_load_failure_policy)
-    assert worker.take_timings().tier_lost == ((0, b"a"),)  # the book forgets the block with no bytes, only it
+    report = worker.take_timings()
+    assert report.tier_lost == ((0, b"a"),)  # the book forgets the block with no bytes, only it
+    assert report.tier_failed == ("r2",)  # and r2's hit is no hit
     assert worker.results().finished_sending == {"r1"}  # stored: vLLM may free r1's blocks
     assert worker.results().finished_sending == set()
+    worker.start(PdcMetadata(tier=TierOrders([TierCopy("load", 0, (b"b",), (8,), "fault-r4")])))  # injected
+    assert worker.take_error_blocks() == {8} and worker.take_timings().tier_failed == ("fault-r4",)
+    assert (0, b"b") in worker.tier  # the bytes are fine: only the load failed

@@ -122,6 +122,20 @@ def test_a_request_that_ends_without_its_allocation_or_aborted_leaves_no_state()
     assert sched.take_orders().copies == [] and sched.hit_tokens == {}
 
 
+def test_a_failed_loads_tokens_are_no_hit_but_counted_apart():
+    sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
+    ended(sched, req("a", "f", 8), [[1, 2]])
+    b = req("b", "f", 9)
+    sched.lookup(b, 0)
+    sched.allocated(b, [[3, 4, 5]], 2 * BS)
+    sched.load_failed("b")
+    assert (sched.hit_tokens, sched.failed_tokens) == ({}, {"b": 8})
+    sched.load_failed("b")  # reported again (a second step's worker): counted once
+    assert sched.failed_tokens == {"b": 8}
+    ended(sched, b, [[3, 4, 5]])
+    assert sched.failed_tokens == {}
+
+
 def test_blocks_the_worker_lost_are_forgotten():
     sched = TierScheduler([full(0)], capacity_bytes=4 * PAGE)
     ended(sched, req("a", "f", 8), [[1, 2]])

@@ -69,9 +69,11 @@ log = logging.getLogger(__name__)
 
 # kv_transfer_params key of D's per-request report (TransferStats.to_params, in D's final output).
 D_STATS_KEY = "pdc_d_stats"
-# kv_transfer_params key of P's host-tier hit: of the prompt tokens P did not compute, those it
-# loaded from its host tier (in P's final output; absent: none).
+# kv_transfer_params keys of P's host-tier hit: of the prompt tokens P did not compute, those it
+# loaded from its host tier; and those vLLM counted as cached but computed, their load having
+# failed (in P's final output; absent: none).
 P_TIER_KEY = "pdc_p_tier_tokens"
+P_TIER_FAILED_KEY = "pdc_p_tier_failed_tokens"
 FAILED_PULL = "KV pull from P failed"  # the report's error, followed by why when D's worker said
 
 
@@ -161,8 +163,10 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         now_ns = time.monotonic_ns()
         timings = connector_output.kv_connector_worker_meta
         pulls = timings.pulls if isinstance(timings, PullTimings) else {}
-        if self._tier is not None and isinstance(timings, PullTimings) and timings.tier_lost:
+        if self._tier is not None and isinstance(timings, PullTimings):
             self._tier.lost(timings.tier_lost)
+            for request_id in timings.tier_failed:
+                self._tier.load_failed(request_id)
         for request_id, t in pulls.items():
             if (report := self._d_stats.get(request_id)) is not None:
                 report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
@@ -247,14 +251,15 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             delay, params = self._finish_prefill(request)
             if self._tier is None:
                 return delay, params
-            tier_tokens = self._tier.hit_tokens.get(request.request_id, 0)
+            report = {k: v for k, v in ((P_TIER_KEY, self._tier.hit_tokens.get(request.request_id, 0)),
+                                        (P_TIER_FAILED_KEY, self._tier.failed_tokens.get(request.request_id, 0))) if v}
             if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 # Its blocks go to the tier before vLLM frees them: held by the transfer's lease, or else
                 # until the worker says they are stored.
                 delay |= self._tier.finished(request, block_ids, time.monotonic(), free_after=not delay)
             else:
                 self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps still in flight)
-            return delay, ({P_TIER_KEY: tier_tokens} if tier_tokens else params)
+            return delay, (report or params)
         handle = self._handle_of(request)
         if handle is None:
             return False, None

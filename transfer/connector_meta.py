@@ -26,7 +26,9 @@ class ConnectorSettings:
     lease_s: float = 60.0
     timeout_s: float = 30.0
     chunk_bytes: int = 1 << 20
-    break_prefix: str | None = None  # fault injection (tests): break transfers whose id starts with it
+    # Fault injection (tests): break transfers whose id starts with it, and P's host-tier loads for
+    # requests whose id does.
+    break_prefix: str | None = None
     channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers
     encrypt: bool = False  # KV bytes sealed on the gRPC stream (transfer/kv_seal.py)
     host_tier_bytes: int = 0  # the instance's host KV tier (transfer/tier_scheduler.py); 0: none
@@ -70,12 +72,15 @@ class PdcMetadata(KVConnectorMetadata):
 
 @dataclass
 class PullTimings(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: how each finished pull went (for the request's timeline), and the
-    host tier's blocks the worker found no bytes for (the book forgets them)."""
+    """Worker -> scheduler: how each finished pull went (for the request's timeline), the host
+    tier's blocks the worker found no bytes for (the book forgets them), and the requests whose
+    tier load failed (vLLM recomputes those blocks or ends them: the tier gave them nothing)."""
 
     pulls: dict[str, PullTiming] = field(default_factory=dict)
     tier_lost: tuple[BlockKey, ...] = ()
+    tier_failed: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
-        return PullTimings({**self.pulls, **other.pulls}, (*self.tier_lost, *other.tier_lost))
+        return PullTimings({**self.pulls, **other.pulls}, (*self.tier_lost, *other.tier_lost),
+                           (*self.tier_failed, *other.tier_failed))

@@ -64,6 +64,7 @@ class _Worker:
         # The host tier's bytes (the scheduler side's book decides); CPU engines' cache is host memory already.
         self.tier = HostTier(self.kv, pin=kv_caches_on_accelerator(kv_caches)) if s.host_tier_bytes else None
         self._tier_lost: list[BlockKey] = []
+        self._tier_failed: list[str] = []  # requests whose tier load failed, since the last report
         self._tier_freed: set[str] = set()  # requests whose blocks vLLM may free now that they are stored
         secret = _cluster_secret()
         if conn.is_producer:
@@ -102,6 +103,8 @@ class _Worker:
                 if copy.op == "store":
                     self.tier.store(copy.keys, copy.block_ids)
                 elif copy.op == "load":
+                    if self.settings.break_prefix and copy.request_id.startswith(self.settings.break_prefix):
+                        raise RuntimeError("fault injection: transfer.break_transfers_with_prefix")
                     self.tier.load(copy.keys, copy.block_ids)
                 else:
                     self.tier.evict(copy.keys)
@@ -113,6 +116,7 @@ class _Worker:
                           copy.request_id, err)
                 if copy.op == "load":
                     self._error_blocks |= set(copy.block_ids)
+                    self._tier_failed.append(copy.request_id)
                 self._tier_lost += [k for k in copy.keys if k not in self.tier]
         self._tier_freed |= set(orders.free_after)
 
@@ -137,10 +141,10 @@ class _Worker:
         return out
 
     def take_timings(self) -> PullTimings | None:
-        if not self._timings and not self._tier_lost:
+        if not self._timings and not self._tier_lost and not self._tier_failed:
             return None
-        out = PullTimings(self._timings, tuple(self._tier_lost))
-        self._timings, self._tier_lost = {}, []
+        out = PullTimings(self._timings, tuple(self._tier_lost), tuple(dict.fromkeys(self._tier_failed)))
+        self._timings, self._tier_lost, self._tier_failed = {}, [], []
         return out
 
     def stop(self) -> None:

@@ -82,6 +82,9 @@ class TierScheduler:
         # Invariant: a request is here from the step its tier hit was allocated until it ends, with
         # the tokens that hit came to (the report's tier hit).
         self.hit_tokens: dict[str, int] = {}
+        # Requests whose tier load failed, with the tokens it was to give: vLLM counted them as
+        # cached when it scheduled them, and then computed them (or ended the request).
+        self.failed_tokens: dict[str, int] = {}
 
     def lookup(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens past the device cache's hit (`num_computed_tokens`, whole blocks) the tier holds
@@ -163,7 +166,13 @@ class TierScheduler:
     def forget(self, request_id: str) -> None:
         """The request ended without handing its blocks to the tier."""
         self.hit_tokens.pop(request_id, None)
+        self.failed_tokens.pop(request_id, None)
         self._first.pop(request_id, None)
+
+    def load_failed(self, request_id: str) -> None:
+        """The worker could not load the request's tier hit: it counts as computed, not as a hit."""
+        if (tokens := self.hit_tokens.pop(request_id, 0)) or request_id in self.failed_tokens:
+            self.failed_tokens[request_id] = self.failed_tokens.get(request_id, 0) + tokens
 
     def reset(self) -> bool:
         """Empty the tier (vLLM's reset_prefix_cache with reset_connector): the worker frees the
