@@ -102,6 +102,7 @@ class TransferStats:
     transfer_start_ns: int = 0
     transfer_end_ns: int = 0
     kv_ready_ns: int = 0  # D's scheduler saw the pull finish
+    d_tier_tokens: int = 0  # of d_cached_tokens, those D loaded from its host KV tier
 
     @classmethod
     def planned(cls, d_cached_tokens: int, transferred_tokens: int, blocks_per_group: tuple[int, ...],
@@ -121,7 +122,7 @@ class TransferStats:
     def failed(self, error: str, end_ns: int | None = None, moved_bytes: tuple[int, ...] | None = None) -> TransferStats:
         """Nothing usable came from P: no tokens, no blocks; `moved_bytes` what arrived before
         (default: what the pull reported)."""
-        return replace(self, error=error, d_cached_tokens=0, transferred_tokens=0,
+        return replace(self, error=error, d_cached_tokens=0, transferred_tokens=0, d_tier_tokens=0,
                        blocks_per_group=(0,) * len(self.blocks_per_group),
                        bytes_per_group=self.bytes_per_group if moved_bytes is None else tuple(moved_bytes),
                        transfer_end_ns=self.transfer_end_ns if end_ns is None else end_ns)

@@ -119,12 +119,10 @@ class ClusterSpec(_Strict):
         if self.prefill.instances < 1 and p.kind != "sim":
             raise ValueError("prefill.instances: 0 (no disaggregation) is modelled on the virtual clock only "
                              "(engine.kind: sim, pdc sim run, pdc plan); a real engine without P is vllm serve")
-        if d.host_tier_gib:
-            raise ValueError("decode.engine.host_tier_gib: a host KV tier runs on prefill instances only so far "
-                             "(set it under prefill.engine)")
-        if p.host_tier_gib and (p.kind == "sim" or self.transfer.connector != "pdc"):
-            raise ValueError("prefill.engine.host_tier_gib: a host KV tier needs real vLLM engines and "
-                             "transfer.connector: pdc (it lives in pdcluster's connector)")
+        for role, eng in (("prefill", p), ("decode", d)):
+            if eng.host_tier_gib and (eng.kind == "sim" or self.transfer.connector != "pdc"):
+                raise ValueError(f"{role}.engine.host_tier_gib: a host KV tier needs real vLLM engines and "
+                                 f"transfer.connector: pdc (it lives in pdcluster's connector)")
         for role in ("prefill", "decode"):
             eng = self.role_engine(role)
             if not eng.enable_prefix_caching:

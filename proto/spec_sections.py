@@ -63,7 +63,7 @@ class EngineSpec(_Strict):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU/NPU memory share vLLM takes")
     host_tier_gib: float | None = Field(
         None, ge=0, description="a host-memory KV tier per instance, GiB (0 or unset: none): prompt blocks the device "
-                                "cache drops come back from it (transfer/tier_scheduler.py); prefill only, so far")
+                                "cache drops come back from it (docs/kv_tiers.md)")
     enable_prefix_caching: bool | None = None  # must be true: both sides skip what their prefix cache holds
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # weights and KV; P's and D's must agree
     enforce_eager: bool | None = None  # no CUDA/NPU graphs

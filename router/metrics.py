@@ -78,7 +78,7 @@ class RouterMetrics:
         self._phase = {name: self.phase.labels(phase=name) for name in CRITICAL_PATH}
         sides = ("prefill", "decode")
         self._cached = {side: self.cached.labels(side=side) for side in sides}
-        self._p_host_tier = self.tier_hits.labels(side="prefill", tier="host")  # at 0 without a tier
+        self._host_tier = {side: self.tier_hits.labels(side=side, tier="host") for side in sides}  # 0 without one
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
@@ -110,7 +110,9 @@ class RouterMetrics:
         self._cached["prefill"].inc(rec.p_cached_tokens)
         self._cached["decode"].inc(rec.d_cached_tokens)
         if rec.p_tier_tokens:
-            self._p_host_tier.inc(rec.p_tier_tokens)
+            self._host_tier["prefill"].inc(rec.p_tier_tokens)
+        if rec.d_tier_tokens:
+            self._host_tier["decode"].inc(rec.d_tier_tokens)
         for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
                                            ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
             if predicted is not None and not rec.error:

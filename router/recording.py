@@ -45,7 +45,7 @@ def forget_attempt(rec: RequestRecord) -> None:
     for event in _ATTEMPT_EVENTS:
         rec.events.pop(event, None)
     rec.local_prefill, rec.prefill_reason = False, None
-    rec.p_cached_tokens = rec.p_tier_tokens = rec.d_cached_tokens = rec.transferred_tokens = 0
+    rec.p_cached_tokens = rec.p_tier_tokens = rec.d_cached_tokens = rec.d_tier_tokens = rec.transferred_tokens = 0
     rec.transfer_groups, rec.transfer_error = [], None
 
 
@@ -67,6 +67,7 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset)
         rec.d_cached_tokens = last.num_cached_tokens
     if t is not None:
         rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
+        rec.d_tier_tokens = t.d_tier_tokens
         names = t.group_names if len(t.group_names) == len(t.blocks_per_group) else ("",) * len(t.blocks_per_group)
         rec.transfer_groups = [GroupTransfer(g, blocks, nbytes, name) for g, (blocks, nbytes, name)
                                in enumerate(zip(t.blocks_per_group, t.bytes_per_group, names))]

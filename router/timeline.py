@@ -121,8 +121,10 @@ class RequestRecord:
     # Each move off a lost instance, in order. Before the first token the record's events are
     # the last attempt's (the lost ones dropped); after it they stay the first token's.
     migrations: list[Migration] = field(default_factory=list)
-    # Of p_cached_tokens, those P loaded from its host KV tier (0: none, or no tier; left out of the file).
+    # Of p_cached_tokens / d_cached_tokens, those P / D loaded from its host KV tier (0: none, or no
+    # tier; left out of the file).
     p_tier_tokens: int = 0
+    d_tier_tokens: int = 0
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"
@@ -137,8 +139,9 @@ class RequestRecord:
         d["token_us"] = compact_token_times(d.pop("token_ns"))
         if d["traceparent"] is None:
             del d["traceparent"]
-        if not d["p_tier_tokens"]:
-            del d["p_tier_tokens"]
+        for tier in ("p_tier_tokens", "d_tier_tokens"):
+            if not d[tier]:
+                del d[tier]
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod

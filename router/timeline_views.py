@@ -56,6 +56,7 @@ class Summary:
     d_cached_tokens: int
     transferred_tokens: int
     p_tier_tokens: int  # of p_cached_tokens, those P loaded from its host KV tier
+    d_tier_tokens: int  # of d_cached_tokens, those D loaded from its host KV tier
     bytes_per_group: dict[str, int]  # KV-cache group's label (GroupTransfer.label) -> bytes pulled, summed over requests
     recomputed: int  # requests whose KV pull failed and D recomputed the prompt
     # Requests moved off a lost instance (router/migration.py), and the moves, per lost role.
@@ -187,6 +188,7 @@ def summarize(run: Run) -> Summary:
         prompt_tokens=sum(r.prompt_tokens for r in run.records),
         p_cached_tokens=sum(r.p_cached_tokens for r in run.records),
         p_tier_tokens=sum(r.p_tier_tokens for r in run.records),
+        d_tier_tokens=sum(r.d_tier_tokens for r in run.records),
         d_cached_tokens=sum(r.d_cached_tokens for r in run.records),
         transferred_tokens=sum(r.transferred_tokens for r in run.records),
         bytes_per_group={label: b for (_, label), b in sorted(groups.items())},
@@ -243,11 +245,12 @@ def format_summary(s: Summary) -> str:
     lines += [_stats_row("TTFT", s.phases.get("ttft"), "100.0%" if s.shares else "-"), "",
               "phase intervals (they may overlap)", head_no_share]
     lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
-    tier = f", {s.p_tier_tokens} from its host tier" if s.p_tier_tokens else ""
+    p_tier = f", {s.p_tier_tokens} from its host tier" if s.p_tier_tokens else ""
+    d_tier = f", {s.d_tier_tokens} from its host tier" if s.d_tier_tokens else ""
     lines += ["", "decode", head_no_share,
               _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
-              (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}{tier}), "
-              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}), transferred {s.transferred_tokens}")]
+              (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}{p_tier}), "
+              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}{d_tier}), transferred {s.transferred_tokens}")]
     groups = ", ".join(f"{g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
     if moved := s.transfer_hidden_ns + s.transfer_exposed_ns:
@@ -327,9 +330,10 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
         else:
             lines.append(f"  {name:<13}{'-':>10}")
     groups = ", ".join(f"{g.label}: {g.blocks} blocks {human_bytes(g.bytes)}" for g in rec.transfer_groups) or "none"
-    tier = f" ({rec.p_tier_tokens} from its host tier)" if rec.p_tier_tokens else ""
-    lines += ["", (f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}{tier}, D cached "
-                  f"{rec.d_cached_tokens}, transferred {rec.transferred_tokens}, output {rec.output_tokens}"),
+    p_tier = f" ({rec.p_tier_tokens} from its host tier)" if rec.p_tier_tokens else ""
+    d_tier = f" ({rec.d_tier_tokens} from its host tier)" if rec.d_tier_tokens else ""
+    lines += ["", (f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}{p_tier}, D cached "
+                  f"{rec.d_cached_tokens}{d_tier}, transferred {rec.transferred_tokens}, output {rec.output_tokens}"),
               f"KV bytes: {groups}"]
     if rec.transfer_error:
         lines.append(f"KV pull failed, D recomputed: {rec.transfer_error}")

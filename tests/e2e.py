@@ -66,8 +66,8 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, prefill_engin
     return parse_spec(data)
 
 
-P1_BLOCKS = 70  # P's device KV pool in p1d1-bf16, vLLM's null block included: 69 usable blocks of 128 tokens
-P1_TIER_GIB = 0.05  # and its host tier: 400 blocks of the tiny bf16 model (128 KiB each)
+P1_BLOCKS = 70  # P's and D's device KV pool in p1d1-bf16, vLLM's null block included: 69 usable blocks of 128 tokens
+P1_TIER_GIB = 0.05  # and their host tiers: 400 blocks of the tiny bf16 model (128 KiB each)
 
 
 def p1d1_bf16_spec() -> ClusterSpec:
@@ -76,11 +76,10 @@ def p1d1_bf16_spec() -> ClusterSpec:
     (router.local_prefill, max_tokens 256, prefix_aware routing), and a failed transfer makes D
     prefill instead (transfer.on_failure recompute) with a short lease, since a broken pull never
     releases P's blocks: the lease outlives D's wait for a P that accepts no connection
-    (grpc_client.CONNECT_S, 5 s). P has a host KV tier beside a small device pool (P1_BLOCKS
-    blocks, just over one max_model_len prompt), which test_e2e_tier evicts prompts from."""
-    return cluster_spec_for("e2e-p1d1-bf16", engine={"dtype": "bfloat16"},
-                            prefill_engine={"host_tier_gib": P1_TIER_GIB,
-                                            "extra": {"num_gpu_blocks_override": P1_BLOCKS}},
+    (grpc_client.CONNECT_S, 5 s). P and D each have a host KV tier beside a small device pool
+    (P1_BLOCKS blocks, just over one max_model_len prompt), which test_e2e_tier evicts prompts from."""
+    return cluster_spec_for("e2e-p1d1-bf16", engine={"dtype": "bfloat16", "host_tier_gib": P1_TIER_GIB,
+                                                     "extra": {"num_gpu_blocks_override": P1_BLOCKS}},
                             transfer={"on_failure": "recompute", "lease_s": 9},
                             router={"policy": "prefix_aware",
                                     "local_prefill": {"policy": "short_remainder", "max_tokens": 256}})

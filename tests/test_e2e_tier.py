@@ -1,9 +1,10 @@
 """End to end on real engines: P's host KV tier (issue 29; transfer/tier_scheduler.py).
 
-The shared bf16 P1D1 (tests/e2e.py p1d1_bf16_spec) gives P a device pool of 69 usable blocks and
-a host tier. Four 3,000-token families through the router, one after another, push the first
-out of P's device cache; when it comes again, P loads its blocks from the tier instead of
-computing them, D pulls them from P, and the tokens equal a single engine's.
+The shared bf16 P1D1 (tests/e2e.py p1d1_bf16_spec) gives P and D each a device pool of 69 usable
+blocks and a host tier. Four 3,000-token families through the router, one after another, push
+the first out of the device caches; when it comes again, P loads its blocks from its tier instead
+of computing them, D loads them from its own instead of pulling them, and the tokens equal a
+single engine's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from e2e import (
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.run_store import load_run
-from pdcluster.router.timeline_views import format_summary, summarize
+from pdcluster.router.timeline_views import format_summary, format_waterfall, summarize
 
 # One bf16 P1D1 with test_e2e_local_prefill and test_e2e_recompute, which run first.
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1-bf16")]
@@ -99,6 +100,20 @@ def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster,
     assert_no_kv_in_use(cluster)
     assert tier_hits(cluster) - hits_before == FULL
     assert f"{FULL} from its host tier" in format_summary(summarize(load_run(cluster.run_dir)))
+
+
+def test_a_prompt_d_lost_comes_back_from_ds_host_tier_and_only_the_rest_comes_from_p(cluster, reference):
+    a = family("d-a")
+    with local_prefill_as(cluster, policy="never"):  # through P every time: D's part is what is checked
+        cold_tokens, pd, _ = run(cluster, a)
+        for name in ("d-b", "d-c", "d-e"):  # out of D's device cache as out of P's
+            run(cluster, family(name))
+        tokens, pd, rec = run(cluster, a)
+    assert (pd["d_cached_tokens"], rec.d_tier_tokens, pd["transferred_tokens"]) == (FULL, FULL, PROMPT - FULL), (
+        pd, rec.d_tier_tokens)
+    assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
+    assert_no_kv_in_use(cluster)
+    assert f"D cached {FULL} ({FULL} from its host tier)" in format_waterfall(load_run(cluster.run_dir), rec.request_id)
 
 
 def test_a_tier_load_that_fails_is_computed_instead_and_the_tokens_stay_exact(cluster, reference):

@@ -26,7 +26,7 @@ def last_delta(error=None, **times):
                                               bytes_per_group=(7 * 131072,), error=error,
                                               group_names=("full_attention (FullAttentionSpec)",),
                                               transfer_start_ns=t["start"] * MS, transfer_end_ns=t["end"] * MS,
-                                              kv_ready_ns=t["ready"] * MS),
+                                              kv_ready_ns=t["ready"] * MS, d_tier_tokens=64),
                        engine=EngineTimes(t["queued"] * MS, t["scheduled"] * MS, t["first"] * MS))
 
 
@@ -48,7 +48,7 @@ def test_decode_end_fills_transfer_and_d_events():
     record_decode_end(rec, last_delta(), ClockOffset(-1 * MS, 0))
     assert rec.events == {"d_queued": 55 * MS, "d_scheduled": 63 * MS, "d_first_token": 66 * MS,
                           "transfer_start": 56 * MS, "transfer_end": 61 * MS, "d_kv_ready": 62 * MS}
-    assert (rec.d_cached_tokens, rec.transferred_tokens) == (128, 872)
+    assert (rec.d_cached_tokens, rec.d_tier_tokens, rec.transferred_tokens) == (128, 64, 872)
     assert rec.transfer_groups == [GroupTransfer(0, 7, 7 * 131072, "full_attention (FullAttentionSpec)")]
     assert rec.transfer_groups[0].label == "group 0 (full_attention (FullAttentionSpec))"
     assert rec.finish_reason == "length" and rec.transfer_error is None and rec.error is None
@@ -74,7 +74,7 @@ def test_metrics_count_what_records_report():
     in_flight = {"prefill-0": 2, "decode-0": 1}
     m = RouterMetrics(lambda: in_flight)
     rec = RequestRecord("r", prompt_tokens=1000, p_cached_tokens=256, d_cached_tokens=128, transferred_tokens=872,
-                        p_tier_tokens=128, transfer_groups=[GroupTransfer(0, 7, 917504)], token_ns=[100 * MS, 110 * MS, 130 * MS])
+                        p_tier_tokens=128, d_tier_tokens=64, transfer_groups=[GroupTransfer(0, 7, 917504)], token_ns=[100 * MS, 110 * MS, 130 * MS])
     for name, t in [("arrival", 0), ("p_scheduled", 5), ("p_done", 50), ("transfer_start", 55),
                     ("transfer_end", 60), ("d_scheduled", 62), ("first_token", 100)]:
         rec.mark(name, t * MS)
@@ -90,6 +90,7 @@ def test_metrics_count_what_records_report():
     assert _metric(text, 'pdc_cached_tokens_total{side="prefill"}') == 256
     assert _metric(text, 'pdc_cached_tokens_total{side="decode"}') == 128
     assert _metric(text, 'pdc_tier_hit_tokens_total{side="prefill",tier="host"}') == 128  # of P's 256
+    assert _metric(text, 'pdc_tier_hit_tokens_total{side="decode",tier="host"}') == 64  # of D's 128
     assert _metric(text, 'pdc_transfer_bytes_total{group="0"}') == 917504
     assert _metric(text, 'pdc_predicted_cached_tokens_total{side="prefill"}') == 384
     assert _metric(text, 'pdc_hit_predictions_total{outcome="over",side="prefill"}') == 1
@@ -140,7 +141,7 @@ def test_a_record_round_trips_through_its_json_line():
     assert RequestRecord.from_dict(json.loads(line)) == rec
     written = asdict(rec)  # the same dict asdict() would write, token times as distances in us
     written["token_us"] = [7, 4, 999]  # 7, 11 and 1,010 us
-    del written["token_ns"], written["traceparent"], written["p_tier_tokens"]  # none: left out
+    del written["token_ns"], written["traceparent"], written["p_tier_tokens"], written["d_tier_tokens"]  # none: left out
     assert json.loads(line) == written
     tiered = RequestRecord("r3", p_cached_tokens=256, p_tier_tokens=128)
     assert json.loads(tiered.to_json())["p_tier_tokens"] == 128

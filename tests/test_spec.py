@@ -202,14 +202,14 @@ def test_decode_shorter_than_prefill():
     assert "decode.engine.max_model_len (512) < prefill.engine.max_model_len (1024)" in msg
 
 
-def test_a_host_tier_runs_on_real_prefill_engines_through_our_connector_only():
-    assert "decode.engine.host_tier_gib: a host KV tier runs on prefill instances only" in spec_error(
-        minimal(decode={"engine": {"host_tier_gib": 1}}))
-    assert "needs real vLLM engines and transfer.connector: pdc" in spec_error(
+def test_a_host_tier_runs_on_real_engines_through_our_connector_only():
+    assert "decode.engine.host_tier_gib: a host KV tier needs real vLLM engines and transfer.connector: pdc" in \
+        spec_error(minimal(decode={"engine": {"host_tier_gib": 1}}, transfer={"connector": "nixl"}))
+    assert "prefill.engine.host_tier_gib: a host KV tier needs real vLLM engines" in spec_error(
         minimal(prefill={"engine": {"host_tier_gib": 1}}, transfer={"connector": "nixl"}))
     assert "host_tier_gib" in spec_error(minimal(engine={"host_tier_gib": -1}))
-    assert ClusterSpec.model_validate(minimal(prefill={"engine": {"host_tier_gib": 0.5}})).role_engine(
-        "prefill").host_tier_gib == 0.5
+    both = ClusterSpec.model_validate(minimal(engine={"host_tier_gib": 0.5}))
+    assert both.role_engine("prefill").host_tier_gib == both.role_engine("decode").host_tier_gib == 0.5
 
 
 def test_prefix_caching_off():

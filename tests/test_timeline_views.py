@@ -35,7 +35,8 @@ def sample_records() -> list[RequestRecord]:
                            "d_queued": 51, "transfer_start": 52, "transfer_end": 60, "d_kv_ready": 61,
                            "d_scheduled": 64, "d_first_token": 66, "first_token": 70, "last_token": 106, "finish": 106},
                     [70, 75, 85, 106], prefill_instance="P1", decode_instance="D0", prompt_tokens=300,
-                    p_cached_tokens=100, p_tier_tokens=64, d_cached_tokens=30, transferred_tokens=170, finish_reason="stop",
+                    p_cached_tokens=100, p_tier_tokens=64, d_cached_tokens=30, d_tier_tokens=16, transferred_tokens=170,
+                    finish_reason="stop",
                     transfer_groups=[GroupTransfer(0, 10, 3000, "swa_kv"), GroupTransfer(1, 10, 1500)]),
         make_record("r3", {"arrival": 20, "dispatch": 21, "p_queued": 21, "p_scheduled": 22, "p_done": 32,
                            "d_queued": 33, "transfer_start": 34, "transfer_end": 35, "d_kv_ready": 35,
@@ -92,7 +93,7 @@ def test_summary_numbers(run):
     assert (s.tpot.n, s.tpot.mean_ms, s.tpot.p50_ms, s.tpot.p90_ms) == (2, 11, 10, 12)
     assert (s.prompt_tokens, s.p_cached_tokens, s.d_cached_tokens, s.transferred_tokens) == (570, 120, 30, 350)
     assert s.p_hit_ratio == pytest.approx(120 / 570) and s.d_hit_ratio == pytest.approx(30 / 570)
-    assert s.p_tier_tokens == 64  # of P's hit, what P's host tier gave
+    assert (s.p_tier_tokens, s.d_tier_tokens) == (64, 16)  # of P's and D's hits, what their host tiers gave
     assert s.bytes_per_group == {"group 0 (swa_kv)": 6000, "group 1": 3000}  # a group's name where D gave one
     assert [(f.request_id, f.stopped_after) for f in s.failures] == [("r4", "transfer_start"), ("r5", "dispatch")]
     assert sorted(s.failure_kinds, key=lambda k: k.stopped_after) == [
@@ -129,7 +130,8 @@ def test_waterfall_rows_and_split(run):
         assert any(ln.startswith(f"  {name} ") for ln in lines), name
     assert "TTFT 40.000 ms; critical path:" in text
     assert "tokens: prompt 100, P cached 20, D cached 0," in text  # no tier hit: nothing said of one
-    assert "tokens: prompt 300, P cached 100 (64 from its host tier), D cached 30," in format_waterfall(run, "r2")
+    assert ("tokens: prompt 300, P cached 100 (64 from its host tier), D cached 30 (16 from its host tier),"
+            in format_waterfall(run, "r2"))
     assert "  transfer          4.000 ms   10.0%" in text
     assert "KV bytes: group 0 (swa_kv): 5 blocks 1.0 kB, group 1: 5 blocks 500 B" in text
     assert "FAILED" not in text

@@ -99,9 +99,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self._tables = None if self.api.block_state else vllm_compat.BlockTables()
         # Scheduler side ----------------------------------------------------
         self._pending = PdcMetadata()
-        # P's host tier (transfer/tier_scheduler.py), when the spec gives it bytes.
-        self._tier = TierScheduler(self.groups, self.settings.host_tier_bytes) \
-            if self.settings.host_tier_bytes and self.is_producer else None
+        # The instance's host tier (transfer/tier_scheduler.py), when the spec gives it bytes.
+        self._tier = TierScheduler(self.groups, self.settings.host_tier_bytes) if self.settings.host_tier_bytes else None
         # P: request_id -> (transfer_id, request) for requests producing for D, from
         # their first schedule (update_state_after_alloc) until request_finished.
         self._producing: dict[str, tuple[str, Request]] = {}
@@ -120,11 +119,13 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if self.is_producer:  # P: what its host tier holds past the device cache's hit, loaded in the step
+        handle = None if self.is_producer else self._handle_of(request)
+        if handle is None:  # P, or D prefilling itself: what its host tier holds past the device's hit
             return (self._tier.lookup(request, num_computed_tokens), False) if self._tier is not None else (0, False)
-        handle = self._handle_of(request)
-        if handle is None or request.request_id in self._handled:
+        if request.request_id in self._handled:
             return 0, False
+        if self._tier is not None:  # D's tier part of it is loaded with the pull (update_state_after_alloc)
+            self._tier.lookup(request, num_computed_tokens)
         count = min(handle.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -136,20 +137,31 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
             return
         handle = self._handle_of(request)
-        if handle is None or request.request_id in self._handled:
+        if handle is None:  # D prefilling itself: as P, its tier's hit is loaded in the step
+            if self._tier is not None:
+                self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
+            return
+        if request.request_id in self._handled:
             return  # also the second call, after the load finished
         self._handled.add(request.request_id)
+        tier_tokens = 0
         if num_external_tokens == 0:
             # D's own cache covers everything P has: pull nothing, but free P's lease.
             plan = TransferPlan((), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
         else:
             hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
-            plan = plan_transfer(
-                self.groups, tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups()), hit_blocks,
-                d_cached_tokens=handle.num_tokens - num_external_tokens, num_tokens=handle.num_tokens)
+            new = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
+            if self._tier is not None:  # the first blocks past D's hit from its tier, the rest from P
+                tier_tokens = self._tier.lookup_taken(request)
+                self._tier.allocated(request, blocks.get_block_ids(), tier_tokens)
+                n = tier_tokens // self._tier.block_size
+                hit_blocks, new = tuple(h + n for h in hit_blocks), tuple(g[n:] for g in new)
+            plan = plan_transfer(self.groups, new, hit_blocks,
+                                 d_cached_tokens=handle.num_tokens - num_external_tokens + tier_tokens,
+                                 num_tokens=handle.num_tokens)
             self._loading.add(request.request_id)
         self._pending.loads.append(LoadJob(request.request_id, handle, plan))
-        self._d_stats[request.request_id] = self._report(plan)
+        self._d_stats[request.request_id] = replace(self._report(plan), d_tier_tokens=tier_tokens)
 
     def _report(self, plan: TransferPlan) -> TransferStats:
         blocks = [0] * len(self.groups)
@@ -253,12 +265,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 return delay, params
             report = {k: v for k, v in ((P_TIER_KEY, self._tier.hit_tokens.get(request.request_id, 0)),
                                         (P_TIER_FAILED_KEY, self._tier.failed_tokens.get(request.request_id, 0))) if v}
-            if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-                # Its blocks go to the tier before vLLM frees them: held by the transfer's lease, or else
-                # until the worker says they are stored.
-                delay |= self._tier.finished(request, block_ids, time.monotonic(), free_after=not delay)
-            else:
-                self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps still in flight)
+            # Held by the transfer's lease, its blocks are stored before it ends; else vLLM waits for them.
+            delay |= self._keep_in_tier(request, block_ids, free_after=not delay)
             return delay, (report or params)
         handle = self._handle_of(request)
         if handle is None:
@@ -272,7 +280,18 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending.cancels.append(request.request_id)
         self._handled.discard(request.request_id)
         report = self._d_stats.pop(request.request_id, None)
-        return False, {D_STATS_KEY: report.to_params() if report is not None else None}
+        return self._keep_in_tier(request, block_ids, free_after=True), \
+            {D_STATS_KEY: report.to_params() if report is not None else None}
+
+    def _keep_in_tier(self, request: Request, block_ids: tuple[list[int], ...], free_after: bool) -> bool:
+        """A request ended: its prompt blocks go to the instance's tier, if it has one, before vLLM
+        frees them. True: vLLM must wait for the worker to say they are stored."""
+        if self._tier is None:
+            return False
+        if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return self._tier.finished(request, block_ids, time.monotonic(), free_after=free_after)
+        self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps, or a pull, in flight)
+        return False
 
     def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self._tables is not None:

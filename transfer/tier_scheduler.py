@@ -78,7 +78,7 @@ class TierScheduler:
         self._orders = TierOrders()
         self._events: list[BlockStored | BlockRemoved] = []  # for the router, until taken
         self._leases: list[int] = []  # loads planned since the last orders were taken
-        self._first: dict[str, int] = {}  # request -> the first block of its last lookup's hit
+        self._first: dict[str, tuple[int, int]] = {}  # request -> its last lookup's first block and tokens
         # Invariant: a request is here from the step its tier hit was allocated until it ends, with
         # the tokens that hit came to (the report's tier hit).
         self.hit_tokens: dict[str, int] = {}
@@ -96,13 +96,17 @@ class TierScheduler:
             end += 1
         if end > first:  # counted as used now: not the next block a keep evicts
             self.book.match({g: request.block_hashes[first:end] for g in self._groups})
-        self._first[request.request_id] = first
+        self._first[request.request_id] = first, (end - first) * self.block_size
         return (end - first) * self.block_size
+
+    def lookup_taken(self, request: Request) -> int:
+        """The tokens the last `lookup` of the request found (D: its tier's share of a load)."""
+        return self._first.get(request.request_id, (0, 0))[1]
 
     def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_tier_tokens: int) -> None:
         """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
         `num_tier_tokens` of the last lookup's from the tier: order their load."""
-        first = self._first.pop(request.request_id, None)
+        first, _ = self._first.pop(request.request_id, (None, 0))
         if num_tier_tokens <= 0 or first is None:
             self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
             return
