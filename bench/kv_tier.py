@@ -8,11 +8,13 @@ visited round robin for `--rounds` rounds, one request at a time. Visited so, an
 that holds fewer families than there are loses each family just before it comes back: without a
 tier P hits nothing after the first round; the structural maximum is every full block of the
 family's prefix from the second visit on. D's pool is large (it holds every family), so what P
-computes is what the tier changes. Both runs' tokens are compared with each other and with a
-single engine's (prefix caching off).
+computes is what the tier changes; with `--d-blocks` D's pool is as small and D has a tier too,
+and what D pulls from P is what its tier changes. Both runs' tokens are compared with each other
+and with a single engine's (prefix caching off).
 
 usage: python -m pdcluster.bench.kv_tier [--families 6] [--family-tokens 4096] [--suffix 64]
-                                         [--rounds 4] [--p-blocks 70] [--tier-gib 0.25] [--out FILE.json]
+                                         [--rounds 4] [--p-blocks 70] [--d-blocks N] [--tier-gib 0.25]
+                                         [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Visit:
     prompt_tokens: int
     p_cached: int
     p_tier: int
+    d_cached: int
+    d_tier: int
+    transferred: int
     ttft_ms: float
     p_prefill_ms: float  # P's first step of it to its last (its timeline's p_scheduled -> p_done)
     tokens: list[int]
@@ -69,14 +74,17 @@ def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]
 
     max_len = a.family_tokens + a.suffix + a.max_tokens + BLOCK
     prefill_engine = {"extra": {"num_gpu_blocks_override": a.p_blocks}}
+    decode_engine = {"extra": {"num_gpu_blocks_override": a.d_blocks}} if a.d_blocks else {}
     if tier:
         prefill_engine["host_tier_gib"] = a.tier_gib
+        if a.d_blocks:
+            decode_engine["host_tier_gib"] = a.tier_gib
     spec = parse_spec({
         "name": f"bench-kv-tier-{'on' if tier else 'off'}",
         "model": {"path": ".pdcluster/models/tiny-qwen3", "tiny": {"arch": "qwen3", "seed": 0}},
         "engine": {"dtype": "bfloat16", "max_model_len": max_len, "max_num_batched_tokens": max_len},
         "prefill": {"resources": {"cpu_bind": ["0"]}, "engine": prefill_engine},
-        "decode": {"resources": {"cpu_bind": ["1"]}},
+        "decode": {"resources": {"cpu_bind": ["1"]}, "engine": decode_engine},
         "router": {"port": 18999}, "transfer": {"base_port": 18900},
     }, base_dir=Path.cwd())
     cluster = build_cluster(spec)
@@ -88,11 +96,14 @@ def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]
                 prompt = prefix + suffixes[rnd][f]
                 rid, ttft, tokens, usage = stream(cluster.url, prompt, a.max_tokens)
                 rec = load_run(cluster.run_dir).record(rid)
-                out.append(Visit(tier, rnd, f, len(prompt), usage["pd"]["p_cached_tokens"], rec.p_tier_tokens, ttft,
+                pd = usage["pd"]
+                out.append(Visit(tier, rnd, f, len(prompt), pd["p_cached_tokens"], rec.p_tier_tokens,
+                                 pd["d_cached_tokens"], rec.d_tier_tokens, pd["transferred_tokens"], ttft,
                                  (rec.events["p_done"] - rec.events["p_scheduled"]) / 1e6, tokens))
-                print(f"tier {'on ' if tier else 'off'} round {rnd} family {f}: P hit {out[-1].p_cached:>5} "
-                      f"(tier {out[-1].p_tier:>5}), TTFT {ttft:7.1f} ms, P prefill {out[-1].p_prefill_ms:7.1f} ms",
-                      flush=True)
+                v = out[-1]
+                print(f"tier {'on ' if tier else 'off'} round {rnd} family {f}: P hit {v.p_cached:>5} "
+                      f"(tier {v.p_tier:>5}), D hit {v.d_cached:>5} (tier {v.d_tier:>5}), pulled {v.transferred:>5}, "
+                      f"TTFT {ttft:7.1f} ms, P prefill {v.p_prefill_ms:7.1f} ms", flush=True)
     finally:
         teardown(cluster)
     return out
@@ -103,6 +114,8 @@ def summary(visits: list[Visit], structural: int) -> dict:
     prompt = sum(v.prompt_tokens for v in later)
     ttfts = sorted(v.ttft_ms for v in later)
     return {"p_hit": sum(v.p_cached for v in later) / prompt, "tier_hit": sum(v.p_tier for v in later) / prompt,
+            "d_hit": sum(v.d_cached for v in later) / prompt, "d_tier_hit": sum(v.d_tier for v in later) / prompt,
+            "pulled_tokens": sum(v.transferred for v in later),
             "structural": structural / prompt, "ttft_mean_ms": statistics.mean(ttfts),
             "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))],
             "p_prefill_mean_ms": statistics.mean(v.p_prefill_ms for v in later)}
@@ -116,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--p-blocks", type=int, default=70, help="P's device pool in blocks, the null block included")
+    ap.add_argument("--d-blocks", type=int, default=None,
+                    help="D's device pool in blocks (default: its 1 GiB, every family); set: D gets the tier too")
     ap.add_argument("--tier-gib", type=float, default=0.25, help="P's host tier (bf16 tiny Qwen3: 128 KiB a block)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

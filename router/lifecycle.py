@@ -169,7 +169,7 @@ class Lifecycle(Generic[I]):
         engine = result.engine
         if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
             self.dispatch.picker.prefilled(result.p_cached_tokens, len(a.prompt),
-                                           (engine.first_token_ns - engine.scheduled_ns) / 1e9)
+                                           (engine.first_token_ns - engine.scheduled_ns) / 1e9, result.p_tier_tokens)
         if a.first:
             record_prefill(self.rec, result, self.dispatch.clock_of(a.route.prefill.name))
         if a.deferred is not None:  # push: D had finished first

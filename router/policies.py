@@ -45,6 +45,7 @@ class PrefillView:
     queued_requests: int = 0
     queued_s: float = 0.0  # their predicted prefill time (router/prefill_cost.py)
     prefill_s: float = 0.0  # this request's predicted prefill time on it (its hit there considered)
+    tier_tokens: int = 0  # of matched_tokens, those in its host KV tier (loaded, not computed)
 
 
 @dataclass(frozen=True)

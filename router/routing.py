@@ -181,11 +181,11 @@ class InstancePicker(Generic[I]):
             hashes = []
         if self.lookup is not None:
             hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
-            matched_p, pending_p = self._matched(prefill, hashes, self.pending)
+            matched_p, pending_p, tier_p = self._matched(prefill, hashes, self.pending)
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
-            matched_d, _ = self._matched(decode, hashes, None)
-        p_views = self._prefill_views(prefill, matched_p, n)
+            matched_d, _, _ = self._matched(decode, hashes, None)
+        p_views = self._prefill_views(prefill, matched_p, n, tier_p if matched_p else None)
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                               matched_d[d.name] if matched_d else 0) for d in decode]
         p_name = pick_prefill(self.policy, p_views, turn).name
@@ -197,7 +197,8 @@ class InstancePicker(Generic[I]):
             local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
                                                  self._load[d_name].local, self._load[p_name].seconds))
         p_view = next(v for v in p_views if v.name == p_name)
-        taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s)
+        taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
+                                    p_view.tier_tokens)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
                       pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
@@ -214,27 +215,34 @@ class InstancePicker(Generic[I]):
         matched = pending = None
         if self.lookup is not None:
             hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
-            matched, pending = self._matched(decode, hashes, self.pending)
-        view = pick_prefill(self.policy, self._prefill_views(decode, matched, n), turn)
+            matched, pending, tier = self._matched(decode, hashes, self.pending)
+        view = pick_prefill(self.policy, self._prefill_views(decode, matched, n, tier if matched else None), turn)
         d = next(i for i in decode if i.name == view.name)
         local = decide(self.local, LocalView(n, view.matched_tokens, False, self._load[d.name].local, 0.0))
         route = Route(d, d, None, view.matched_tokens if matched else None, None, next(self._keys), view.prefill_s,
-                      self.cost.taken_s(view.matched_tokens, n, view.queued_tokens, view.queued_s), local)
+                      self.cost.taken_s(view.matched_tokens, n, view.queued_tokens, view.queued_s, view.tier_tokens),
+                      local)
         if self.pending is not None:  # the next request of this prefix sees it on this D at once
             self.pending.add(d.name, route.key, hashes or [])
         return route
 
-    def _prefill_views(self, instances: list[I], matched: dict[str, int] | None, n: int) -> list[PrefillView]:
+    def _prefill_views(self, instances: list[I], matched: dict[str, int] | None, n: int,
+                       tier: dict[str, int] | None) -> list[PrefillView]:
         """What pick_prefill weighs of each instance that would prefill a prompt of n tokens: what
-        it holds of it, its queue, and the prompt's predicted time there."""
-        return [PrefillView(i.name, matched[i.name] if matched else 0, self._load[i.name].tokens,
-                            self._load[i.name].requests, self._load[i.name].seconds,
-                            self.cost.seconds(matched[i.name] if matched else 0, n)) for i in instances]
+        it holds of it (in its tier, of that), its queue, and the prompt's predicted time there."""
+        views = []
+        for i in instances:
+            held, tiered = (matched[i.name], tier[i.name]) if matched and tier else (0, 0)
+            load = self._load[i.name]
+            views.append(PrefillView(i.name, held, load.tokens, load.requests, load.seconds,
+                                     self.cost.seconds(held, n, tiered), tiered))
+        return views
 
     def _matched(self, instances: list[I], hashes: list[RouterHash],
-                 pending: PendingBlocks | None) -> tuple[dict[str, int], dict[str, int]]:
-        """Per instance: the prompt tokens it holds or is promised, and of those the promised."""
-        held, promised = {}, {}
+                 pending: PendingBlocks | None) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Per instance: the prompt tokens it holds or is promised, of those the promised, and
+        of those the ones in its host tier."""
+        held, promised, tiered = {}, {}, {}
         now = self._clock()
         for i in instances:
             confirmed = self.lookup.matched_blocks(i.name, hashes)
@@ -242,10 +250,11 @@ class InstancePicker(Generic[I]):
             if pending is not None:
                 pending.settle(i.name, now, self.lookup.clears(i.name), lambda h, name=i.name: self.lookup.holds(name, h))
                 extra = pending.pending_blocks(i.name, hashes, confirmed)
-            # Then what its host tier holds past that: loaded, not computed (priced as a hit for now).
+            # Then what its host tier holds past that: loaded, not computed (priced by the cost's tier term).
             tier = self.lookup.tier_matched_blocks(i.name, hashes, confirmed + extra)
             held[i.name], promised[i.name] = (confirmed + extra + tier) * self.block_size, extra * self.block_size
-        return held, promised
+            tiered[i.name] = tier * self.block_size
+        return held, promised, tiered
 
     def ended(self, route: Route[I]) -> None:
         """The request is over, however it ended: if P did not finish its prefill, its promise
@@ -262,9 +271,10 @@ class InstancePicker(Generic[I]):
             yield
         self._finished(route.prefill.name, route)
 
-    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
-        """What a P's engine took for a prefill: the cost model learns from it."""
-        self.cost.observe(cached_tokens, prompt_tokens, seconds)
+    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
+        """What a P's engine took for a prefill (`tier_tokens` of its hit loaded from its host tier):
+        the cost model learns from it."""
+        self.cost.observe(cached_tokens, prompt_tokens, seconds, tier_tokens)
 
     @contextlib.contextmanager
     def prefilling_locally(self, route: Route[I]) -> Iterator[None]:

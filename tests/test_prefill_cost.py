@@ -32,6 +32,20 @@ def test_the_fit_recovers_weights_and_attention_from_prefills_of_several_sizes()
     assert warm / cold > 1.3 * 12_000 / 130_000
 
 
+def test_a_host_tier_hit_is_priced_by_what_its_loads_took_past_the_compute():
+    cost = FittedCost()
+    for cached, prompt in ((0, 4096), (0, 16384), (12288, 16384), (0, 65536), (61440, 65536)):
+        cost.observe(cached, prompt, engine_s(cached, prompt))
+    assert cost.per_tier_token_s == 0 and cost.seconds(61440, 65536, tier_tokens=61440) == cost.seconds(61440, 65536)
+    for cached, prompt in ((12288, 16384), (61440, 65536)):  # all from the tier: 1e-7 s a token to load
+        cost.observe(cached, prompt, engine_s(cached, prompt) + 1e-7 * cached, tier_tokens=cached)
+    assert cost.per_tier_token_s == pytest.approx(1e-7, rel=1e-6)
+    assert cost.per_token_s == pytest.approx(2e-5, rel=1e-6)  # the compute terms fitted to the others alone
+    device, tier = cost.seconds(61440, 65536), cost.seconds(61440, 65536, tier_tokens=61440)
+    assert tier - device == pytest.approx(61440 * 1e-7) and tier < cost.seconds(0, 65536)  # a load, not a prefill
+    assert cost.taken_s(61440, 65536, 0, 0.0, tier_tokens=61440) == tier
+
+
 def test_one_size_seen_gives_the_linear_fit_and_a_full_hit_teaches_nothing():
     cost = FittedCost()
     for _ in range(3):

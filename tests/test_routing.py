@@ -87,6 +87,19 @@ def test_a_prefix_in_a_p_s_host_tier_is_a_hit_there_past_its_device_s():
     assert (route.prefill.name, route.predicted_p_hit_tokens) == ("p1", 12)
 
 
+def test_of_two_ps_holding_a_prefix_the_one_that_need_not_load_it_from_its_tier_wins():
+    held = HeldBlocks()
+    held.store("p0", family(1), where="tier")
+    held.store("p2", family(1))
+    pick = picker("prefix_aware", held)
+    for cached in (8, 0):  # P loads a tier hit at 1 ms a token here
+        pick.prefilled(cached, 16, 0.010 * (16 - cached) + 0.001 * cached, tier_tokens=cached)
+    pick.prefilled(4, 16, 0.010 * 12)
+    route = pick.pick(family(1, suffix=50), max_tokens=8)
+    assert (route.prefill.name, route.predicted_p_hit_tokens) == ("p2", 12)
+    assert pick.cost.seconds(12, 16, tier_tokens=12) - pick.cost.seconds(12, 16) == pytest.approx(0.012)
+
+
 def test_prefix_aware_leaves_a_busy_holder_when_its_queue_costs_more():
     held = HeldBlocks()
     held.store("p0", family(1))
@@ -210,14 +223,15 @@ def test_a_hot_family_is_copied_to_a_second_p_once_the_holders_queue_exceeds_two
 class AttentionOnlyCost:
     """A prefill's time is its attention pairs only: each new token over all tokens before it."""
 
-    def seconds(self, cached_tokens: int, prompt_tokens: int) -> float:
+    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0) -> float:
         new = prompt_tokens - cached_tokens
         return new * (cached_tokens + new / 2)
 
-    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float) -> None:
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
         pass
 
-    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float) -> float:
+    def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float,
+                tier_tokens: int = 0) -> float:
         return 10 * queued_tokens + queued_s  # what the picker hands it, to check
 
 
