@@ -152,14 +152,15 @@ def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, host: str, args: dic
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
 
 
-def prefill_kv_params(connector: str, transfer_id: str) -> dict:
-    """What P's request carries so its connector keeps the KV for a remote decode."""
-    from pdcluster.proto.handle import PRODUCE_KEY
+def prefill_kv_params(connector: str, transfer_id: str, retain_s: float = 0.0) -> dict:
+    """What P's request carries so its connector keeps the KV for a remote decode (and in its
+    host tier, for `retain_s` ahead of others)."""
+    from pdcluster.proto.handle import PRODUCE_KEY, RETAIN_KEY
 
     if connector == "nixl":  # as vLLM's toy P/D proxy sends it
         return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    return {PRODUCE_KEY: transfer_id}
+    return {PRODUCE_KEY: transfer_id, **({RETAIN_KEY: retain_s} if retain_s else {})}
 
 
 def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
@@ -169,7 +170,11 @@ def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
         # Without P's hit count, D's num_cached_tokens is its own (local + pulled).
         params = req.connector_params
         return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"} if params else None
-    return req.handle.to_params() if req.handle is not None else None
+    from pdcluster.proto.handle import RETAIN_KEY
+
+    params = {**(req.handle.to_params() if req.handle is not None else {}),
+              **({RETAIN_KEY: req.sampling.retain_s} if req.sampling.retain_s else {})}
+    return params or None
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
@@ -304,7 +309,8 @@ class EngineActor(ServesRequestChannel, Engine):
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
         transfer_id = req.transfer_id or req.request_id
-        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector, transfer_id))
+        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector, transfer_id,
+                                                                                               req.sampling.retain_s))
         final = None
         with self._transfer_ids.taken(transfer_id) if self.connector == "pdc" else contextlib.nullcontext():
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,

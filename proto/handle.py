@@ -16,6 +16,10 @@ from dataclasses import asdict, dataclass
 # HANDLE on D's.
 PRODUCE_KEY = "pdc_produce"
 HANDLE_KEY = "pdc_handle"
+# A request's retention hint (the API's `kv_retention_s`), to P's and D's connectors: their host
+# tiers evict its prompt's blocks after every block without one, for up to this long.
+RETAIN_KEY = "pdc_retain_s"
+MAX_RETENTION_S = 3600.0
 TRANSPORTS = ("grpc", "torch_dist")
 
 

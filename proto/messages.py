@@ -33,6 +33,9 @@ class SamplingSpec:
     # nothing to do with tokens before the end (not streamed, no stop strings): every delta
     # costs the router CPU (bench/README.md, "The router's own overhead").
     final_only: bool = False
+    # Keep the prompt's blocks in the host KV tiers ahead of others for so long (0: no hint);
+    # transfer/tier_scheduler.py caps it at MAX_RETENTION_S.
+    retain_s: float = 0.0
 
 
 @dataclass(frozen=True)

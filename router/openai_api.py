@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from pdcluster.proto.handle import MAX_RETENTION_S
 from pdcluster.proto.messages import SamplingSpec
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
@@ -124,10 +125,15 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             # Every delta is searched for every stop string: a long list costs the router's loop.
             raise ApiError(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all, "
                            f"got {len(stops)} of {sum(map(len, stops))}", param="stop")
+        retain_s = 0.0 if req.kv_retention_s is None else req.kv_retention_s
+        if not 0 <= retain_s <= MAX_RETENTION_S:
+            raise ApiError(f"kv_retention_s must be in [0, {MAX_RETENTION_S:g}] seconds, got {retain_s}",
+                           param="kv_retention_s")
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
-                                final_only=not req.stream and not stops)  # stop strings are matched here, as tokens come
+                                final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
+                                retain_s=retain_s)
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
         return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,

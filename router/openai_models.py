@@ -54,6 +54,9 @@ class CommonRequest(BaseModel):
     user: str | None = None  # accepted and ignored
     # vLLM's extension: the choice also carries prompt_token_ids and the generated token_ids.
     return_token_ids: bool | None = None
+    # pdcluster's: keep this prompt's blocks in the instances' host KV tiers ahead of others for so
+    # many seconds (a session's next turn expected within it); docs/kv_tiers.md "Retention".
+    kv_retention_s: float | None = None
     # Refused unless unset or at their no-op value (UNSUPPORTED); typed loosely so that the
     # refusal, not a type error, is what the client reads.
     best_of: Any = None

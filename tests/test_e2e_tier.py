@@ -52,8 +52,8 @@ def family(name: str) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(PROMPT)]
 
 
-def run(cluster, prompt):
-    r = complete(cluster.url, prompt, 16)
+def run(cluster, prompt, **extra):
+    r = complete(cluster.url, prompt, 16, **extra)
     assert r.status_code == 200, r.text
     body = r.json()
     rec = load_run(cluster.run_dir).record(body["id"])
@@ -105,7 +105,7 @@ def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster,
 def test_a_prompt_d_lost_comes_back_from_ds_host_tier_and_only_the_rest_comes_from_p(cluster, reference):
     a = family("d-a")
     with local_prefill_as(cluster, policy="never"):  # through P every time: D's part is what is checked
-        cold_tokens, pd, _ = run(cluster, a)
+        cold_tokens, pd, _ = run(cluster, a, kv_retention_s=60)  # the hint reaches both tiers (docs/kv_tiers.md)
         for name in ("d-b", "d-c", "d-e"):  # out of D's device cache as out of P's
             run(cluster, family(name))
         tokens, pd, rec = run(cluster, a)

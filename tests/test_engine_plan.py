@@ -54,6 +54,20 @@ def test_a_host_tier_reaches_ps_connector_in_bytes():
     assert p.engine_args["kv_transfer_config"]["kv_connector_extra_config"]["host_tier_bytes"] == 1 << 29
 
 
+def test_a_retention_hint_goes_to_both_connectors_in_kv_transfer_params():
+    from pdcluster.cluster.engine_actor import decode_kv_params, prefill_kv_params
+    from pdcluster.proto.handle import PRODUCE_KEY, RETAIN_KEY, TransferHandle
+    from pdcluster.proto.messages import DecodeRequest, SamplingSpec
+
+    assert prefill_kv_params("pdc", "t1", 600.0) == {PRODUCE_KEY: "t1", RETAIN_KEY: 600.0}
+    assert prefill_kv_params("pdc", "t1") == {PRODUCE_KEY: "t1"}
+    handle = TransferHandle("p0", "127.0.0.1:5000", "t1", 10)
+    kept = SamplingSpec(retain_s=600.0)
+    assert decode_kv_params("pdc", DecodeRequest("r", [1], kept, handle)) == {**handle.to_params(), RETAIN_KEY: 600.0}
+    assert decode_kv_params("pdc", DecodeRequest("r", [1], kept, None)) == {RETAIN_KEY: 600.0}  # D prefills it
+    assert decode_kv_params("pdc", DecodeRequest("r", [1], SamplingSpec(), None)) is None
+
+
 def test_error_policy_and_extra_args():
     p = plan_instance(spec(transfer={"on_failure": "error"}, engine={"extra": {"swap_space": 0}}), "decode", 0)
     assert p.engine_args["kv_transfer_config"]["kv_load_failure_policy"] == "fail"

@@ -76,6 +76,13 @@ def test_stream_equals_non_stream(fake_router, include_usage):
     assert [sampling.final_only for _, _, sampling in backend.calls] == [True, False]
 
 
+def test_a_retention_hint_reaches_the_engines_with_the_sampling(fake_router):
+    client, backend = fake_router()
+    assert client.post("/v1/completions", json={"prompt": "a", "kv_retention_s": 600}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+    assert [sampling.retain_s for _, _, sampling in backend.calls] == [600.0, 0.0]
+
+
 def test_chat(fake_router, tok):
     client, backend = fake_router()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -157,6 +164,9 @@ def test_stop_string_never_streamed_in_part(fake_router, tok):
     ({"prompt": "a", "logprobs": 1}, "logprobs", ["logprobs"]),
     ({"prompt": "a", "stop": 3}, "stop", ["stop"]),
     ({"prompt": "a", "stream": "yes please"}, "stream", ["stream"]),
+    ({"prompt": "a", "kv_retention_s": -1}, "kv_retention_s", ["kv_retention_s must be in [0, 3600] seconds"]),
+    ({"prompt": "a", "kv_retention_s": 1e9}, "kv_retention_s", ["kv_retention_s"]),
+    ({"prompt": "a", "kv_retention_s": "long"}, "kv_retention_s", ["kv_retention_s"]),
 ])
 def test_completion_400(fake_router, body, param, words):
     client, backend = fake_router()

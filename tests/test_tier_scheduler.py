@@ -29,6 +29,7 @@ class Req:
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -141,6 +142,20 @@ def test_blocks_the_worker_lost_are_forgotten():
     ended(sched, req("a", "f", 8), [[1, 2]])
     sched.lost([(0, b"f1")])
     assert sched.lookup(req("b", "f", 12), 0) == 1 * BS
+
+
+def test_a_requests_retention_hint_keeps_its_blocks_past_newer_ones():
+    sched = TierScheduler([full(0)], capacity_bytes=2 * PAGE)
+    a = req("a", "f", 4)
+    a.kv_transfer_params = {"pdc_retain_s": 600.0}  # the API's kv_retention_s
+    ended(sched, a, [[1]], now_s=0)
+    ended(sched, req("b", "g", 4), [[2]], now_s=1)
+    ended(sched, req("c", "h", 4), [[3]], now_s=2)  # evicts g, newer than f but not retained
+    assert [c.hashes for c in sched.take_orders().copies if c.op == "evict"] == [(b"g0",)]
+    ended(sched, req("d", "k", 4), [[4]], now_s=601)  # f's retention ran out: LRU again
+    assert [c.hashes for c in sched.take_orders().copies if c.op == "evict"] == [(b"f0",)]
+    with pytest.raises(ValueError, match="both must be >= 0"):
+        TierScheduler([full(0)], capacity_bytes=PAGE, max_retention_s=-1)
 
 
 def test_only_computed_prompt_blocks_are_kept():

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.tier_book import BlockKey, TierBook
@@ -62,7 +63,7 @@ class TierOrders:
 
 
 class TierScheduler:
-    def __init__(self, groups: Sequence[GroupInfo], capacity_bytes: int, max_retention_s: float = 0.0):
+    def __init__(self, groups: Sequence[GroupInfo], capacity_bytes: int, max_retention_s: float = MAX_RETENTION_S):
         odd = [g for g in groups if g.kind != "full_attention"]
         if odd:
             raise TierUnsupported(
@@ -117,11 +118,11 @@ class TierScheduler:
             self._orders.copies.append(TierCopy("load", g, hashes, tuple(block_ids[g][first:end]), request.request_id))
         self.hit_tokens[request.request_id] = num_tier_tokens
 
-    def finished(self, request: Request, block_ids: Sequence[Sequence[int]], now_s: float, free_after: bool,
-                 retain_s: float = 0.0) -> bool:
-        """The request ended: keep its computed prompt blocks. True when the worker must store
-        some before vLLM frees them; with `free_after` the worker then reports the request (the
-        caller holds the blocks no other way)."""
+    def finished(self, request: Request, block_ids: Sequence[Sequence[int]], now_s: float, free_after: bool) -> bool:
+        """The request ended: keep its computed prompt blocks (retained as its hint asks). True
+        when the worker must store some before vLLM frees them; with `free_after` the worker then
+        reports the request (the caller holds the blocks no other way)."""
+        retain_s = float((getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY, 0.0))
         self.forget(request.request_id)
         n = min(len(request.block_hashes), request.num_computed_tokens // self.block_size,
                 request.num_prompt_tokens // self.block_size, *(len(ids) for ids in block_ids))
