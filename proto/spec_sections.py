@@ -185,7 +185,7 @@ class TransferSpec(_Strict):
         "error", description="a failed transfer ends the request with an error, or D recomputes the prompt")
     # Fault injection, for tests: the router gives the transfers of requests whose id starts
     # with this prefix an id with it in front, and P breaks each halfway through its blocks, as
-    # a lost connection would; P's host tier fails its loads for requests whose id starts with it.
+    # a lost connection would; a host tier fails its loads for requests whose id starts with it.
     break_transfers_with_prefix: str | None = None
 
     @model_validator(mode="before")

@@ -227,7 +227,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 min(request.num_computed_tokens + num_scheduled, request.num_prompt_tokens)))
 
     def take_events(self):
-        # What P's host tier stored and evicted, published by vLLM beside its device cache's events.
+        # What the host tier stored and evicted, published by vLLM beside its device cache's events.
         if self._tier is None:
             return ()
         from pdcluster.proto import kv_event_wire as wire

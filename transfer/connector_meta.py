@@ -26,7 +26,7 @@ class ConnectorSettings:
     lease_s: float = 60.0
     timeout_s: float = 30.0
     chunk_bytes: int = 1 << 20
-    # Fault injection (tests): break transfers whose id starts with it, and P's host-tier loads for
+    # Fault injection (tests): break transfers whose id starts with it, and host-tier loads for
     # requests whose id does.
     break_prefix: str | None = None
     channel_backend: str | None = None  # gloo | nccl | hccl: P's pair channels for torch_dist transfers

@@ -122,7 +122,7 @@ USES: tuple[Symbol, ...] = (
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.supports_sleep_mode", since="0.33.0"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.bind_gpu_block_pool"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.build_connector_worker_meta"),
-    # P's host tier (transfer/tier_scheduler.py): its events, its reset, the hashes it keys by
+    # the host tier (transfer/tier_scheduler.py): its events, its reset, the hashes it keys by
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.take_events"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.reset_cache"),
     Symbol("vllm.v1.core.kv_cache_utils", "maybe_convert_block_hash"),
