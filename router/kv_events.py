@@ -167,6 +167,13 @@ class KvEventFeed(OrderedBatches):
     def matched_tokens(self, instance: str, hashes: Sequence[RouterHash]) -> int:
         return self.matched_blocks(instance, hashes) * self.block_size
 
+    def tier_blocks(self, instance: str) -> tuple[int, int]:
+        """`instance`'s host KV tier as its events say: (blocks held, blocks evicted)."""
+        st = self._get(instance)
+        with self._lock:
+            host = st.index.host
+            return (len(host), host.removed_blocks) if host is not None else (0, 0)
+
     def held_blocks(self, instance: str) -> int:
         """How many blocks `instance`'s prefix cache holds, as far as its events say."""
         st = self._get(instance)

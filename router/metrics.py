@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -34,11 +34,15 @@ class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, in_flight: Callable[[], dict[str, int]],
-                 pending_blocks: Callable[[str], int] | None = None, http_refused: Callable[[], int] = lambda: 0):
+                 pending_blocks: Callable[[str], int] | None = None, http_refused: Callable[[], int] = lambda: 0,
+                 tier_blocks: Callable[[str], tuple[int, int]] | None = None):
         """`pending_blocks`: an instance's blocks pending in the router (router/pending_blocks.py);
-        `http_refused`: this router's HTTP refusals (router/http_app.py HttpApp.refused)."""
+        `http_refused`: this router's HTTP refusals (router/http_app.py HttpApp.refused);
+        `tier_blocks`: an instance's host KV tier as its events say, (blocks held, blocks evicted)."""
         self.registry = r = CollectorRegistry()
         r.register(_Merged(lambda: [refused_family({("router", "http"): http_refused()})]))
+        if tier_blocks is not None:
+            r.register(_Merged(lambda: tier_families({name: tier_blocks(name) for name in in_flight()})))
         self.requests = Counter("pdc_requests", "requests finished, by outcome", ["outcome"], registry=r)
         self.phase = Histogram("pdc_ttft_phase_seconds", "TTFT critical-path parts (router/attribution.py)",
                                ["phase"], buckets=BUCKETS, registry=r)
@@ -137,6 +141,22 @@ REFUSED_HELP = ("peers refused at a plane without the cluster secret or a valid 
                 "HTTP; each instance's planes, transfer/refusal_counts.py PLANES), since it started")
 
 
+# Families every router reads off the same KV events: merged as their largest, not summed.
+SAME_IN_EVERY_ROUTER = ("pdc_tier_blocks", "pdc_tier_evicted_blocks")
+
+
+def tier_families(blocks: dict[str, tuple[int, int]]) -> list[Metric]:
+    """pdc_tier_blocks (held) and pdc_tier_evicted_blocks_total per instance's host tier, in blocks."""
+    held = GaugeMetricFamily("pdc_tier_blocks", "KV blocks an instance's host tier holds, by its events "
+                             "(docs/kv_tiers.md)", labels=["instance", "tier"])
+    evicted = CounterMetricFamily("pdc_tier_evicted_blocks", "KV blocks an instance's host tier evicted, by its "
+                                  "events since the router's index of it began", labels=["instance", "tier"])
+    for name, (n_held, n_evicted) in sorted(blocks.items()):
+        held.add_metric([name, "host"], n_held)
+        evicted.add_metric([name, "host"], n_evicted)
+    return [held, evicted]
+
+
 def refused_family(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:
     """pdc_refused_total: (instance, plane) -> count."""
     fam = CounterMetricFamily("pdc_refused", REFUSED_HELP, labels=["instance", "plane"])
@@ -177,7 +197,8 @@ def merge_expositions(pages: list[bytes]) -> bytes:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 old = own.get(key)
                 own[key] = sample.value if old is None else (
-                    min(old, sample.value) if sample.name.endswith("_created") else old + sample.value)
+                    min(old, sample.value) if sample.name.endswith("_created")
+                    else max(old, sample.value) if fam.name in SAME_IN_EVERY_ROUTER else old + sample.value)
     for name, fam in families.items():
         fam.samples = [Sample(sample_name, dict(labels), value) for (sample_name, labels), value in series[name].items()]
     registry = CollectorRegistry(auto_describe=False)

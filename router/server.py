@@ -146,7 +146,7 @@ class RouterActor:
 
         self.metrics = RouterMetrics(lambda: self.dispatcher.in_flight,
                                      pending_blocks if spec.router.track_pending else None,
-                                     lambda: self.app.refused)
+                                     lambda: self.app.refused, self.kv_events.tier_blocks)
         self.dispatcher.sinks.append(self.metrics.observe)
         self.spans = None  # each request's phases as OpenTelemetry spans (spec observability.otlp_endpoint)
         if spec.observability.otlp_endpoint:

@@ -64,11 +64,15 @@ def p_prefill_ns(rec) -> int:
     return rec.events["p_done"] - rec.events["p_scheduled"]
 
 
+def metric(cluster, series: str) -> float:
+    """One series' value on the router's /metrics."""
+    lines = httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines()
+    return float(next(ln for ln in lines if ln.startswith(series + " ")).removeprefix(series + " "))
+
+
 def tier_hits(cluster) -> float:
-    """The router's count of prompt tokens P's host tier gave (/metrics)."""
-    series = 'pdc_tier_hit_tokens_total{side="prefill",tier="host"} '
-    line = next(ln for ln in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines() if ln.startswith(series))
-    return float(line.removeprefix(series))
+    """The router's count of prompt tokens P's host tier gave."""
+    return metric(cluster, 'pdc_tier_hit_tokens_total{side="prefill",tier="host"}')
 
 
 def reset_d(cluster) -> None:
@@ -114,6 +118,9 @@ def test_a_prompt_d_lost_comes_back_from_ds_host_tier_and_only_the_rest_comes_fr
     assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
     assert_no_kv_in_use(cluster)
     assert f"D cached {FULL} ({FULL} from its host tier)" in format_waterfall(load_run(cluster.run_dir), rec.request_id)
+    cluster.each_router("catch_up_kv_events")  # the tiers' occupancy, as their events say: every family kept
+    for inst in ("prefill-0", "decode-0"):
+        assert metric(cluster, f'pdc_tier_blocks{{instance="{inst}",tier="host"}}') >= 4 * (FULL // 128), inst
 
 
 def test_a_tier_load_that_fails_is_computed_instead_and_the_tokens_stay_exact(cluster, reference):

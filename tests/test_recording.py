@@ -97,6 +97,10 @@ def test_metrics_count_what_records_report():
     assert _metric(text, 'pdc_hit_predictions_total{outcome="exact",side="decode"}') == 1
     assert 'pdc_hit_predictions_total{outcome="exact",side="prefill"} 0.0' in text  # every series from the start
     assert _metric(text, 'pdc_in_flight{instance="prefill-0"}') == 2
+    assert "pdc_tier_blocks" not in text  # no feed of the tiers: no such series
+    tiered = RouterMetrics(lambda: in_flight, tier_blocks={"prefill-0": (40, 7), "decode-0": (0, 0)}.get).render()
+    assert _metric(tiered.decode(), 'pdc_tier_blocks{instance="prefill-0",tier="host"}') == 40
+    assert _metric(tiered.decode(), 'pdc_tier_evicted_blocks_total{instance="prefill-0",tier="host"}') == 7
     in_flight["prefill-0"] = 0
     assert _metric(m.render().decode(), 'pdc_in_flight{instance="prefill-0"}') == 0
 
@@ -183,8 +187,10 @@ def test_metrics_of_several_routers_merge_into_what_one_router_would_show():
         return rec
 
     loads = [{"prefill-0": 1, "decode-0": 0}, {"prefill-0": 2, "decode-0": 3}]
-    routers = [RouterMetrics(lambda load=load: load) for load in loads]
-    one = RouterMetrics(lambda: {"prefill-0": 3, "decode-0": 3})
+    # Each router's index of the tiers, from the same events: the second a batch behind.
+    tiers = [{"prefill-0": (40, 7), "decode-0": (0, 0)}, {"prefill-0": (38, 7), "decode-0": (0, 0)}]
+    routers = [RouterMetrics(lambda load=load: load, tier_blocks=tier.get) for load, tier in zip(loads, tiers)]
+    one = RouterMetrics(lambda: {"prefill-0": 3, "decode-0": 3}, tier_blocks=tiers[0].get)
     for i in range(1, 6):  # router 1 alone sees transfer group 1
         routers[i % 2].observe(record(i, group=i % 2))
         one.observe(record(i, group=i % 2))
