@@ -23,9 +23,10 @@ import argparse
 import json
 import random
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pdcluster.bench.pd_ttft import stream_ttft  # one client kept open: TTFT without a connection's set-up
 
 BLOCK = 128
 
@@ -44,27 +45,6 @@ class Visit:
     ttft_ms: float
     p_prefill_ms: float  # P's first step of it to its last (its timeline's p_scheduled -> p_done)
     tokens: list[int]
-
-
-def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[str, float, list[int], dict]:
-    import httpx
-
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}
-    t0, ttft, rid, tokens, usage = time.perf_counter(), None, None, [], {}
-    with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            rid = event["id"]
-            for choice in event["choices"]:
-                if ttft is None and choice.get("token_ids"):
-                    ttft = (time.perf_counter() - t0) * 1e3
-                tokens += choice.get("token_ids") or []
-            usage = event.get("usage") or usage
-    return rid, ttft, tokens, usage
 
 
 def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]]) -> list[Visit]:
@@ -90,11 +70,11 @@ def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]
     cluster = build_cluster(spec)
     out = []
     try:
-        stream(cluster.url, [7] * 300, 2)  # first connections and passes, outside the families
+        stream_ttft(cluster.url, [7] * 300)  # first connections and passes, outside the families
         for rnd in range(a.rounds):
             for f, prefix in enumerate(families):
                 prompt = prefix + suffixes[rnd][f]
-                rid, ttft, tokens, usage = stream(cluster.url, prompt, a.max_tokens)
+                rid, ttft, usage, _, tokens = stream_ttft(cluster.url, prompt, a.max_tokens)
                 rec = load_run(cluster.run_dir).record(rid)
                 pd = usage["pd"]
                 out.append(Visit(tier, rnd, f, len(prompt), pd["p_cached_tokens"], rec.p_tier_tokens,

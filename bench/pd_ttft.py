@@ -29,6 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 SUFFIX = 14
 
@@ -69,17 +70,26 @@ def _client():
     return _CLIENT
 
 
-def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict, tuple[int, int]]:
-    """Request id, client TTFT (ms), usage, and (sent, first token) on time.monotonic_ns, the
-    clock the router's and the engines' timestamps use on this host.
+class Streamed(NamedTuple):
+    rid: str
+    ttft_ms: float
+    usage: dict
+    client_ns: tuple[int, int]  # (sent, first token) on time.monotonic_ns, the router's and engines' clock here
+    tokens: list[int]
+
+
+def stream_ttft(url: str, prompt: list[int], max_tokens: int = 2) -> Streamed:
+    """One greedy streamed completion: its id, client TTFT, usage, send and first-token times, and
+    its tokens.
 
     TTFT counts from the request leaving: its JSON is encoded before the clock starts (the
     client's own CPU, 0.85 ms for a 16K-token prompt with json.dumps)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
-                       "return_token_ids": True, "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "return_token_ids": True,
+                       "stream_options": {"include_usage": True}}).encode()
     t0 = time.perf_counter()
     sent_ns, first_ns = time.monotonic_ns(), 0
-    ttft, rid, usage = None, None, {}
+    ttft, rid, usage, tokens = None, None, {}, []
     with _client().stream("POST", f"{url}/v1/completions", content=body,
                           headers={"content-type": "application/json"}) as r:
         assert r.status_code == 200, r.read()
@@ -90,8 +100,10 @@ def stream_ttft(url: str, prompt: list[int]) -> tuple[str, float, dict, tuple[in
             rid = event["id"]
             if ttft is None and event["choices"] and event["choices"][0].get("token_ids"):
                 ttft, first_ns = (time.perf_counter() - t0) * 1e3, time.monotonic_ns()
+            for choice in event["choices"]:
+                tokens += choice.get("token_ids") or []
             usage = event.get("usage") or usage
-    return rid, ttft, usage, (sent_ns, first_ns)
+    return Streamed(rid, ttft, usage, (sent_ns, first_ns), tokens)
 
 
 def prompts(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
@@ -121,7 +133,7 @@ def cluster_rows(cluster, setup: str, sizes: list[int], trials: int, rng: random
                 stream_ttft(cluster.url, a)
                 if cache == "cold":
                     reset()
-                rid, ttft, usage, client_ns = stream_ttft(cluster.url, b)
+                rid, ttft, usage, client_ns, _ = stream_ttft(cluster.url, b)
                 timed[rid] = (n, cache, {"ttft": ttft, **usage}, client_ns)
     time.sleep(0.5)  # the router appends each record as its request ends
     rows = []

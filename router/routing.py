@@ -176,7 +176,7 @@ class InstancePicker(Generic[I]):
         if self.colocated:
             return self._pick_colocated(prompt_token_ids, avoid, hashes, turn)
         prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
-        matched_p = matched_d = pending_p = None
+        matched_p = matched_d = pending_p = tier_p = None
         if self.lookup is None:
             hashes = []
         if self.lookup is not None:
@@ -185,7 +185,7 @@ class InstancePicker(Generic[I]):
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
             matched_d, _, _ = self._matched(decode, hashes, None)
-        p_views = self._prefill_views(prefill, matched_p, n, tier_p if matched_p else None)
+        p_views = self._prefill_views(prefill, matched_p, n, tier_p)
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                               matched_d[d.name] if matched_d else 0) for d in decode]
         p_name = pick_prefill(self.policy, p_views, turn).name
@@ -212,11 +212,11 @@ class InstancePicker(Generic[I]):
         prefill queued on it) and is the route's P too."""
         n = len(prompt_token_ids)
         decode = self._up("decode", self.decode, avoid)
-        matched = pending = None
+        matched = pending = tier = None
         if self.lookup is not None:
             hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
             matched, pending, tier = self._matched(decode, hashes, self.pending)
-        view = pick_prefill(self.policy, self._prefill_views(decode, matched, n, tier if matched else None), turn)
+        view = pick_prefill(self.policy, self._prefill_views(decode, matched, n, tier), turn)
         d = next(i for i in decode if i.name == view.name)
         local = decide(self.local, LocalView(n, view.matched_tokens, False, self._load[d.name].local, 0.0))
         route = Route(d, d, None, view.matched_tokens if matched else None, None, next(self._keys), view.prefill_s,

@@ -92,13 +92,10 @@ class TierScheduler:
         in every group. At least one prompt token is left to compute, as vLLM's own cache leaves."""
         first = num_computed_tokens // self.block_size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        end = first
-        while end < last and all((g, request.block_hashes[end]) in self.book for g in self._groups):
-            end += 1
-        if end > first:  # counted as used now: not the next block a keep evicts
-            self.book.match({g: request.block_hashes[first:end] for g in self._groups})
-        self._first[request.request_id] = first, (end - first) * self.block_size
-        return (end - first) * self.block_size
+        # The book's run, counted as used now (not the next blocks a keep evicts).
+        tokens = self.book.match({g: request.block_hashes[first:last] for g in self._groups}) * self.block_size
+        self._first[request.request_id] = first, tokens
+        return tokens
 
     def lookup_taken(self, request: Request) -> int:
         """The tokens the last `lookup` of the request found (D: its tier's share of a load)."""
@@ -176,7 +173,7 @@ class TierScheduler:
 
     def load_failed(self, request_id: str) -> None:
         """The worker could not load the request's tier hit: it counts as computed, not as a hit."""
-        if (tokens := self.hit_tokens.pop(request_id, 0)) or request_id in self.failed_tokens:
+        if tokens := self.hit_tokens.pop(request_id, 0):
             self.failed_tokens[request_id] = self.failed_tokens.get(request_id, 0) + tokens
 
     def reset(self) -> bool:
