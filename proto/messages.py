@@ -110,12 +110,12 @@ class TransferStats:
     @classmethod
     def planned(cls, d_cached_tokens: int, transferred_tokens: int, blocks_per_group: tuple[int, ...],
                 bytes_per_block: tuple[int, ...], transfer_start_ns: int = 0,
-                group_names: tuple[str, ...] = ()) -> TransferStats:
-        """D's plan: the tokens its cache holds and those coming from P, per KV-cache group the
-        blocks that come and their bytes (and the groups' names)."""
+                group_names: tuple[str, ...] = (), d_tier_tokens: int = 0) -> TransferStats:
+        """D's plan: the tokens its cache holds (of them, `d_tier_tokens` in its host tier) and those
+        coming from P, per KV-cache group the blocks that come and their bytes (and the groups' names)."""
         return cls(d_cached_tokens, transferred_tokens, tuple(blocks_per_group),
                    tuple(n * b for n, b in zip(blocks_per_group, bytes_per_block)), group_names=tuple(group_names),
-                   transfer_start_ns=transfer_start_ns)
+                   transfer_start_ns=transfer_start_ns, d_tier_tokens=d_tier_tokens)
 
     def pulled(self, start_ns: int, end_ns: int, bytes_per_group: tuple[int, ...] | None = None) -> TransferStats:
         """The pull ran from `start_ns` to `end_ns`, moving `bytes_per_group` (default: as planned)."""

@@ -120,9 +120,9 @@ class ClusterSpec(_Strict):
             raise ValueError("prefill.instances: 0 (no disaggregation) is modelled on the virtual clock only "
                              "(engine.kind: sim, pdc sim run, pdc plan); a real engine without P is vllm serve")
         for role, eng in (("prefill", p), ("decode", d)):
-            if eng.host_tier_gib and (eng.kind == "sim" or self.transfer.connector != "pdc"):
-                raise ValueError(f"{role}.engine.host_tier_gib: a host KV tier needs real vLLM engines and "
-                                 f"transfer.connector: pdc (it lives in pdcluster's connector)")
+            if eng.host_tier_gib and self.transfer.connector != "pdc":
+                raise ValueError(f"{role}.engine.host_tier_gib: a host KV tier needs transfer.connector: pdc "
+                                 f"(it lives in pdcluster's connector)")
         for role in ("prefill", "decode"):
             eng = self.role_engine(role)
             if not eng.enable_prefix_caching:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -211,6 +211,13 @@ class TransferSpec(_Strict):
         return self
 
 
+class RoleKvBlocks(_Strict):
+    """KV blocks per instance, each role its own (unset: the params file's)."""
+
+    prefill: int | None = Field(None, gt=0, description="KV blocks per P instance")
+    decode: int | None = Field(None, gt=0, description="KV blocks per D instance")
+
+
 class SimSpec(_Strict):
     """The simulated engine's settings (used when `engine: sim`)."""
 
@@ -219,9 +226,16 @@ class SimSpec(_Strict):
     # Bytes that really move P -> D = modelled bytes / payload_scale, so 128K-token
     # requests fit in this machine's memory; the modelled transfer time uses the full size.
     payload_scale: int = Field(1024, ge=1, description="modelled state bytes per byte moved")
-    kv_blocks: int | None = Field(None, gt=0, description="KV blocks per instance; default: the params file's")
+    kv_blocks: Annotated[int, Field(gt=0)] | RoleKvBlocks | None = Field(
+        None, description="KV blocks per instance, or per role ({prefill: N, decode: M}); default: what the "
+                                "params file's device holds")
     devices_per_instance: int = Field(1, ge=1, description="devices one instance runs on (tensor parallel); "
                                                             "a degree the params file's parallel section prices")
+
+
+    def kv_blocks_of(self, role: str) -> int | None:
+        """The KV blocks `role`'s instances have; None: the params file's."""
+        return getattr(self.kv_blocks, role) if isinstance(self.kv_blocks, RoleKvBlocks) else self.kv_blocks
 
 
 class NetworkSpec(_Strict):

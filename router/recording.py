@@ -26,6 +26,8 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     rec.prefill_instance, rec.decode_instance = route.prefill.name, route.decode.name
     rec.policy = policy
     rec.predicted_p_hit_tokens, rec.predicted_d_hit_tokens = route.predicted_p_hit_tokens, route.predicted_d_hit_tokens
+    rec.predicted_p_tier_tokens = route.predicted_p_tier_tokens or 0
+    rec.predicted_d_tier_tokens = route.predicted_d_tier_tokens or 0
     rec.predicted_p_pending_tokens = route.predicted_p_pending_tokens
     rec.predicted_p_prefill_s = route.predicted_p_prefill_s
     if route.local is not None:
@@ -33,6 +35,7 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
     if route.local_prefill:  # no P in it: nothing predicted there
         rec.local_prefill, rec.prefill_instance = True, None
         rec.predicted_p_hit_tokens = rec.predicted_p_pending_tokens = rec.predicted_p_prefill_s = None
+        rec.predicted_p_tier_tokens = 0
 
 
 # What one attempt at a request records; a migration before the first token drops them,

@@ -86,6 +86,9 @@ class Route(Generic[I]):
     predicted_p_prefill_s: float = 0.0
     # Whether D prefills it itself (router/local_prefill.py), and why; None: not decided (never).
     local: LocalDecision | None = None
+    # Of each side's predicted hit, the tokens in its host KV tier (loaded, not computed).
+    predicted_p_tier_tokens: int | None = None
+    predicted_d_tier_tokens: int | None = None
 
     @property
     def local_prefill(self) -> bool:
@@ -176,7 +179,7 @@ class InstancePicker(Generic[I]):
         if self.colocated:
             return self._pick_colocated(prompt_token_ids, avoid, hashes, turn)
         prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
-        matched_p = matched_d = pending_p = tier_p = None
+        matched_p = matched_d = pending_p = tier_p = tier_d = None
         if self.lookup is None:
             hashes = []
         if self.lookup is not None:
@@ -184,7 +187,7 @@ class InstancePicker(Generic[I]):
             matched_p, pending_p, tier_p = self._matched(prefill, hashes, self.pending)
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
-            matched_d, _, _ = self._matched(decode, hashes, None)
+            matched_d, _, tier_d = self._matched(decode, hashes, None)
         p_views = self._prefill_views(prefill, matched_p, n, tier_p)
         d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                               matched_d[d.name] if matched_d else 0) for d in decode]
@@ -200,7 +203,8 @@ class InstancePicker(Generic[I]):
         taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
                                     p_view.tier_tokens)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
-                      pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local)
+                      pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local,
+                      tier_p[p_name] if tier_p else None, tier_d[d_name] if tier_d else None)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
@@ -221,7 +225,7 @@ class InstancePicker(Generic[I]):
         local = decide(self.local, LocalView(n, view.matched_tokens, False, self._load[d.name].local, 0.0))
         route = Route(d, d, None, view.matched_tokens if matched else None, None, next(self._keys), view.prefill_s,
                       self.cost.taken_s(view.matched_tokens, n, view.queued_tokens, view.queued_s, view.tier_tokens),
-                      local)
+                      local, None, view.tier_tokens if matched else None)
         if self.pending is not None:  # the next request of this prefix sees it on this D at once
             self.pending.add(d.name, route.key, hashes or [])
         return route

@@ -125,6 +125,10 @@ class RequestRecord:
     # tier; left out of the file).
     p_tier_tokens: int = 0
     d_tier_tokens: int = 0
+    # Of predicted_p_hit_tokens / predicted_d_hit_tokens, those the router expected from each side's
+    # host tier (0: none, or no tier; left out of the file).
+    predicted_p_tier_tokens: int = 0
+    predicted_d_tier_tokens: int = 0
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"
@@ -139,7 +143,7 @@ class RequestRecord:
         d["token_us"] = compact_token_times(d.pop("token_ns"))
         if d["traceparent"] is None:
             del d["traceparent"]
-        for tier in ("p_tier_tokens", "d_tier_tokens"):
+        for tier in ("p_tier_tokens", "d_tier_tokens", "predicted_p_tier_tokens", "predicted_d_tier_tokens"):
             if not d[tier]:
                 del d[tier]
         return json.dumps(d, separators=(",", ":"))

@@ -202,10 +202,10 @@ def test_decode_shorter_than_prefill():
     assert "decode.engine.max_model_len (512) < prefill.engine.max_model_len (1024)" in msg
 
 
-def test_a_host_tier_runs_on_real_engines_through_our_connector_only():
-    assert "decode.engine.host_tier_gib: a host KV tier needs real vLLM engines and transfer.connector: pdc" in \
+def test_a_host_tier_runs_through_our_connector_only():
+    assert "decode.engine.host_tier_gib: a host KV tier needs transfer.connector: pdc" in \
         spec_error(minimal(decode={"engine": {"host_tier_gib": 1}}, transfer={"connector": "nixl"}))
-    assert "prefill.engine.host_tier_gib: a host KV tier needs real vLLM engines" in spec_error(
+    assert "prefill.engine.host_tier_gib: a host KV tier needs transfer.connector: pdc" in spec_error(
         minimal(prefill={"engine": {"host_tier_gib": 1}}, transfer={"connector": "nixl"}))
     assert "host_tier_gib" in spec_error(minimal(engine={"host_tier_gib": -1}))
     both = ClusterSpec.model_validate(minimal(engine={"host_tier_gib": 0.5}))
@@ -363,6 +363,18 @@ def test_engine_sim_with_a_params_path(tmp_path):
     spec = parse_spec(minimal(engine="sim", sim={"params": str(params), "payload_scale": 64}))
     assert spec.role_engine("prefill").kind == "sim" and spec.role_engine("prefill").block_size == 128
     assert spec.sim.params == str(params) and spec.sim.payload_scale == 64
+
+
+def test_sim_kv_blocks_per_instance_or_per_role(tmp_path):
+    params = str(tmp_path / "p.yaml")
+    one = parse_spec(minimal(engine="sim", sim={"params": params, "kv_blocks": 64}))
+    assert one.sim.kv_blocks_of("prefill") == one.sim.kv_blocks_of("decode") == 64
+    split = parse_spec(minimal(engine="sim", sim={"params": params, "kv_blocks": {"prefill": 32}},
+                               decode={"engine": {"host_tier_gib": 2}}))
+    assert (split.sim.kv_blocks_of("prefill"), split.sim.kv_blocks_of("decode")) == (32, None)
+    assert split.role_engine("decode").host_tier_gib == 2 and not split.role_engine("prefill").host_tier_gib
+    assert "sim.kv_blocks" in spec_error(minimal(engine="sim", sim={"params": params, "kv_blocks": {"prefil": 32}}))
+    assert "sim.kv_blocks" in spec_error(minimal(engine="sim", sim={"params": params, "kv_blocks": 0}))
 
 
 def test_p_and_d_engine_kinds_must_agree():

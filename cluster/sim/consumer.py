@@ -112,7 +112,8 @@ class ConsumerSide(KvHooks):
         plan = TransferPlan(tuple(groups), d_cached_tokens=hit, transferred_tokens=n - hit)
         self.loads[req.request_id] = _Load(TransferStats.planned(
             hit, n - hit, tuple(g.num_blocks for g in groups), tuple(c.bytes_per_block for c in self.components),
-            transfer_start_ns=time.monotonic_ns(), group_names=tuple(c.name for c in self.components)))
+            transfer_start_ns=time.monotonic_ns(), group_names=tuple(c.name for c in self.components),
+            d_tier_tokens=req.tier_tokens))
         self._planned[req.request_id] = tuple(groups)
         with self._lock:
             for g in groups:

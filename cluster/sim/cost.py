@@ -28,7 +28,8 @@ and the field. `CostModel(params, block_size)` answers the engine's questions:
   decode), sharing the weights read and the overhead.
 - `state_bytes`, `blocks_to_send`: per component (one kind of per-request
   state, as vLLM's KV cache groups: full, window, compressed, state).
-- `transfer_s(nbytes)`: link latency + bytes / bandwidth.
+- `transfer_s(nbytes)`: link latency + bytes / bandwidth; `host_load_s(nbytes)`, the same over
+  the host link (a host KV tier's loads, cluster/sim/tier.py).
 - `kv_capacity_blocks()`: blocks of `block_size` tokens the device's KV memory
   holds, one block counting every full and compressed component (window and
   state components are per request, a few blocks each, and not counted).
@@ -345,6 +346,21 @@ class CostModel:
         """Link latency + bytes / bandwidth (the link is each device's: t devices, t ports)."""
         assert nbytes >= 0, f"transfer of {nbytes} bytes"
         return self.params.link.latency_s + nbytes / (self.params.link.bytes_per_s * self.devices)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every full and compressed component: what a block of the pool (and of a host
+        tier) holds."""
+        return self._per_block_bytes
+
+    def host_load_s(self, nbytes: int) -> float:
+        """Host link latency + bytes / bandwidth: loading a host tier's blocks back (each device its
+        own link, as `transfer_s`). SimParamsError if the file has no `host_link`."""
+        link = self.params.host_link
+        if link is None:
+            raise SimParamsError(f"{self.params.name}: no host_link (host memory <-> device bandwidth and "
+                                 f"latency): a host KV tier's loads cannot be priced without it")
+        return link.latency_s + nbytes / (link.bytes_per_s * self.devices)
 
     def kv_capacity_blocks(self) -> int:
         """Blocks per instance the device's KV memory holds (one block: every full and compressed component)."""

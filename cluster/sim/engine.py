@@ -30,11 +30,12 @@ from dataclasses import dataclass, replace
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
 from pdcluster.cluster.sim.cost import CostModel, SimParams
-from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch
+from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch, int_block_hashes
 from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
+from pdcluster.cluster.sim.tier import host_tier
 from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
@@ -80,7 +81,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         self.engine_id = f"{spec.name}-{self.name}"
         self.cost = CostModel(SimParams.load(spec.sim.params), eng.block_size, spec.sim.devices_per_instance)
         components = self.cost.components
-        num_blocks = (spec.sim.kv_blocks or self.cost.kv_capacity_blocks()) + 1  # + vLLM's null block
+        num_blocks = (spec.sim.kv_blocks_of(role) or self.cost.kv_capacity_blocks()) + 1  # + vLLM's null block
         vocab, eos = model_vocab(spec.model.path)
         self.config = SchedulerConfig(
             block_size=eng.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
@@ -88,6 +89,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
             long_prefill_token_threshold=int(eng.extra.get("long_prefill_token_threshold", 0)),
             recompute_on_load_failure=spec.transfer.on_failure == "recompute")
         self.pool = BlockPool(num_blocks, eng.block_size)
+        self.tier = host_tier(eng.host_tier_gib, self.cost, int_block_hashes())
         self.payload_bytes_per_block = {c.name: component_rows_bytes(c, spec.sim.payload_scale) for c in components}
         t = spec.transfer
         self.kv_address: str | None = None
@@ -133,7 +135,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
                                                      self.config.block_size, self.cost, self.spec.transfer.timeout_s,
                                                      loop, self.spec.secret(), self.spec.transfer.encrypt)
             self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish,
-                                       variation=StepVariation(self.cost.params.variation, self.name))
+                                       variation=StepVariation(self.cost.params.variation, self.name), tier=self.tier)
             hooks.scheduler = self.scheduler
             self._task = loop.create_task(self.scheduler.run())
         elif self._task.done():
@@ -177,7 +179,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         s = req.sampling
         with self.producer.ids_in_use.taken(transfer_id):
             sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
-                                        stop_token_ids=frozenset(s.stop_token_ids)))
+                                        stop_token_ids=frozenset(s.stop_token_ids), retain_s=s.retain_s))
             self.producer.produce(rid, transfer_id)
             try:
                 while (delta := await sreq.out.get()).finish_reason is None:
@@ -188,7 +190,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         if delta.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
         return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=sreq.num_prompt_tokens,
-                             p_cached_tokens=max(0, sreq.num_cached_tokens),
+                             p_cached_tokens=max(0, sreq.num_cached_tokens), p_tier_tokens=sreq.num_tier_tokens,
                              engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
@@ -201,7 +203,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
                              f"has {len(req.prompt_token_ids)}")
         s = req.sampling
         sreq = SimRequest(rid, list(req.prompt_token_ids), max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
-                          stop_token_ids=frozenset(s.stop_token_ids),
+                          stop_token_ids=frozenset(s.stop_token_ids), retain_s=s.retain_s,
                           external_tokens=handle.num_tokens if handle else 0)
         if handle is not None:
             self.consumer.expect(rid, handle)
@@ -243,6 +245,8 @@ class SimEngineActor(ServesRequestChannel, Engine):
     async def reset_prefix_cache(self) -> bool:
         sched = self._started()
         done = self.pool.reset()
+        if done and self.tier is not None:
+            self.tier.clear()
         sched.wake()  # publishes AllBlocksCleared
         return done
 

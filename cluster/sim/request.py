@@ -51,7 +51,11 @@ class SimRequest:
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks of `blocks` already in the prefix cache
     num_cached_tokens: int = -1  # prefix hit when first scheduled (vLLM's num_cached_tokens); -1: not yet
-    hit_tokens: int = 0  # the latest admission's hit
+    hit_tokens: int = 0  # the latest admission's hit (its host tier's part included)
+    tier_tokens: int = 0  # of hit_tokens, those loaded from the instance's host tier (cluster/sim/tier.py)
+    num_tier_tokens: int = 0  # of num_cached_tokens, the host tier's
+    tier_load_tokens: int = 0  # tier tokens whose load the next step that schedules it pays for
+    retain_s: float = 0.0  # the request's retention hint for its prompt's blocks in the host tier
     finish_reason: str | None = None
     error: str | None = None
     queued_ns: int = 0

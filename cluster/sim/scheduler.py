@@ -18,6 +18,7 @@ from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.request import Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_core import SchedulerCore
+from pdcluster.cluster.sim.tier import SimTier
 from pdcluster.cluster.sim.variation import StepVariation
 
 __all__ = ["KvHooks", "ScheduledChunk", "Scheduler", "SchedulerConfig", "StepCost"]
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 
 class Scheduler(SchedulerCore):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
-                 on_events=None, variation: StepVariation | None = None):
-        super().__init__(config, pool, cost, hooks, on_events, clock_ns=time.monotonic_ns, variation=variation)
+                 on_events=None, variation: StepVariation | None = None, tier: SimTier | None = None):
+        super().__init__(config, pool, cost, hooks, on_events, clock_ns=time.monotonic_ns, variation=variation,
+                         tier=tier)
         self.lag_resets = 0
         self._wake = asyncio.Event()
         self._stopped = False

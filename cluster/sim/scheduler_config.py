@@ -65,5 +65,6 @@ class KvHooks:
 class ScheduledChunk:
     req: SimRequest
     num_new_tokens: int
+    tier_tokens: int = 0  # tokens loaded from the host tier in this step, before it computes
 
 

@@ -46,6 +46,7 @@ from pdcluster.cluster.sim.request import SimRequest, Status
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_outputs import StepOutputs
 from pdcluster.cluster.sim.scheduler_steps import StepShapes
+from pdcluster.cluster.sim.tier import SimTier
 from pdcluster.cluster.sim.variation import StepVariation
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,15 @@ log = logging.getLogger(__name__)
 class SchedulerCore(StepShapes, StepOutputs):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None = None,
                  on_events=None, clock_ns: Callable[[], int] = time.monotonic_ns,
-                 variation: StepVariation | None = None):
+                 variation: StepVariation | None = None, tier: SimTier | None = None):
         """`clock_ns`: the time every timestamp is taken from (the real-time loop: the host's
         monotonic clock; the virtual clock: its own). `variation`: how step times vary around the
-        cost model's (cluster/sim/variation.py); None: not at all."""
+        cost model's (cluster/sim/variation.py); None: not at all. `tier`: the instance's host KV
+        tier (cluster/sim/tier.py); None: none."""
         assert pool.block_size == config.block_size, "pool and scheduler disagree on the block size"
         self.config = config
         self.pool = pool
+        self.tier = tier
         self.cost = cost
         self.variation = variation
         self.hooks = hooks or KvHooks()
@@ -197,8 +200,15 @@ class SchedulerCore(StepShapes, StepOutputs):
         blocks', worked out before): vLLM's chained hashes."""
         return hash_blocks(tokens, self.config.block_size, known)
 
-    def _publish_events(self) -> None:
+    def take_events(self) -> list:
+        """The KV cache events since the last take: the pool's, then its host tier's."""
         events = self.pool.take_events()
+        if self.tier is not None:
+            events += self.tier.take_events()
+        return events
+
+    def _publish_events(self) -> None:
+        events = self.take_events()
         if events and self.on_events is not None:
             self.on_events(events)
 
@@ -252,7 +262,8 @@ class SchedulerCore(StepShapes, StepOutputs):
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             self.running.append(req)
-            batch.append(ScheduledChunk(req, n))
+            batch.append(ScheduledChunk(req, n, req.tier_load_tokens))  # its tier hit loads in this step
+            req.tier_load_tokens = 0
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return batch
@@ -274,7 +285,8 @@ class SchedulerCore(StepShapes, StepOutputs):
         if len(req.block_hashes) < req.num_tokens // bs:  # preempted with output tokens since hashed
             req.block_hashes = self.hash_blocks(req.token_view(), req.block_hashes)
         hit = self.pool.find_hit(req.block_hashes, req.num_tokens - 1)
-        hit_tokens = len(hit) * bs
+        tier_blocks = self.tier.lookup(req.block_hashes, len(hit), req.num_tokens - 1) if self.tier else 0
+        hit_tokens = (len(hit) + tier_blocks) * bs
         loads = req.external_tokens > hit_tokens
         end = req.num_prompt_tokens if loads else hit_tokens + self._num_new_from(req, hit_tokens, budget)
         needed = -(-end // bs) - len(hit)
@@ -284,8 +296,11 @@ class SchedulerCore(StepShapes, StepOutputs):
         req.blocks = blocks
         req.num_cached_blocks = len(hit)
         req.hit_tokens = req.num_computed_tokens = hit_tokens
+        req.tier_tokens = req.tier_load_tokens = tier_blocks * bs
+        if tier_blocks:
+            self.tier.loaded(tier_blocks)
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit_tokens
+            req.num_cached_tokens, req.num_tier_tokens = hit_tokens, req.tier_tokens
         if not loads:
             req.external_tokens = 0
             self._cache_blocks(req, end)

@@ -3,8 +3,8 @@ each request's computed tokens counted, its next output ids drawn, its stop reas
 batched into deltas on `req.out`, and a finished request's blocks kept for D or freed.
 
 `StepOutputs` is `SchedulerCore`'s half that runs after a step; it reads the core's config,
-hooks, clock and queues (`self.config`, `self.hooks`, `self.now_ns`, `self.running`,
-`self.held`) and frees blocks through its `_free_blocks`.
+hooks, host tier, clock and queues (`self.config`, `self.hooks`, `self.tier`, `self.now_ns`,
+`self.running`, `self.held`) and frees blocks through its `_free_blocks`.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ class StepOutputs:
             self.hooks.cancel_load(req)
             self._flush(req, reason)
             return
+        if self.tier is not None:  # write-through: its computed prompt blocks, before they may be freed
+            bs = self.config.block_size
+            n = min(len(req.block_hashes), len(req.blocks), req.num_computed_tokens // bs, req.num_prompt_tokens // bs)
+            self.tier.finished(req.block_hashes, req.prompt_token_ids, n, self.now_ns() / 1e9, req.retain_s)
         keep = self.hooks.finished(req)
         if keep:
             req.held_for_transfer = True

@@ -3,8 +3,8 @@ its prompt chunks and decode-shaped requests, its time from the cost model, and 
 identical decode steps follow it (`repeatable_steps`, which the virtual clock runs as one).
 
 `StepShapes` is `SchedulerCore`'s half that reads a batch; it reads the core's config, cost
-model, variation and queues (`self.config`, `self.cost`, `self.variation`, `self.steps`,
-`self.running`, `self.waiting`, `self._aborts`).
+model, host tier, variation and queues (`self.config`, `self.cost`, `self.tier`, `self.variation`,
+`self.steps`, `self.running`, `self.waiting`, `self._aborts`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ class StepShapes:
         """The batch's duration, from the cost model."""
         chunks, contexts = self._shape(batch)
         if not contexts:
-            return self.cost.prefill_step_s(chunks)
-        if not chunks:
-            return self.cost.decode_step_s(contexts)
-        return self.cost.mixed_step_s(chunks, contexts)
+            step = self.cost.prefill_step_s(chunks)
+        elif not chunks:
+            step = self.cost.decode_step_s(contexts)
+        else:
+            step = self.cost.mixed_step_s(chunks, contexts)
+        loaded = sum(c.tier_tokens for c in batch)
+        return step + self.tier.load_s(loaded) if loaded else step  # a synchronous load, before the compute
 
     def decode_contexts(self, batch: list[ScheduledChunk]) -> list[int] | None:
         """The batch's context lengths if every chunk of it is decode-shaped; None if it

@@ -259,6 +259,9 @@ class SimParams(_Strict):
     variation: Variation = Variation()
     parallel: Parallel | None = None  # None: one device per instance
     link: LinkSpec
+    # Host memory <-> one device (PCIe, HCCS): what a host KV tier's loads take (cluster/sim/tier.py);
+    # None: the file prices no host tier.
+    host_link: LinkSpec | None = None
 
     @property
     def degrees(self) -> list[int]:

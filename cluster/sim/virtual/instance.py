@@ -28,6 +28,7 @@ from pdcluster.cluster.sim.kv_wire import BlockHash
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler_config import KvHooks, ScheduledChunk, SchedulerConfig, StepCost
 from pdcluster.cluster.sim.scheduler_core import SchedulerCore
+from pdcluster.cluster.sim.tier import SimTier
 from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.virtual.events import STEP, EventLoop
 from pdcluster.router.prefix_index import chain_hashes
@@ -37,8 +38,10 @@ class VirtualScheduler(SchedulerCore):
     """The scheduler core with the virtual clock's time and cheap output ids (module docstring)."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, cost: StepCost, hooks: KvHooks | None,
-                 on_events: Callable[[list], None] | None, loop: EventLoop, variation: StepVariation | None = None):
-        super().__init__(config, pool, cost, hooks, on_events, clock_ns=lambda: loop.now_ns, variation=variation)
+                 on_events: Callable[[list], None] | None, loop: EventLoop, variation: StepVariation | None = None,
+                 tier: SimTier | None = None):
+        super().__init__(config, pool, cost, hooks, on_events, clock_ns=lambda: loop.now_ns, variation=variation,
+                         tier=tier)
         self.ends_ns: tuple[int, ...] = ()  # the ends of the repeated steps being ended
 
     def step_ends_ns(self, steps: int) -> tuple[int, ...]:
@@ -118,7 +121,7 @@ class VirtualInstance:
         batch = core.begin_step()
         if not batch:
             return  # idle until touched
-        self._schedule_events = core.pool.take_events()
+        self._schedule_events = core.take_events()
         steps = core.repeatable_steps(batch) if self.repeat_steps else 1
         durations = core.step_times_s(batch, steps)
         t, ends = self.loop.now_ns, []

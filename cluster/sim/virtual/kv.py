@@ -38,6 +38,7 @@ class _Transfer:
     ready: list[tuple[int, int]] = field(default_factory=list)  # (ns, prompt tokens P has computed)
     d_start_ns: int | None = None
     d_hit_tokens: int = 0
+    d_tier_tokens: int = 0  # of d_hit_tokens, D's host tier's
     done: bool = False  # every block arrived (or the transfer failed)
     p_released: bool = False
     expired: bool = False  # P's lease ran out first
@@ -85,8 +86,8 @@ class VirtualKv:
         t.ready.append((self.loop.now_ns, min(end, t.num_tokens)))
         self._maybe_done(t)
 
-    def _d_started(self, t: _Transfer, hit_tokens: int) -> None:
-        t.d_start_ns, t.d_hit_tokens = self.loop.now_ns, hit_tokens
+    def _d_started(self, t: _Transfer, hit_tokens: int, tier_tokens: int) -> None:
+        t.d_start_ns, t.d_hit_tokens, t.d_tier_tokens = self.loop.now_ns, hit_tokens, tier_tokens
         if t.expired:
             self._fail(t, "KV pull from P failed: P's lease on the blocks ran out before D asked")
             return
@@ -100,8 +101,8 @@ class VirtualKv:
         end_ns = modelled_end_ns(t.d_start_ns, self._arrivals(t, loads), self.link)
         t.stats = TransferStats.planned(t.d_hit_tokens, t.num_tokens - t.d_hit_tokens, tuple(map(len, loads)),
                                         tuple(c.bytes_per_block for c in self.cost.components),
-                                        group_names=tuple(c.name for c in self.cost.components)
-                                        ).pulled(t.d_start_ns, end_ns)
+                                        group_names=tuple(c.name for c in self.cost.components),
+                                        d_tier_tokens=t.d_tier_tokens).pulled(t.d_start_ns, end_ns)
         # After whatever runs now (P's step is still ending: its request is held only after it).
         self.loop.at(self.loop.now_ns, lambda: self._p_release(t))
         d_name = self._d_of[t.d_request_id]
@@ -178,7 +179,7 @@ class _ConsumerHooks(KvHooks):
     def start_load(self, req: SimRequest) -> None:
         t = self.kv._by_d.get(req.request_id)
         assert t is not None, f"D loads {req.request_id}, which the router never announced (VirtualKv.expect)"
-        self.kv._d_started(t, req.hit_tokens)
+        self.kv._d_started(t, req.hit_tokens, req.tier_tokens)
 
     def cancel_load(self, req: SimRequest) -> None:
         raise AssertionError(f"{req.request_id} aborted while loading: the virtual clock has no aborts")

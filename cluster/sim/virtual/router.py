@@ -202,7 +202,7 @@ class VirtualRouter:
         sreq = flight.p_req
         engine = EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns)
         result = PrefillResult(flight.lc.rec.request_id, None, len(flight.prompt.tokens),
-                               max(0, sreq.num_cached_tokens), engine)
+                               max(0, sreq.num_cached_tokens), engine, p_tier_tokens=sreq.num_tier_tokens)
         self._do(flight, flight.lc.prefill_answered(flight.attempt, result, self.loop.now_ns))
 
     def _d_delta(self, flight: _Flight, delta: Delta) -> None:

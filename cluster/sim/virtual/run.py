@@ -30,6 +30,7 @@ from pdcluster.cluster.replay.run import BenchConfig, build_workload, expected_a
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.scheduler_config import SchedulerConfig
+from pdcluster.cluster.sim.tier import host_tier
 from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.virtual.agreement import served
 from pdcluster.cluster.sim.virtual.client import VirtualClient
@@ -137,14 +138,15 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
             long_prefill_token_threshold=int(eng.extra.get("long_prefill_token_threshold", 0)),
             delta_interval_s=math.inf,  # the first token and the finish; every token keeps its time
             recompute_on_load_failure=spec.transfer.on_failure == "recompute")
-        num_blocks = (spec.sim.kv_blocks or cost.kv_capacity_blocks()) + 1  # + vLLM's null block
+        num_blocks = (spec.sim.kv_blocks_of(role) or cost.kv_capacity_blocks()) + 1  # + vLLM's null block
         for i in range(getattr(spec, role).instances):
             name = f"{role}-{i}"
             hooks = kv.producer() if role == "prefill" else kv.consumer()
             pool = BlockPool(num_blocks, eng.block_size, int_hashes=False)  # its events: the router's hashes
             core = VirtualScheduler(config, pool, cost, hooks,
                                     lambda events, name=name: router_hooks[name](events), loop,
-                                    StepVariation(cost.params.variation, name))
+                                    StepVariation(cost.params.variation, name),
+                                    host_tier(eng.host_tier_gib, cost, int_hashes=False))
             inst = VirtualInstance(name, role, len(instances), loop, core, repeat_steps)
             instances[name] = inst
             out.append(inst)
