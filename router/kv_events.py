@@ -1,7 +1,8 @@
 """The KV-event feed: every instance's vLLM KV cache events, applied to its prefix index.
 
 What the engines publish, and how it decodes, is proto/kv_event_wire.py; how one
-instance's batches are put in order (gaps, replay, restarts), router/kv_event_order.py.
+instance's batches are put in order (gaps, replay, restarts), router/kv_event_order.py; what
+readers ask of the indexes (any thread), router/kv_event_reads.py.
 
 `KvEventFeed` runs one thread that owns every socket (one SUB and one replay
 DEALER per instance, plus a monitor of each SUB's connection). Contract:
@@ -35,13 +36,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdcluster.proto.kv_event_wire import KV_EVENTS_TOPIC
 from pdcluster.router.kv_event_order import REPLAY_TIMEOUT_S, InstanceFeed, OrderedBatches
-from pdcluster.router.prefix_index import InstanceIndex, RouterHash
+from pdcluster.router.kv_event_reads import FeedReads
 from pdcluster.transfer.auth import CurveKeys, zmq_secure_client
 
 log = logging.getLogger(__name__)
@@ -52,25 +52,7 @@ HANDSHAKE_FAILED = 0x800 | 0x2000 | 0x4000  # zmq.EVENT_HANDSHAKE_FAILED_NO_DETA
 
 # -- the feed ----------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class FeedStatus:
-    """One instance as the feed sees it (a snapshot)."""
-
-    instance: str
-    connected: bool  # connected, and the history its replay buffer held is applied
-    applied_seq: int | None  # the last batch applied; None: none since the last (re)connection
-    stale: bool
-    blocks: int  # engine blocks the index holds
-    removed_blocks: int  # blocks it held that the engine evicted, in all (this index's life)
-    batches: int  # batches applied, from the SUB socket or replay
-    replayed: int  # of those, batches that came by replay
-    lost: int  # times batches were lost for good (the index cleared and stale)
-    connections: int  # connections made (each one rebuilt the index from replay)
-    skipped_events: int  # events the index could not use, or of an unknown kind
-    errors: int  # batches that failed to decode or apply (counted in `lost` too)
-
-
-class KvEventFeed(OrderedBatches):
+class KvEventFeed(FeedReads, OrderedBatches):
     """Follows every instance's KV events into its prefix index; see the module docstring."""
 
     def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
@@ -139,97 +121,6 @@ class KvEventFeed(OrderedBatches):
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    # -- readers (any thread) --
-
-    @property
-    def instances(self) -> list[str]:
-        return list(self._inst)
-
-    def _get(self, instance: str) -> InstanceFeed:
-        try:
-            return self._inst[instance]
-        except KeyError:
-            raise KeyError(f"no KV-event feed for instance {instance!r}; feeds: {sorted(self._inst)}") from None
-
-    def matched_blocks(self, instance: str, hashes: Sequence[RouterHash]) -> int:
-        """How many leading blocks of a prompt (its chain_hashes) `instance` holds, as far as
-        its events say (0 for what the feed does not know)."""
-        st = self._get(instance)
-        with self._lock:
-            return st.index.matched_blocks(hashes)
-
-    def tier_matched_blocks(self, instance: str, hashes: Sequence[RouterHash], start: int) -> int:
-        st = self._get(instance)
-        with self._lock:
-            return st.index.tier_matched_blocks(hashes, start)
-
-    def matched_tokens(self, instance: str, hashes: Sequence[RouterHash]) -> int:
-        return self.matched_blocks(instance, hashes) * self.block_size
-
-    def tier_blocks(self, instance: str) -> tuple[int, int]:
-        """`instance`'s host KV tier as its events say: (blocks held, blocks evicted)."""
-        st = self._get(instance)
-        with self._lock:
-            host = st.index.host
-            return (len(host), host.removed_blocks) if host is not None else (0, 0)
-
-    def held_blocks(self, instance: str) -> int:
-        """How many blocks `instance`'s prefix cache holds, as far as its events say."""
-        st = self._get(instance)
-        with self._lock:
-            return len(st.index)
-
-    def holds(self, instance: str, block: RouterHash) -> bool:
-        st = self._get(instance)
-        with self._lock:
-            return st.index.holds(block)
-
-    def stale(self, instance: str) -> bool:
-        st = self._get(instance)
-        with self._lock:
-            return st.index.stale
-
-    def clears(self, instance: str) -> int:
-        """How many times the instance's index was emptied (router/prefix_index.py `clears`)."""
-        st = self._get(instance)
-        with self._lock:
-            return st.index.clears
-
-    def applied_seq(self, instance: str) -> int | None:
-        st = self._get(instance)
-        with self._lock:
-            return None if st.index.next_seq in (None, 0) else st.index.next_seq - 1
-
-    def status(self, instance: str) -> FeedStatus:
-        self._get(instance)
-        with self._lock:
-            return self._status(instance)
-
-    def _status(self, instance: str) -> FeedStatus:  # under the lock
-        st = self._inst[instance]
-        idx = st.index
-        return FeedStatus(st.name, st.connected, None if idx.next_seq in (None, 0) else idx.next_seq - 1,
-                          idx.stale, len(idx), idx.removed_blocks, st.batches, st.replayed, st.lost, st.connections,
-                          idx.skipped_events + st.unknown, st.errors)
-
-    def index(self, instance: str) -> InstanceIndex:
-        """The instance's index itself: read it under `locked()` while the feed runs."""
-        return self._get(instance).index
-
-    def locked(self) -> threading.Lock:
-        return self._lock
-
-    def wait_for(self, instance: str, predicate: Callable[[FeedStatus], bool], timeout: float = 10.0) -> FeedStatus:
-        """Blocks until `predicate(status(instance))` holds (checked after every change); returns
-        that status. Raises TimeoutError with the last status otherwise."""
-        self._get(instance)
-        with self._changed:
-            ok = self._changed.wait_for(lambda: predicate(self._status(instance)), timeout)
-            last = self._status(instance)
-        if not ok:
-            raise TimeoutError(f"{instance}: condition not reached within {timeout} s; last {last}")
-        return last
 
     def catch_up(self, timeout: float = 10.0) -> None:
         """Returns once every batch each instance had published at the call is applied."""
