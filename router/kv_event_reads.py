@@ -98,6 +98,16 @@ class FeedReads:
         with self._lock:
             return st.index.clears
 
+    def removals(self, instance: str) -> int:
+        st = self._get(instance)
+        with self._lock:
+            return st.index.removed_blocks
+
+    def removed_since(self, instance: str, block: RouterHash, removals: int) -> bool:
+        st = self._get(instance)
+        with self._lock:
+            return st.index.removed_since(block, removals)
+
     def applied_seq(self, instance: str) -> int | None:
         st = self._get(instance)
         with self._lock:

@@ -20,6 +20,8 @@ Contract, per instance (a P or a D):
   leave it). From then on, `settle(instance, now, clears, holds)` drops the promise:
   - confirmed, as soon as the instance's index holds its last block (a chain's last
     block covers all before it);
+  - evicted, once the index saw its last block removed after it finished (`evicted`): stored
+    and evicted again between two lookups, under memory pressure;
   - void, once the instance's cache was emptied since (a reset, a restart: the
     index's `clears` count moved on), its blocks gone with the rest;
   - expired, `grace_s` after, if the events never confirmed it.
@@ -46,6 +48,7 @@ class _Promise:
     hashes: tuple[RouterHash, ...]
     done_at: float | None = None  # when its request ended well; None: still running
     clears: int = 0  # the instance's clears count when it finished
+    removals: int = 0  # the instance's removed-blocks count when it finished
 
 
 @dataclass
@@ -57,6 +60,7 @@ class PendingCounts:
     withdrawn: int = 0  # promises withdrawn (failure or abort), in all
     expired: int = 0  # promises dropped unconfirmed after their request ended well (or voided by a clear)
     confirmed: int = 0  # promises the instance's events confirmed, in all
+    evicted: int = 0  # promises whose blocks the events showed stored and evicted again, in all
 
 
 @dataclass
@@ -68,6 +72,7 @@ class _InstancePending:
     withdrawn: int = 0
     expired: int = 0
     confirmed: int = 0
+    evicted: int = 0
 
     def add(self, key: Hashable, hashes: Sequence[RouterHash]) -> None:
         assert key not in self._promises, f"request {key!r} promised twice on one instance: reuse of a route key"
@@ -110,21 +115,26 @@ class PendingBlocks:
         if promise is not None and promise.done_at is None and st.drop(key):
             st.withdrawn += 1
 
-    def finished(self, instance: str, key: Hashable, now: float, clears: int = 0) -> None:
+    def finished(self, instance: str, key: Hashable, now: float, clears: int = 0, removals: int = 0) -> None:
+        """`clears`, `removals`: the instance's index's counts of both now."""
         promise = self._of(instance)._promises.get(key)
         if promise is not None and promise.done_at is None:
-            promise.done_at, promise.clears = now, clears
+            promise.done_at, promise.clears, promise.removals = now, clears, removals
 
-    def settle(self, instance: str, now: float, clears: int = 0,
-               holds: Callable[[RouterHash], bool] | None = None) -> None:
-        """Drop the instance's finished promises that are confirmed, void or past the grace.
-        `clears`: its index's clears count now; `holds`: whether its index holds a block."""
+    def settle(self, instance: str, now: float, clears: int = 0, holds: Callable[[RouterHash], bool] | None = None,
+               evicted: Callable[[RouterHash, int], bool] | None = None) -> None:
+        """Drop the instance's finished promises that are confirmed, evicted, void or past the
+        grace. `clears`: its index's clears count now; `holds`: whether its index holds a block;
+        `evicted(block, removals)`: whether its index saw the block removed since its removed-blocks
+        count was `removals`."""
         st = self._of(instance)
         for key, p in list(st._promises.items()):
             if p.done_at is None:
                 continue
             if holds is not None and holds(p.hashes[-1]):
                 st.confirmed += 1
+            elif evicted is not None and evicted(p.hashes[-1], p.removals):
+                st.evicted += 1
             elif p.clears < clears or now - p.done_at >= self.grace_s:
                 st.expired += 1
             else:
@@ -137,7 +147,7 @@ class PendingBlocks:
 
     def counts(self, instance: str) -> PendingCounts:
         st = self._of(instance)
-        return PendingCounts(len(st._promises), len(st._count), st.withdrawn, st.expired, st.confirmed)
+        return PendingCounts(len(st._promises), len(st._count), st.withdrawn, st.expired, st.confirmed, st.evicted)
 
     def check_integrity(self) -> None:
         """The invariant of every instance's counts (tests call it)."""

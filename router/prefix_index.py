@@ -104,6 +104,9 @@ def extend_chain_bytes(known: Sequence[RouterHash], data: bytes, block_size: int
 
 
 
+REMOVED_KEPT = 1 << 16  # removals an index remembers (InstanceIndex._removed_at): ~8 MB at most
+
+
 @dataclass
 class InstanceIndex:
     block_size: int
@@ -124,6 +127,10 @@ class InstanceIndex:
     # until the first such event. Its parents may be device blocks: a tier's run may start past
     # the device's hit.
     host: InstanceIndex | None = field(default=None, repr=False)
+    # Blocks removed lately: router hash -> `removed_blocks` when it last went, the oldest dropped
+    # past REMOVED_KEPT. A promise of blocks whose request ended asks whether its block came and
+    # went since (router/pending_blocks.py): stored and evicted between two lookups.
+    _removed_at: dict[RouterHash, int] = field(default_factory=dict, repr=False)
 
     def _index_of(self, medium: str | None) -> InstanceIndex | None:
         if medium in PRIMARY_MEDIA:
@@ -210,10 +217,18 @@ class InstanceIndex:
         if router_hash is None:
             return
         self.removed_blocks += 1
+        self._removed_at.pop(router_hash, None)  # (to the end: the latest removal)
+        self._removed_at[router_hash] = self.removed_blocks
+        if len(self._removed_at) > REMOVED_KEPT:
+            del self._removed_at[next(iter(self._removed_at))]
         count = self._count[group]
         count[router_hash] -= 1
         if not count[router_hash]:
             count.pop(router_hash)  # (not del: a Counter's __delitem__ is Python)
+
+    def removed_since(self, block: RouterHash, mark: int) -> bool:
+        """Whether a block with this router hash was removed after `removed_blocks` was `mark`."""
+        return self._removed_at.get(block, -1) > mark
 
     def clear(self) -> None:
         self._held.clear()

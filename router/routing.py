@@ -59,6 +59,12 @@ class PrefixLookup(Protocol):
     def holds(self, instance: str, block: RouterHash) -> bool:
         """Whether `instance` holds this block (wherever it sits in a prompt's chain)."""
 
+    def removals(self, instance: str) -> int:
+        """How many blocks `instance` evicted, as its events said, so far."""
+
+    def removed_since(self, instance: str, block: RouterHash, removals: int) -> bool:
+        """Whether `instance` evicted this block after its `removals` count was that."""
+
     def stale(self, instance: str) -> bool:
         """Whether `instance`'s index lost events: it may miss blocks the instance holds."""
 
@@ -252,7 +258,8 @@ class InstancePicker(Generic[I]):
             confirmed = self.lookup.matched_blocks(i.name, hashes)
             extra = 0
             if pending is not None:
-                pending.settle(i.name, now, self.lookup.clears(i.name), lambda h, name=i.name: self.lookup.holds(name, h))
+                pending.settle(i.name, now, self.lookup.clears(i.name), lambda h, name=i.name: self.lookup.holds(name, h),
+                               lambda h, mark, name=i.name: self.lookup.removed_since(name, h, mark))
                 extra = pending.pending_blocks(i.name, hashes, confirmed)
             # Then what its host tier holds past that: loaded, not computed (priced by the cost's tier term).
             tier = self.lookup.tier_matched_blocks(i.name, hashes, confirmed + extra)
@@ -305,7 +312,8 @@ class InstancePicker(Generic[I]):
 
     def _finished(self, instance: str, route: Route[I]) -> None:
         if self.pending is not None:
-            self.pending.finished(instance, route.key, self._clock(), self.lookup.clears(instance))
+            self.pending.finished(instance, route.key, self._clock(), self.lookup.clears(instance),
+                                  self.lookup.removals(instance))
 
     @contextlib.contextmanager
     def _counted(self, name: str, tokens: int, seconds: float = 0.0) -> Iterator[None]:

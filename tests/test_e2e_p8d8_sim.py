@@ -1,9 +1,12 @@
-"""End to end on deploy/p8d8-sim.yaml: 8 simulated P and 8 D (DeepSeek-V4-Flash on 910C),
-a short C90-shaped load through the router with prefix_aware routing.
+"""End to end on deploy/p8d8-sim-tiered.yaml (deploy/p8d8-sim.yaml with small device caches and a
+host KV tier on every instance): 8 simulated P and 8 D (DeepSeek-V4-Flash on 910C), a short
+C90-shaped load through the router with prefix_aware routing.
 
-Every request succeeds with the hits the workload expects, no instance holds a block
-afterwards (and each pool's invariants hold), and every request's timeline is complete:
-each event on both causal chains, in order.
+Its prompts are a quarter of C90's, and so are the device caches: P's holds one prompt, D's three,
+so that 16 families revisited come back from the tiers. Every request succeeds with the hits the
+workload expects (the structural maximum), the router predicted each side's hit and its tier's part,
+no instance holds a block afterwards (and each pool's invariants hold), and every request's
+timeline is complete: each event on both causal chains, in order.
 """
 
 from __future__ import annotations
@@ -16,18 +19,21 @@ from e2e import assert_no_kv_in_use, free_port, free_port_run, running_cluster
 
 from pdcluster.cluster.replay.run import BenchConfig, run_bench
 from pdcluster.proto.spec import load_spec
+from pdcluster.proto.spec_sections import RoleKvBlocks
 from pdcluster.router.timeline import CAUSAL_CHAINS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PROMPT, SHARED = 32 * 1024 + 4, 29 * 1024  # C90's 90% block-aligned hit, at a quarter of its length
+FAMILIES = 24
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    spec = load_spec(DEPLOY / "p8d8-sim.yaml")
+    spec = load_spec(DEPLOY / "p8d8-sim-tiered.yaml")
     spec = spec.model_copy(update={
         "name": "e2e-p8d8-sim",
+        "sim": spec.sim.model_copy(update={"kv_blocks": RoleKvBlocks(prefill=600, decode=4096)}),
         "transfer": spec.transfer.model_copy(update={"base_port": free_port_run(8)}),
         "router": spec.router.model_copy(update={"port": free_port(), "kv_events_port": free_port_run(32),
                                                  "runs_dir": str(tmp_path_factory.mktemp("runs"))})})
@@ -38,14 +44,14 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench(cluster, tmp_path_factory):
     cfg = BenchConfig(base_url=cluster.url, input_len=PROMPT, shared_prefix_ratio=SHARED / PROMPT, output_len=64,
-                      num_prefixes=8, num_requests=48, max_concurrency=24, request_rate=6.0, progress=False,
+                      num_prefixes=FAMILIES, num_requests=48, max_concurrency=24, request_rate=6.0, progress=False,
                       out=str(tmp_path_factory.mktemp("bench") / "run"))
     return run_bench(cfg, log=lambda m: None)
 
 
 def test_every_request_succeeds_with_the_expected_hit(bench):
     assert all(r.ok for r in bench.results), [r.error for r in bench.results if not r.ok][:5]
-    assert len(bench.results) == 8 + 8 + 48 and all(r.output_tokens == 64 for r in bench.results)
+    assert len(bench.results) == 2 * FAMILIES + 48 and all(r.output_tokens == 64 for r in bench.results)
     assert bench.hit_mismatches == []
 
 
@@ -55,6 +61,16 @@ def test_prefix_aware_routing_predicted_every_hit(bench):
     assert [rec.predicted_p_hit_tokens for rec in records] == [rec.p_cached_tokens for rec in records]
     # All 8 P instances served the load.
     assert len({rec.prefill_instance for rec in records}) == 8
+
+
+def test_the_tiers_served_hits_and_the_router_predicted_them(bench):
+    formal = [bench.timelines[r.request_id] for r in bench.results if r.phase == "formal"]
+    # P's device holds one prompt of its two families: the other comes back from its tier. (Each D
+    # keeps the families it serves on its device: routing picks D by its hit too.)
+    assert sum(rec.p_tier_tokens for rec in formal) > 0
+    for side in ("p", "d"):
+        same = [getattr(rec, f"predicted_{side}_tier_tokens") == getattr(rec, f"{side}_tier_tokens") for rec in formal]
+        assert sum(same) >= 0.95 * len(formal), (side, sum(same), len(formal))
 
 
 def test_every_timeline_is_complete(bench):

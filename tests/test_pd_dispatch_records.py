@@ -140,6 +140,12 @@ class NothingHeld:
     def holds(self, instance, block):
         return False
 
+    def removals(self, instance):
+        return 0
+
+    def removed_since(self, instance, block, removals):
+        return False
+
     def stale(self, instance):
         return False
 

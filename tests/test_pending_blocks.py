@@ -120,6 +120,27 @@ def test_the_events_confirm_a_finished_promise_and_from_then_on_evictions_count(
     assert pending.pending_blocks("p", h) == 4
     held.update(h)  # the BlockStored events arrive
     pending.settle("p", now=1.0, holds=held.__contains__)
-    assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=0, confirmed=1)
+    assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=0, confirmed=1, evicted=0)
     held.clear()  # then evicted: nothing pending claims them any more
     assert pending.pending_blocks("p", h) == 0
+
+
+def test_a_finished_promise_whose_blocks_came_and_went_between_two_lookups_is_dropped():
+    """Under memory pressure the events may store a request's blocks and evict them again before
+    the router looks: the promise is over then, not pending until its grace runs out."""
+    pending = PendingBlocks(grace_s=60.0)
+    h = hashes(family(1))
+    removed_at: dict[bytes, int] = {h[0]: 1}  # an earlier copy of its first block went at removal 1
+
+    def evicted(block: bytes, mark: int) -> bool:
+        return removed_at.get(block, -1) > mark
+
+    pending.add("p", "r1", h)
+    pending.finished("p", "r1", now=1.0, removals=1)
+    pending.settle("p", now=1.0, holds=lambda b: False, evicted=evicted)  # nothing removed since: stands
+    assert pending.pending_blocks("p", h) == 4
+    removed_at[h[-1]] = 2  # its last block stored, then evicted (removal 2)
+    pending.settle("p", now=1.0, holds=lambda b: False, evicted=evicted)
+    assert pending.pending_blocks("p", h) == 0
+    assert pending.counts("p") == PendingCounts(requests=0, blocks=0, withdrawn=0, expired=0, confirmed=0, evicted=1)
+    pending.check_integrity()

@@ -47,6 +47,17 @@ def test_removed_block_breaks_the_prefix_there():
     assert (len(idx), idx.removed_blocks) == (2, 1)
 
 
+def test_the_index_remembers_when_each_block_went():
+    idx = InstanceIndex(BS)
+    hashes = chain_hashes(PROMPT, BS)
+    idx.apply(0, [stored([11, 12, 13], None, PROMPT[:12])])
+    mark = idx.removed_blocks
+    assert not idx.removed_since(hashes[2], mark)
+    idx.apply(1, [BlockRemoved((13,))])
+    assert idx.removed_since(hashes[2], mark) and not idx.removed_since(hashes[2], idx.removed_blocks)
+    assert not idx.removed_since(hashes[1], mark)  # still held
+
+
 def test_unknown_parent_is_not_guessed():
     idx = InstanceIndex(BS)
     idx.apply(0, [stored([13], 99, PROMPT[8:12])])

@@ -26,6 +26,13 @@ class HeldBlocks:
         self.tier: dict[str, set[bytes]] = {}  # what each instance's host tier holds
         self.emptied: dict[str, int] = {}
         self.stale_instances: set[str] = set()
+        self.removed: dict[str, dict[bytes, int]] = {}  # instance -> block -> its removal's number
+
+    def evict(self, instance: str, tokens: Sequence[int]) -> None:
+        removed = self.removed.setdefault(instance, {})
+        for h in chain_hashes(tokens, BS):
+            self.held.get(instance, set()).discard(h)
+            removed[h] = len(removed) + 1
 
     def store(self, instance: str, tokens: Sequence[int], where: str = "device") -> None:
         (self.held if where == "device" else self.tier).setdefault(instance, set()).update(chain_hashes(tokens, BS))
@@ -49,6 +56,12 @@ class HeldBlocks:
 
     def holds(self, instance: str, block: bytes) -> bool:
         return block in self.held.get(instance, set())
+
+    def removals(self, instance: str) -> int:
+        return len(self.removed.get(instance, {}))
+
+    def removed_since(self, instance: str, block: bytes, removals: int) -> bool:
+        return self.removed.get(instance, {}).get(block, -1) > removals
 
     def stale(self, instance: str) -> bool:
         return instance in self.stale_instances
@@ -291,6 +304,19 @@ def test_a_failed_requests_promise_is_withdrawn_and_a_finished_one_expires_into_
         ok.prefill.name, 12, 0)
     pk.pending.check_integrity()
     assert pk.pending.counts(ok.prefill.name).requests == 0
+
+
+def test_a_finished_prefill_whose_blocks_p_evicted_before_the_next_lookup_is_no_longer_promised():
+    held = HeldBlocks()
+    pk = pending_picker(held)
+    done = pk.pick(family(7, n=40), 4)
+    with pk.prefilling(done, 40):
+        pass
+    held.store(done.prefill.name, family(7, n=40))  # its events: stored...
+    held.evict(done.prefill.name, family(7, n=40))  # ...and evicted, both before the next lookup
+    again = probe(pk, family(7, n=40, suffix=1))
+    assert (again.predicted_p_hit_tokens, again.predicted_p_pending_tokens) == (0, 0)
+    assert pk.pending.counts(done.prefill.name).evicted == 1
 
 
 def test_a_cache_reset_voids_the_promises_of_finished_requests_but_not_of_running_ones():

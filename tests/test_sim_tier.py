@@ -137,3 +137,23 @@ def test_a_reset_empties_the_tier_and_a_file_without_a_host_link_is_refused():
     no_link = SimParams.load("cluster/sim/params/qwen3-0.6b-h200.yaml")
     with pytest.raises(SimParamsError, match="qwen3-0.6b-h200: no host_link"):
         host_tier(1, CostModel(no_link, BS), False)
+
+
+class Written(KvHooks):
+    """P's hooks: the prompt ranges each step wrote."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+
+    def computed(self, req, start, end):
+        self.ranges.append((start, end))
+
+
+def test_the_step_that_loads_a_tier_run_reports_those_blocks_written_so_p_serves_them_to_d():
+    hooks = Written()
+    c, clock, _ = core(blocks=9, tier_blocks=64, hooks=hooks)
+    run(c, clock, family(0))
+    run(c, clock, family(1))
+    hooks.ranges.clear()
+    run(c, clock, family(0))
+    assert hooks.ranges == [(0, 8 * BS + 3)]  # the 8 loaded blocks and the 3 computed tokens

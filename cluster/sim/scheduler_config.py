@@ -37,7 +37,8 @@ class KvHooks:
     """The KV side of each step (engine.py implements it for P and D); these defaults move nothing."""
 
     def computed(self, req: SimRequest, start: int, end: int) -> None:
-        """A step computed prompt tokens [start, end) of `req` into `req.blocks`."""
+        """A step computed prompt tokens [start, end) of `req` into `req.blocks` (those it loaded
+        from the host tier included)."""
 
     def step_done(self) -> None:
         """After the step's `computed` calls."""

@@ -28,7 +28,9 @@ class StepOutputs:
             req.num_computed_tokens += chunk.num_new_tokens + steps - 1
             if start < req.num_prompt_tokens:
                 assert steps == 1, f"{req.request_id}: prompt tokens in a repeated step (repeatable_steps is off)"
-                self.hooks.computed(req, start, min(req.num_computed_tokens, req.num_prompt_tokens))
+                # The blocks the step loaded from the host tier are written by it too (P's source
+                # serves them to D as any other it holds).
+                self.hooks.computed(req, start - chunk.tier_tokens, min(req.num_computed_tokens, req.num_prompt_tokens))
                 prompt_steps = True
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk short of the end: nothing sampled yet

@@ -75,6 +75,12 @@ class _IndexLookup:
     def holds(self, instance: str, block: RouterHash) -> bool:
         return self.indexes[instance].holds(block)
 
+    def removals(self, instance: str) -> int:
+        return self.indexes[instance].removed_blocks
+
+    def removed_since(self, instance: str, block: RouterHash, removals: int) -> bool:
+        return self.indexes[instance].removed_since(block, removals)
+
     def stale(self, instance: str) -> bool:
         return self.indexes[instance].stale
 
