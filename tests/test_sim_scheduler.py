@@ -191,6 +191,30 @@ def test_failed_load_errors_or_recomputes_and_frees_its_blocks(recompute):
     sched.pool.check_integrity()
 
 
+class FailAtOnce(KvHooks):
+    """D's hooks: the load fails as it starts (P's lease ran out before D asked)."""
+
+    def __init__(self):
+        self.scheduler = None
+
+    def start_load(self, req):
+        self.scheduler.load_ended(req.request_id, "P's lease ran out")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_load_that_fails_as_it_starts_errors_or_recomputes(recompute):
+    hooks = FailAtOnce()
+    sched, cost = make(hooks=hooks, recompute_on_load_failure=recompute)
+    hooks.scheduler = sched
+    d = request("d", 40, max_tokens=2, external_tokens=40)
+    other = request("o", 8, max_tokens=2, first=500)
+    out = asyncio.run(serve(sched, [d, other]))
+    assert out["d"][-1].finish_reason == ("length" if recompute else "error") and d.error == "P's lease ran out"
+    assert out["o"][-1].finish_reason == "length"
+    assert sched.pool.num_held == 0 and not sched.requests and not sched.waiting
+    sched.pool.check_integrity()
+
+
 def test_abort_while_loading_keeps_the_blocks_until_the_load_ends():
     hooks = LoadLater()
     sched, _ = make(hooks=hooks)

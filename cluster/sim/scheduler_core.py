@@ -152,7 +152,8 @@ class SchedulerCore(StepShapes, StepOutputs):
         req.external_tokens = 0
         req.status = Status.WAITING
         if error is not None and not self.config.recompute_on_load_failure:
-            self.waiting.remove(req)
+            if req in self.waiting:  # (not while it is being admitted: its load failed as it started)
+                self.waiting.remove(req)
             self._finish(req, "error")
         self.wake()
 
@@ -249,6 +250,8 @@ class SchedulerCore(StepShapes, StepOutputs):
                     break  # head of line waits for blocks, as in vLLM
                 if req.status is Status.LOADING:
                     skipped.append(req)
+                    continue
+                if req.status is Status.FINISHED:  # its load failed as it started, and it ended
                     continue
                 n = self._num_new(req, budget)
             else:
