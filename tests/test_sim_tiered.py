@@ -18,9 +18,10 @@ LOAD = BenchConfig.from_preset("c90", num_prefixes=64, num_requests=96)
 
 
 def without_tier(spec):
-    engine = spec.engine.model_copy(update={"host_tier_gib": None})
-    return spec.model_copy(update={"engine": engine, "prefill": spec.prefill.model_copy(update={"engine": engine}),
-                                   "decode": spec.decode.model_copy(update={"engine": engine})})
+    off = {"host_tier_gib": None}  # (a role's unset field inherits the engine's)
+    return spec.model_copy(update={"engine": spec.engine.model_copy(update=off), **{
+        role: getattr(spec, role).model_copy(update={"engine": getattr(spec, role).engine.model_copy(update=off)})
+        for role in ("prefill", "decode")}})
 
 
 @pytest.fixture(scope="module")
