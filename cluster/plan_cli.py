@@ -85,7 +85,8 @@ def _cmd_plan(a: argparse.Namespace) -> None:
     grid = {k: v for k, v in {"splits": _list(a.splits, int, "--splits"), "budgets": _list(a.budgets, int, "--budgets"),
                               "max_seqs": _list(a.max_seqs, int, "--max-seqs"), "policies": policies,
                               "caps": _list(a.caps, int, "--caps"),
-                              "local_prefill": _list(a.local_prefill, int, "--local-prefill")}.items() if v}
+                              "local_prefill": _list(a.local_prefill, int, "--local-prefill"),
+                              "tier_gib": _list(a.tier_gib, float, "--tier-gib")}.items() if v}
     workload = a.preset or (Path(a.trace).name if a.trace else "synthetic")
     bar = None
     try:
@@ -216,6 +217,10 @@ def write_target_spec(target: Path, config, path: Path, result) -> None:
     router["policy"] = config.policy
     if config.max_in_flight is not None:
         router.setdefault("admission", {})["max_in_flight"] = config.max_in_flight
+    if config.host_tier_gib is not None:  # the host tier as swept (0: none)
+        data["engine"]["host_tier_gib"] = config.host_tier_gib
+        for role in ("prefill", "decode"):
+            (data[role].get("engine") or {}).pop("host_tier_gib", None)
     if config.local_prefill is not None:  # conditional disaggregation as swept (0: never)
         local = router.setdefault("local_prefill", {})
         local["policy"] = "short_remainder" if config.local_prefill else "never"
@@ -287,6 +292,8 @@ def add_plan_command(subparsers) -> None:
     g.add_argument("--caps", help="router admission caps (requests in flight)")
     g.add_argument("--local-prefill", help="D prefills remainders of at most this many tokens itself "
                                            "(router.local_prefill short_remainder; 0: never), e.g. 0,2048,8192")
+    g.add_argument("--tier-gib", help="host KV tier sizes per instance to try, GiB (0: none), e.g. 0,16,64: on the "
+                                      "best configuration (crossed with the other lists if any are given)")
     p.add_argument("--out", help="output directory (default .pdcluster/plan/<workload>-<N>dev-<time>)")
     p.add_argument("--target", help="a spec for real engines (e.g. deploy/p8d8-npu.yaml): plan on its simulated twin "
                                     "instead of --spec, and --write-spec writes it with the chosen split and settings")

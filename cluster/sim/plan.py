@@ -12,7 +12,9 @@ built and its prompts hashed once for all of them). What is swept:
   (max_num_batched_tokens), the running requests per instance (max_num_seqs), the router's
   policy, a concurrency cap at the router (router.admission.max_in_flight: past it a
   request is refused with a 429, which counts against goodput), and conditional
-  disaggregation (router.local_prefill: D prefills short remainders itself).
+  disaggregation (router.local_prefill: D prefills short remainders itself);
+- with `tier_gib` sizes (`--tier-gib`), each instance's host KV tier: on the best configuration
+  of the staged sweep, or crossed with the grid's values (plan_report says what each size buys).
 By default the settings are varied one at a time (each at half and twice the spec's value, each
 other policy, caps at half and three quarters of the load's concurrency, D prefilling remainders
 of at most 2,048 or 8,192 tokens) on the best split of all degrees, so a 16-device C90 plan is 20 runs; `--splits`, `--budgets` etc. name values to cross instead.
@@ -53,12 +55,14 @@ def configure(base: ClusterSpec, c: Config) -> ClusterSpec:
     """The base spec with a configuration's split and settings. Devices per instance: the simulated
     engine's `sim.devices_per_instance`; for real engines vLLM's tensor_parallel_size and as many
     GPUs or NPUs per instance (left as they are at one device)."""
-    engine = base.engine.model_copy(update={"max_num_batched_tokens": c.max_num_batched_tokens,
-                                            "max_num_seqs": c.max_num_seqs})
+    settings = {"max_num_batched_tokens": c.max_num_batched_tokens, "max_num_seqs": c.max_num_seqs}
+    if c.host_tier_gib is not None:
+        settings["host_tier_gib"] = c.host_tier_gib or None
+    engine = base.engine.model_copy(update=settings)
     roles = {}
     for role, n in (("prefill", c.prefill), ("decode", c.decode)):
         r = getattr(base, role)
-        own = r.engine.model_copy(update={"max_num_batched_tokens": None, "max_num_seqs": None})
+        own = r.engine.model_copy(update=dict.fromkeys(settings))  # (unset: the engine's, as configured)
         resources = {"cpu_bind": None}
         if c.devices_per_instance > 1:
             own = own.model_copy(update={"extra": {**own.extra, "tensor_parallel_size": c.devices_per_instance}})
@@ -153,7 +157,8 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
          grid: dict[str, list] | None = None, on_run: Callable[[int, int, Outcome], None] | None = None, *,
          base_spec: str = "<spec>", note: str | None = None, degrees: Sequence[int] = (1,)) -> Plan:
     """Sweep and rank. `grid`: explicit values ("splits" as P counts, "budgets", "max_seqs", "policies",
-    "caps") crossed with each other; None: the default staged sweep (module docstring). `base_spec`:
+    "caps", "tier_gib") crossed with each other; None, or only "tier_gib": the default staged sweep
+    (module docstring), then each host tier size on its best configuration. `base_spec`:
     where `base` came from, for the provenance. `degrees`: devices per instance to try, each one
     the parameter file prices (its `parallel` section) and `devices` divides into two instances or more."""
     if devices < 2:
@@ -175,6 +180,10 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
                   provenance=Provenance.of(sim_base.sim.params, base_spec, describe_load(workload, cfg), note),
                   sim_base=sim_base, cfg=cfg, vocab=cfg.vocab_size or vocab)
     done: dict[Config, Outcome] = {}
+    grid = dict(grid or {})
+    tiers = grid.pop("tier_gib", None)
+    if tiers and any(g < 0 for g in tiers):
+        raise ValueError(f"--tier-gib {','.join(map(str, tiers))}: sizes in GiB, 0 (no tier) or more")
 
     def run_all(configs: list[Config], total: int) -> None:
         for c in configs:
@@ -197,11 +206,12 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
                 if not 0 <= p < n:
                     raise ValueError(f"--splits: P{p} leaves no D of {n} instances of {t} device{'s' * (t > 1)} "
                                      f"(P0: no disaggregation)")
-            configs += [Config(p, n - p, budget, seqs, policy, cap, local, t)
-                        for p, budget, seqs, policy, cap, local in
+            configs += [Config(p, n - p, budget, seqs, policy, cap, local, t, tier)
+                        for p, budget, seqs, policy, cap, local, tier in
                         itertools.product(splits, grid.get("budgets") or [b.max_num_batched_tokens],
                                           grid.get("max_seqs") or [b.max_num_seqs], grid.get("policies") or [b.policy],
-                                          grid.get("caps") or [None], grid.get("local_prefill") or [None])]
+                                          grid.get("caps") or [None], grid.get("local_prefill") or [None],
+                                          tiers or [None])]
         run_all(configs, len(configs))
     else:
         # Per degree: P0 first (the baseline with no disaggregation, on the same devices), every other
@@ -212,7 +222,7 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
             coarse = list(range(1, n, 2)) if n > 4 else list(range(1, n))
             firsts[t] = [base_config(sim_base, n, p, t) for p in [0, *coarse]]
         total = (sum(len(f) + (2 if devices // t > 4 else 0) for t, f in firsts.items())
-                 + len(variations(firsts[degrees[0]][1], cfg.max_concurrency)))
+                 + len(variations(firsts[degrees[0]][1], cfg.max_concurrency)) + len(tiers or ()))
         for t, splits in firsts.items():
             run_all(splits, total)
             n = devices // t
@@ -220,5 +230,8 @@ def plan(base: ClusterSpec, params: str | None, devices: int, cfg: BenchConfig, 
             run_all([base_config(sim_base, n, p, t) for p in (best - 1, best + 1) if 0 <= p < n], total)
         best_config = rank(list(done.values()))[0].config
         run_all(variations(best_config, cfg.max_concurrency), total)
+        if tiers:  # what a host tier buys the best configuration, at each size
+            best_config = rank(list(done.values()))[0].config
+            run_all([dataclasses.replace(best_config, host_tier_gib=g) for g in tiers], total)
     result.outcomes = rank(list(done.values()))
     return result

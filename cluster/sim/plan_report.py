@@ -24,14 +24,20 @@ def rows(p: Plan) -> list[list[str]]:
     q = pname(p.slo.percentile)
     header = ["#", "", "P:D", "budget", "seqs", "policy", "cap", "D prefills", f"TTFT {q} ms", f"TPOT {q} ms", "E2E mean ms",
               "req/s", "goodput/dev", "refused", "SLO"]
+    tiers = any(o.config.host_tier_gib is not None for o in p.outcomes)  # a column only when swept
+    if tiers:
+        header.insert(8, "tier GiB")
     out = [header]
     for i, o in enumerate(p.outcomes, 1):
         c = o.config
         mark = "=" if i > 1 and tied(p.chosen, o) else ""  # nothing measured tells it from the chosen one
-        out.append([str(i), mark, c.split, str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
-                    str(c.max_in_flight or "-"), "-" if c.local_prefill is None else "never" if c.local_prefill == 0 else f"<= {c.local_prefill}", _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
-                    f"{o.throughput:.2f}", f"{o.goodput_per_device:.3f}", str(o.failed),
-                    "met" if o.slo_met else "missed"])
+        row = [str(i), mark, c.split, str(c.max_num_batched_tokens), str(c.max_num_seqs), c.policy,
+               str(c.max_in_flight or "-"), "-" if c.local_prefill is None else "never" if c.local_prefill == 0 else f"<= {c.local_prefill}", _ms(o.ttft_s), _ms(o.tpot_s), _ms(o.e2e_mean_s),
+               f"{o.throughput:.2f}", f"{o.goodput_per_device:.3f}", str(o.failed),
+               "met" if o.slo_met else "missed"]
+        if tiers:
+            row.insert(8, "-" if c.host_tier_gib is None else f"{c.host_tier_gib:g}")
+        out.append(row)
     return out
 
 
@@ -222,9 +228,32 @@ def answer_details(p: Plan) -> list[tuple[str, str, str]]:
     out = [("band", "Error band", band_text(p, c))]
     if c.anatomy is not None:
         out.append(("anatomy", "Where its time goes", c.anatomy.line()))
+    if (tiers := tier_text(p)) is not None:
+        out.append(("tier", "What the host tier buys", tiers))
     if c.config in p.headrooms and p.cfg is not None:
         out.append(("headroom", "Headroom", text(p.headrooms[c.config], p.cfg)))
     return out
+
+
+def tier_text(p: Plan) -> str | None:
+    """The chosen configuration at each host tier size tried: its hit and TTFT; None if one size only."""
+    c = p.chosen.config
+    same = [o for o in p.outcomes if dataclasses.replace(o.config, host_tier_gib=None) ==
+            dataclasses.replace(c, host_tier_gib=None)]
+    if len({o.config.host_tier_gib for o in same}) < 2:
+        return None
+    spec_gib = (p.sim_base.role_engine("prefill").host_tier_gib or 0) if p.sim_base is not None else 0
+
+    def gib(o: Outcome) -> float:
+        return spec_gib if o.config.host_tier_gib is None else o.config.host_tier_gib
+
+    q = pname(p.slo.percentile)
+    parts = []
+    for o in sorted(same, key=gib):
+        hit = "-" if o.hit_ratio is None else f"{o.hit_ratio:.1%}"
+        chosen = " (chosen)" if o is p.chosen else ""
+        parts.append(f"{gib(o):g} GiB: hit {hit}, TTFT {q} {_ms(o.ttft_s)} ms{chosen}")
+    return "; ".join(parts)
 
 
 def _answer_details(p: Plan) -> str:

@@ -56,6 +56,7 @@ class Config:
     # tokens are not in D's cache (router.local_prefill short_remainder); 0: never; None: the spec's.
     local_prefill: int | None = None
     devices_per_instance: int = 1  # tensor parallel degree: every instance, P and D, runs on this many
+    host_tier_gib: float | None = None  # each instance's host KV tier (0: none); None: the spec's
 
     @property
     def devices(self) -> int:
@@ -77,8 +78,10 @@ class Config:
         local = (", no disaggregation" if self.colocated else "" if self.local_prefill is None else
                  ", D never prefills" if self.local_prefill == 0 else f", D prefills <= {self.local_prefill}")
         tp = f" x{self.devices_per_instance} devices" if self.devices_per_instance > 1 else ""
+        tier = ("" if self.host_tier_gib is None else f", host tier {self.host_tier_gib:g} GiB" if self.host_tier_gib
+                else ", no host tier")
         return (f"P{self.prefill}D{self.decode}{tp}, budget {self.max_num_batched_tokens}, "
-                f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}")
+                f"seqs {self.max_num_seqs}, {self.policy}{cap}{local}{tier}")
 
 
 @dataclass(frozen=True)
