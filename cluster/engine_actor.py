@@ -43,6 +43,7 @@ from pdcluster.proto.messages import (
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
+from pdcluster.transfer.pool_worker import EXTENSION as POOL_EXTENSION
 from pdcluster.transfer.sources import TransferIds
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         # P serves torch_dist transfers over this backend when a handle asks for them.
         "channel_backend": DEVICES[spec.device].collective_backend,
     }
-    if eng.host_tier_gib:
+    pool = bool(eng.host_tier_gib) and spec.transfer.connector == "pdc"
+    if pool:
         extra["host_tier_bytes"] = int(eng.host_tier_gib * 2**30)
     args: dict[str, Any] = dict(
         model=spec.model.path,
@@ -117,6 +119,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         # Every instance publishes its KV cache events (the router's prefix index, router/kv_events.py).
         kv_events_config=engine_kv_events_config(spec, role, index, address.bind),
     )
+    if pool:  # peers read its tier through the worker (transfer/pool_worker.py)
+        args["worker_extension_cls"] = POOL_EXTENSION
     if eng.seed is not None:
         args["seed"] = eng.seed
     if eng.gpu_memory_utilization is not None:
@@ -356,6 +360,18 @@ class EngineActor(ServesRequestChannel, Engine):
                               transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,
                               engine=EngineTimes.from_vllm(out.metrics) if out.finished else None)
             pending, pending_ns = [], []
+
+    async def open_pool(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
+        """Offer a peer the run of the prompt's first blocks this instance's host tier holds, as
+        transfer `transfer_id` (its KV address, under the transfer's lease; transfer/pool_worker.py):
+        the prompt tokens it covers, 0 if none (nothing offered)."""
+        from pdcluster.transfer.pool_worker import prompt_block_hashes
+
+        cache = self.llm.vllm_config.cache_config
+        hashes = prompt_block_hashes(prompt_token_ids, cache.block_size,
+                                     getattr(cache, "prefix_caching_hash_algo", "sha256"))
+        covered = await self.llm.collective_rpc("pdc_open_pool", args=(transfer_id, hashes))
+        return int(covered[0]) if covered else 0
 
     async def reset_prefix_cache(self) -> bool:
         import inspect

@@ -143,6 +143,31 @@ def test_a_tier_load_that_fails_is_computed_instead_and_the_tokens_stay_exact(cl
     assert_no_kv_in_use(cluster)  # P's and D's blocks all back (the tier's lease ended with its order)
 
 
+def test_d_reads_a_prefix_from_ps_tier_and_p_computes_nothing(cluster, reference):
+    """The pool (issue 29 item 2): P offers the run of a prompt's first blocks its tier holds
+    (EngineActor.open_pool), D pulls it over the KV plane as it pulls a prefill and computes the
+    rest itself; P runs no step."""
+    a = family("pool")
+    run(cluster, a)
+    for name in ("pool-b", "pool-c", "pool-e"):  # out of P's device cache; in its tier
+        run(cluster, family(name))
+    reset_d(cluster)  # D holds none of it, device or tier
+    p, d = cluster.prefill[0], cluster.decode[0]
+    steps = ray.get(p.actor.load.remote()).steps
+    covered = ray.get(p.actor.open_pool.remote("pool-1", a))
+    assert covered == FULL
+    assert ray.get(p.actor.open_pool.remote("pool-none", family("never-sent"))) == 0
+    sampling = SamplingSpec(max_tokens=16, temperature=0, ignore_eos=True)
+    handle = TransferHandle(p.engine_id, p.kv_address, "pool-1", covered)
+    deltas = [ray.get(ref) for ref in d.actor.decode.options(num_returns="streaming").remote(
+        DecodeRequest("pool-d", a, sampling, handle))]
+    last = deltas[-1].transfer
+    assert last.error is None and (last.d_cached_tokens, last.transferred_tokens) == (0, FULL), last
+    assert [t for delta in deltas for t in delta.new_token_ids] == ray.get(reference.greedy.remote(a, 16))
+    assert ray.get(p.actor.load.remote()).steps == steps  # P computed nothing
+    assert_no_kv_in_use(cluster)
+
+
 def test_a_cache_reset_empties_the_tier(cluster):
     a = family("a")
     run(cluster, a)  # in P's device cache and its tier

@@ -5,6 +5,7 @@ what finished."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdcluster.transfer.connector_meta import PdcMetadata, PullTimings
@@ -60,6 +61,7 @@ class _Worker:
         self._error_blocks: set[int] = set()
         self.sources: SourceTable | None = None
         self.server = self.fetcher = None
+        self.block_size = conn.groups[0].block_size
         s = conn.settings
         # The host tier's bytes (the scheduler side's book decides); CPU engines' cache is host memory already.
         self.tier = HostTier(self.kv, pin=kv_caches_on_accelerator(kv_caches)) if s.host_tier_bytes else None
@@ -119,6 +121,25 @@ class _Worker:
                     self._tier_failed.append(copy.request_id)
                 self._tier_lost += [k for k in copy.keys if k not in self.tier]
         self._tier_freed |= set(orders.free_after)
+
+    def open_pool(self, transfer_id: str, hashes: Sequence[bytes]) -> int:
+        """A peer's read of a prompt's first blocks from this instance's host tier (issue 29's pool):
+        the run of `hashes` (vLLM's block hashes, in prompt order) the tier holds in every group,
+        pinned and offered as transfer `transfer_id` under the lease. The prompt tokens it covers
+        (0: nothing held, nothing offered)."""
+        if self.tier is None or self.sources is None:
+            return 0
+        run = self.tier.read_run(hashes)
+        if run.num_blocks == 0:
+            run.close()
+            return 0
+        tokens = run.num_blocks * self.block_size
+        try:
+            self.sources.offer_pooled(transfer_id, run, tokens, self.settings.lease_s)
+        except ValueError:
+            run.close()
+            raise
+        return tokens
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(finished_sending=self.sources.take_finished() if self.sources else set())

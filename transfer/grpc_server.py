@@ -263,6 +263,8 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         return ids
 
     def _gather(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
+        if src.tier is not None:  # a pooled source: the host tier's blocks, pinned while it lives
+            return src.tier.gather(info.name, info.group, indices)
         with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
             return self._kv.gather(info.name, self._block_ids(src, info, indices, context))
 
@@ -270,6 +272,8 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                seal: StreamSeal | None) -> bytes:
         """The chunk's frame, its blocks copied once: from P's cache straight into the frame (sealed:
         encrypted into it, then joined)."""
+        if src.tier is not None:
+            return frames.encode(chunk, src.tier.gather(info.name, info.group, indices), seal)
         with src.copy_lock:  # the views read the cache itself: P may not reuse the blocks meanwhile
             ids = self._block_ids(src, info, indices, context)
             runs = self._kv.byte_runs(info.name, ids)

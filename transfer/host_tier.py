@@ -9,11 +9,21 @@ allocated for them (before the step that reads them), `evict` frees them. `pin`:
 memory, so that the copies back to an accelerator run at the link's speed (off on CPU engines,
 whose "device" cache is host memory already). The connector's worker (transfer/connector_worker.py)
 carries out the orders of transfer/tier_scheduler.py with it.
+
+The cluster-wide pool (issue 29 item 2): a peer reads a run of a prompt's first blocks straight from
+this tier over the KV plane (`read_run`: a `PooledRun` that P's KV server serves as a transfer
+source, transfer/sources.py). Its blocks are pinned while it lives: an eviction the book orders
+meanwhile frees their bytes once the read is over (the book has already counted them free: the
+tier holds at most the pinned blocks more than its capacity). The worker thread stores, loads and
+evicts; the KV server's threads read: every access to the blocks is under one lock.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +40,9 @@ class HostTier:
         self._group_bytes = {g: sum(kv.layers[n].block_bytes for n in names) for g, names in self._layers.items()}
         # Invariant: a key is here with one tensor for each layer of its group, or not at all.
         self._blocks: dict[BlockKey, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # guards _blocks, _pins, _evict_later (the worker and the KV server)
+        self._pins: Counter[BlockKey] = Counter()  # keys a peer's read holds (never 0: absent instead)
+        self._evict_later: set[BlockKey] = set()  # evicted while pinned: freed at the last unpin
 
     def block_bytes(self, group: int) -> int:
         """One block of `group` in the tier, all its layers: what the book counts per block."""
@@ -37,10 +50,12 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.block_bytes(group) for group, _ in self._blocks)
+        with self._lock:
+            return sum(self.block_bytes(group) for group, _ in self._blocks)
 
     def __contains__(self, key: BlockKey) -> bool:
-        return key in self._blocks
+        with self._lock:
+            return key in self._blocks and key not in self._evict_later
 
     def store(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
         """Copy device blocks `block_ids` into the tier under `keys` (one group: the keys')."""
@@ -51,25 +66,64 @@ class HostTier:
             for i, k in enumerate(keys):
                 block = torch.empty_like(gathered[i], pin_memory=self._pin)
                 copies[k][name] = block.copy_(gathered[i])  # each block its own storage: evicted alone
-        self._blocks.update(copies)
+        with self._lock:
+            self._blocks.update(copies)
+            self._evict_later.difference_update(copies)  # kept again: a pending eviction is void
 
     def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
         """Copy the kept blocks `keys` into device blocks `block_ids` (KeyError naming one not kept:
         the book and the bytes out of step)."""
         group = self._one_group(keys, block_ids)
-        missing = [k for k in keys if k not in self._blocks]
+        with self._lock:
+            missing = [k for k in keys if k not in self._blocks or k in self._evict_later]
+            blocks = [self._blocks.get(k) for k in keys]
         if missing:
             raise KeyError(f"the host tier holds no bytes for {len(missing)} of the {len(keys)} blocks to load "
                            f"(first: group {missing[0][0]}, hash {missing[0][1].hex()[:16]})")
         for name in self._layers[group]:
             view = self._kv.view(name)
-            data = torch.stack([self._blocks[k][name] for k in keys])
+            data = torch.stack([b[name] for b in blocks])
             view.index_copy_(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device),
                              data.to(view.device, non_blocking=self._pin))
 
     def evict(self, keys: Sequence[BlockKey]) -> None:
-        for k in keys:
-            self._blocks.pop(k, None)
+        with self._lock:
+            for k in keys:
+                if k in self._pins:
+                    self._evict_later.add(k)
+                else:
+                    self._blocks.pop(k, None)
+
+    # ---------------------------------------------------------------- the pool: peers' reads
+
+    def read_run(self, hashes: Sequence[bytes]) -> PooledRun:
+        """The run of a prompt's first blocks (`hashes`, vLLM's, in prompt order) held in every
+        group, pinned until the run is closed (it may be empty)."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if any((g, h) not in self._blocks or (g, h) in self._evict_later for g in self._layers):
+                    break
+                n += 1
+            keys = {g: tuple((g, h) for h in hashes[:n]) for g in self._layers}
+            for run in keys.values():
+                self._pins.update(run)
+        return PooledRun(self, keys, n)
+
+    def _gather(self, layer: str, keys: Sequence[BlockKey]) -> torch.Tensor:
+        with self._lock:
+            blocks = [self._blocks[k][layer] for k in keys]
+        return torch.stack(blocks)
+
+    def _unpin(self, keys: Sequence[BlockKey]) -> None:
+        with self._lock:
+            for k in keys:
+                self._pins[k] -= 1
+                if self._pins[k] <= 0:
+                    del self._pins[k]
+                    if k in self._evict_later:
+                        self._evict_later.discard(k)
+                        self._blocks.pop(k, None)
 
     def _one_group(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         if len(keys) != len(block_ids):
@@ -79,3 +133,25 @@ class HostTier:
             raise ValueError(f"blocks of KV-cache groups {sorted(groups)}: one call moves one group's, of "
                              f"{sorted(self._layers)}")
         return groups.pop()
+
+
+@dataclass
+class PooledRun:
+    """A run of a prompt's first `num_blocks` blocks in a tier, pinned for a peer's read: P's KV
+    server reads it as a transfer source's blocks (transfer/sources.py `TierRead`)."""
+
+    tier: HostTier
+    keys: dict[int, tuple[BlockKey, ...]]  # per group, in prompt order
+    num_blocks: int
+    closed: bool = False
+
+    def gather(self, layer: str, group: int, indices: Sequence[int]) -> torch.Tensor:
+        """Blocks `indices` of the run in `layer`, [len(indices), *block_shape] in host memory."""
+        return self.tier._gather(layer, [self.keys[group][i] for i in indices])
+
+    def close(self) -> None:
+        """The read is over: unpin (a second close is a no-op)."""
+        if not self.closed:
+            self.closed = True
+            for run in self.keys.values():
+                self.tier._unpin(run)

@@ -11,6 +11,11 @@ expires after the prefill finished, or when P aborted the request.
     (the running request   (vLLM keeps the blocks        (reported once by
      owns the blocks)       for us, delay-free)           take_finished: free them)
 
+A pooled source (issue 29's pool, `offer_pooled`) is a run of a prompt's first blocks in this
+instance's host tier, read by a peer that computes the rest itself: ready and finished from the
+start, under the lease; its blocks are the tier's (`TierRead`), not P's cache, and no vLLM request
+waits on it, so take_finished closes it (unpinning the tier's blocks) without reporting it.
+
 Invariants: a source leaves the table only through take_finished(), and never
 while a reader has it pinned (freeing blocks mid-copy would send D another
 request's KV). Copies of a source's blocks happen under its `copy_lock`, which
@@ -23,7 +28,12 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 def ready_blocks(ready_tokens: int, num_tokens: int, block_size: int) -> int:
@@ -35,6 +45,16 @@ def ready_blocks(ready_tokens: int, num_tokens: int, block_size: int) -> int:
 
 class SourceError(KeyError):
     """No readable source for that transfer (never registered, released, expired or aborted)."""
+
+
+class TierRead(Protocol):
+    """What a pooled source reads its blocks from (transfer/host_tier.py `PooledRun`)."""
+
+    def gather(self, layer: str, group: int, indices: Sequence[int]) -> torch.Tensor:
+        """Blocks `indices` of the run in `layer` (of `group`), in host memory."""
+
+    def close(self) -> None:
+        """The source ended: its blocks may go."""
 
 
 @dataclass
@@ -52,6 +72,7 @@ class Source:
     expires_at: float = math.inf  # set when P finishes: the lease
     readers: int = 0
     copy_lock: threading.Lock = field(default_factory=threading.Lock)
+    tier: TierRead | None = None  # a pooled source: its blocks are the host tier's (block_ids unused)
 
     def ready_blocks(self, layer: str, group: int) -> int:
         """How many leading blocks of `group` are complete in `layer`."""
@@ -121,6 +142,17 @@ class SourceTable:
             src.expires_at = self._clock() + lease_s
             self._cond.notify_all()
 
+    def offer_pooled(self, transfer_id: str, tier: TierRead, num_tokens: int, lease_s: float) -> None:
+        """A run of `num_tokens` prompt tokens' blocks in the host tier, for a peer to read within
+        `lease_s` (ValueError if the transfer id is taken)."""
+        with self._cond:
+            if transfer_id in self._sources:
+                raise ValueError(f"transfer {transfer_id} already has a source on this instance")
+            self._sources[transfer_id] = Source(
+                transfer_id, "", num_tokens, self._block_sizes, ready_tokens=dict.fromkeys(self._layers, num_tokens),
+                finished=True, expires_at=self._clock() + lease_s, tier=tier)
+            self._cond.notify_all()
+
     # ------------------------------------------------------------ readers (the KV server's threads)
 
     def acquire(self, transfer_id: str, wait_s: float) -> Source:
@@ -167,13 +199,17 @@ class SourceTable:
     # ------------------------------------------------------------ the scheduler's view
 
     def take_finished(self) -> set[str]:
-        """P request ids whose source ended with no reader: vLLM may free their blocks now."""
+        """P request ids whose source ended with no reader: vLLM may free their blocks now. Pooled
+        sources that ended are closed here, and not reported (no request of P's holds them)."""
         now = self._clock()
         with self._cond:
             done = [s for s in self._sources.values() if s.finished and self._ended(s, now) and not s.readers]
             for s in done:
                 del self._sources[s.transfer_id]
-            return {s.request_id for s in done}
+        for s in done:
+            if s.tier is not None:
+                s.tier.close()
+        return {s.request_id for s in done if s.tier is None}
 
     def _ended(self, src: Source, now: float) -> bool:
         return src.released or src.aborted or now >= src.expires_at

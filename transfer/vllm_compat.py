@@ -126,6 +126,16 @@ USES: tuple[Symbol, ...] = (
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.take_events"),
     Symbol(CONNECTOR_BASE, "KVConnectorBase_V1.reset_cache"),
     Symbol("vllm.v1.core.kv_cache_utils", "maybe_convert_block_hash"),
+    # the pool (transfer/pool_worker.py): a prompt's block hashes in the actor, the worker's extension
+    Symbol("vllm.v1.core.kv_cache_utils", "hash_block_tokens",  # (hash_function first: the checker skips it)
+           params=("parent_block_hash", "curr_block_token_ids")),
+    Symbol("vllm.v1.core.kv_cache_utils", "init_none_hash"),
+    Symbol("vllm.v1.core.kv_cache_utils", "NONE_HASH"),
+    Symbol("vllm.utils.hashing", "get_hash_fn_by_name"),
+    Symbol("vllm.distributed.kv_transfer", "get_kv_transfer_group"),
+    Symbol("vllm.distributed.kv_transfer", "has_kv_transfer_group"),
+    Symbol("vllm.v1.engine.async_llm", "AsyncLLM.collective_rpc", params=("method", "args")),
+    Symbol("vllm.engine.arg_utils", "AsyncEngineArgs.worker_extension_cls"),
     Symbol("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_block_ids"),
     *(Symbol("vllm.distributed.kv_events", name) for name in ("BlockStored.lora_id", "BlockStored.lora_name")),
     Symbol("vllm.v1.core.sched.output", "SchedulerOutput.kv_connector_block_state", since="0.32.0"),
@@ -235,6 +245,9 @@ _LAZY = {
     "RequestStatus": "vllm.v1.request",
     "BlockStored": "vllm.distributed.kv_events", "BlockRemoved": "vllm.distributed.kv_events",
     "maybe_convert_block_hash": "vllm.v1.core.kv_cache_utils",
+    "hash_block_tokens": "vllm.v1.core.kv_cache_utils", "init_none_hash": "vllm.v1.core.kv_cache_utils",
+    "get_hash_fn_by_name": "vllm.utils.hashing",
+    "get_kv_transfer_group": "vllm.distributed.kv_transfer", "has_kv_transfer_group": "vllm.distributed.kv_transfer",
     # the engine actor, the reference engine, the stat logger
     "AsyncEngineArgs": "vllm", "SamplingParams": "vllm", "RequestOutputKind": "vllm.sampling_params",
     "AsyncLLM": "vllm.v1.engine.async_llm", "KVTransferConfig": "vllm.config", "KVEventsConfig": "vllm.config.kv_events",
