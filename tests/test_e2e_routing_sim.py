@@ -21,7 +21,7 @@ def cluster():
     spec = cluster_spec_for(
         "e2e-routing-sim", prefill=4, decode=2,
         engine={"kind": "sim", "max_model_len": 4096, "max_num_batched_tokens": 4096, "max_num_seqs": 8},
-        sim={"params": "qwen3-0.6b-1dev", "kv_blocks": KV_BLOCKS},
+        sim={"params": "tiny-qwen3-cpu", "kv_blocks": KV_BLOCKS},  # steps of ~10 ms: the routing is what is checked
         router={"policy": "prefix_aware"})
     with running_cluster(spec) as c:
         yield c
