@@ -28,11 +28,11 @@ from pdcluster.proto.messages import DecodeDelta, InstanceInfo, RefusalCounts, S
 from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT, LocalPrefillSpec, Policy
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
+from pdcluster.router.dispatch import Dispatch
 from pdcluster.router.lifecycle import (
     Abort,
     CheckLost,
     Decode,
-    Dispatch,
     Emit,
     Failure,
     Finished,

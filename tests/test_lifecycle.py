@@ -11,7 +11,8 @@ import pytest
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec, TransferStats
 from pdcluster.router.admission import AdmissionLimits
-from pdcluster.router.lifecycle import Dispatch, Lifecycle
+from pdcluster.router.dispatch import Dispatch
+from pdcluster.router.lifecycle import Lifecycle
 from pdcluster.router.lifecycle_commands import Abort, CheckLost, Decode, Failure, Finished, Prefill, Routed
 from pdcluster.router.routing import InstancePicker
 

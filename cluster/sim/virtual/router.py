@@ -29,7 +29,8 @@ from pdcluster.proto.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockS
 from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.admission import AdmissionLimits
-from pdcluster.router.lifecycle import CheckLost, Command, Decode, Dispatch, Finished, Lifecycle, Prefill, Routed
+from pdcluster.router.dispatch import Dispatch
+from pdcluster.router.lifecycle import CheckLost, Command, Decode, Finished, Lifecycle, Prefill, Routed
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 from pdcluster.router.routing import InstancePicker
