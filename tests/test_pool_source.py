@@ -38,8 +38,9 @@ def test_a_peer_reads_the_tiers_run_over_the_kv_plane(make_p, make_d):
     assert results.finished == {"d-pool-1"} and not results.failed
     for name in LAYERS:
         assert torch.equal(d.kv.gather(name, [1, 2, 3]), want[name])
-    # D released it: it ends without a vLLM request to report, and its blocks are unpinned.
-    assert p.sources.take_finished() == set() and run.closed and len(p.sources) == 0
+    # D released it: it ended at once (P may be idle: no step to sweep it), its blocks unpinned,
+    # and there is no vLLM request to report.
+    assert run.closed and len(p.sources) == 0 and p.sources.take_finished() == set()
 
 
 def test_an_eviction_during_the_read_waits_for_it(make_p, make_d):
@@ -76,7 +77,9 @@ def test_a_read_past_the_run_is_refused_and_an_expired_one_is_gone(make_p, stub_
             transfer_id="pool-4", groups=[pb.GroupBlocks(group=0, block_indices=[0])]), timeout=TIMEOUT_S))
     assert "expired" in err.value.details()
     p.sources.release("pool-3")
-    assert p.sources.take_finished() == set() and len(p.sources) == 0 and expired.closed
+    assert len(p.sources) == 1 and not expired.closed  # an expired one waits for a sweep: the next offer
+    p.sources.offer_pooled("pool-5", tier.read_run(HASHES[:1]), BLOCK_SIZE, lease_s=0.0)
+    assert expired.closed and p.sources.take_finished() == set() and len(p.sources) == 0
 
 
 def test_a_prompts_block_hashes_are_the_engines():

@@ -145,6 +145,8 @@ class SourceTable:
     def offer_pooled(self, transfer_id: str, tier: TierRead, num_tokens: int, lease_s: float) -> None:
         """A run of `num_tokens` prompt tokens' blocks in the host tier, for a peer to read within
         `lease_s` (ValueError if the transfer id is taken)."""
+        for ended in self._take_ended_pooled():  # an idle holder's expired ones go here, at the latest
+            ended.tier.close()
         with self._cond:
             if transfer_id in self._sources:
                 raise ValueError(f"transfer {transfer_id} already has a source on this instance")
@@ -185,6 +187,9 @@ class SourceTable:
         with self._cond:
             assert src.readers > 0, f"unpin of {src.transfer_id} without acquire"
             src.readers -= 1
+            done = self._end_pooled(src)
+        if done:
+            src.tier.close()
 
     def release(self, transfer_id: str) -> bool:
         """D is done with it. False if there was no live source."""
@@ -194,9 +199,24 @@ class SourceTable:
                 return False
             src.released = True
             self._cond.notify_all()
-            return True
+            done = self._end_pooled(src)
+        if done:
+            src.tier.close()
+        return True
+
+    def _end_pooled(self, src: Source) -> bool:
+        """A pooled source that ended with no reader leaves at once, not at the holder's next step
+        (it may be idle); the caller closes it outside the lock. Under the lock."""
+        if src.tier is None or src.readers or not self._ended(src, self._clock()):
+            return False
+        self._sources.pop(src.transfer_id, None)
+        return True
 
     # ------------------------------------------------------------ the scheduler's view
+
+    def _take_ended_pooled(self) -> list[Source]:
+        with self._cond:
+            return [s for s in list(self._sources.values()) if self._end_pooled(s)]
 
     def take_finished(self) -> set[str]:
         """P request ids whose source ended with no reader: vLLM may free their blocks now. Pooled
