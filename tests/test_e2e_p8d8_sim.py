@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 from e2e import assert_no_kv_in_use, free_port, free_port_run, running_cluster
@@ -64,7 +65,7 @@ def test_prefix_aware_routing_predicted_every_hit(bench):
     assert len({rec.prefill_instance for rec in records}) == 8
 
 
-def test_the_tiers_served_hits_and_the_router_predicted_them(bench):
+def test_the_tiers_served_hits_and_the_router_predicted_them(cluster, bench):
     formal = [bench.timelines[r.request_id] for r in bench.results if r.phase == "formal"]
     # P's device holds one prompt of its two families: the other comes back from its tier. (Each D
     # keeps the families it serves on its device: routing picks D by its hit too.)
@@ -72,6 +73,11 @@ def test_the_tiers_served_hits_and_the_router_predicted_them(bench):
     for side in ("p", "d"):
         same = [getattr(rec, f"predicted_{side}_tier_tokens") == getattr(rec, f"{side}_tier_tokens") for rec in formal]
         assert sum(same) >= 0.95 * len(formal), (side, sum(same), len(formal))
+    # The router's /metrics counts them as the records do (every phase).
+    lines = httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines()
+    series = 'pdc_tier_hit_tokens_total{side="prefill",tier="host"} '
+    counted = float(next(ln for ln in lines if ln.startswith(series)).removeprefix(series))
+    assert counted == sum(bench.timelines[r.request_id].p_tier_tokens for r in bench.results)
 
 
 def test_every_timeline_is_complete(bench):
