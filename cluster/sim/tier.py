@@ -14,8 +14,9 @@ keeping, eviction and retention rules:
 
 One block of the tier is one block of the pool: every full and compressed component
 (`CostModel.block_bytes`); window and state components are a request's last blocks only and ride
-with the hit as they do on the device (cluster/sim/block_pool.py). Not modelled: the copies out to
-the tier (they overlap compute on the device), and the host link's sharing among concurrent loads.
+with the hit as they do on the device (cluster/sim/block_pool.py). The loads of one step share
+the instance's host link (scheduler_steps.py sums their tokens into one load). Not modelled: the
+copies out to the tier (they overlap compute on the device).
 """
 
 from __future__ import annotations
