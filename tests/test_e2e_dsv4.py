@@ -21,6 +21,7 @@ from e2e import (
     TRANSPORTS,
     assert_no_kv_in_use,
     cluster_spec_for,
+    local_ray,
     running_cluster,
     serve_over_each_transport,
 )
@@ -59,23 +60,31 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):
+def reference(model_dir):
+    """The single engine to compare with, made before the cluster: its start runs beside the
+    cluster's engines' (both wait on processes and files as much as on the cores)."""
+    local_ray()
+    engine = ray.remote(num_cpus=0)(ReferenceEngine).remote(model_dir, "0", max_model_len=ENGINE["max_model_len"],
+                                                            dtype="bfloat16", block_size=256)
+    yield engine
+    ray.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, reference):
     spec = cluster_spec_for("e2e-dsv4", model={"path": model_dir, "name": "tiny-qwen3"}, engine=ENGINE)
     with running_cluster(spec) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def served(cluster, model_dir):
+def served(cluster, reference):
     """(prompt, response body, reference tokens) for prompts around the window and block boundaries."""
-    reference = ray.remote(num_cpus=0)(ReferenceEngine).remote(model_dir, "0", max_model_len=ENGINE["max_model_len"],
-                                                               dtype="bfloat16", block_size=256)
     rng = random.Random(17)
     base = [rng.randrange(3, 1000) for _ in range(1100)]
     lengths = (100, 128, 129, 191, 255, 256, 257, 300, 600, 600, 1100)  # the later ones extend the earlier
     prompts = [base[:n] for n in lengths] + [[rng.randrange(3, 1000) for _ in range(520)]]
     wants = [ray.get(reference.greedy.remote(p, 8)) for p in prompts]
-    ray.kill(reference)
     return serve_over_each_transport(cluster, prompts, wants, timeout=300)
 
 

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from e2e import MODEL_CACHE, assert_no_kv_in_use, cluster_spec_for, running_cluster, serve_over_each_transport
+from e2e import (
+    MODEL_CACHE,
+    assert_no_kv_in_use,
+    cluster_spec_for,
+    local_ray,
+    running_cluster,
+    serve_over_each_transport,
+)
 
 from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
@@ -51,22 +58,30 @@ def model_dir(hybrid):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, hybrid):
+def reference(model_dir):
+    """The single engine to compare with, made before the cluster: its start runs beside the
+    cluster's engines'."""
+    local_ray()
+    engine = ray.remote(num_cpus=0)(GreedyReference).remote(model_dir, "0")
+    yield engine
+    ray.kill(engine)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, hybrid, reference):
     spec = cluster_spec_for(f"e2e-{hybrid.arch}", model={"path": model_dir, "name": "tiny-qwen3"})
     with running_cluster(spec) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def served(cluster, model_dir):
+def served(cluster, reference):
     """Prompts around the window and block boundaries, some extending earlier ones (D holds a prefix)."""
-    reference = ray.remote(num_cpus=0)(GreedyReference).remote(model_dir, "0")
     rng = random.Random(11)
     base = [rng.randrange(3, 1000) for _ in range(3000)]
     prompts = [base[:n] for n in (100, 255, 256, 257, 300, 600, 1000, 1000, 1500, 3000)]
     prompts.append([rng.randrange(3, 1000) for _ in range(700)])
     wants = [ray.get(reference.greedy.remote(p, 8)) for p in prompts]
-    ray.kill(reference)
     return serve_over_each_transport(cluster, prompts, wants)
 
 
