@@ -13,9 +13,10 @@ from pdcluster.cluster.replay.records import BenchRequest
 from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.virtual.events import EXTERNAL, ORIGIN_NS, STEP, EventLoop
 from pdcluster.cluster.sim.virtual.prompts import PromptCache
-from pdcluster.cluster.sim.virtual.run import simulate
+from pdcluster.cluster.sim.virtual.run import simulate, write_virtual_run
 from pdcluster.proto.spec import load_spec, parse_spec
 from pdcluster.router.prefix_index import chain_hashes, hittable_hashes
+from pdcluster.router.run_store import load_run
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 PARAMS = Path(__file__).resolve().parents[1] / "cluster" / "sim" / "params"
@@ -163,3 +164,14 @@ def test_a_prefix_family_is_hashed_once_and_checked():
     stray = BenchRequest(2, (7,) + shared[1:] + (700,) * 20, 4, family="f")
     with pytest.raises(AssertionError, match="not a prefix family"):
         prompts.prepare(stray)
+
+
+def test_a_run_written_where_one_was_replaces_it(tmp_path):
+    spec = p1d1(fixed_step_params(tmp_path, 0.1, 0.01, 0.005))
+    reqs = hand_made([0.0, 0.05])
+    run = simulate(spec, timed(reqs), reqs, vocab_size=1000)
+    write_virtual_run(run, tmp_path / "out")
+    first = (tmp_path / "out" / "timeline" / "requests.jsonl").read_bytes()
+    write_virtual_run(run, tmp_path / "out")  # the same place again: the same records, not twice as many
+    assert (tmp_path / "out" / "timeline" / "requests.jsonl").read_bytes() == first
+    assert len(load_run(tmp_path / "out" / "timeline").records) == 2

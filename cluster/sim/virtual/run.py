@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -174,8 +175,10 @@ def simulate(spec: ClusterSpec, cfg: BenchConfig, requests: list[BenchRequest] |
 
 def write_virtual_run(run: VirtualRun, out_dir: str | Path) -> Path:
     """OUT/timeline: a run directory (meta.json, requests.jsonl) for `pdc timeline`; OUT itself:
-    `pdc bench run`'s files (summary.json, summary.csv, requests.jsonl), timelines joined."""
+    `pdc bench run`'s files (summary.json, summary.csv, requests.jsonl), timelines joined. A run
+    written to OUT before is replaced whole (the store appends: its records would stay in front)."""
     out = Path(out_dir)
+    shutil.rmtree(out / "timeline", ignore_errors=True)
     meta = RunMeta(run_id=f"{run.spec.name}-virtual", started_wall_ns=time.time_ns(), started_mono_ns=0,
                    spec=json.loads(run.spec.model_dump_json()), versions=versions(),
                    instances=[InstanceMeta(i.name, i.role, "virtual", 0, ClockOffset(0, 0)) for i in run.instances])
