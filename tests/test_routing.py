@@ -289,9 +289,7 @@ def test_a_failed_requests_promise_is_withdrawn_and_a_finished_one_expires_into_
     pk.ended(failed)
     assert probe(pk, family(3, n=40, suffix=1)).predicted_p_pending_tokens == 0  # nothing promised any more
     # A request that prefills well: its promise stands until grace_s after, then the events rule.
-    ok = pk.pick(family(4, n=40), max_tokens=4)
-    with pk.prefilling(ok, 40):
-        pass
+    ok = prefilled(pk, family(4, n=40))
     pk.ended(ok)  # D failed afterwards: P's finished part stands
     clock.now = 1.9
     assert probe(pk, family(4, n=40, suffix=2)).predicted_p_pending_tokens == 12
@@ -306,12 +304,18 @@ def test_a_failed_requests_promise_is_withdrawn_and_a_finished_one_expires_into_
     assert pk.pending.counts(ok.prefill.name).requests == 0
 
 
+def prefilled(pk: InstancePicker, prompt: list[int]):
+    """A request routed and prefilled well: its promise finished, its events not in yet."""
+    route = pk.pick(prompt, 4)
+    with pk.prefilling(route, len(prompt)):
+        pass
+    return route
+
+
 def test_a_finished_prefill_whose_blocks_p_evicted_before_the_next_lookup_is_no_longer_promised():
     held = HeldBlocks()
     pk = pending_picker(held)
-    done = pk.pick(family(7, n=40), 4)
-    with pk.prefilling(done, 40):
-        pass
+    done = prefilled(pk, family(7, n=40))
     held.store(done.prefill.name, family(7, n=40))  # its events: stored...
     held.evict(done.prefill.name, family(7, n=40))  # ...and evicted, both before the next lookup
     again = probe(pk, family(7, n=40, suffix=1))
@@ -322,9 +326,7 @@ def test_a_finished_prefill_whose_blocks_p_evicted_before_the_next_lookup_is_no_
 def test_a_cache_reset_voids_the_promises_of_finished_requests_but_not_of_running_ones():
     held = HeldBlocks()
     pk = pending_picker(held)
-    done = pk.pick(family(5, n=40), 4)
-    with pk.prefilling(done, 40):
-        pass
+    done = prefilled(pk, family(5, n=40))
     running = pk.pick(family(6, n=40), 4)
     held.reset(done.prefill.name)
     held.reset(running.prefill.name)

@@ -5,7 +5,7 @@ eviction and reset, and the events the router's index reads."""
 from __future__ import annotations
 
 import pytest
-from test_sim_scheduler import RecordingCost
+from test_sim_scheduler import LoadLater, RecordingCost
 
 from pdcluster.cluster.sim.block_pool import BlockPool
 from pdcluster.cluster.sim.cost import CostModel, SimParams, SimParamsError
@@ -100,18 +100,8 @@ def test_the_tier_announces_its_blocks_apart_from_the_device_and_evicts_least_re
     assert again.num_tier_tokens == 2 * BS  # its head survived
 
 
-class Loads(KvHooks):
-    """D's hooks: every load ends when the test says."""
-
-    def __init__(self):
-        self.started: list[SimRequest] = []
-
-    def start_load(self, req):
-        self.started.append(req)
-
-
 def test_d_loads_its_tier_run_and_pulls_only_the_rest():
-    hooks = Loads()
+    hooks = LoadLater()
     c, clock, _ = core(blocks=9, tier_blocks=64, hooks=hooks)
     run(c, clock, family(0))
     run(c, clock, family(1))  # family 0 out of the device, in the tier

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.bench.kv_tier_sim import with_tier
 from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.proto.spec import load_spec
@@ -17,17 +18,10 @@ TIERED = Path(__file__).resolve().parents[1] / "deploy" / "p8d8-sim-tiered.yaml"
 LOAD = BenchConfig.from_preset("c90", num_prefixes=64, num_requests=96)
 
 
-def without_tier(spec):
-    off = {"host_tier_gib": None}  # (a role's unset field inherits the engine's)
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update=off), **{
-        role: getattr(spec, role).model_copy(update={"engine": getattr(spec, role).engine.model_copy(update=off)})
-        for role in ("prefill", "decode")}})
-
-
 @pytest.fixture(scope="module")
 def runs():
     spec = load_spec(TIERED)
-    return simulate(spec, LOAD, vocab_size=1000), simulate(without_tier(spec), LOAD, vocab_size=1000)
+    return simulate(spec, LOAD, vocab_size=1000), simulate(with_tier(spec, False), LOAD, vocab_size=1000)
 
 
 def test_the_tier_keeps_the_structural_maximum_that_the_device_caches_lose(runs):

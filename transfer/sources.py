@@ -14,9 +14,10 @@ expires after the prefill finished, or when P aborted the request.
 A pooled source (issue 29's pool, `offer_pooled`) is a run of a prompt's first blocks in this
 instance's host tier, read by a peer that computes the rest itself: ready and finished from the
 start, under the lease; its blocks are the tier's (`TierRead`), not P's cache, and no vLLM request
-waits on it, so take_finished closes it (unpinning the tier's blocks) without reporting it.
+waits on it: it leaves as soon as it ends with no reader (its release, its last reader's unpin, or
+a sweep at the next offer or take_finished), closed (the tier's blocks unpinned), unreported.
 
-Invariants: a source leaves the table only through take_finished(), and never
+Invariants: a source of P's cache leaves the table only through take_finished(), and never
 while a reader has it pinned (freeing blocks mid-copy would send D another
 request's KV). Copies of a source's blocks happen under its `copy_lock`, which
 a preemption takes before the blocks are reused.

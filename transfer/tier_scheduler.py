@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
-from pdcluster.transfer.tier_book import BlockKey, TierBook
+from pdcluster.transfer.tier_book import BlockKey, TierBook, consecutive_runs
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -149,16 +149,10 @@ class TierScheduler:
     def _stored_events(self, request: Request, group: int, indices: Sequence[int]) -> list[BlockStored]:
         """One event per run of consecutive blocks newly kept, as vLLM's block pool announces its
         own: each names its first block's parent, so the router can place it in the prompt's chain."""
-        runs: list[list[int]] = []
-        for i in indices:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
         bs, hashes = self.block_size, request.block_hashes
-        return [BlockStored([hashes[i] for i in run], hashes[run[0] - 1] if run[0] else None,
-                            request.all_token_ids[run[0] * bs:(run[-1] + 1) * bs], bs, group, HOST_MEDIUM)
-                for run in runs]
+        return [BlockStored(hashes[run.start:run.stop], hashes[run.start - 1] if run.start else None,
+                            request.all_token_ids[run.start * bs:run.stop * bs], bs, group, HOST_MEDIUM)
+                for run in consecutive_runs(indices)]
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """What the tier stored and evicted since the last call, for vLLM to publish."""

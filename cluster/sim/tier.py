@@ -27,7 +27,7 @@ from pdcluster.cluster.sim.cost import CostModel
 from pdcluster.cluster.sim.kv_wire import BlockHash, BlockRemoved, BlockStored, KvCacheEvent, external_hashes
 from pdcluster.proto.handle import MAX_RETENTION_S
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM
-from pdcluster.transfer.tier_book import TierBook
+from pdcluster.transfer.tier_book import TierBook, consecutive_runs
 
 _GROUP = 0  # the simulated pool is one group: a block stands for every component
 
@@ -44,10 +44,6 @@ class SimTier:
         self._events: list[KvCacheEvent] = []
         self.loaded_blocks = 0  # blocks loaded back to the device, all told
         self.evicted_blocks = 0
-
-    @property
-    def capacity_blocks(self) -> int:
-        return self.book.capacity_bytes // self.block_bytes
 
     def lookup(self, block_hashes: Sequence[BlockHash], first: int, max_hit_tokens: int) -> int:
         """Blocks past the device's hit (its first `first` blocks) the tier holds in a run, within
@@ -73,25 +69,13 @@ class SimTier:
             self._events.append(BlockRemoved(block_hashes=external_hashes([h for _, h in kept.evicted],
                                                                           self._int_hashes),
                                              medium=HOST_MEDIUM, group_idx=_GROUP))
-        if kept.stored:
-            self._events += self._stored_events(hashes, tokens, {h for _, h in kept.stored})
-
-    def _stored_events(self, hashes: Sequence[BlockHash], tokens: Sequence[int], stored: set[BlockHash]) -> list:
-        """One BlockStored per run of stored blocks, each with its parent, as the pool's events."""
-        out, bs, i = [], self.block_size, 0
-        while i < len(hashes):
-            if hashes[i] not in stored:
-                i += 1
-                continue
-            j = i
-            while j < len(hashes) and hashes[j] in stored:
-                j += 1
-            parent = external_hashes([hashes[i - 1]], self._int_hashes)[0] if i else None
-            out.append(BlockStored(block_hashes=external_hashes(hashes[i:j], self._int_hashes),
-                                   parent_block_hash=parent, token_ids=list(tokens[i * bs:j * bs]), block_size=bs,
-                                   lora_id=None, medium=HOST_MEDIUM, lora_name=None, group_idx=_GROUP))
-            i = j
-        return out
+        stored, bs = {h for _, h in kept.stored}, self.block_size
+        for run in consecutive_runs(i for i, h in enumerate(hashes) if h in stored):  # one event a run
+            parent = external_hashes([hashes[run.start - 1]], self._int_hashes)[0] if run.start else None
+            self._events.append(BlockStored(
+                block_hashes=external_hashes(hashes[run.start:run.stop], self._int_hashes), parent_block_hash=parent,
+                token_ids=list(tokens[run.start * bs:run.stop * bs]), block_size=bs, lora_id=None,
+                medium=HOST_MEDIUM, lora_name=None, group_idx=_GROUP))
 
     def clear(self) -> None:
         """A cache reset: the tier empties too (vLLM's reset with its connector's)."""
