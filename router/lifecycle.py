@@ -30,15 +30,14 @@ pick to the end of each part, and learns P's prefill times.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Generic
 
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.router.attempt import Attempt
 from pdcluster.router.backend import BackendError, GenerationChunk
 from pdcluster.router.dispatch import Dispatch
 from pdcluster.router.lifecycle_commands import (
@@ -58,36 +57,10 @@ from pdcluster.router.migration import InstanceLost, continuation
 from pdcluster.router.openai_models import PdUsage
 from pdcluster.router.prefix_index import RouterHash
 from pdcluster.router.recording import forget_attempt, record_decode_end, record_prefill, record_route, record_tokens
-from pdcluster.router.routing import I, NoInstanceUp, Route
+from pdcluster.router.routing import I, NoInstanceUp
 from pdcluster.router.timeline import Migration, RequestRecord
 
 log = logging.getLogger(__name__)
-
-# -- one attempt: one route, one P (or none), one D
-
-
-@dataclass
-class _Attempt(Generic[I]):
-    number: int
-    route: Route[I]
-    first: bool  # no token sent yet: this attempt's events are the record's
-    prompt: list[int]
-    sampling: SamplingSpec
-    engine_rid: str
-    push: bool
-    handle: TransferHandle | None = None  # where D finds P's KV (None: D prefills, or another connector's)
-    pre: PrefillResult | None = None
-    p_waiting: bool = False  # P was asked and has not answered (or failed)
-    d_running: bool = False  # D was asked and has not finished
-    got_token: bool = False
-    held: DecodeDelta | None = None  # D's failed finish, while P's fate is checked
-    deferred: DecodeDelta | None = None  # push: D's last delta, waiting for P's answer
-    so_far: PdUsage | None = None  # the P/D report the chunks before the last carry
-    # Invariant: each stack holds its picker count exactly while that part runs (routing.py).
-    p_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # P's load, pick to answer
-    local_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's local slot, to 1st token
-    decoding: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's load
-
 
 class Lifecycle(Generic[I]):
     """One request, from its admission (the driver asked `Dispatch.admit`) to `close`."""
@@ -101,7 +74,7 @@ class Lifecycle(Generic[I]):
         self.rec.mark("arrival", arrival_ns)
         self.sent: list[int] = []  # output tokens the client has
         self.avoid: set[str] = set()  # instances lost under this request
-        self.attempt: _Attempt[I] | None = None
+        self.attempt: Attempt[I] | None = None
         self.done = False  # Finished was emitted
         self._closed = False
         self._attempts = itertools.count()
@@ -143,7 +116,7 @@ class Lifecycle(Generic[I]):
     def prefill_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
         a = self._current(attempt)
         a.p_waiting = False
-        self._close_p_slot_failed(a)
+        a.close_p_slot_failed()
         p = a.route.prefill.name
         if a.push and (a.got_token or a.deferred is not None):  # D had every layer's KV: P no longer matters
             log.warning("P failed after D had every layer's KV (the request finished): %s", failure.message)
@@ -215,7 +188,7 @@ class Lifecycle(Generic[I]):
 
     # -- the sequence
 
-    def _current(self, attempt: int) -> _Attempt[I]:
+    def _current(self, attempt: int) -> Attempt[I]:
         a = self.attempt
         assert not self.done and a is not None and a.number == attempt, (
             f"{self.rec.request_id}: an input for attempt {attempt}, which is not running")
@@ -244,7 +217,7 @@ class Lifecycle(Generic[I]):
         # Each attempt is a new request to the engines: an aborted earlier one may still be
         # leaving P's engine, and two requests of one id there would take each other's blocks.
         engine_rid = self.dispatch.new_id(rec.request_id)
-        a = self.attempt = _Attempt(next(self._attempts), route, first, prompt, sampling, engine_rid,
+        a = self.attempt = Attempt(next(self._attempts), route, first, prompt, sampling, engine_rid,
                                     push=self.dispatch.transfer_mode == "push")
         out: list[Command] = [Routed(a.number, route)]
         if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
@@ -267,14 +240,14 @@ class Lifecycle(Generic[I]):
         a.p_waiting = True
         return out + [Prefill(a.number, p, prefill)]
 
-    def _send_decode(self, a: _Attempt[I], handle: TransferHandle | None,
+    def _send_decode(self, a: Attempt[I], handle: TransferHandle | None,
                      connector_params: dict | None = None) -> list[Command]:
         a.d_running = True
         a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens))
         return [Decode(a.number, a.route.decode,
                        DecodeRequest(a.engine_rid, a.prompt, a.sampling, handle, connector_params))]
 
-    def _take(self, a: _Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
+    def _take(self, a: Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
         """D's output, recorded; the last one waits for P's answer in push mode (for the record)."""
         rec = self.rec
         record_tokens(rec, delta, self.dispatch.clock_of(a.route.decode.name), now_ns)
@@ -292,7 +265,7 @@ class Lifecycle(Generic[I]):
             return []
         return self._deliver(a, delta, now_ns)
 
-    def _deliver(self, a: _Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
+    def _deliver(self, a: Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
         a.deferred = None
         route = a.route
         if delta.finish_reason in ("error", "abort"):
@@ -348,15 +321,6 @@ class Lifecycle(Generic[I]):
         a, self.attempt = self.attempt, None
         if a is None:
             return []
-        a.local_slot.close()
-        a.decoding.close()
-        self._close_p_slot_failed(a)
-        self.dispatch.picker.ended(a.route)
+        a.release(self.dispatch.picker)
         return [Abort(a.number)]
-
-    @staticmethod
-    def _close_p_slot_failed(a: _Attempt) -> None:
-        # P never answered: out of P's load, its promise of blocks not kept (the picker's
-        # `prefilling` marks P done only on a clean exit).
-        a.p_slot.__exit__(BackendError, BackendError("P did not answer"), None)
 
