@@ -29,6 +29,8 @@ from pdcluster.proto.messages import (
     EngineLoad,
     EngineTimes,
     InstanceInfo,
+    PoolOffer,
+    PoolRequest,
     PrefillRequest,
     PrefillResult,
     Role,
@@ -101,6 +103,9 @@ class InstantEngine(ServesRequestChannel, Engine):
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
         for delta in instant_deltas(req, self.tokens_per_delta):
             yield delta
+
+    async def open_pool(self, req: PoolRequest) -> PoolOffer:
+        return PoolOffer(req.transfer_id, 0)  # no KV, no tier: nothing to offer
 
     def set_tokens_per_delta(self, n: int) -> None:
         """Not EngineActor's: how many tokens each DecodeDelta carries from now on."""

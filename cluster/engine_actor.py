@@ -34,6 +34,8 @@ from pdcluster.proto.messages import (
     EngineLoad,
     EngineTimes,
     InstanceInfo,
+    PoolOffer,
+    PoolRequest,
     PrefillRequest,
     PrefillResult,
     Role,
@@ -361,17 +363,17 @@ class EngineActor(ServesRequestChannel, Engine):
                               engine=EngineTimes.from_vllm(out.metrics) if out.finished else None)
             pending, pending_ns = [], []
 
-    async def open_pool(self, transfer_id: str, prompt_token_ids: list[int]) -> int:
-        """Offer a peer the run of the prompt's first blocks this instance's host tier holds, as
-        transfer `transfer_id` (its KV address, under the transfer's lease; transfer/pool_worker.py):
-        the prompt tokens it covers, 0 if none (nothing offered)."""
+    async def open_pool(self, req: PoolRequest) -> PoolOffer:
+        """The worker offers the run (transfer/pool_worker.py), between two steps."""
         from pdcluster.transfer.pool_worker import prompt_block_hashes
 
+        if self.plan.kv_address is None or not self.spec.role_engine(self.plan.role).host_tier_gib:
+            return PoolOffer(req.transfer_id, 0)  # no KV server or no tier: nothing to serve from
         cache = self.llm.vllm_config.cache_config
-        hashes = prompt_block_hashes(prompt_token_ids, cache.block_size,
+        hashes = prompt_block_hashes(req.prompt_token_ids, cache.block_size,
                                      getattr(cache, "prefix_caching_hash_algo", "sha256"))
-        covered = await self.llm.collective_rpc("pdc_open_pool", args=(transfer_id, hashes))
-        return int(covered[0]) if covered else 0
+        covered = await self.llm.collective_rpc("pdc_open_pool", args=(req.transfer_id, hashes))
+        return PoolOffer(req.transfer_id, int(covered[0]) if covered else 0)
 
     async def reset_prefix_cache(self) -> bool:
         import inspect

@@ -8,7 +8,7 @@ names, parameters and kinds (coroutine, async generator, plain).
 Two paths reach a body. Ray calls, for what the launcher and the router ask once or rarely
 (`info`, `clock`, `load`, `health`, `refusals`, `reset_prefix_cache`, `shutdown`, and the request channel's
 `open_channel`); the request channel (transfer/request_channel.py), for the requests themselves
-(`prefill`, `decode`): one authenticated TCP connection per engine, typed messages
+(`prefill`, `decode`, `open_pool`): one authenticated TCP connection per engine, typed messages
 (proto/messages.py), nothing pickled.
 """
 
@@ -22,6 +22,8 @@ from pdcluster.proto.messages import (
     DecodeRequest,
     EngineLoad,
     InstanceInfo,
+    PoolOffer,
+    PoolRequest,
     PrefillRequest,
     PrefillResult,
     RefusalCounts,
@@ -58,6 +60,11 @@ class Engine(Protocol):
         prefill the prompt itself), then stream the output: deltas of new tokens, each token with
         its time, the last with the finish reason, the transfer's report and the engine's times.
         Closed early: the request is aborted in the engine."""
+
+    async def open_pool(self, req: PoolRequest) -> PoolOffer:
+        """Offer a peer the run of the prompt's first blocks this instance's host KV tier holds, at
+        its KV address under `req.transfer_id` and the transfer's lease, without running a step: the
+        tokens the run covers, 0 where there is none (no tier, nothing held, no KV server)."""
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (what the instance holds is announced as cleared)."""

@@ -87,6 +87,24 @@ class DecodeRequest:
 
 
 @dataclass(frozen=True)
+class PoolRequest:
+    """Offer a peer the run of this prompt's first blocks the instance's host KV tier holds (the
+    pool, docs/kv_tiers.md), as transfer `transfer_id`, under the transfer's lease."""
+
+    transfer_id: str
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class PoolOffer:
+    """What the holder offers: the prompt tokens its tier's run covers (0: nothing offered, no
+    tier, or the run went), ready at once at its KV address under the request's transfer id."""
+
+    transfer_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """D's report of one request's transfer: the one shape from D's KV side to the record.
 

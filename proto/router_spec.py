@@ -57,5 +57,7 @@ class LocalPrefillSpec(BaseModel):
                             description="D prefills a request itself when at most this many prompt tokens are "
                                         "not in its prefix cache")
     max_in_flight: int = Field(1, ge=1, description="local prefills one D runs at once")
+    pool: bool = Field(True, description="D counts the prefix a P's host KV tier holds as its own: it reads "
+                                         "it over the KV plane and computes the rest (docs/kv_tiers.md)")
     p_busy_s: float | None = Field(None, gt=0, description="D prefills whatever the remainder when the picked P "
                                                            "has this much predicted prefill queued (off: null)")

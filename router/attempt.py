@@ -30,6 +30,7 @@ class Attempt(Generic[I]):
     handle: TransferHandle | None = None  # where D finds P's KV (None: D prefills, or another connector's)
     pre: PrefillResult | None = None
     p_waiting: bool = False  # P was asked and has not answered (or failed)
+    pool_waiting: bool = False  # the pool's holder was asked to offer the prefix and has not answered
     d_running: bool = False  # D was asked and has not finished
     got_token: bool = False
     held: DecodeDelta | None = None  # D's failed finish, while P's fate is checked

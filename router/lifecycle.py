@@ -13,10 +13,13 @@ The sequence (docs/architecture.md walks it with the functions that do it):
 
     start          -> Routed, then per route:
                         local prefill: Decode(no handle)                 D alone
+                        ... with pool: OpenPool                          a P's tier offers the prefix
+    pool_opened    -> Decode(the pool's handle, or none if it offered nothing); pool_failed: Decode(none)
                         push:          Decode(the handle), Prefill       D asks P while P computes
                         pull:          Prefill                           D after P's answer
     prefill_answered -> (pull) Decode(the handle); (push) nothing, or D's deferred last chunk
-    decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished
+    decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished;
+                        D's pool read failed before a token: Abort, Routed (no pool), ...
     *_failed         -> a lost instance: Abort, Routed, ... (the request moves, router/migration.py);
                         else Abort, Finished(error)
     cancel           -> Abort (the client left, the router stops)
@@ -36,7 +39,15 @@ from collections.abc import Sequence
 from typing import Generic
 
 from pdcluster.proto.handle import TransferHandle
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.proto.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    PoolOffer,
+    PoolRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+)
 from pdcluster.router.attempt import Attempt
 from pdcluster.router.backend import BackendError, GenerationChunk
 from pdcluster.router.dispatch import Dispatch
@@ -48,6 +59,7 @@ from pdcluster.router.lifecycle_commands import (
     Emit,
     Failure,
     Finished,
+    OpenPool,
     Prefill,
     Routed,
     pd_final,
@@ -74,6 +86,7 @@ class Lifecycle(Generic[I]):
         self.rec.mark("arrival", arrival_ns)
         self.sent: list[int] = []  # output tokens the client has
         self.avoid: set[str] = set()  # instances lost under this request
+        self.pool_ok = True  # False once D's read of a P's tier failed: the rest read none
         self.attempt: Attempt[I] | None = None
         self.done = False  # Finished was emitted
         self._closed = False
@@ -86,6 +99,11 @@ class Lifecycle(Generic[I]):
     def waiting_for_prefill(self) -> bool:
         """P's answer is awaited (feed it when it comes, even while D streams)."""
         return not self.done and self.attempt is not None and self.attempt.p_waiting
+
+    @property
+    def waiting_for_pool(self) -> bool:
+        """The pool's holder's offer is awaited (nothing else is, meanwhile)."""
+        return not self.done and self.attempt is not None and self.attempt.pool_waiting
 
     @property
     def waiting_for_decode(self) -> bool:
@@ -113,6 +131,25 @@ class Lifecycle(Generic[I]):
             return []
         return self._send_decode(a, a.handle, result.connector_params)
 
+    def pool_opened(self, attempt: int, offer: PoolOffer, now_ns: int) -> list[Command]:
+        """The holder offers `offer.num_tokens` of the prompt: D reads them and computes the rest
+        (none: its tier lost them since its events, D computes it all)."""
+        a = self._current(attempt)
+        a.pool_waiting = False
+        if offer.num_tokens:
+            holder = a.route.pool
+            a.handle = TransferHandle(holder.engine_id, holder.kv_address, offer.transfer_id, offer.num_tokens,
+                                      self.dispatch.transport)
+        return self._send_decode(a, a.handle)
+
+    def pool_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
+        """The holder did not offer (lost, or it raised): D computes the prefix, as with no pool."""
+        a = self._current(attempt)
+        a.pool_waiting = False
+        self.rec.pool_error = f"{a.route.pool.name} did not offer the prefix ({failure.kind}): {failure.message}"
+        log.warning("%s: %s; D computes it", self.rec.request_id, self.rec.pool_error)
+        return self._send_decode(a, None)
+
     def prefill_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
         a = self._current(attempt)
         a.p_waiting = False
@@ -139,6 +176,8 @@ class Lifecycle(Generic[I]):
         if delta.finish_reason in ("error", "abort") and not a.got_token and not a.route.local_prefill:
             a.held = delta  # D's KV load failed: because P went away, or on its own?
             return [CheckLost(a.number, a.route.prefill)]
+        if delta.finish_reason in ("error", "abort") and not a.got_token and a.handle is not None:
+            return self._pool_read_failed(a, delta, now_ns)
         return self._take(a, delta, now_ns)
 
     def p_lost(self, attempt: int, lost: bool, now_ns: int) -> list[Command]:
@@ -162,6 +201,10 @@ class Lifecycle(Generic[I]):
     def timed_out(self, now_ns: int) -> list[Command]:
         """The request's deadline passed while the driver waited for P or D."""
         a = self.attempt
+        if a.pool_waiting:
+            a.pool_waiting = False
+            return self._fail(BackendError(f"{a.route.pool.name}'s offer of {self.rec.request_id}'s prefix did not "
+                                           f"come within {self.dispatch.request_timeout_s:.0f} s", 504, "timeout"))
         if a.p_waiting and (a.deferred is not None or not (a.push and a.got_token)):
             return self.prefill_failed(a.number, Failure("timeout"), now_ns)
         return self.decode_failed(a.number, Failure("timeout"), now_ns)
@@ -203,7 +246,7 @@ class Lifecycle(Generic[I]):
         picker = self.dispatch.picker
         try:
             route = picker.pick(prompt, sampling.max_tokens, frozenset(self.avoid),
-                                hashes=self._hashes if first else None)
+                                hashes=self._hashes if first else None, pool=self.pool_ok)
         except NoInstanceUp as err:
             return self._fail(BackendError(str(err), 503, "service_unavailable"))
         p, d = route.prefill, route.decode
@@ -222,6 +265,9 @@ class Lifecycle(Generic[I]):
         out: list[Command] = [Routed(a.number, route)]
         if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
             a.local_slot.enter_context(picker.prefilling_locally(route))
+            if route.pool is not None:  # ... past what a P's tier offers it
+                a.pool_waiting = True
+                return out + [OpenPool(a.number, route.pool, PoolRequest(engine_rid, prompt))]
             return out + self._send_decode(a, None)
         # P's load counts from the pick: a request right behind this one must see it.
         a.p_slot.enter_context(picker.prefilling(route, len(prompt)))
@@ -258,7 +304,8 @@ class Lifecycle(Generic[I]):
             return self._deliver(a, delta, now_ns)
         a.d_running = False
         if a.first:
-            record_decode_end(rec, delta, self.dispatch.clock_of(a.route.decode.name))
+            record_decode_end(rec, delta, self.dispatch.clock_of(a.route.decode.name),
+                              pooled=a.route.local_prefill and a.handle is not None)
         rec.finish_reason = delta.finish_reason
         if a.first and a.p_waiting:  # push: P's answer, for its hit and its timeline
             a.deferred = delta
@@ -297,13 +344,27 @@ class Lifecycle(Generic[I]):
             return out + self._fail(BackendError(f"{lost}; the request was already moved {len(rec.migrations)} times"
                                                  f"{moved}: router.migration_limit", 503, "service_unavailable"))
         self.avoid.add(lost.instance)
-        if not self.dispatch.picker.any_up(lost.role, self.avoid):
+        picker = self.dispatch.picker
+        d_alone = lost.role == "prefill" and picker.local is not None  # D prefills it (router/local_prefill.py)
+        if not picker.any_up(lost.role, self.avoid) and not d_alone:
             return out + self._fail(BackendError(f"{lost}; no other {lost.role} instance is up to take the request on",
                                                  503, "service_unavailable"))
         log.warning("%s: %s; moving it on with %d tokens sent", rec.request_id, lost, len(self.sent))
         rec.migrations.append(Migration(now_ns, lost.role, lost.instance, len(self.sent), str(lost)))
         if not self.sent:  # the record tells the attempt that produces the first token
             forget_attempt(rec)
+        return out + self._begin_attempt(now_ns)
+
+    def _pool_read_failed(self, a: Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
+        """D's read of a P's tier failed before a token (the holder died, its lease ran out): again
+        on a new attempt that reads no tier, D computing the prefix."""
+        a.d_running, self.pool_ok = False, False
+        why = delta.transfer.error if delta.transfer and delta.transfer.error else delta.finish_reason
+        self.rec.pool_error = f"D's read from {a.route.pool.name}'s tier failed: {why}"
+        log.warning("%s: %s; D computes the prompt", self.rec.request_id, self.rec.pool_error)
+        out = self._end_attempt()
+        if not self.sent:
+            forget_attempt(self.rec)
         return out + self._begin_attempt(now_ns)
 
     def _fail(self, err: BackendError) -> list[Command]:

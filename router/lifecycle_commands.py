@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal
 
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PoolRequest, PrefillRequest
 from pdcluster.router.backend import BackendError, GenerationChunk
 from pdcluster.router.openai_models import PdUsage
 from pdcluster.router.routing import I, Route
@@ -44,6 +44,16 @@ class Decode(Generic[I]):
 
 
 @dataclass(frozen=True)
+class OpenPool(Generic[I]):
+    """Ask this P to offer the prompt's run its host tier holds (the pool); feed its answer to
+    `pool_opened` or `pool_failed`."""
+
+    attempt: int
+    instance: I
+    request: PoolRequest
+
+
+@dataclass(frozen=True)
 class CheckLost(Generic[I]):
     """D's load failed before its first token: was P (this attempt's) lost meanwhile? Feed the
     answer to `p_lost`."""
@@ -74,7 +84,7 @@ class Finished:
     error: BackendError | None = None
 
 
-Command = Routed | Prefill | Decode | CheckLost | Abort | Emit | Finished
+Command = Routed | Prefill | OpenPool | Decode | CheckLost | Abort | Emit | Finished
 
 # -- failures: how a call ended without an answer
 
@@ -103,5 +113,7 @@ def pd_final(route: Route, p_cached_tokens: int, last: DecodeDelta, migrations: 
         # D prefilled it: D's own hit is all it had (the engine's count).
         d_cached_tokens=t.d_cached_tokens if t else (last.num_cached_tokens if route.local_prefill else 0),
         transferred_tokens=t.transferred_tokens if t else 0, transfer_error=t.error if t else None,
+        # D prefilled it reading a P's tier: what it read is the pool's.
+        pool_tokens=t.transferred_tokens if route.local_prefill and t and t.error is None else 0,
         prefill_instance=route.decode.name if route.local_prefill else route.prefill.name,
         local_prefill=route.local_prefill, migrations=migrations)

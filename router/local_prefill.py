@@ -7,6 +7,8 @@ without engines; router/routing.py calls it on the D the policy picked.
 
 The rule, in order (`LocalPrefillSpec`, spec field `router.local_prefill`):
 - `policy: never`: always P (today's path, exactly);
+- no P is up (each dead, restarting or cut off): D, whatever the remainder ("p_down"), as the
+  alternative is a 503;
 - `policy: always`: always D, whatever D holds or does (no disaggregation: with no P at all, the
   virtual clock's baseline for `pdc plan`);
 - D's prefix index is stale (it lost events, router/kv_events.py): its hit is not known, P;
@@ -17,6 +19,11 @@ The rule, in order (`LocalPrefillSpec`, spec field `router.local_prefill`):
 - D already runs `max_in_flight` local prefills: P ("d_busy"), so D's decode steps carry
   at most that many prompt chunks (each slows every request D decodes in that step);
 - else D ("short_remainder" or "p_busy").
+
+With the pool (`pool: true`, docs/kv_tiers.md "The pool"), what D holds of the prompt is the longer
+of its own hit and the run of the prompt's first blocks a P's host tier holds: D reads that run
+over the KV plane and computes only the rest, so a family D lost but a P's tier kept is a short
+remainder too. The decision names the tokens it expects from the pool (`pool_tokens`).
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ from typing import Literal
 
 from pdcluster.proto.router_spec import LocalPrefillSpec
 
-Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy", "always"]
-LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy", "always"})
+Reason = Literal["never", "stale_index", "long_remainder", "d_busy", "short_remainder", "p_busy", "always", "p_down"]
+LOCAL_REASONS: frozenset[str] = frozenset({"short_remainder", "p_busy", "always", "p_down"})
 
 @dataclass(frozen=True)
 class LocalView:
@@ -38,6 +45,8 @@ class LocalView:
     d_index_stale: bool  # D's prefix index lost events: it may miss what D holds
     d_local_in_flight: int  # local prefills D runs now (the router's count)
     p_queued_s: float  # predicted prefill time queued on the P the policy picked
+    pool_tokens: int = 0  # the longest run of the prompt's first blocks a P's host tier holds (the pool)
+    p_up: bool = True  # some P is up to take the prefill
 
 
 @dataclass(frozen=True)
@@ -45,14 +54,18 @@ class LocalDecision:
     local: bool
     reason: Reason
     remainder_tokens: int  # prompt tokens D would compute
+    pool_tokens: int = 0  # D prefills it reading this many tokens from a P's tier first (0: none)
 
 
 def decide(spec: LocalPrefillSpec, view: LocalView) -> LocalDecision:
-    remainder = view.prompt_tokens - min(view.d_matched_tokens, view.prompt_tokens)
+    pool = view.pool_tokens if spec.pool and view.pool_tokens > view.d_matched_tokens else 0
+    remainder = view.prompt_tokens - min(max(view.d_matched_tokens, pool), view.prompt_tokens)
     if spec.policy == "never":
         return LocalDecision(False, "never", remainder)
     if spec.policy == "always":
-        return LocalDecision(True, "always", remainder)
+        return LocalDecision(True, "always", remainder, pool)
+    if not view.p_up:
+        return LocalDecision(True, "p_down", remainder, pool)
     if view.d_index_stale:
         return LocalDecision(False, "stale_index", remainder)
     p_busy = spec.p_busy_s is not None and view.p_queued_s >= spec.p_busy_s
@@ -60,4 +73,4 @@ def decide(spec: LocalPrefillSpec, view: LocalView) -> LocalDecision:
         return LocalDecision(False, "long_remainder", remainder)
     if view.d_local_in_flight >= spec.max_in_flight:
         return LocalDecision(False, "d_busy", remainder)
-    return LocalDecision(True, "short_remainder" if remainder <= spec.max_tokens else "p_busy", remainder)
+    return LocalDecision(True, "short_remainder" if remainder <= spec.max_tokens else "p_busy", remainder, pool)

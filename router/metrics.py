@@ -83,6 +83,7 @@ class RouterMetrics:
         sides = ("prefill", "decode")
         self._cached = {side: self.cached.labels(side=side) for side in sides}
         self._host_tier = {side: self.tier_hits.labels(side=side, tier="host") for side in sides}  # 0 without one
+        self._pool = self.tier_hits.labels(side="decode", tier="pool")  # read from a P's tier (local prefills)
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
@@ -117,6 +118,8 @@ class RouterMetrics:
             self._host_tier["prefill"].inc(rec.p_tier_tokens)
         if rec.d_tier_tokens:
             self._host_tier["decode"].inc(rec.d_tier_tokens)
+        if rec.pool_tokens:
+            self._pool.inc(rec.pool_tokens)
         for side, predicted, delivered in (("prefill", rec.predicted_p_hit_tokens, rec.p_cached_tokens),
                                            ("decode", rec.predicted_d_hit_tokens, rec.d_cached_tokens)):
             if predicted is not None and not rec.error:

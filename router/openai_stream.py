@@ -58,9 +58,10 @@ def _usage(job: Job, completion_tokens: int, last: GenerationChunk | None) -> Us
         PdUsage(p_cached_tokens=0, d_cached_tokens=0, transferred_tokens=0)
     return Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion_tokens,
                  total_tokens=len(job.prompt_ids) + completion_tokens,
-                 # The hit of the cache that served the prefill: P's, or D's own when D prefilled it.
+                 # The hit of the cache that served the prefill: P's, or D's own when D prefilled it
+                 # (with what it read from a P's tier: computed by none).
                  prompt_tokens_details=PromptTokensDetails(
-                     cached_tokens=pd.d_cached_tokens if pd.local_prefill else pd.p_cached_tokens),
+                     cached_tokens=pd.d_cached_tokens + pd.pool_tokens if pd.local_prefill else pd.p_cached_tokens),
                  pd=pd)
 
 

@@ -37,6 +37,7 @@ from pdcluster.router.lifecycle import (
     Failure,
     Finished,
     Lifecycle,
+    OpenPool,
     Prefill,
     Routed,
 )
@@ -231,17 +232,19 @@ class PDDispatcher(TokenBackend):
                 for listener in self.sink_failure_listeners:
                     listener(name)
 
-    async def _start(self, lc: Lifecycle, calls: _Calls, cmd: Prefill | Decode | CheckLost) -> list:
+    async def _start(self, lc: Lifecycle, calls: _Calls, cmd: Prefill | OpenPool | Decode | CheckLost) -> list:
         """One of the lifecycle's calls; the lifecycle's answer if it failed at once."""
         if isinstance(cmd, CheckLost):
             return lc.p_lost(cmd.attempt, await self._lost_soon(cmd.instance, calls.p_connection), time.monotonic_ns())
+        method, fed = {Prefill: ("prefill", lc.prefill_failed), OpenPool: ("open_pool", lc.pool_failed),
+                       Decode: ("decode", lc.decode_failed)}[type(cmd)]
         try:
-            call = self.channels[cmd.instance.name].call("prefill" if isinstance(cmd, Prefill) else "decode",
-                                                         cmd.request)
+            call = self.channels[cmd.instance.name].call(method, cmd.request)
         except EngineUnavailable as err:
-            fed = lc.prefill_failed if isinstance(cmd, Prefill) else lc.decode_failed
             return fed(cmd.attempt, Failure("lost", str(err)), time.monotonic_ns())
-        if isinstance(cmd, Prefill):
+        if isinstance(cmd, OpenPool):
+            calls.pool_call = call
+        elif isinstance(cmd, Prefill):
             calls.p_call, calls.p_answer = call, asyncio.ensure_future(call.next())
         else:
             calls.d_stream = call
@@ -251,8 +254,20 @@ class PDDispatcher(TokenBackend):
         """Wait for what the lifecycle waits for (P's answer, D's next output, or both) until the
         deadline, and feed it."""
         attempt, want_p, want_d = calls.attempt, lc.waiting_for_prefill, lc.waiting_for_decode
-        assert want_p or want_d, f"{lc.rec.request_id}: the lifecycle waits for nothing and is not finished"
         remaining = max(0.0, deadline - time.monotonic())
+        if lc.waiting_for_pool:  # nothing else runs meanwhile
+            try:
+                async with asyncio.timeout(remaining):
+                    offer = await calls.pool_call.next()
+            except TimeoutError:
+                return lc.timed_out(time.monotonic_ns())
+            except (EngineUnavailable, EngineCallFailed) as err:
+                return lc.pool_failed(attempt, _failure(err), time.monotonic_ns())
+            if offer is None:
+                return lc.pool_failed(attempt, Failure("error", "it ended the call without an answer"),
+                                      time.monotonic_ns())
+            return lc.pool_opened(attempt, offer, time.monotonic_ns())
+        assert want_p or want_d, f"{lc.rec.request_id}: the lifecycle waits for nothing and is not finished"
         if want_d and not want_p and calls.d_next is None:  # the stream alone: no Task per delta
             try:
                 async with asyncio.timeout(remaining):  # wait_for: a Task per await
@@ -344,6 +359,7 @@ class _Calls:
 
     attempt: int = -1
     p_connection: int = 0  # P's channel's connection count at the pick: another one later means P was replaced
+    pool_call: PendingCall | None = None  # the pool's holder's offer (before D is asked)
     p_call: PendingCall | None = None
     p_answer: asyncio.Future | None = None  # P's reply, awaited beside D's stream
     d_stream: PendingCall | None = None
@@ -353,7 +369,7 @@ class _Calls:
         for task in (self.p_answer, self.d_next):
             if task is not None and not task.done():
                 task.cancel()
-        for call in (self.p_call, self.d_stream):
+        for call in (self.pool_call, self.p_call, self.d_stream):
             if call is not None:
                 call.cancel()  # unless it ended: aborts the request inside the engine
 

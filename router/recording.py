@@ -36,6 +36,8 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
         rec.local_prefill, rec.prefill_instance = True, None
         rec.predicted_p_hit_tokens = rec.predicted_p_pending_tokens = rec.predicted_p_prefill_s = None
         rec.predicted_p_tier_tokens = 0
+    rec.pool_instance = route.pool.name if route.pool is not None else None
+    rec.predicted_pool_tokens = route.pool_tokens
 
 
 # What one attempt at a request records; a migration before the first token drops them,
@@ -49,6 +51,7 @@ def forget_attempt(rec: RequestRecord) -> None:
         rec.events.pop(event, None)
     rec.local_prefill, rec.prefill_reason = False, None
     rec.p_cached_tokens = rec.p_tier_tokens = rec.d_cached_tokens = rec.d_tier_tokens = rec.transferred_tokens = 0
+    rec.pool_tokens = 0
     rec.transfer_groups, rec.transfer_error = [], None
 
 
@@ -59,8 +62,9 @@ def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -
     _mark(rec, "p_done", pre.engine.first_token_ns, clock)
 
 
-def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset) -> None:
-    """From D's last delta: its engine times and its transfer report."""
+def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset, pooled: bool = False) -> None:
+    """From D's last delta: its engine times and its transfer report (`pooled`: its transfer was a
+    read of a P's tier, the pool's)."""
     if last.engine is not None:
         _mark(rec, "d_queued", last.engine.queued_ns, clock)
         _mark(rec, "d_scheduled", last.engine.scheduled_ns, clock)
@@ -71,6 +75,7 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset)
     if t is not None:
         rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
         rec.d_tier_tokens = t.d_tier_tokens
+        rec.pool_tokens = t.transferred_tokens if pooled and t.error is None else 0
         names = t.group_names if len(t.group_names) == len(t.blocks_per_group) else ("",) * len(t.blocks_per_group)
         rec.transfer_groups = [GroupTransfer(g, blocks, nbytes, name) for g, (blocks, nbytes, name)
                                in enumerate(zip(t.blocks_per_group, t.bytes_per_group, names))]

@@ -95,10 +95,16 @@ class Route(Generic[I]):
     # Of each side's predicted hit, the tokens in its host KV tier (loaded, not computed).
     predicted_p_tier_tokens: int | None = None
     predicted_d_tier_tokens: int | None = None
+    # D prefills it reading the first `local.pool_tokens` from this P's host tier (the pool); None: not.
+    pool: I | None = None
 
     @property
     def local_prefill(self) -> bool:
         return self.local is not None and self.local.local
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.local.pool_tokens if self.pool is not None else 0
 
 
 @dataclass
@@ -175,16 +181,19 @@ class InstancePicker(Generic[I]):
                    default=0.0)
 
     def pick(self, prompt_token_ids: Sequence[int], max_tokens: int, avoid: frozenset[str] = frozenset(),
-             hashes: Sequence[RouterHash] | None = None) -> Route[I]:
+             hashes: Sequence[RouterHash] | None = None, pool: bool = True) -> Route[I]:
         """Raises NoInstanceUp if a role has no instance up. `avoid`: instances lost under this
         request (router/migration.py), not picked even if their channel still looks up.
         `hashes`: the prompt's `hittable_hashes`, if the caller has them already (the virtual
-        clock works them out once per prompt)."""
+        clock works them out once per prompt). `pool`: False, D reads no P's tier (a read failed)."""
         turn = next(self._turn)
         n = len(prompt_token_ids)
         if self.colocated:
             return self._pick_colocated(prompt_token_ids, avoid, hashes, turn)
-        prefill, decode = self._up("prefill", self.prefill, avoid), self._up("decode", self.decode, avoid)
+        decode = self._up("decode", self.decode, avoid)
+        if self.local is not None and not self.any_up("prefill", avoid):  # D alone serves, rather than a 503
+            return self._pick_d_alone(prompt_token_ids, decode, hashes, turn)
+        prefill = self._up("prefill", self.prefill, avoid)
         matched_p = matched_d = pending_p = tier_p = tier_d = None
         if self.lookup is None:
             hashes = []
@@ -201,19 +210,36 @@ class InstancePicker(Generic[I]):
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
-        local = None
+        local = holder = None
         if self.local is not None:
+            if pool and self.local.pool:
+                holder, pool_tokens = self._pool(prefill, hashes, p_name)
             local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
-                                                 self._load[d_name].local, self._load[p_name].seconds))
+                                                 self._load[d_name].local, self._load[p_name].seconds,
+                                                 pool_tokens if holder is not None else 0))
         p_view = next(v for v in p_views if v.name == p_name)
         taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
                                     p_view.tier_tokens)
         route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
                       pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local,
-                      tier_p[p_name] if tier_p else None, tier_d[d_name] if tier_d else None)
+                      tier_p[p_name] if tier_p else None, tier_d[d_name] if tier_d else None,
+                      holder if local is not None and local.pool_tokens else None)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
+
+    def _pick_d_alone(self, prompt_token_ids: Sequence[int], decode: list[I], hashes: Sequence[RouterHash] | None,
+                      turn: int) -> Route[I]:
+        """No P is up: the D the policy picks prefills the request itself, whatever it lacks."""
+        n = len(prompt_token_ids)
+        hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
+        matched, _, tier = self._matched(decode, hashes, None)
+        view = pick_decode(self.policy, [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
+                                                    matched[d.name]) for d in decode], turn)
+        d = next(i for i in decode if i.name == view.name)
+        local = decide(self.local, LocalView(n, matched[d.name], self.lookup.stale(d.name), self._load[d.name].local,
+                                             0.0, p_up=False))
+        return Route(d, d, None, matched[d.name], None, next(self._keys), 0.0, 0.0, local, None, tier[d.name])
 
     def _pick_colocated(self, prompt_token_ids: Sequence[int], avoid: frozenset[str],
                         hashes: Sequence[RouterHash] | None, turn: int) -> Route[I]:
@@ -235,6 +261,18 @@ class InstancePicker(Generic[I]):
         if self.pending is not None:  # the next request of this prefix sees it on this D at once
             self.pending.add(d.name, route.key, hashes or [])
         return route
+
+    def _pool(self, prefill: list[I], hashes: list[RouterHash], picked: str) -> tuple[I | None, int]:
+        """The P whose host tier holds the longest run of the prompt's first blocks, as its events
+        said (the picked P first among equals), and that run in tokens; (None, 0): none holds any."""
+        best, run = None, 0
+        for p in sorted(prefill, key=lambda i: i.name != picked):
+            if self.lookup.stale(p.name):
+                continue
+            blocks = self.lookup.tier_matched_blocks(p.name, hashes, 0)
+            if blocks * self.block_size > run:
+                best, run = p, blocks * self.block_size
+        return best, run
 
     def _prefill_views(self, instances: list[I], matched: dict[str, int] | None, n: int,
                        tier: dict[str, int] | None) -> list[PrefillView]:

@@ -86,6 +86,11 @@ class Migration:
     to: str | None = None  # the instance that took the request on (None: none was left)
 
 
+# Fields a record's file leaves out when unset (0 or None): most runs have no tier and no pool.
+_LEFT_OUT_UNSET = ("p_tier_tokens", "d_tier_tokens", "predicted_p_tier_tokens", "predicted_d_tier_tokens",
+                   "pool_instance", "predicted_pool_tokens", "pool_tokens", "pool_error")
+
+
 @dataclass
 class RequestRecord:
     request_id: str
@@ -129,6 +134,13 @@ class RequestRecord:
     # host tier (0: none, or no tier; left out of the file).
     predicted_p_tier_tokens: int = 0
     predicted_d_tier_tokens: int = 0
+    # D prefilled it reading a P's host tier first (the pool, docs/kv_tiers.md): that P, the tokens
+    # the router expected it to offer, those D read (of transferred_tokens), and why a read planned
+    # did not happen (D computed the prefix instead). Left out of the file when unset.
+    pool_instance: str | None = None
+    predicted_pool_tokens: int = 0
+    pool_tokens: int = 0
+    pool_error: str | None = None
 
     def mark(self, event: str, ns: int | None = None) -> None:
         assert event in EVENT_ORDER, f"unknown timeline event {event!r}"
@@ -143,9 +155,9 @@ class RequestRecord:
         d["token_us"] = compact_token_times(d.pop("token_ns"))
         if d["traceparent"] is None:
             del d["traceparent"]
-        for tier in ("p_tier_tokens", "d_tier_tokens", "predicted_p_tier_tokens", "predicted_d_tier_tokens"):
-            if not d[tier]:
-                del d[tier]
+        for optional in _LEFT_OUT_UNSET:
+            if not d[optional]:
+                del d[optional]
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod

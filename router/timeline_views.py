@@ -57,6 +57,7 @@ class Summary:
     transferred_tokens: int
     p_tier_tokens: int  # of p_cached_tokens, those P loaded from its host KV tier
     d_tier_tokens: int  # of d_cached_tokens, those D loaded from its host KV tier
+    pool_tokens: int  # of transferred_tokens, those D read from a P's host tier (the pool)
     bytes_per_group: dict[str, int]  # KV-cache group's label (GroupTransfer.label) -> bytes pulled, summed over requests
     recomputed: int  # requests whose KV pull failed and D recomputed the prompt
     # Requests moved off a lost instance (router/migration.py), and the moves, per lost role.
@@ -189,6 +190,7 @@ def summarize(run: Run) -> Summary:
         p_cached_tokens=sum(r.p_cached_tokens for r in run.records),
         p_tier_tokens=sum(r.p_tier_tokens for r in run.records),
         d_tier_tokens=sum(r.d_tier_tokens for r in run.records),
+        pool_tokens=sum(r.pool_tokens for r in run.records),
         d_cached_tokens=sum(r.d_cached_tokens for r in run.records),
         transferred_tokens=sum(r.transferred_tokens for r in run.records),
         bytes_per_group={label: b for (_, label), b in sorted(groups.items())},
@@ -247,10 +249,12 @@ def format_summary(s: Summary) -> str:
     lines += [_stats_row(n, s.intervals.get(n)) for n, *_ in INTERVALS if n in s.intervals]
     p_tier = f", {s.p_tier_tokens} from its host tier" if s.p_tier_tokens else ""
     d_tier = f", {s.d_tier_tokens} from its host tier" if s.d_tier_tokens else ""
+    pool = f" ({s.pool_tokens} read from a P's host tier)" if s.pool_tokens else ""
     lines += ["", "decode", head_no_share,
               _stats_row("ITL", s.itl), _stats_row("TPOT", s.tpot), "",
               (f"tokens: prompt {s.prompt_tokens}, P cached {s.p_cached_tokens} (hit {_pct(s.p_hit_ratio)}{p_tier}), "
-              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}{d_tier}), transferred {s.transferred_tokens}")]
+              f"D cached {s.d_cached_tokens} (hit {_pct(s.d_hit_ratio)}{d_tier}), transferred {s.transferred_tokens}"
+               f"{pool}")]
     groups = ", ".join(f"{g}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     lines.append(f"KV bytes transferred: {groups}")
     if moved := s.transfer_hidden_ns + s.transfer_exposed_ns:
@@ -332,11 +336,14 @@ def format_waterfall(run: Run, request_id: str, width: int = 72) -> str:
     groups = ", ".join(f"{g.label}: {g.blocks} blocks {human_bytes(g.bytes)}" for g in rec.transfer_groups) or "none"
     p_tier = f" ({rec.p_tier_tokens} from its host tier)" if rec.p_tier_tokens else ""
     d_tier = f" ({rec.d_tier_tokens} from its host tier)" if rec.d_tier_tokens else ""
+    pool = f" ({rec.pool_tokens} read from {rec.pool_instance}'s host tier)" if rec.pool_tokens else ""
     lines += ["", (f"tokens: prompt {rec.prompt_tokens}, P cached {rec.p_cached_tokens}{p_tier}, D cached "
-                  f"{rec.d_cached_tokens}{d_tier}, transferred {rec.transferred_tokens}, output {rec.output_tokens}"),
+                  f"{rec.d_cached_tokens}{d_tier}, transferred {rec.transferred_tokens}{pool}, output {rec.output_tokens}"),
               f"KV bytes: {groups}"]
     if rec.transfer_error:
         lines.append(f"KV pull failed, D recomputed: {rec.transfer_error}")
+    if rec.pool_error:
+        lines.append(f"the pool's read was not used, D computed the prefix: {rec.pool_error}")
     if bad := rec.out_of_order():
         lines.append("events out of order: " + ", ".join(f"{b} before {a}" for a, b in bad))
     if is_failed(rec):

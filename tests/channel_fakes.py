@@ -8,7 +8,15 @@ import asyncio
 
 from ray.exceptions import ActorDiedError
 
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult, SamplingSpec
+from pdcluster.proto.messages import (
+    DecodeDelta,
+    DecodeRequest,
+    PoolOffer,
+    PoolRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingSpec,
+)
 from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import InstanceAddress
 from pdcluster.transfer.request_channel import EngineChannel
@@ -42,6 +50,12 @@ class Body(ServesRequestChannel):
         if self.fail:
             raise ValueError(f"bad prompt for {req.request_id}")
         return PrefillResult(req.request_id, None, len(req.prompt_token_ids), p_cached_tokens=2)
+
+    async def open_pool(self, req: PoolRequest) -> PoolOffer:
+        """Offers the prompt's first half (its tier, as it were)."""
+        if self.fail:
+            raise ValueError(f"no tier for {req.transfer_id}")
+        return PoolOffer(req.transfer_id, len(req.prompt_token_ids) // 2)
 
     async def decode(self, req: DecodeRequest):
         n = req.sampling.max_tokens

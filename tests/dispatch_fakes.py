@@ -16,6 +16,8 @@ import pytest
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
+    PoolOffer,
+    PoolRequest,
     PrefillRequest,
     PrefillResult,
     SamplingSpec,
@@ -63,7 +65,7 @@ class FakeCall:
         if isinstance(item, BaseException):
             self.done = True
             raise item
-        self.done = isinstance(item, PrefillResult) or item.finish_reason is not None
+        self.done = not isinstance(item, DecodeDelta) or item.finish_reason is not None
         return item
 
     def cancel(self) -> None:
@@ -94,10 +96,11 @@ class Method:
 
 class FakeEngine:
     """Records every call. `prefill_outcome`: None (a PrefillResult naming this engine), an
-    exception or HANG; `decode_script`: DecodeDeltas, exceptions, HANG."""
+    exception or HANG; `decode_script`: DecodeDeltas, exceptions, HANG; `pool_outcome`: the tokens
+    its tier offers, an exception or HANG."""
 
     def __init__(self, p_cached: int = 0, prefill_outcome=None, decode_script: list | None = None,
-                 health_outcome=True, connected: bool = True, decode_queued: bool = False):
+                 health_outcome=True, connected: bool = True, decode_queued: bool = False, pool_outcome=0):
         self.p_cached = p_cached
         self.decode_queued = decode_queued
         self.prefill_outcome = prefill_outcome
@@ -107,6 +110,9 @@ class FakeEngine:
         self.decode_calls: list[DecodeRequest] = []
         self.prefill_pending: list[FakeCall] = []
         self.decode_pending: list[FakeCall] = []
+        self.pool_outcome = pool_outcome
+        self.pool_calls: list[PoolRequest] = []
+        self.pool_pending: list[FakeCall] = []
         self.health = Method(lambda: FakeRef(health_outcome))
 
     def call(self, method: str, req) -> FakeCall:
@@ -120,6 +126,11 @@ class FakeEngine:
                                         prompt_tokens=len(req.prompt_token_ids), p_cached_tokens=self.p_cached)
             call = FakeCall([outcome])
             self.prefill_pending.append(call)
+        elif method == "open_pool":
+            self.pool_calls.append(req)
+            outcome = self.pool_outcome
+            call = FakeCall([PoolOffer(req.transfer_id, outcome) if isinstance(outcome, int) else outcome])
+            self.pool_pending.append(call)
         else:
             self.decode_calls.append(req)
             call = FakeCall(self.decode_script if self.decode_script is not None else default_script(),

@@ -90,7 +90,7 @@ def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(clust
     rid, got, usage = run(cluster, prompt)
     assert usage["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": HISTORY, "transferred_tokens": 0,
                            "transfer_error": None, "prefill_instance": "decode-0", "local_prefill": True,
-                           "migrations": 0}
+                           "pool_tokens": 0, "migrations": 0}
     assert usage["prompt_tokens_details"]["cached_tokens"] == HISTORY  # D's own cache served it
     assert engine_steps(cluster, "prefill-0") == p_steps, "P's engine ran a step for a request D served alone"
     assert got == ray.get(reference.greedy.remote(prompt, 16))

@@ -100,14 +100,14 @@ def test_the_first_seed_across_hosts(cluster, reference, seed_prompts):
     cold_tokens, cold = run(cluster, b)
     assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038,
                           "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                          "migrations": 0}
+                          "pool_tokens": 0, "migrations": 0}
     reset_caches(cluster, 10)
     run(cluster, a)
     warm_tokens, warm = run(cluster, b)
     assert warm["prompt_tokens_details"]["cached_tokens"] == 1024
     assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14,
                           "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                          "migrations": 0}  # D pulls only what it lacks, across hosts
+                          "pool_tokens": 0, "migrations": 0}  # D pulls only what it lacks, across hosts
     reset_caches(cluster, 10)
     run(cluster, a)
     changed_tokens, changed = run(cluster, b_changed)

@@ -74,7 +74,7 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0
     assert cold["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": 0, "transferred_tokens": 1038,
                           "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                          "migrations": 0}
+                          "pool_tokens": 0, "migrations": 0}
 
     reset_caches(cluster, 10)
     run(cluster, a, 3)
@@ -83,7 +83,7 @@ def test_seed_cold_warm_changed(cluster, reference, seed_prompts):
     # D got A's KV from P, so it holds the shared 1,024 tokens too and pulls only the tail.
     assert warm["pd"] == {"p_cached_tokens": 1024, "d_cached_tokens": 1024, "transferred_tokens": 14,
                           "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                          "migrations": 0}
+                          "pool_tokens": 0, "migrations": 0}
 
     reset_caches(cluster, 10)
     run(cluster, a, 3)
@@ -128,7 +128,7 @@ def test_repeat_fetches_no_prefix_blocks(cluster):
     # The second time D holds every full block (896 tokens) and pulls only the partial tail block.
     assert second["pd"] == {"p_cached_tokens": 896, "d_cached_tokens": 896, "transferred_tokens": 104,
                           "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                          "migrations": 0}
+                          "pool_tokens": 0, "migrations": 0}
     assert second_tokens == first_tokens
 
 

@@ -24,10 +24,11 @@ from e2e import (
     reset_caches,
     shared_cluster,
     shared_reference,
+    wait_until,
 )
 
 from pdcluster.proto.handle import TransferHandle
-from pdcluster.proto.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from pdcluster.proto.messages import DecodeRequest, PoolOffer, PoolRequest, PrefillRequest, SamplingSpec
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, format_waterfall, summarize
 
@@ -154,9 +155,9 @@ def test_d_reads_a_prefix_from_ps_tier_and_p_computes_nothing(cluster, reference
     reset_d(cluster)  # D holds none of it, device or tier
     p, d = cluster.prefill[0], cluster.decode[0]
     steps = ray.get(p.actor.load.remote()).steps
-    covered = ray.get(p.actor.open_pool.remote("pool-1", a))
+    covered = ray.get(p.actor.open_pool.remote(PoolRequest("pool-1", a))).num_tokens
     assert covered == FULL
-    assert ray.get(p.actor.open_pool.remote("pool-none", family("never-sent"))) == 0
+    assert ray.get(p.actor.open_pool.remote(PoolRequest("pool-none", family("never-sent")))) == PoolOffer("pool-none", 0)
     sampling = SamplingSpec(max_tokens=16, temperature=0, ignore_eos=True)
     handle = TransferHandle(p.engine_id, p.kv_address, "pool-1", covered)
     deltas = [ray.get(ref) for ref in d.actor.decode.options(num_returns="streaming").remote(
@@ -174,3 +175,48 @@ def test_a_cache_reset_empties_the_tier(cluster):
     reset_caches(cluster)
     _, pd, rec = run(cluster, a)
     assert (pd["p_cached_tokens"], rec.p_tier_tokens) == (0, 0)
+
+
+def evicted_from_p_and_unknown_to_d(cluster, name: str) -> list[int]:
+    """A family P prefilled and then evicted from its device cache (its tier keeps it), and D
+    forgot (device and tier), with the router's index caught up on both."""
+    a = family(name)
+    run(cluster, a)
+    for other in ("b", "c", "e"):
+        run(cluster, family(f"{name}-{other}"))
+    reset_d(cluster)
+    run(cluster, family(f"{name}-short")[:100])  # a step of D's (it prefills this alone): its reset announced
+    cluster.each_router("catch_up_kv_events")
+    return a
+
+
+def test_the_router_has_d_read_a_family_from_ps_tier_and_compute_only_the_rest(cluster, reference):
+    """The pool through the router (router.local_prefill's `pool`): D holds nothing of the family,
+    P's tier holds all but its last 56 tokens, under local_prefill.max_tokens: D prefills it
+    reading P's tier; P runs no step."""
+    a = evicted_from_p_and_unknown_to_d(cluster, "routed-pool")
+    steps = ray.get(cluster.prefill[0].actor.load.remote()).steps
+    tokens, pd, rec = run(cluster, a)
+    assert (rec.local_prefill, rec.pool_instance, rec.predicted_pool_tokens, rec.pool_tokens) == (
+        True, "prefill-0", FULL, FULL), rec
+    assert (pd["pool_tokens"], pd["d_cached_tokens"], pd["transferred_tokens"]) == (FULL, 0, FULL)
+    assert tokens == ray.get(reference.greedy.remote(a, 16))
+    assert ray.get(cluster.prefill[0].actor.load.remote()).steps == steps  # P computed nothing
+    assert_no_kv_in_use(cluster)
+    assert metric(cluster, 'pdc_tier_hit_tokens_total{side="decode",tier="pool"}') >= FULL
+    assert f"({FULL} read from prefill-0's host tier)" in format_waterfall(load_run(cluster.run_dir), rec.request_id)
+
+
+def test_killing_the_holder_makes_the_next_request_compute_the_family_with_no_error(cluster, reference):
+    """Last: it kills P, the family's only holder. The next request of the family is computed, by D
+    alone (router.local_prefill's "p_down": no P is up), and nothing fails."""
+    a = evicted_from_p_and_unknown_to_d(cluster, "killed-pool")
+    ray.kill(cluster.prefill[0].actor, no_restart=False)
+    wait_until(lambda: not httpx.get(f"{cluster.url}/health", timeout=10).json()["instances"]["prefill-0"], 30,
+               what="the router seeing prefill-0 gone")
+    tokens, pd, rec = run(cluster, a)
+    assert (rec.error, rec.prefill_reason, rec.pool_instance, rec.pool_tokens) == (None, "p_down", None, 0), rec
+    assert (pd["local_prefill"], pd["d_cached_tokens"], pd["pool_tokens"]) == (True, 0, 0)  # computed, all of it
+    assert tokens == ray.get(reference.greedy.remote(a, 16))
+    d = cluster.decode[0].actor
+    wait_until(lambda: ray.get(d.load.remote()).kv_cache_usage == 0.0, 15, what="D's KV usage back to 0")

@@ -312,3 +312,58 @@ def test_push_handle_names_the_transport(cancelled):
     disp.transport = "torch_dist"
     run(collect(disp))
     assert d.decode_calls[0].handle.transport == "torch_dist"
+
+
+# -- the pool: D reads a P's tier (router/lifecycle.py's OpenPool)
+
+POOL_PROMPT = list(range(100, 124))  # 6 blocks of 4
+
+
+def pooled(p_tier: FakeEngine, d: FakeEngine, timeout: float = 5.0) -> PDDispatcher:
+    """prefill-1's tier holds the prompt's first 20 tokens; D holds none; D prefills 8 or fewer itself."""
+    from test_routing import HeldBlocks
+
+    from pdcluster.proto.router_spec import LocalPrefillSpec
+
+    held = HeldBlocks()
+    held.store("prefill-1", POOL_PROMPT[:20], where="tier")
+    return make([FakeEngine(), p_tier], [d], timeout=timeout, policy="prefix_aware", block_size=4, lookup=held,
+                local=LocalPrefillSpec(policy="short_remainder", max_tokens=8))
+
+
+async def pool_request(disp: PDDispatcher) -> list:
+    return [c async for c in disp.generate("r0", POOL_PROMPT, SAMPLING)]
+
+
+def test_d_reads_the_prefix_the_holder_offers_and_no_p_prefills_it(cancelled):
+    holder, d = FakeEngine(pool_outcome=20), FakeEngine()
+    disp = pooled(holder, d)
+    got = run(pool_request(disp))
+    [offer] = holder.pool_calls
+    assert offer.prompt_token_ids == POOL_PROMPT and holder.prefill_calls == []
+    assert d.decode_calls[0].handle == TransferHandle("e-p1", "10.0.0.1:5001", offer.transfer_id, 20, "grpc")
+    assert got[-1].pd.local_prefill and got[-1].pd.pool_tokens == 3  # what D's (fake) report says it read
+    assert cancelled == []
+
+
+def test_a_holder_lost_as_it_is_asked_leaves_d_computing_the_prompt_with_no_error(cancelled):
+    holder, d = FakeEngine(pool_outcome=EngineUnavailable("its connection closed")), FakeEngine()
+    got = run(pool_request(pooled(holder, d)))
+    assert d.decode_calls[0].handle is None and got[-1].finish_reason == "length"
+    # Known to be down: not read at all; the 16 tokens past D's hit go through the other P.
+    holder, d = FakeEngine(connected=False), FakeEngine()
+    run(pool_request(pooled(holder, d)))
+    assert holder.pool_calls == [] and d.decode_calls[0].handle.engine_id == "e-p0"
+
+
+def test_a_holder_that_never_offers_is_504_and_its_call_is_cancelled(cancelled):
+    holder, d = FakeEngine(pool_outcome=HANG), FakeEngine()
+
+    async def main():
+        with pytest.raises(Exception) as ei:
+            await pool_request(pooled(holder, d, timeout=0.2))
+        return ei.value
+
+    err = run(main())
+    assert err.status == 504 and "prefill-1's offer" in str(err)
+    assert cancelled == holder.pool_pending and d.decode_calls == []

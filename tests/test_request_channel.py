@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from channel_fakes import SAMPLING, SECRET, Body, LocalActor, connected, decode_req, items, prefill_req
 
-from pdcluster.proto.messages import DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.proto.messages import DecodeRequest, PoolOffer, PoolRequest, PrefillRequest, PrefillResult
 from pdcluster.transfer.request_channel import (
     EngineCallFailed,
     EngineChannel,
@@ -31,6 +31,20 @@ def test_prefill_and_decode_round_trip():
     assert pre == PrefillResult("r0", None, 3, p_cached_tokens=2)
     assert [d.new_token_ids for d in deltas] == [[100], [101], [102]]
     assert [d.finish_reason for d in deltas] == [None, None, "length"]
+
+
+def test_a_pool_offer_round_trips_and_its_failure_names_itself():
+    async def main():
+        _, ch = await connected(Body())
+        offer = await asyncio.wait_for(ch.call("open_pool", PoolRequest("t1", list(range(10)))).next(), 5)
+        ch.close()
+        _, failing = await connected(Body(fail=True))
+        with pytest.raises(EngineCallFailed, match="ValueError: no tier for t2"):
+            await asyncio.wait_for(failing.call("open_pool", PoolRequest("t2", [1])).next(), 5)
+        failing.close()
+        return offer
+
+    assert asyncio.run(main()) == PoolOffer("t1", 5)
 
 
 def test_replies_of_one_loop_turn_share_a_frame():

@@ -32,7 +32,7 @@ def test_completion_text_prompt(fake_router, tok):
                              "total_tokens": len(ids) + n_out, "prompt_tokens_details": {"cached_tokens": 3},
                              "pd": {"p_cached_tokens": 3, "d_cached_tokens": 1, "transferred_tokens": 5,
                                     "transfer_error": None, "prefill_instance": "prefill-0", "local_prefill": False,
-                                    "migrations": 0}}
+                                    "pool_tokens": 0, "migrations": 0}}
     assert backend.closed_early == []
 
 

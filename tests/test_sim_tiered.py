@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.bench.kv_tier_sim import with_tier
+from pdcluster.bench.kv_tier_sim import in_mode, with_tier
 from pdcluster.cluster.replay.run import BenchConfig
 from pdcluster.cluster.sim.virtual.run import simulate
 from pdcluster.proto.spec import load_spec
@@ -49,3 +49,16 @@ def test_delivered_hits_per_tier_are_the_predicted_ones(runs):
     # router looked may be loaded from the tier by the time P schedules it. The hit itself is exact.
     checked = _phase(runs[0], "check", "formal")
     assert [r.predicted_p_hit_tokens for r in checked] == [r.p_cached_tokens for r in checked]
+
+
+def test_with_the_pool_d_reads_families_ps_tiers_hold_as_the_router_predicted():
+    """D prefills short remainders itself (16K tokens here: a C90 prompt's own part is ~12K) and
+    reads what a P's tier holds first (router.local_prefill.pool): the hit stays the structural
+    maximum, counted where the pool served it."""
+    run = simulate(in_mode(load_spec(TIERED), "tier+pool", 16384), LOAD, vocab_size=1000)
+    formal = run.summaries["formal"]
+    assert formal.measured_hit_ratio >= formal.expected_hit_ratio - 0.03 and all(r.ok for r in run.results)
+    pooled = [r for r in _phase(run, "check", "formal") if r.pool_instance]
+    assert pooled and all(r.local_prefill and r.predicted_pool_tokens > 0 for r in pooled)
+    assert sum(r.pool_tokens == r.predicted_pool_tokens for r in pooled) >= 0.95 * len(pooled)
+    assert run.hit_mismatches == []

@@ -17,6 +17,8 @@ from pdcluster.transfer.channel_wire import (
     DecodeCall,
     DecodeReply,
     FramedConnection,
+    PoolCall,
+    PoolReply,
     PrefillCall,
     PrefillReply,
     ServerHandshake,
@@ -26,8 +28,8 @@ from pdcluster.transfer.network import InstanceAddress, host_port
 
 
 class ChannelServer:
-    """Serves calls on `handler.prefill` (a coroutine) and `handler.decode` (an async
-    generator) in the engine actor's event loop, for every router connected that proved
+    """Serves calls on `handler.prefill` and `handler.open_pool` (coroutines) and `handler.decode`
+    (an async generator) in the engine actor's event loop, for every router connected that proved
     it holds the cluster secret (`refused` counts those that did not).
 
     A connection that has not proved itself yet costs a socket and a timer: at most
@@ -131,12 +133,14 @@ class ChannelServer:
             elif (task := self._tasks.pop(key, None)) is not None:  # Abort of a call still running
                 task.cancel()
 
-    async def _run(self, conn: FramedConnection, call: PrefillCall | DecodeCall) -> None:
+    async def _run(self, conn: FramedConnection, call: PrefillCall | DecodeCall | PoolCall) -> None:
         key, post = (conn, call.call_id), conn.post
-        reply = PrefillReply if isinstance(call, PrefillCall) else DecodeReply
+        reply = {PrefillCall: PrefillReply, DecodeCall: DecodeReply, PoolCall: PoolReply}[type(call)]
         try:
             if isinstance(call, PrefillCall):
                 post(PrefillReply(call.call_id, await self.handler.prefill(call.request), done=True))
+            elif isinstance(call, PoolCall):
+                post(PoolReply(call.call_id, await self.handler.open_pool(call.request), done=True))
             else:
                 async for delta in self.handler.decode(call.request):
                     last = delta.finish_reason is not None

@@ -8,8 +8,8 @@ fixed-size proof and drops a connection that sends anything else). Then each fra
 AES-GCM, the frame's number as nonce; prompts and completions cross in it), a msgpack
 list of typed messages (msgspec: the decoder
 builds exactly these classes and the messages.py dataclasses inside them, and nothing
-else; no pickle): router -> engine `PrefillCall`, `DecodeCall`, `Abort`; engine ->
-router `PrefillReply`, `DecodeReply`. Plain asyncio TCP rather than ZMQ: ZMQ's I/O
+else; no pickle): router -> engine `PrefillCall`, `DecodeCall`, `PoolCall`, `Abort`; engine ->
+router `PrefillReply`, `DecodeReply`, `PoolReply`. Plain asyncio TCP rather than ZMQ: ZMQ's I/O
 thread adds a thread hop each way (a round trip ~200 us here against ~110; P's and D's
 calls at one connection 0.67 -> 0.32 ms, bench/README.md "The router's own overhead").
 
@@ -27,14 +27,14 @@ from typing import Literal
 
 import msgspec
 
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PoolOffer, PoolRequest, PrefillRequest, PrefillResult
 from pdcluster.transfer.auth import HANDSHAKE_TIMEOUT_S, AuthError, ClientHandshake, ServerHandshake, derive
 from pdcluster.transfer.network import host_port
 from pdcluster.transfer.session import TAG_BYTES, FrameSeal, SealError
 
 log = logging.getLogger(__name__)
 
-Method = Literal["prefill", "decode"]
+Method = Literal["prefill", "decode", "open_pool"]
 # A peer whose host vanished (no FIN): keepalive probes after 5 s idle, every 2 s, 3 unanswered
 # end it (~11 s); unacknowledged data ends it after TCP_USER_TIMEOUT.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
@@ -50,6 +50,11 @@ class PrefillCall(msgspec.Struct, tag="prefill", array_like=True, frozen=True):
 class DecodeCall(msgspec.Struct, tag="decode", array_like=True, frozen=True):
     call_id: int
     request: DecodeRequest
+
+
+class PoolCall(msgspec.Struct, tag="open_pool", array_like=True, frozen=True):
+    call_id: int
+    request: PoolRequest
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -73,13 +78,20 @@ class DecodeReply(msgspec.Struct, tag="decode", array_like=True, frozen=True):
     error: str | None = None
 
 
-Reply = PrefillReply | DecodeReply
-CALLS: dict[Method, type] = {"prefill": PrefillCall, "decode": DecodeCall}
+class PoolReply(msgspec.Struct, tag="open_pool", array_like=True, frozen=True):
+    call_id: int
+    item: PoolOffer | None
+    done: bool  # always: one reply
+    error: str | None = None
+
+
+Reply = PrefillReply | DecodeReply | PoolReply
+CALLS: dict[Method, type] = {"prefill": PrefillCall, "decode": DecodeCall, "open_pool": PoolCall}
 
 _encode = msgspec.msgpack.Encoder().encode
 # What each side accepts: anything else in a frame (a wrong type, a missing field) fails its decode.
-ENGINE_INBOX = msgspec.msgpack.Decoder(list[PrefillCall | DecodeCall | Abort])
-ROUTER_INBOX = msgspec.msgpack.Decoder(list[PrefillReply | DecodeReply])
+ENGINE_INBOX = msgspec.msgpack.Decoder(list[PrefillCall | DecodeCall | PoolCall | Abort])
+ROUTER_INBOX = msgspec.msgpack.Decoder(list[PrefillReply | DecodeReply | PoolReply])
 _LENGTH = struct.Struct("!I")  # each frame's prefix: the sealed msgpack list's length in bytes
 MAX_FRAME_BYTES = (256 << 20) + TAG_BYTES  # a 128K-id prompt is ~400 KB; more is a broken or hostile peer
 

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PrefillRequest, PrefillResult
+from pdcluster.proto.messages import DecodeDelta, DecodeRequest, PoolOffer, PoolRequest, PrefillRequest, PrefillResult
 from pdcluster.transfer.auth import AuthError, ClientHandshake
 from pdcluster.transfer.channel_wire import (
     CALLS,
@@ -62,7 +62,7 @@ class PendingCall:
         self.replies: asyncio.Queue[Reply | BaseException] = asyncio.Queue()
         self.done = False
 
-    async def next(self) -> PrefillResult | DecodeDelta | None:
+    async def next(self) -> PrefillResult | DecodeDelta | PoolOffer | None:
         """The call's next item; None once it ended without one (decode without a finish).
         Raises EngineUnavailable or EngineCallFailed."""
         if self.done:
@@ -152,7 +152,7 @@ class EngineChannel:
         self._tasks = [asyncio.create_task(self._watch(self.actor.channel_closed.remote()))]
         return self
 
-    def call(self, method: Method, request: PrefillRequest | DecodeRequest) -> PendingCall:
+    def call(self, method: Method, request: PrefillRequest | DecodeRequest | PoolRequest) -> PendingCall:
         if self._conn is None:
             raise EngineUnavailable(self._down_reason)
         call = PendingCall(self, next(self._ids))

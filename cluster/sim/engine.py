@@ -46,6 +46,8 @@ from pdcluster.proto.messages import (
     EngineLoad,
     EngineTimes,
     InstanceInfo,
+    PoolOffer,
+    PoolRequest,
     PrefillRequest,
     PrefillResult,
     Role,
@@ -241,6 +243,12 @@ class SimEngineActor(ServesRequestChannel, Engine):
             if not finished:  # the router cancelled the stream: the client went away
                 sched.abort(rid)
                 self.consumer.take_report(rid)
+
+    async def open_pool(self, req: PoolRequest) -> PoolOffer:
+        """Nothing: in real time the simulated tier is a book without payload bytes to serve (the
+        virtual clock models the pool, cluster/sim/virtual/kv.py). The router then prefills on D
+        as if no tier held the prefix."""
+        return PoolOffer(req.transfer_id, 0)
 
     async def reset_prefix_cache(self) -> bool:
         sched = self._started()

@@ -51,6 +51,11 @@ class SimTier:
         last = max(first, max_hit_tokens // self.block_size)
         return self.book.match({_GROUP: block_hashes[first:last]})
 
+    def offer(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> int:
+        """The pool (the virtual router's OpenPool): the run of a prompt's first blocks the tier holds,
+        within `max_hit_tokens`, counted as used now. Not pinned: a read is instant on the book."""
+        return self.lookup(block_hashes, 0, max_hit_tokens)
+
     def load_s(self, tokens: int) -> float:
         """The host link's time for loading `tokens` (whole blocks) back to the device."""
         return self.cost.host_load_s(tokens // self.block_size * self.block_bytes) if tokens > 0 else 0.0

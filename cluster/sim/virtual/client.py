@@ -41,7 +41,7 @@ def result_of(req: BenchRequest, rec: RequestRecord) -> RequestResult:
     """What the client would have observed of a request, from its record."""
     ev = rec.events
     ok = rec.error is None
-    cached = (rec.d_cached_tokens if rec.local_prefill else rec.p_cached_tokens) if ok else None
+    cached = (rec.d_cached_tokens + rec.pool_tokens if rec.local_prefill else rec.p_cached_tokens) if ok else None
     return RequestResult(index=req.index, phase=req.phase, prompt_tokens=len(req.prompt_token_ids),
                          start_s=ev["arrival"] / 1e9, end_s=ev["finish"] / 1e9, request_id=rec.request_id,
                          output_tokens=rec.output_tokens, chunk_s=[t / 1e9 for t in rec.token_ns],

@@ -68,6 +68,13 @@ class VirtualKv:
         self._by_p[p_request_id], self._by_d[d_request_id] = t, t
         self._p_of[p_request_id], self._d_of[d_request_id] = p_name, d_name
 
+    def expect_pool(self, transfer_id: str, num_tokens: int, holder: str, d_name: str, d_request_id: str) -> None:
+        """D reads a prompt's first `num_tokens` from `holder`'s host tier (the pool): ready at once,
+        no P request holds them (the holder's tier keeps them; not modelled: its eviction meanwhile)."""
+        t = _Transfer(transfer_id, num_tokens, f"{transfer_id}#pool", d_request_id,
+                      ready=[(self.loop.now_ns, num_tokens)], p_released=True)
+        self._by_d[d_request_id], self._d_of[d_request_id] = t, d_name
+
     def stats(self, d_request_id: str) -> TransferStats | None:
         """D's report of the transfer (None if D never started its load), and forget it."""
         t = self._by_d.pop(d_request_id, None)

@@ -6,7 +6,8 @@ pending blocks, prefill-cost model and local-prefill rule; admission; one `Insta
 instance (router/prefix_index.py) fed every KV cache event its pool publishes. The real router
 gets those events over ZMQ a moment after each step; here they are applied at the step's end.
 The lifecycle's commands become SimRequests added to the virtual instances (push: D and P at
-once, D loading each block as P makes it ready; pull: D when P is done; local prefill: D alone),
+once, D loading each block as P makes it ready; pull: D when P is done; local prefill: D alone,
+reading first what a P's tier offers when the route reads the pool),
 and their deltas its inputs, every time on the virtual clock. Not modelled: network and router
 CPU time (a request reaches P and D the moment it arrives), failures, migrations, timeouts,
 client aborts.
@@ -26,11 +27,11 @@ from pdcluster.cluster.sim.virtual.instance import VirtualInstance
 from pdcluster.cluster.sim.virtual.kv import VirtualKv
 from pdcluster.cluster.sim.virtual.prompts import PreparedPrompt
 from pdcluster.proto.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from pdcluster.proto.messages import DecodeDelta, EngineTimes, PrefillResult, SamplingSpec
+from pdcluster.proto.messages import DecodeDelta, EngineTimes, PoolOffer, PrefillResult, SamplingSpec
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.dispatch import Dispatch
-from pdcluster.router.lifecycle import CheckLost, Command, Decode, Finished, Lifecycle, Prefill, Routed
+from pdcluster.router.lifecycle import CheckLost, Command, Decode, Finished, Lifecycle, OpenPool, Prefill, Routed
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.prefix_index import InstanceIndex, RouterHash
 from pdcluster.router.routing import InstancePicker
@@ -184,9 +185,18 @@ class VirtualRouter:
             elif isinstance(cmd, Prefill):
                 flight.p_req = self._sim_request(flight, "p", 1, 0, lambda d: self._p_delta(flight, d))
                 self.instances[cmd.instance.name].add(flight.p_req)
+            elif isinstance(cmd, OpenPool):  # the holder's tier offers its run at once (no network modelled)
+                tier = self.instances[cmd.instance.name].core.tier
+                blocks = tier.offer(flight.prompt.block_hashes, len(flight.prompt.tokens) - 1) if tier else 0
+                offer = PoolOffer(cmd.request.transfer_id, blocks * self.block_size)
+                if offer.num_tokens:
+                    rid = flight.lc.rec.request_id
+                    self.kv.expect_pool(offer.transfer_id, offer.num_tokens, cmd.instance.name,
+                                        flight.lc.attempt.route.decode.name, f"{rid}#d")
+                self._do(flight, flight.lc.pool_opened(cmd.attempt, offer, self.loop.now_ns))
             elif isinstance(cmd, Decode):
-                # The prompt's KV comes from P when the request names where (not for a local prefill).
-                external = len(flight.prompt.tokens) if cmd.request.handle is not None else 0
+                # The prompt's KV comes from P (or a P's tier) for what the request's handle covers.
+                external = cmd.request.handle.num_tokens if cmd.request.handle is not None else 0
                 flight.d_req = self._sim_request(flight, "d", cmd.request.sampling.max_tokens, external,
                                                  lambda d: self._d_delta(flight, d))
                 self.instances[cmd.instance.name].add(flight.d_req)
