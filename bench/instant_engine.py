@@ -34,6 +34,7 @@ from pdcluster.proto.messages import (
     PrefillRequest,
     PrefillResult,
     Role,
+    TierCounts,
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
@@ -106,6 +107,9 @@ class InstantEngine(ServesRequestChannel, Engine):
 
     async def open_pool(self, req: PoolRequest) -> PoolOffer:
         return PoolOffer(req.transfer_id, 0)  # no KV, no tier: nothing to offer
+
+    async def tier_counts(self) -> TierCounts | None:
+        return None  # no tier
 
     def set_tokens_per_delta(self, n: int) -> None:
         """Not EngineActor's: how many tokens each DecodeDelta carries from now on."""

@@ -40,6 +40,7 @@ from pdcluster.proto.messages import (
     PrefillResult,
     Role,
     SamplingSpec,
+    TierCounts,
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
@@ -374,6 +375,12 @@ class EngineActor(ServesRequestChannel, Engine):
                                      getattr(cache, "prefix_caching_hash_algo", "sha256"))
         covered = await self.llm.collective_rpc("pdc_open_pool", args=(req.transfer_id, hashes))
         return PoolOffer(req.transfer_id, int(covered[0]) if covered else 0)
+
+    async def tier_counts(self) -> TierCounts | None:
+        if not self.spec.role_engine(self.plan.role).host_tier_gib:
+            return None
+        got = await self.llm.collective_rpc("pdc_tier_counts")  # the worker's (transfer/pool_worker.py)
+        return TierCounts(**got[0]) if got and got[0] else None
 
     async def reset_prefix_cache(self) -> bool:
         import inspect

@@ -6,8 +6,8 @@ cost). `tests/test_engine_protocol.py` checks that each defines every method its
 names, parameters and kinds (coroutine, async generator, plain).
 
 Two paths reach a body. Ray calls, for what the launcher and the router ask once or rarely
-(`info`, `clock`, `load`, `health`, `refusals`, `reset_prefix_cache`, `shutdown`, and the request channel's
-`open_channel`); the request channel (transfer/request_channel.py), for the requests themselves
+(`info`, `clock`, `load`, `health`, `refusals`, `tier_counts`, `reset_prefix_cache`, `shutdown`, and
+the request channel's `open_channel`); the request channel (transfer/request_channel.py), for the requests themselves
 (`prefill`, `decode`, `open_pool`): one authenticated TCP connection per engine, typed messages
 (proto/messages.py), nothing pickled.
 """
@@ -27,6 +27,7 @@ from pdcluster.proto.messages import (
     PrefillRequest,
     PrefillResult,
     RefusalCounts,
+    TierCounts,
 )
 
 
@@ -65,6 +66,10 @@ class Engine(Protocol):
         """Offer a peer the run of the prompt's first blocks this instance's host KV tier holds, at
         its KV address under `req.transfer_id` and the transfer's lease, without running a step: the
         tokens the run covers, 0 where there is none (no tier, nothing held, no KV server)."""
+
+    async def tier_counts(self) -> TierCounts | None:
+        """Its host KV tier's own counts (held, loaded, stored, served to peers), None without a tier
+        (for the router's /metrics, asked when it is scraped)."""
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (what the instance holds is announced as cleared)."""

@@ -230,3 +230,18 @@ class EngineLoad:
     running: int
     waiting: int
     steps: int  # scheduler steps seen so far
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """An instance's host KV tier as it counts itself, since the instance started (docs/kv_tiers.md):
+    what it holds, and the copies to and from its device and to peers (the pool)."""
+
+    held_bytes: int = 0
+    loaded_blocks: int = 0  # copied back into the device cache (a request's tier hit)
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0  # the loads' time as the worker issued them (on CUDA: until queued, not done)
+    stored_blocks: int = 0  # copied out of the device cache (write-through, at a request's end)
+    stored_bytes: int = 0
+    served_blocks: int = 0  # offered to peers' reads (the pool)
+

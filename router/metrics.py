@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from pdcluster.proto.messages import RefusalCounts
+from pdcluster.proto.messages import RefusalCounts, TierCounts
 from pdcluster.router.attribution import CRITICAL_PATH, attribute
 from pdcluster.router.timeline import RequestRecord
 
@@ -158,6 +158,32 @@ def tier_families(blocks: dict[str, tuple[int, int]]) -> list[Metric]:
         held.add_metric([name, "host"], n_held)
         evicted.add_metric([name, "host"], n_evicted)
     return [held, evicted]
+
+
+# The instances' own counts of their host tiers (proto/messages.py TierCounts): (family, help, field).
+_TIER_COUNTS = (
+    ("pdc_tier_bytes", "bytes an instance's host tier holds, as it counts them", "held_bytes"),
+    ("pdc_tier_loaded_blocks", "KV blocks an instance's host tier copied back to its device cache", "loaded_blocks"),
+    ("pdc_tier_loaded_bytes", "bytes an instance's host tier copied back to its device cache", "loaded_bytes"),
+    ("pdc_tier_load_seconds", "time an instance's worker spent issuing its host tier's loads", "load_seconds"),
+    ("pdc_tier_stored_blocks", "KV blocks an instance copied out to its host tier", "stored_blocks"),
+    ("pdc_tier_stored_bytes", "bytes an instance copied out to its host tier", "stored_bytes"),
+    ("pdc_tier_served_blocks", "KV blocks an instance's host tier offered to peers' reads (the pool)", "served_blocks"),
+)
+
+
+def tier_counts_page(counts: dict[str, TierCounts]) -> bytes:
+    """The instances' tiers as they count themselves (instance name -> counts), as a page for merging."""
+    families = []
+    for name, help_text, attr in _TIER_COUNTS:
+        fam = (GaugeMetricFamily if attr == "held_bytes" else CounterMetricFamily)(
+            name, help_text + " (docs/kv_tiers.md)", labels=["instance", "tier"])
+        for instance, c in sorted(counts.items()):
+            fam.add_metric([instance, "host"], getattr(c, attr))
+        families.append(fam)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(lambda: families))
+    return generate_latest(registry)
 
 
 def refused_family(counts: dict[tuple[str, str], int]) -> CounterMetricFamily:

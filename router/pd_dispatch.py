@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import ray
 
-from pdcluster.proto.messages import DecodeDelta, InstanceInfo, RefusalCounts, SamplingSpec
+from pdcluster.proto.messages import DecodeDelta, InstanceInfo, RefusalCounts, SamplingSpec, TierCounts
 from pdcluster.proto.router_spec import DEFAULT_MIGRATION_LIMIT, LocalPrefillSpec, Policy
 from pdcluster.router.admission import AdmissionLimits
 from pdcluster.router.backend import BackendError, GenerationChunk, ModelCard, TokenBackend
@@ -340,11 +340,20 @@ class PDDispatcher(TokenBackend):
         return dict(zip([i.name for i in insts], await asyncio.gather(*(one(i) for i in insts))))
 
     async def refusals(self) -> dict[str, RefusalCounts]:
-        """Each instance's refused peers per plane; one that does not answer in 2 s is left out."""
-        async def one(inst: Instance) -> RefusalCounts | None:
+        """Each instance's refused peers per plane."""
+        return await self._ask_each("refusals")
+
+    async def tier_counts(self) -> dict[str, TierCounts]:
+        """Each instance's host tier's own counts (instances without a tier left out)."""
+        return await self._ask_each("tier_counts")
+
+    async def _ask_each(self, method: str, timeout_s: float = 2.0) -> dict:
+        """Each instance's answer to a Ray call of `method`; one that does not answer in `timeout_s`,
+        or answers None, is left out (dead or restarting: its counts show again when it answers)."""
+        async def one(inst: Instance):
             try:
-                return await asyncio.wait_for(inst.actor.refusals.remote(), 2.0)
-            except Exception:  # dead or restarting: its counts show again when it answers
+                return await asyncio.wait_for(getattr(inst.actor, method).remote(), timeout_s)
+            except Exception:
                 return None
 
         insts = self.prefill + self.decode

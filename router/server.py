@@ -167,7 +167,7 @@ class RouterActor:
 
     async def _metrics_page(self, request: HttpRequest) -> BytesResponse:
         page = self.metrics.render()
-        from pdcluster.router.metrics import merge_expositions, refusals_page
+        from pdcluster.router.metrics import merge_expositions, refusals_page, tier_counts_page
 
         if self.peers:
             # A peer that is gone fails the page, naming it: a sum without its counts would be wrong.
@@ -179,8 +179,9 @@ class RouterActor:
                 return json_response(error_body(f"metrics of the other router processes did not come ({said})",
                                                 "service_unavailable"), 503)
             page = merge_expositions([page, *pages])
-        # The instances' refusals, asked by whichever router serves the page (not summed over routers).
-        page = merge_expositions([page, refusals_page(await self.dispatcher.refusals())])
+        # The instances' refusals and tiers, asked by whichever router serves the page (not summed over routers).
+        refusals, tiers = await asyncio.gather(self.dispatcher.refusals(), self.dispatcher.tier_counts())
+        page = merge_expositions([page, refusals_page(refusals), tier_counts_page(tiers)])
         return BytesResponse(page, media_type=self.metrics.content_type)
 
     def own_metrics(self) -> bytes:

@@ -78,6 +78,12 @@ def test_the_tiers_served_hits_and_the_router_predicted_them(cluster, bench):
     series = 'pdc_tier_hit_tokens_total{side="prefill",tier="host"} '
     counted = float(next(ln for ln in lines if ln.startswith(series)).removeprefix(series))
     assert counted == sum(bench.timelines[r.request_id].p_tier_tokens for r in bench.results)
+    # And each instance's tier's own count of its loads (pdc_tier_loaded_blocks_total, asked of the
+    # instances as the page is served) agrees: P's and D's tier hits are the blocks their tiers loaded.
+    loaded = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("pdc_tier_loaded_blocks_total{"))
+    hits = sum(bench.timelines[r.request_id].p_tier_tokens + bench.timelines[r.request_id].d_tier_tokens
+               for r in bench.results)
+    assert loaded * cluster.spec.engine.block_size == hits > 0
 
 
 def test_every_timeline_is_complete(bench):

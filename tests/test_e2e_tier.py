@@ -204,6 +204,12 @@ def test_the_router_has_d_read_a_family_from_ps_tier_and_compute_only_the_rest(c
     assert ray.get(cluster.prefill[0].actor.load.remote()).steps == steps  # P computed nothing
     assert_no_kv_in_use(cluster)
     assert metric(cluster, 'pdc_tier_hit_tokens_total{side="decode",tier="pool"}') >= FULL
+    # Each tier as it counts itself (asked of the instances as /metrics is served): P offered the run
+    # to D's read, D's tier stored the family's blocks when the request ended.
+    p_tier, d_tier = '{instance="prefill-0",tier="host"}', '{instance="decode-0",tier="host"}'
+    assert metric(cluster, f"pdc_tier_served_blocks_total{p_tier}") >= FULL // 128
+    assert metric(cluster, f"pdc_tier_loaded_blocks_total{p_tier}") >= FULL // 128  # the first test's load
+    assert metric(cluster, f"pdc_tier_stored_bytes_total{d_tier}") > 0 and metric(cluster, f"pdc_tier_bytes{d_tier}") > 0
     assert f"({FULL} read from prefill-0's host tier)" in format_waterfall(load_run(cluster.run_dir), rec.request_id)
 
 

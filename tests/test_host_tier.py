@@ -33,6 +33,20 @@ def test_blocks_come_back_byte_for_byte_into_other_blocks(layout):
     assert tier.block_bytes(0) == per_block and tier.nbytes == 3 * per_block
 
 
+def test_the_tier_counts_what_it_held_loaded_stored_and_offered_peers():
+    caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
+    bb = tier.block_bytes(0)
+    tier.store(keys("a", "b", "c"), [1, 2, 3])
+    tier.load(keys("a", "b"), [4, 5])
+    tier.read_run([b"a", b"b", b"x"]).close()  # a peer's read of a prompt whose third block is not held
+    tier.evict(keys("c"))
+    c = tier.counted()
+    assert (c.held_bytes, c.stored_blocks, c.stored_bytes, c.loaded_blocks, c.loaded_bytes, c.served_blocks) == (
+        2 * bb, 3, 3 * bb, 2, 2 * bb, 2)
+    assert c.load_seconds > 0
+
+
 def test_evicted_blocks_are_gone_and_a_load_of_one_names_it():
     caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
     tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))

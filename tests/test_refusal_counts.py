@@ -135,3 +135,19 @@ def test_metrics_show_each_instances_refusals_per_plane_and_the_routers_401s():
     assert got[(("instance", "decode-0"), ("plane", "request_channel"))] == 3
     assert got[(("instance", "decode-0"), ("plane", "kv_events"))] == 2
     assert len(got) == 1 + 2 * len(refusal_counts.PLANES)
+
+
+def test_metrics_show_each_instances_tier_as_it_counts_it():
+    from pdcluster.proto.messages import TierCounts
+    from pdcluster.router.metrics import tier_counts_page
+
+    page = tier_counts_page({"prefill-0": TierCounts(held_bytes=4096, loaded_blocks=3, loaded_bytes=3072,
+                                                     load_seconds=0.25, stored_blocks=5, stored_bytes=5120,
+                                                     served_blocks=2)})
+    at = (("instance", "prefill-0"), ("tier", "host"))
+    assert series(page, "pdc_tier_bytes")[at] == 4096
+    assert series(page, "pdc_tier_loaded_bytes_total")[at] == 3072
+    assert series(page, "pdc_tier_load_seconds_total")[at] == 0.25
+    assert series(page, "pdc_tier_stored_blocks_total")[at] == 5
+    assert series(page, "pdc_tier_served_blocks_total")[at] == 2
+    assert series(tier_counts_page({}), "pdc_tier_bytes") == {}  # no instance with a tier: no series

@@ -15,6 +15,7 @@ from pdcluster.cluster.sim.scheduler_config import KvHooks, SchedulerConfig
 from pdcluster.cluster.sim.scheduler_core import SchedulerCore
 from pdcluster.cluster.sim.tier import SimTier, host_tier
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM
+from pdcluster.proto.messages import TierCounts
 
 BS = 16
 COST = CostModel(SimParams.load("cluster/sim/params/qwen3-8b-h200.yaml"), BS)
@@ -73,6 +74,8 @@ def test_a_family_the_device_dropped_comes_back_from_the_tier_with_its_load_in_t
     # The admitting step computes 3 tokens and loads 8 blocks over the host link before it.
     assert warm[0] == pytest.approx(0.01 + COST.host_load_s(8 * COST.block_bytes))
     assert cold[0] == 0.01 and COST.host_load_s(8 * COST.block_bytes) > 0
+    bb = COST.block_bytes  # the tier counts itself as the real one does (TierCounts)
+    assert c.tier.counts() == TierCounts(16 * bb, 8, 8 * bb, COST.host_load_s(8 * bb), 16, 16 * bb, 0)
 
 
 def test_a_device_hit_is_taken_first_and_the_tier_adds_only_the_run_past_it():

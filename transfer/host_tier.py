@@ -21,12 +21,14 @@ evicts; the KV server's threads read: every access to the blocks is under one lo
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.tier_book import BlockKey
 
@@ -43,6 +45,7 @@ class HostTier:
         self._lock = threading.Lock()  # guards _blocks, _pins, _evict_later (the worker and the KV server)
         self._pins: Counter[BlockKey] = Counter()  # keys a peer's read holds (never 0: absent instead)
         self._evict_later: set[BlockKey] = set()  # evicted while pinned: freed at the last unpin
+        self.counts = TierCounts()  # since it started (held_bytes: see `counted`)
 
     def block_bytes(self, group: int) -> int:
         """One block of `group` in the tier, all its layers: what the book counts per block."""
@@ -52,6 +55,10 @@ class HostTier:
     def nbytes(self) -> int:
         with self._lock:
             return sum(self.block_bytes(group) for group, _ in self._blocks)
+
+    def counted(self) -> TierCounts:
+        """`counts`, with the bytes it holds now."""
+        return replace(self.counts, held_bytes=self.nbytes)
 
     def __contains__(self, key: BlockKey) -> bool:
         with self._lock:
@@ -69,6 +76,9 @@ class HostTier:
         with self._lock:
             self._blocks.update(copies)
             self._evict_later.difference_update(copies)  # kept again: a pending eviction is void
+        c = self.counts
+        self.counts = replace(c, stored_blocks=c.stored_blocks + len(keys),
+                              stored_bytes=c.stored_bytes + len(keys) * self.block_bytes(group))
 
     def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
         """Copy the kept blocks `keys` into device blocks `block_ids` (KeyError naming one not kept:
@@ -80,11 +90,15 @@ class HostTier:
         if missing:
             raise KeyError(f"the host tier holds no bytes for {len(missing)} of the {len(keys)} blocks to load "
                            f"(first: group {missing[0][0]}, hash {missing[0][1].hex()[:16]})")
+        t0 = time.perf_counter()
         for name in self._layers[group]:
             view = self._kv.view(name)
             data = torch.stack([b[name] for b in blocks])
             view.index_copy_(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device),
                              data.to(view.device, non_blocking=self._pin))
+        c = self.counts
+        self.counts = replace(c, loaded_blocks=c.loaded_blocks + len(keys), load_seconds=c.load_seconds +
+                              time.perf_counter() - t0, loaded_bytes=c.loaded_bytes + len(keys) * self.block_bytes(group))
 
     def evict(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
@@ -108,6 +122,7 @@ class HostTier:
             keys = {g: tuple((g, h) for h in hashes[:n]) for g in self._layers}
             for run in keys.values():
                 self._pins.update(run)
+        self.counts = replace(self.counts, served_blocks=self.counts.served_blocks + n)
         return PooledRun(self, keys, n)
 
     def _gather(self, layer: str, keys: Sequence[BlockKey]) -> torch.Tensor:

@@ -33,6 +33,19 @@ class PoolWorkerExtension:
         return worker.open_pool(transfer_id, [bytes(h) for h in hashes]) if worker is not None else 0
 
 
+    def pdc_tier_counts(self) -> dict | None:
+        """This instance's host tier's counts (proto/messages.py TierCounts, as a dict: collective_rpc's
+        answers cross processes by msgpack), None without a tier."""
+        from dataclasses import asdict
+
+        from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return None
+        tier = getattr(getattr(get_kv_transfer_group(), "_worker", None), "tier", None)
+        return asdict(tier.counted()) if tier is not None else None
+
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_algo: str = "sha256") -> list[bytes]:
     """vLLM's block hashes of every full block of `token_ids` before its last token (a reader
     computes that one), as its scheduler hashes a request's blocks (no extra keys: no LoRA, no

@@ -51,6 +51,7 @@ from pdcluster.proto.messages import (
     PrefillRequest,
     PrefillResult,
     Role,
+    TierCounts,
 )
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.channel_server import ServesRequestChannel
@@ -249,6 +250,9 @@ class SimEngineActor(ServesRequestChannel, Engine):
         virtual clock models the pool, cluster/sim/virtual/kv.py). The router then prefills on D
         as if no tier held the prefix."""
         return PoolOffer(req.transfer_id, 0)
+
+    async def tier_counts(self) -> TierCounts | None:
+        return self.tier.counts() if self.tier is not None else None
 
     async def reset_prefix_cache(self) -> bool:
         sched = self._started()

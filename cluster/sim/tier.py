@@ -27,6 +27,7 @@ from pdcluster.cluster.sim.cost import CostModel
 from pdcluster.cluster.sim.kv_wire import BlockHash, BlockRemoved, BlockStored, KvCacheEvent, external_hashes
 from pdcluster.proto.handle import MAX_RETENTION_S
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM
+from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.tier_book import TierBook, consecutive_runs
 
 _GROUP = 0  # the simulated pool is one group: a block stands for every component
@@ -44,6 +45,9 @@ class SimTier:
         self._events: list[KvCacheEvent] = []
         self.loaded_blocks = 0  # blocks loaded back to the device, all told
         self.evicted_blocks = 0
+        self.load_seconds = 0.0  # the loads' modelled time, all told
+        self.stored_blocks = 0
+        self.served_blocks = 0  # offered to the pool's readers
 
     def lookup(self, block_hashes: Sequence[BlockHash], first: int, max_hit_tokens: int) -> int:
         """Blocks past the device's hit (its first `first` blocks) the tier holds in a run, within
@@ -54,7 +58,9 @@ class SimTier:
     def offer(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> int:
         """The pool (the virtual router's OpenPool): the run of a prompt's first blocks the tier holds,
         within `max_hit_tokens`, counted as used now. Not pinned: a read is instant on the book."""
-        return self.lookup(block_hashes, 0, max_hit_tokens)
+        blocks = self.lookup(block_hashes, 0, max_hit_tokens)
+        self.served_blocks += blocks
+        return blocks
 
     def load_s(self, tokens: int) -> float:
         """The host link's time for loading `tokens` (whole blocks) back to the device."""
@@ -62,6 +68,13 @@ class SimTier:
 
     def loaded(self, blocks: int) -> None:
         self.loaded_blocks += blocks
+        self.load_seconds += self.load_s(blocks * self.block_size)
+
+    def counts(self) -> TierCounts:
+        """What the real tier counts of itself (transfer/host_tier.py), in the model's bytes."""
+        bb = self.block_bytes
+        return TierCounts(self.book.used_bytes, self.loaded_blocks, self.loaded_blocks * bb, self.load_seconds,
+                          self.stored_blocks, self.stored_blocks * bb, self.served_blocks)
 
     def finished(self, block_hashes: Sequence[BlockHash], tokens: Sequence[int], num_blocks: int, now_s: float,
                  retain_s: float = 0.0) -> None:
@@ -75,6 +88,7 @@ class SimTier:
                                                                           self._int_hashes),
                                              medium=HOST_MEDIUM, group_idx=_GROUP))
         stored, bs = {h for _, h in kept.stored}, self.block_size
+        self.stored_blocks += len(stored)
         for run in consecutive_runs(i for i, h in enumerate(hashes) if h in stored):  # one event a run
             parent = external_hashes([hashes[run.start - 1]], self._int_hashes)[0] if run.start else None
             self._events.append(BlockStored(
