@@ -61,7 +61,7 @@ def main() -> None:
     without = {w for w in a.without.split(",") if w}
     assert without <= {"connector", "events"}, f"--without: connector and/or events, not {a.without!r}"
 
-    from pdcluster.cluster.engine_actor import plan_instance
+    from pdcluster.cluster.instance_plan import plan_instance
     from pdcluster.proto.spec import parse_spec
     from pdcluster.transfer.auth import SECRET_ENV, generate_secret
 

@@ -3,8 +3,9 @@
 The actor translates typed messages (proto/messages.py) into vLLM calls. P runs
 `prefill` (max_tokens=1; its connector keeps the KV for D and returns a transfer
 handle); D runs `decode` (a streaming generator) with that handle. What differs
-per instance (engine args, env, connector config) is computed by the pure
-functions below, so it is unit-tested without an engine.
+per instance (engine args, env, connector config) is cluster/instance_plan.py's; what
+each request asks of vLLM (its kv_transfer_params and sampling) is computed by the pure
+functions below, so both are unit-tested without an engine.
 """
 
 from __future__ import annotations
@@ -16,18 +17,13 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from pdcluster.cluster.instance_plan import plan_instance
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
 from pdcluster.cluster.vllm_patches import (
     check_model_runs_here,
-    engine_env,
-    patch_sets_for_device,
-    patch_sets_for_model,
 )
-from pdcluster.proto.devices import DEVICES
 from pdcluster.proto.engine import Engine
-from pdcluster.proto.kv_event_wire import engine_kv_events_config
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -45,118 +41,16 @@ from pdcluster.proto.messages import (
 )
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.channel_server import ServesRequestChannel
-from pdcluster.transfer.network import LOOPBACK_ADDRESS, InstanceAddress, host_port, instance_address, instance_planes
-from pdcluster.transfer.pool_worker import EXTENSION as POOL_EXTENSION
+from pdcluster.transfer.network import instance_address, instance_planes
 from pdcluster.transfer.sources import TransferIds
 
 log = logging.getLogger(__name__)
 
-CONNECTOR_MODULE = "pdcluster.transfer.connector"
 # How often an actor checks that its vLLM engine core lives. vLLM's client learns of the
 # core's death at once (it watches the process); this adds at most this long before the
 # actor exits and the router's channel to it closes.
 ENGINE_WATCH_S = 0.5
 ENGINE_DEAD_EXIT = 70  # the actor's exit status when its engine core died (a crash to Ray: it restarts it)
-CONNECTOR_CLASS = "PdcConnector"
-
-
-@dataclass(frozen=True)
-class InstancePlan:
-    """Everything one instance needs to start, derived from the spec."""
-
-    name: str
-    role: Role
-    index: int
-    engine_id: str
-    engine_args: dict[str, Any]
-    env: dict[str, str]
-    kv_port: int | None  # P's KV server (ours), or the engine's NIXL side channel
-    address: InstanceAddress = LOOPBACK_ADDRESS  # what its planes bind, and advertise
-
-    @property
-    def kv_address(self) -> str | None:
-        return host_port(self.address.advertise, self.kv_port) if self.kv_port is not None else None
-
-
-def plan_instance(spec: ClusterSpec, role: Role, index: int,
-                  address: InstanceAddress = LOOPBACK_ADDRESS) -> InstancePlan:
-    """`address`: where this instance's planes bind and what they advertise (transfer/network.py)."""
-    eng = spec.role_engine(role)
-    name = f"{role}-{index}"
-    engine_id = f"{spec.name}-{name}"
-    kv_port = spec.kv_port(role, index)
-    extra = {
-        "host": address.bind,
-        "advertise_host": address.advertise,
-        "port": kv_port or 0,
-        "lease_s": spec.transfer.lease_s,
-        "timeout_s": spec.transfer.timeout_s,
-        "chunk_bytes": spec.transfer.chunk_bytes,
-        "break_prefix": spec.transfer.break_transfers_with_prefix,
-        "encrypt": spec.transfer.encrypt,
-        # P serves torch_dist transfers over this backend when a handle asks for them.
-        "channel_backend": DEVICES[spec.device].collective_backend,
-    }
-    pool = bool(eng.host_tier_gib) and spec.transfer.connector == "pdc"
-    if pool:
-        extra["host_tier_bytes"] = int(eng.host_tier_gib * 2**30)
-    args: dict[str, Any] = dict(
-        model=spec.model.path,
-        served_model_name=spec.model.served_name,
-        skip_tokenizer_init=True,  # the router tokenizes
-        block_size=eng.block_size,
-        max_model_len=eng.max_model_len,
-        max_num_batched_tokens=eng.max_num_batched_tokens,
-        max_num_seqs=eng.max_num_seqs,
-        enable_prefix_caching=eng.enable_prefix_caching,
-        dtype=eng.dtype,
-        enforce_eager=eng.enforce_eager,
-        kv_transfer_config=dict(
-            kv_connector=CONNECTOR_CLASS,
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-            engine_id=engine_id,
-            kv_load_failure_policy="recompute" if spec.transfer.on_failure == "recompute" else "fail",
-            kv_connector_extra_config=extra,
-        ),
-        # Every instance publishes its KV cache events (the router's prefix index, router/kv_events.py).
-        kv_events_config=engine_kv_events_config(spec, role, index, address.bind),
-    )
-    if pool:  # peers read its tier through the worker (transfer/pool_worker.py)
-        args["worker_extension_cls"] = POOL_EXTENSION
-    if eng.seed is not None:
-        args["seed"] = eng.seed
-    if eng.gpu_memory_utilization is not None:
-        args["gpu_memory_utilization"] = eng.gpu_memory_utilization
-    args.update(eng.extra)
-
-    device = DEVICES[spec.device]
-    env: dict[str, str] = {}
-    # Run-time vLLM fixes (cluster/vllm_patches.py): every engine's, the model's, NIXL's on CPU.
-    patch_sets = ["exit_with_parent", "kv_events_curve", *patch_sets_for_device(spec.device),
-                  *patch_sets_for_model(spec.model.path, spec.device)]
-    if spec.transfer.connector == "nixl":
-        _use_nixl(spec, kv_port, engine_id, address.advertise, args, env)
-        patch_sets.append("nixl")
-        if spec.device == "cpu":
-            patch_sets.append("nixl_cpu")
-    env.update(engine_env(patch_sets))
-    if spec.device == "cpu" and eng.kv_cache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.kv_cache_space_gib)
-    bind = getattr(spec, role).resources.cpu_bind
-    if bind is not None and device.bind_env is not None:
-        env[device.bind_env] = bind[index]
-    return InstancePlan(name, role, index, engine_id, args, env, kv_port, address)
-
-
-def _use_nixl(spec: ClusterSpec, port: int, engine_id: str, host: str, args: dict, env: dict) -> None:
-    """vLLM's NixlConnector instead of ours: both roles kv_both, a side channel per engine
-    on host:port (spec.kv_port). vLLM's side channel has no authentication of its own."""
-    args["kv_transfer_config"] = dict(
-        kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id,
-        kv_load_failure_policy=args["kv_transfer_config"]["kv_load_failure_policy"],
-        **({"kv_buffer_device": "cpu"} if spec.device == "cpu" else {}))
-    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port))
 
 
 def prefill_kv_params(connector: str, transfer_id: str, retain_s: float = 0.0) -> dict:

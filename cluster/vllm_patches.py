@@ -1,7 +1,7 @@
 """Every run-time patch pdcluster applies to vLLM, in one module.
 
 Nothing on disk in the venv is modified. Patches come in sets, each selected by
-an env var that plan_instance() (cluster/engine_actor.py) sets for the engines
+an env var that plan_instance() (cluster/instance_plan.py) sets for the engines
 that need it, beside a PYTHONPATH entry for `cluster/vllm_site/`, whose
 sitecustomize.py calls `apply_from_env()` at the start of every engine process
 (vLLM's EngineCore and worker subprocesses):

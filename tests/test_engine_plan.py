@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdcluster.cluster.engine_actor import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
+from pdcluster.cluster.instance_plan import CONNECTOR_CLASS, CONNECTOR_MODULE, plan_instance
 from pdcluster.cluster.vllm_patches import engine_env
 from pdcluster.proto.spec import parse_spec
 from pdcluster.transfer.network import InstanceAddress

@@ -104,7 +104,7 @@ def test_the_spec_option_is_for_the_grpc_backend_of_the_projects_connector():
 def test_the_option_reaches_both_ends_connector_settings(tmp_path):
     from test_vllm_patches import model_dir, spec
 
-    from pdcluster.cluster.engine_actor import plan_instance
+    from pdcluster.cluster.instance_plan import plan_instance
     from pdcluster.transfer.connector_meta import ConnectorSettings
 
     model = model_dir(tmp_path / "m", "Qwen3ForCausalLM")

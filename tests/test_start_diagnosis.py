@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pdcluster.cluster.engine_actor import plan_instance
+from pdcluster.cluster.instance_plan import plan_instance
 from pdcluster.cluster.start_diagnosis import (
     ListenPort,
     PortInUse,

@@ -208,7 +208,7 @@ def planned_args() -> dict[str, set[str]]:
     """The keys every engine the project starts passes to vLLM (both roles, our connector and NIXL)."""
     from test_engine_plan import spec
 
-    from pdcluster.cluster.engine_actor import plan_instance
+    from pdcluster.cluster.instance_plan import plan_instance
 
     keys: dict[str, set[str]] = {k: set() for k in ARG_CLASSES}
     for s in (spec(), spec(transfer={"connector": "nixl", "base_port": 19000}),

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.cluster import vllm_patches
-from pdcluster.cluster.engine_actor import plan_instance
+from pdcluster.cluster.instance_plan import plan_instance
 from pdcluster.cluster.vllm_hooks import after_import
 from pdcluster.cluster.vllm_patches import SITE_DIR, engine_env, patch_sets_for_device, patch_sets_for_model
 from pdcluster.proto.spec import parse_spec
