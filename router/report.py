@@ -239,13 +239,14 @@ def _summary_html(s: Summary) -> str:
     groups = ", ".join(f"{escape(g)}: {human_bytes(b)}" for g, b in s.bytes_per_group.items()) or "none"
     p_tier = f" ({s.p_tier_tokens:,} from its host tier)" if s.p_tier_tokens else ""
     d_tier = f" ({s.d_tier_tokens:,} from its host tier)" if s.d_tier_tokens else ""
+    pool = f" ({s.pool_tokens:,} read from a P's host tier)" if s.pool_tokens else ""
     html = [f'<div class="cards">{cards}</div>',
             (f'<p class="muted">Shares are over the {s.attributed} requests that reached their first token with every '
             "part recorded; a part's statistics are over every request that has it.</p>"),
             f'<table id="critical-path">{"".join(crit)}</table><table>{"".join(ivs)}</table>',
             f'<table>{"".join(dec)}</table>',
             f"<p>Prompt tokens {s.prompt_tokens:,}: P cached {s.p_cached_tokens:,}{p_tier}, D cached {s.d_cached_tokens:,}{d_tier}, "
-            f"transferred {s.transferred_tokens:,}. KV bytes transferred: {groups}."
+            f"transferred {s.transferred_tokens:,}{pool}. KV bytes transferred: {groups}."
             + (f" KV pull failed and D recomputed: {s.recomputed} requests." if s.recomputed else "") + "</p>"]
     if (loc := s.local) is not None:
         rows = [("TTFT, D alone", loc.ttft_local), ("TTFT, through P", loc.ttft_remote),

@@ -17,6 +17,7 @@ from pdcluster.router.lifecycle import Lifecycle
 from pdcluster.router.lifecycle_commands import Abort, Decode, Failure, OpenPool, Prefill, Routed
 from pdcluster.router.local_prefill import LocalView, decide
 from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.report import render_report
 from pdcluster.router.routing import InstancePicker
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline import RequestRecord
@@ -162,6 +163,7 @@ def test_the_files_views_and_metrics_say_what_the_pool_gave(tmp_path):
     assert summarize(run).pool_tokens == 20
     assert "transferred 20 (20 read from a P's host tier)" in format_summary(summarize(run))
     assert "transferred 20 (20 read from p1's host tier), output 4" in format_waterfall(run, "r0")
+    assert "transferred 20 (20 read from a P's host tier)" in render_report(run)
     metrics = RouterMetrics(lambda: {})
     metrics.observe(rec)
     assert 'pdc_tier_hit_tokens_total{side="decode",tier="pool"} 20.0' in metrics.render().decode()
