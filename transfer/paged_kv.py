@@ -72,7 +72,8 @@ class PagedKv:
 
     def gather(self, layer: str, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of these blocks, [len(block_ids), *block_shape]: valid after the blocks are reused."""
-        return self._views[layer].index_select(0, torch.tensor(block_ids, dtype=torch.long)).contiguous()
+        view = self._views[layer]  # (the index on the cache's device: a CUDA tensor takes no CPU index)
+        return view.index_select(0, torch.tensor(block_ids, dtype=torch.long, device=view.device)).contiguous()
 
     def byte_runs(self, layer: str, block_ids: Sequence[int]) -> list[memoryview] | None:
         """The blocks' bytes in place, one view per run of consecutive block ids, in order; None
