@@ -43,6 +43,19 @@ def test_a_peer_reads_the_tiers_run_over_the_kv_plane(make_p, make_d):
     assert run.closed and len(p.sources) == 0 and p.sources.take_finished() == set()
 
 
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_the_pools_run_crosses_the_torch_dist_channel_too(gloo_pair, layout):
+    p, d = gloo_pair(layout)
+    tier, want = kept(p)
+    p.sources.offer_pooled("pool-dist", tier.read_run(HASHES), 3 * BLOCK_SIZE, lease_s=60)
+    d.fetcher.submit(make_job(p.server.address, [0, 1, 2], [6, 1, 3], transfer_id="pool-dist", num_blocks=3,
+                              transport="torch_dist"))
+    results = wait_results(d.fetcher, ["d-pool-dist"])
+    assert results.finished == {"d-pool-dist"} and not results.failed, results
+    for name in LAYERS:
+        assert torch.equal(d.kv.gather(name, [6, 1, 3]), want[name])
+
+
 def test_an_eviction_during_the_read_waits_for_it(make_p, make_d):
     p, d = make_p(), make_d()
     tier, want = kept(p)
