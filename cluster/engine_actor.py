@@ -43,6 +43,7 @@ from pdcluster.proto.spec import ClusterSpec
 from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import instance_address, instance_planes
 from pdcluster.transfer.sources import TransferIds
+from pdcluster.transfer.tier_load_times import LoadTimes
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class EngineActor(ServesRequestChannel, Engine):
         # cluster secret too; the env, unlike the engine args, is neither logged nor dumped.
         os.environ[SECRET_ENV] = spec.secret()
         self.serve_requests_on(address, spec.secret())
+        self._load_times = LoadTimes()  # beside the refusal counts serve_requests_on shared, for vLLM's worker
         from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM, KVTransferConfig
 
         args = dict(self.plan.engine_args)
@@ -226,6 +228,8 @@ class EngineActor(ServesRequestChannel, Engine):
             # vLLM counts a tier hit whose load failed as cached; P computed it.
             p_cached_tokens=(final.num_cached_tokens or 0) - tier.get(P_TIER_FAILED_KEY, 0),
             engine=EngineTimes.from_vllm(final.metrics), p_tier_tokens=tier.get(P_TIER_KEY, 0),
+            # Its worker wrote how long loading them took (before the output left the engine).
+            p_tier_load_ns=self._load_times.read(transfer_id) if tier.get(P_TIER_KEY) else 0,
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:

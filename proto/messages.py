@@ -73,6 +73,7 @@ class PrefillResult:
     p_cached_tokens: int  # P's own prefix-cache hit
     engine: EngineTimes = EngineTimes()
     p_tier_tokens: int = 0  # of p_cached_tokens, those P loaded from its host KV tier
+    p_tier_load_ns: int = 0  # the time P's worker took to load them (0: none, or not known)
 
 
 @dataclass(frozen=True)

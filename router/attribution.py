@@ -4,9 +4,11 @@ Phases are intervals between recorded events and may overlap (a layer-wise
 transfer runs under the prefill). The time to first token is split on the
 critical path, at boundaries that every request crosses in order:
 
-    arrival --queue-- p_scheduled --prefill-- p_done --[transfer | d_wait]-- d_scheduled --first_decode-- first_token
+    arrival --queue-- p_scheduled --[tier_load]-- --prefill-- p_done --[transfer | d_wait]-- d_scheduled --first_decode-- first_token
 
 - queue: router (parse, dispatch) and P's scheduler queue;
+- tier_load: P's worker loading the prompt's host-tier hit back to the device, before the first
+  step's forward pass (only with such a hit whose time P reported: docs/kv_tiers.md);
 - prefill: P computing the prompt past its prefix hit;
 - transfer: the part of the KV pull NOT hidden under the prefill, i.e. the pull
   interval clipped to [p_done, d_scheduled];
@@ -45,8 +47,8 @@ from dataclasses import dataclass
 
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
 
-CRITICAL_PATH = ("migration", "queue", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
-OPTIONAL_PARTS = frozenset({"migration", "local_prefill"})  # most requests have none: read as 0
+CRITICAL_PATH = ("migration", "queue", "tier_load", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
+OPTIONAL_PARTS = frozenset({"migration", "tier_load", "local_prefill"})  # most requests have none: read as 0
 
 
 def critical_path(atts: Iterable[Attribution]) -> tuple[str, ...]:
@@ -60,6 +62,7 @@ INTERVALS: tuple[tuple[str, str, str, str], ...] = (
     ("router", "arrival", "dispatch", "router"),
     ("to_p", "dispatch", "p_queued", "router"),  # the hop to P's scheduler: the channel, P's front end taking it in
     ("p_queue", "p_queued", "p_scheduled", "prefill"),
+    ("tier_load", "p_scheduled", "p_tier_loaded", "prefill"),
     ("prefill", "p_scheduled", "p_done", "prefill"),
     ("handoff", "p_done", "d_queued", "router"),
     ("d_queue", "d_queued", "transfer_start", "decode"),
@@ -142,7 +145,11 @@ def attribute(rec: RequestRecord) -> Attribution:
     # can hold all the KV, and even be scheduled, a moment before that.
     p_end = min(ev["p_done"], ev["d_scheduled"]) if "p_done" in ev and "d_scheduled" in ev else ev.get("p_done")
     if "p_scheduled" in ev and p_end is not None:
-        parts["prefill"] = p_end - ev["p_scheduled"]
+        computed_from = ev["p_scheduled"]
+        if "p_tier_loaded" in ev:
+            computed_from = min(ev["p_tier_loaded"], p_end)
+            parts["tier_load"] = computed_from - ev["p_scheduled"]
+        parts["prefill"] = p_end - computed_from
     if p_end is not None and "d_scheduled" in ev:
         gap = ev["d_scheduled"] - p_end
         exposed = 0

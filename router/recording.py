@@ -42,7 +42,7 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
 
 # What one attempt at a request records; a migration before the first token drops them,
 # so that the record tells the attempt that produced the first token (router/migration.py).
-_ATTEMPT_EVENTS = ("dispatch", "p_queued", "p_scheduled", "p_done", "d_queued", "transfer_start", "transfer_end",
+_ATTEMPT_EVENTS = ("dispatch", "p_queued", "p_scheduled", "p_tier_loaded", "p_done", "d_queued", "transfer_start", "transfer_end",
                    "d_kv_ready", "d_scheduled", "d_first_token")
 
 
@@ -59,6 +59,8 @@ def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -
     rec.p_cached_tokens, rec.p_tier_tokens = pre.p_cached_tokens, pre.p_tier_tokens
     _mark(rec, "p_queued", pre.engine.queued_ns, clock)
     _mark(rec, "p_scheduled", pre.engine.scheduled_ns, clock)
+    if pre.p_tier_load_ns and pre.engine.scheduled_ns:  # the load opens the first step that runs it
+        _mark(rec, "p_tier_loaded", pre.engine.scheduled_ns + pre.p_tier_load_ns, clock)
     _mark(rec, "p_done", pre.engine.first_token_ns, clock)
 
 

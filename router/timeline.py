@@ -23,6 +23,7 @@ EVENT_ORDER: tuple[str, ...] = (
     "dispatch",  # the router hands it to P
     "p_queued",  # P's scheduler queued it (vLLM RequestStateStats.queued_ts)
     "p_scheduled",  # P's scheduler first ran it (scheduled_ts)
+    "p_tier_loaded",  # P's worker had loaded its host-tier hit (p_scheduled + the load's time; only with one)
     "p_done",  # P's prefill produced its token (first_token_ts): prefill done
     "d_queued",  # D's scheduler queued it
     "transfer_start",  # D's worker asked P for the KV (push: while P computes it)
@@ -35,11 +36,14 @@ EVENT_ORDER: tuple[str, ...] = (
     "finish",  # the router finished the request (answered or failed)
 )
 
+# Events only some requests have: P's tier load, with a P tier hit whose time P reported.
+OPTIONAL_EVENTS: frozenset[str] = frozenset({"p_tier_loaded"})
+
 # What must happen before what, in either transfer mode: P's path and D's path,
 # joined at dispatch and at the finish. (With a push, D's first token may come
 # before P's p_done: D needs every layer's KV, not P's last MLP or its sampling.)
 CAUSAL_CHAINS: tuple[tuple[str, ...], ...] = (
-    ("arrival", "dispatch", "p_queued", "p_scheduled", "p_done", "finish"),
+    ("arrival", "dispatch", "p_queued", "p_scheduled", "p_tier_loaded", "p_done", "finish"),
     ("arrival", "dispatch", "d_queued", "transfer_start", "transfer_end", "d_kv_ready", "d_scheduled",
      "d_first_token", "first_token", "last_token", "finish"),
 )

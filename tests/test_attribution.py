@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdcluster.router.attribution import CRITICAL_PATH, OPTIONAL_PARTS, Interval, attribute, intervals
+from pdcluster.router.attribution import CRITICAL_PATH, OPTIONAL_PARTS, Interval, attribute, critical_path, intervals
 from pdcluster.router.timeline import ClockOffset, RequestRecord
 
 T = 7_000_000_000  # an arbitrary router-clock origin; all times below are T + explicit ns
@@ -25,6 +25,18 @@ def test_plain_request():
     assert a.ttft_ns == 18_700 == sum(a.parts_ns.values())
     assert (a.stopped_after, a.error, a.complete) == (None, None, True)
     assert list(a.parts_ns) == [n for n in CRITICAL_PATH if n not in OPTIONAL_PARTS]
+
+
+def test_a_tier_load_is_its_own_part_cut_from_the_prefill_and_the_parts_still_sum_to_ttft():
+    a = attribute(rec(**dict(PLAIN, p_tier_loaded=1_300)))
+    assert a.parts_ns == {"queue": 1_000, "tier_load": 300, "prefill": 9_700, "transfer": 3_000, "d_wait": 2_000,
+                          "first_decode": 2_700}
+    assert a.ttft_ns == sum(a.parts_ns.values()) and a.complete
+    assert critical_path([a]) == ("queue", "tier_load", "prefill", "transfer", "d_wait", "first_decode")
+    assert critical_path([attribute(rec(**PLAIN))])[1] == "prefill"  # none had one: not shown
+    ivs = {iv.name: iv for iv in intervals(rec(**dict(PLAIN, p_tier_loaded=1_300)))}
+    assert ivs["tier_load"] == Interval("tier_load", "prefill", T + 1_000, T + 1_300)
+    assert rec(**dict(PLAIN, p_tier_loaded=1_300)).out_of_order() == []
 
 
 LOCAL = {"arrival": 0, "dispatch": 100, "d_queued": 400, "d_scheduled": 900, "d_first_token": 4_000,

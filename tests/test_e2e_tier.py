@@ -29,6 +29,7 @@ from e2e import (
 
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PoolOffer, PoolRequest, PrefillRequest, SamplingSpec
+from pdcluster.router.attribution import attribute
 from pdcluster.router.run_store import load_run
 from pdcluster.router.timeline_views import format_summary, format_waterfall, summarize
 
@@ -99,6 +100,9 @@ def test_a_prompt_the_device_cache_dropped_comes_back_from_ps_host_tier(cluster,
     assert pd["p_cached_tokens"] == FULL and again.p_tier_tokens == FULL, (pd, again.p_tier_tokens)
     assert pd["transferred_tokens"] == PROMPT  # D pulled all of it from P, the loaded blocks included
     assert again.predicted_p_hit_tokens == FULL  # the router's index: none on P's device, all in its tier
+    # P's worker timed the load and the record makes it a part of TTFT of its own (docs/kv_tiers.md).
+    parts = attribute(again).parts_ns
+    assert 0 < parts["tier_load"] < p_prefill_ns(again), (parts, p_prefill_ns(again))
     assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
     # Loading 23 blocks is a copy; computing them was the prefill (~16x longer here).
     assert p_prefill_ns(again) < p_prefill_ns(cold) / 2, (p_prefill_ns(again), p_prefill_ns(cold))

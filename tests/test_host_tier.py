@@ -77,6 +77,7 @@ def tier_worker(caches):
     worker.sources, worker.fetcher, worker._timings, worker._error_blocks = None, None, {}, set()
     worker.tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
     worker._tier_lost, worker._tier_failed, worker._tier_freed = [], [], set()
+    worker.load_times = None
     worker.settings = ConnectorSettings(break_prefix="fault-")
     return worker
 
@@ -104,3 +105,19 @@ def test_the_worker_carries_out_orders_in_order_and_a_failed_load_fails_its_bloc
     worker.start(PdcMetadata(tier=TierOrders([TierCopy("load", 0, (b"b",), (8,), "fault-r4")])))  # injected
     assert worker.take_error_blocks() == {8} and worker.take_timings().tier_failed == ("fault-r4",)
     assert (0, b"b") in worker.tier  # the bytes are fine: only the load failed
+
+
+def test_p_s_worker_writes_each_prefills_load_time_under_its_transfer(tmp_path):
+    from pdcluster.transfer.connector_meta import PdcMetadata, SourceStep
+    from pdcluster.transfer.tier_load_times import LoadTimes
+    from pdcluster.transfer.tier_scheduler import TierCopy, TierOrders
+
+    worker = tier_worker(source_caches(LAYOUTS["cpu"][0](P_BLOCKS)))
+    worker.load_times = LoadTimes(str(tmp_path / "tier-loads"))
+    worker.start(PdcMetadata(tier=TierOrders([TierCopy("store", 0, (b"a",), (1,), "r0")])))
+    worker.start(PdcMetadata(
+        tier=TierOrders([TierCopy("load", 0, (b"a",), (4,), "r1"), TierCopy("load", 0, (b"zz",), (5,), "r2")]),
+        steps=[SourceStep("t1", "r1", 300, ((4, 9),), 300), SourceStep("t2", "r2", 300, ((5, 9),), 300)]))
+    actor_side = LoadTimes(str(tmp_path / "tier-loads"))  # the engine actor's end of the file
+    assert actor_side.read("t1") > 0
+    assert actor_side.read("t2") == 0  # its load failed: no time, and it is no tier hit

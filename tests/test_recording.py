@@ -37,6 +37,17 @@ def test_prefill_events_move_onto_the_router_clock():
     assert (rec.p_cached_tokens, rec.p_tier_tokens) == (256, 128)
 
 
+def test_ps_tier_load_time_marks_when_the_load_ended_on_the_router_clock():
+    from dataclasses import replace
+
+    rec = RequestRecord("r")
+    record_prefill(rec, replace(prefill_result(), p_tier_load_ns=3 * MS), ClockOffset(offset_ns=2 * MS, uncertainty_ns=0))
+    assert rec.events["p_tier_loaded"] == 12 * MS  # P scheduled it at 11 (its clock), the load took 3
+    rec = RequestRecord("r")
+    record_prefill(rec, replace(prefill_result(scheduled=0), p_tier_load_ns=3 * MS), ClockOffset(0, 0))
+    assert "p_tier_loaded" not in rec.events  # no start to measure from
+
+
 def test_unrecorded_engine_times_stay_absent():
     rec = RequestRecord("r")
     record_prefill(rec, prefill_result(queued=0, scheduled=0, done=0), ClockOffset(0, 0))

@@ -51,6 +51,23 @@ def test_delivered_hits_per_tier_are_the_predicted_ones(runs):
     assert [r.predicted_p_hit_tokens for r in checked] == [r.p_cached_tokens for r in checked]
 
 
+
+def test_ps_tier_loads_are_their_own_part_of_ttft_as_modelled(runs):
+    """P's load of a tier hit opens its first step: the record's tier_load part is the host link's
+    modelled time for those blocks, cut from the prefill part."""
+    from pdcluster.cluster.sim.cost import CostModel, SimParams
+    from pdcluster.router.attribution import attribute
+
+    spec = load_spec(TIERED)
+    cost = CostModel(SimParams.load(spec.sim.params), spec.engine.block_size, spec.sim.devices_per_instance)
+    loaded = [r for r in _phase(runs[0], "formal") if r.p_tier_tokens]
+    assert loaded
+    for r in loaded:
+        want = round(cost.host_load_s(r.p_tier_tokens // cost.block_size * cost.block_bytes) * 1e9)
+        assert attribute(r).parts_ns["tier_load"] == want > 0, r.request_id
+    assert all("p_tier_loaded" not in r.events for r in runs[1].records)  # no tier: no part
+
+
 def test_with_the_pool_d_reads_families_ps_tiers_hold_as_the_router_predicted():
     """D prefills short remainders itself (16K tokens here: a C90 prompt's own part is ~12K) and
     reads what a P's tier holds first (router.local_prefill.pool): the hit stays the structural

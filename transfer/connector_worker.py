@@ -5,6 +5,7 @@ what finished."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from pdcluster.transfer.grpc_server import KvServer
 from pdcluster.transfer.host_tier import HostTier
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.sources import SourceTable
+from pdcluster.transfer.tier_load_times import LoadTimes
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorTransferResults,
 )
@@ -68,6 +70,8 @@ class _Worker:
         self._tier_lost: list[BlockKey] = []
         self._tier_failed: list[str] = []  # requests whose tier load failed, since the last report
         self._tier_freed: set[str] = set()  # requests whose blocks vLLM may free now that they are stored
+        # P: each prefill's tier load time, for its engine actor (transfer/tier_load_times.py).
+        self.load_times = LoadTimes() if self.tier is not None and conn.is_producer else None
         secret = _cluster_secret()
         if conn.is_producer:
             self.sources = SourceTable(groups, tuple(g.block_size for g in conn.groups))
@@ -80,7 +84,7 @@ class _Worker:
 
     def start(self, meta: PdcMetadata) -> None:
         if meta.tier is not None:  # first: a load fills blocks this step's sources then serve
-            self._run_tier(meta.tier)
+            self._run_tier(meta.tier, {step.request_id: step.transfer_id for step in meta.steps})
         if self.sources is not None:
             for request_id in meta.preempted:
                 self.sources.preempted(request_id)
@@ -98,8 +102,10 @@ class _Worker:
             for request_id in meta.cancels:
                 self.fetcher.cancel(request_id)
 
-    def _run_tier(self, orders: TierOrders) -> None:
+    def _run_tier(self, orders: TierOrders, transfers: dict[str, str]) -> None:
+        """`transfers`: P's request id -> its transfer's, for the requests this step computes."""
         assert self.tier is not None, "host tier orders reached a worker without a tier: host_tier_bytes out of step"
+        load_ns: dict[str, int] = {}  # request -> its loads' time this step (a load a group)
         for copy in orders.copies:
             try:
                 if copy.op == "store":
@@ -107,7 +113,9 @@ class _Worker:
                 elif copy.op == "load":
                     if self.settings.break_prefix and copy.request_id.startswith(self.settings.break_prefix):
                         raise RuntimeError("fault injection: transfer.break_transfers_with_prefix")
+                    t0 = time.monotonic_ns()
                     self.tier.load(copy.keys, copy.block_ids)
+                    load_ns[copy.request_id] = load_ns.get(copy.request_id, 0) + time.monotonic_ns() - t0
                 else:
                     self.tier.evict(copy.keys)
             except (KeyError, RuntimeError, MemoryError) as err:
@@ -121,6 +129,10 @@ class _Worker:
                     self._tier_failed.append(copy.request_id)
                 self._tier_lost += [k for k in copy.keys if k not in self.tier]
         self._tier_freed |= set(orders.free_after)
+        if self.load_times is not None:
+            for request_id, ns in load_ns.items():
+                if (transfer_id := transfers.get(request_id)) is not None:
+                    self.load_times.write(transfer_id, ns)
 
     def open_pool(self, transfer_id: str, hashes: Sequence[bytes]) -> int:
         """A peer's read of a prompt's first blocks from this instance's host tier (issue 29's pool):
@@ -172,3 +184,5 @@ class _Worker:
         for part in (self.server, self.fetcher):
             if part is not None:
                 part.stop()
+        if self.load_times is not None:
+            self.load_times.close()

@@ -35,7 +35,7 @@ from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
 from pdcluster.cluster.sim.producer import ProducerSide
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
-from pdcluster.cluster.sim.tier import host_tier
+from pdcluster.cluster.sim.tier import host_tier, tier_load_ns
 from pdcluster.cluster.sim.variation import StepVariation
 from pdcluster.cluster.sim.vocab import model_vocab
 from pdcluster.cluster.start_diagnosis import check_ports_free, listen_ports
@@ -194,6 +194,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
             raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
         return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=sreq.num_prompt_tokens,
                              p_cached_tokens=max(0, sreq.num_cached_tokens), p_tier_tokens=sreq.num_tier_tokens,
+                             p_tier_load_ns=tier_load_ns(self.tier, sreq),
                              engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:

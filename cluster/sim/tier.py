@@ -108,6 +108,12 @@ class SimTier:
         return out
 
 
+def tier_load_ns(tier: SimTier | None, req) -> int:
+    """The modelled time of a P request's tier load (what P's worker reports of a real one): it opens
+    the request's first step. 0 without one."""
+    return round(tier.load_s(req.num_tier_tokens) * 1e9) if tier is not None and req.num_tier_tokens > 0 else 0
+
+
 def host_tier(host_tier_gib: float | None, cost: CostModel, int_hashes: bool) -> SimTier | None:
     """The tier an instance's `engine.host_tier_gib` asks for (None: unset or 0, no tier)."""
     return SimTier(int(host_tier_gib * 2**30), cost, int_hashes) if host_tier_gib else None

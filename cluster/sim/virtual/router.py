@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdcluster.cluster.launch import prefill_cost
 from pdcluster.cluster.sim import kv_wire
 from pdcluster.cluster.sim.request import Delta, SimRequest
+from pdcluster.cluster.sim.tier import tier_load_ns
 from pdcluster.cluster.sim.virtual.events import EventLoop
 from pdcluster.cluster.sim.virtual.instance import VirtualInstance
 from pdcluster.cluster.sim.virtual.kv import VirtualKv
@@ -219,7 +220,9 @@ class VirtualRouter:
         sreq = flight.p_req
         engine = EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns)
         result = PrefillResult(flight.lc.rec.request_id, None, len(flight.prompt.tokens),
-                               max(0, sreq.num_cached_tokens), engine, p_tier_tokens=sreq.num_tier_tokens)
+                               max(0, sreq.num_cached_tokens), engine, p_tier_tokens=sreq.num_tier_tokens,
+                               p_tier_load_ns=tier_load_ns(self.instances[flight.lc.attempt.route.prefill.name].core.tier,
+                                                           sreq))
         self._do(flight, flight.lc.prefill_answered(flight.attempt, result, self.loop.now_ns))
 
     def _d_delta(self, flight: _Flight, delta: Delta) -> None:
