@@ -95,6 +95,35 @@ def test_every_timeline_is_complete(bench):
         assert len(rec.token_ns) == rec.output_tokens == 64
 
 
+def test_a_d_reads_a_prompt_from_a_ps_simulated_tier(cluster, bench):
+    """The pool on the real-time simulated engine: the P that prefilled a prompt offers its tier's
+    run of it (its payload made from the blocks' keys), and a D that never saw it pulls that run
+    and computes the rest; D checks every row it got against the prompt (cluster/sim/consumer.py)."""
+    import random
+
+    from e2e import complete
+
+    from pdcluster.proto.handle import TransferHandle
+    from pdcluster.proto.messages import DecodeRequest, PoolRequest, SamplingSpec
+    from pdcluster.router.run_store import load_run
+
+    prompt = [random.Random(7).randrange(3, 1000) for _ in range(1000)]  # 7 full blocks and a bit
+    r = complete(cluster.url, prompt, 4)
+    assert r.status_code == 200, r.text
+    rec = load_run(cluster.run_dir).record(r.json()["id"])
+    p = next(i for i in cluster.prefill if i.name == rec.prefill_instance)
+    d = next(i for i in cluster.decode if i.name != rec.decode_instance)
+    offer = ray.get(p.actor.open_pool.remote(PoolRequest("sim-pool-1", prompt)))
+    assert offer.num_tokens == 7 * 128
+    handle = TransferHandle(p.engine_id, p.kv_address, "sim-pool-1", offer.num_tokens)
+    deltas = [ray.get(ref) for ref in d.actor.decode.options(num_returns="streaming").remote(
+        DecodeRequest("sim-pool-d", prompt, SamplingSpec(max_tokens=4, ignore_eos=True), handle))]
+    last = deltas[-1]
+    assert last.finish_reason == "length" and last.transfer.error is None, last
+    assert (last.transfer.d_cached_tokens, last.transfer.transferred_tokens) == (0, 7 * 128)
+    assert sum(len(x.new_token_ids) for x in deltas) == 4
+
+
 def test_no_block_is_leaked(cluster, bench):
     assert_no_kv_in_use(cluster)
     for inst in cluster.instances:

@@ -105,7 +105,7 @@ class ConsumerSide(KvHooks):
 
     def start_load(self, req: SimRequest) -> None:
         handle = self.handles[req.request_id]
-        n, hit = req.num_prompt_tokens, req.hit_tokens
+        n, hit = handle.num_tokens, req.hit_tokens  # (a pool's handle covers the prompt's first blocks only)
         ids = list(req.blocks)
         groups = [GroupPlan(gi, _PLAN_KIND[c.kind], tuple(load), tuple(ids[i] for i in load))
                   for gi, (c, load) in enumerate(zip(self.components, self.cost.blocks_to_load(n, hit)))]

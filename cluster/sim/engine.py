@@ -202,7 +202,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
         sched = self._started()
         rid = self._request_id(req.request_id)
         handle = req.handle
-        if handle is not None and handle.num_tokens != len(req.prompt_token_ids):
+        if handle is not None and handle.num_tokens > len(req.prompt_token_ids):
             raise ValueError(f"decode {req.request_id}: the handle covers {handle.num_tokens} tokens, the prompt "
                              f"has {len(req.prompt_token_ids)}")
         s = req.sampling
@@ -247,10 +247,17 @@ class SimEngineActor(ServesRequestChannel, Engine):
                 self.consumer.take_report(rid)
 
     async def open_pool(self, req: PoolRequest) -> PoolOffer:
-        """Nothing: in real time the simulated tier is a book without payload bytes to serve (the
-        virtual clock models the pool, cluster/sim/virtual/kv.py). The router then prefills on D
-        as if no tier held the prefix."""
-        return PoolOffer(req.transfer_id, 0)
+        """The run of the prompt's first blocks its tier's book holds, offered from P's KV server
+        (their payload made from their keys, cluster/sim/producer.py)."""
+        if self.producer is None or self.tier is None:
+            return PoolOffer(req.transfer_id, 0)
+        sched = self._started()
+        prompt = list(req.prompt_token_ids)
+        hashes = sched.hash_blocks(prompt, [])
+        blocks = self.tier.offer(hashes, len(prompt) - 1)
+        if blocks:
+            self.producer.offer_pool(req.transfer_id, hashes, blocks, self.spec.transfer.lease_s)
+        return PoolOffer(req.transfer_id, blocks * self.config.block_size)
 
     async def tier_counts(self) -> TierCounts | None:
         return self.tier.counts() if self.tier is not None else None

@@ -59,7 +59,8 @@ def block_keys(block_hashes: Sequence[bytes], token_ids: Sequence[int], block_si
     return keys
 
 
-def _rows(keys: np.ndarray, component_index: int, width: int) -> torch.Tensor:
+def rows(keys: np.ndarray, component_index: int, width: int) -> torch.Tensor:
+    """The rows of these blocks (keys[i] for block i) of one component, [len(keys), width] bytes."""
     mixed = keys + np.uint64((component_index + 1) * _MIX & ((1 << 64) - 1))
     as_bytes = mixed.astype("<u8").view(np.uint8).reshape(len(keys), 8)
     return torch.from_numpy(np.tile(as_bytes, (1, -(-width // 8)))[:, :width].copy())
@@ -70,7 +71,7 @@ def fill(kv: PagedKv, component_index: int, name: str, block_ids: Sequence[int],
     if not len(block_ids):
         return
     view = kv.view(name)
-    view[torch.tensor(block_ids, dtype=torch.long)] = _rows(keys, component_index, view.shape[1])
+    view[torch.tensor(block_ids, dtype=torch.long)] = rows(keys, component_index, view.shape[1])
 
 
 def mismatched(kv: PagedKv, component_index: int, name: str, block_ids: Sequence[int],
@@ -81,6 +82,6 @@ def mismatched(kv: PagedKv, component_index: int, name: str, block_ids: Sequence
     view = kv.view(name)
     width = min(8, view.shape[1])
     got = view[torch.tensor(block_ids, dtype=torch.long), :width]
-    want = _rows(keys, component_index, width)
+    want = rows(keys, component_index, width)
     bad = (got != want).any(dim=1).nonzero().flatten().tolist()
     return [block_ids[i] for i in bad]

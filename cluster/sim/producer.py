@@ -11,6 +11,8 @@ keeps its blocks until D releases the source or its lease expires
 
 from __future__ import annotations
 
+import torch
+
 from pdcluster.cluster.sim import payload
 from pdcluster.cluster.sim.cost import Component
 from pdcluster.cluster.sim.request import SimRequest
@@ -72,6 +74,15 @@ class ProducerSide(KvHooks):
             return (num_tokens - 1) // bs
         return 0
 
+    def offer_pool(self, transfer_id: str, block_hashes: list, num_blocks: int, lease_s: float) -> None:
+        """The pool: the prompt's first `num_blocks` blocks, which the instance's tier holds (its book),
+        offered to a peer's read as a pooled source. Their bytes are their keys' rows, as P's steps
+        wrote them (payload.py): made as they are read."""
+        keys = payload.block_keys(block_hashes[:num_blocks], [0] * (num_blocks * self.block_size), self.block_size)
+        self.sources.offer_pooled(transfer_id, _PayloadRun(keys, {c.name: self.kv.view(c.name).shape[1]
+                                                                   for c in self.components}),
+                                  num_blocks * self.block_size, lease_s)
+
     def step_done(self) -> None:
         self.sources.step_done()
 
@@ -97,3 +108,17 @@ class ProducerSide(KvHooks):
 
     def stop(self) -> None:
         self.server.stop()
+
+
+class _PayloadRun:
+    """A pooled source's blocks in the simulated tier (transfer/sources.py TierRead): their rows,
+    made from their keys when the KV server reads them."""
+
+    def __init__(self, keys, widths: dict[str, int]):
+        self.keys, self.widths = keys, widths
+
+    def gather(self, layer: str, group: int, indices) -> torch.Tensor:
+        return payload.rows(self.keys[list(indices)], group, self.widths[layer])
+
+    def close(self) -> None:
+        pass
