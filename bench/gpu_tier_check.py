@@ -31,15 +31,15 @@ import torch
 from pdcluster.transfer.host_tier import HostTier
 from pdcluster.transfer.paged_kv import PagedKv
 
-LAYOUTS = {  # name -> (one layer's shape for n blocks, block size): vLLM's GPU layouts
-    "flash_attn": (lambda n: (2, n, 16, 8, 128), 16),
-    "mla": (lambda n: (n, 64, 576), 64),
+LAYOUTS = {  # name -> one layer's shape for n blocks, in vLLM's GPU layouts (block size 16 and 64)
+    "flash_attn": lambda n: (2, n, 16, 8, 128),
+    "mla": lambda n: (n, 64, 576),
 }
 RUNS = (1, 8, 64, 256)
 
 
 def caches(layout: str, num_blocks: int, layers: int, device: str) -> dict[str, torch.Tensor]:
-    shape, _ = LAYOUTS[layout]
+    shape = LAYOUTS[layout]
     gen = torch.Generator(device="cpu").manual_seed(0)
     return {f"layer.{i}": torch.randn(shape(num_blocks), generator=gen, dtype=torch.float32).to(torch.bfloat16)
             .to(device) for i in range(layers)}

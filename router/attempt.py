@@ -41,6 +41,11 @@ class Attempt(Generic[I]):
     local_slot: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's local slot, to 1st token
     decoding: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # D's load
 
+    @property
+    def pooled(self) -> bool:
+        """D prefills the request itself, reading first what a P's tier offered (the pool)."""
+        return self.route.local_prefill and self.handle is not None
+
     def close_p_slot_failed(self) -> None:
         """Out of P's load, P never having answered: its promise of blocks is not kept (the
         picker's `prefilling` marks P done only on a clean exit)."""

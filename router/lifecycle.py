@@ -14,9 +14,9 @@ The sequence (docs/architecture.md walks it with the functions that do it):
     start          -> Routed, then per route:
                         local prefill: Decode(no handle)                 D alone
                         ... with pool: OpenPool                          a P's tier offers the prefix
-    pool_opened    -> Decode(the pool's handle, or none if it offered nothing); pool_failed: Decode(none)
                         push:          Decode(the handle), Prefill       D asks P while P computes
                         pull:          Prefill                           D after P's answer
+    pool_opened    -> Decode(the pool's handle, or none if it offered nothing); pool_failed: Decode(none)
     prefill_answered -> (pull) Decode(the handle); (push) nothing, or D's deferred last chunk
     decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished;
                         D's pool read failed before a token: Abort, Routed (no pool), ...
@@ -176,7 +176,7 @@ class Lifecycle(Generic[I]):
         if delta.finish_reason in ("error", "abort") and not a.got_token and not a.route.local_prefill:
             a.held = delta  # D's KV load failed: because P went away, or on its own?
             return [CheckLost(a.number, a.route.prefill)]
-        if delta.finish_reason in ("error", "abort") and not a.got_token and a.handle is not None:
+        if delta.finish_reason in ("error", "abort") and not a.got_token and a.pooled:
             return self._pool_read_failed(a, delta, now_ns)
         return self._take(a, delta, now_ns)
 
@@ -305,7 +305,7 @@ class Lifecycle(Generic[I]):
         a.d_running = False
         if a.first:
             record_decode_end(rec, delta, self.dispatch.clock_of(a.route.decode.name),
-                              pooled=a.route.local_prefill and a.handle is not None)
+                              pooled=a.pooled)
         rec.finish_reason = delta.finish_reason
         if a.first and a.p_waiting:  # push: P's answer, for its hit and its timeline
             a.deferred = delta

@@ -7,10 +7,10 @@ without engines; router/routing.py calls it on the D the policy picked.
 
 The rule, in order (`LocalPrefillSpec`, spec field `router.local_prefill`):
 - `policy: never`: always P (today's path, exactly);
-- no P is up (each dead, restarting or cut off): D, whatever the remainder ("p_down"), as the
-  alternative is a 503;
 - `policy: always`: always D, whatever D holds or does (no disaggregation: with no P at all, the
   virtual clock's baseline for `pdc plan`);
+- no P is up (each dead, restarting or cut off): D, whatever the remainder ("p_down"), as the
+  alternative is a 503;
 - D's prefix index is stale (it lost events, router/kv_events.py): its hit is not known, P;
 - the remainder on D (prompt minus what D's events confirmed) is over `max_tokens` and P is
   not busy: P ("long_remainder"). P is busy when the P the policy picked has at least

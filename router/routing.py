@@ -204,19 +204,16 @@ class InstancePicker(Generic[I]):
             # request is still receiving are there: only what D's events confirmed is a hit on D.
             matched_d, _, tier_d = self._matched(decode, hashes, None)
         p_views = self._prefill_views(prefill, matched_p, n, tier_p)
-        d_views = [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
-                              matched_d[d.name] if matched_d else 0) for d in decode]
+        d_views = self._decode_views(decode, matched_d)
         p_name = pick_prefill(self.policy, p_views, turn).name
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
         local = holder = None
         if self.local is not None:
-            if pool and self.local.pool:
-                holder, pool_tokens = self._pool(prefill, hashes, p_name)
+            holder, pool_tokens = self._pool(prefill, hashes, p_name) if pool and self.local.pool else (None, 0)
             local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
-                                                 self._load[d_name].local, self._load[p_name].seconds,
-                                                 pool_tokens if holder is not None else 0))
+                                                 self._load[d_name].local, self._load[p_name].seconds, pool_tokens))
         p_view = next(v for v in p_views if v.name == p_name)
         taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
                                     p_view.tier_tokens)
@@ -234,8 +231,7 @@ class InstancePicker(Generic[I]):
         n = len(prompt_token_ids)
         hashes = list(hashes) if hashes is not None else hittable_hashes(prompt_token_ids, self.block_size)
         matched, _, tier = self._matched(decode, hashes, None)
-        view = pick_decode(self.policy, [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
-                                                    matched[d.name]) for d in decode], turn)
+        view = pick_decode(self.policy, self._decode_views(decode, matched), turn)
         d = next(i for i in decode if i.name == view.name)
         local = decide(self.local, LocalView(n, matched[d.name], self.lookup.stale(d.name), self._load[d.name].local,
                                              0.0, p_up=False))
@@ -261,6 +257,11 @@ class InstancePicker(Generic[I]):
         if self.pending is not None:  # the next request of this prefix sees it on this D at once
             self.pending.add(d.name, route.key, hashes or [])
         return route
+
+    def _decode_views(self, instances: list[I], matched: dict[str, int] | None) -> list[DecodeView]:
+        """What pick_decode weighs of each D: the KV it holds for its requests, and its hit."""
+        return [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
+                           matched[d.name] if matched else 0) for d in instances]
 
     def _pool(self, prefill: list[I], hashes: list[RouterHash], picked: str) -> tuple[I | None, int]:
         """The P whose host tier holds the longest run of the prompt's first blocks, as its events

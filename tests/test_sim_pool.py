@@ -29,7 +29,7 @@ def test_a_peer_pulls_the_pools_run_and_every_row_is_the_prompts():
     try:
         prompt = list(range(100, 100 + 5 * BS + 3))
         hashes = hash_blocks(prompt, BS)
-        producer.offer_pool("pool-1", hashes, 3, lease_s=60)  # the tier holds the first 3 blocks
+        producer.offer_pool("pool-1", hashes, prompt[:3 * BS], lease_s=60)  # the tier holds the first 3 blocks
         local = (9, 4, 20)
         plan = TransferPlan(tuple(GroupPlan(gi, "full_attention", (0, 1, 2), local) for gi in range(len(components))),
                             d_cached_tokens=0, transferred_tokens=3 * BS)

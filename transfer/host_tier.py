@@ -80,9 +80,9 @@ class HostTier:
         self.counts = replace(c, stored_blocks=c.stored_blocks + len(keys),
                               stored_bytes=c.stored_bytes + len(keys) * self.block_bytes(group))
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
+    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
         """Copy the kept blocks `keys` into device blocks `block_ids` (KeyError naming one not kept:
-        the book and the bytes out of step)."""
+        the book and the bytes out of step); the copies' time, in ns, as issued."""
         group = self._one_group(keys, block_ids)
         with self._lock:
             missing = [k for k in keys if k not in self._blocks or k in self._evict_later]
@@ -90,15 +90,17 @@ class HostTier:
         if missing:
             raise KeyError(f"the host tier holds no bytes for {len(missing)} of the {len(keys)} blocks to load "
                            f"(first: group {missing[0][0]}, hash {missing[0][1].hex()[:16]})")
-        t0 = time.perf_counter()
+        t0 = time.monotonic_ns()
         for name in self._layers[group]:
             view = self._kv.view(name)
             data = torch.stack([b[name] for b in blocks])
             view.index_copy_(0, torch.tensor(list(block_ids), dtype=torch.long, device=view.device),
                              data.to(view.device, non_blocking=self._pin))
+        took_ns = time.monotonic_ns() - t0
         c = self.counts
-        self.counts = replace(c, loaded_blocks=c.loaded_blocks + len(keys), load_seconds=c.load_seconds +
-                              time.perf_counter() - t0, loaded_bytes=c.loaded_bytes + len(keys) * self.block_bytes(group))
+        self.counts = replace(c, loaded_blocks=c.loaded_blocks + len(keys), load_seconds=c.load_seconds + took_ns / 1e9,
+                              loaded_bytes=c.loaded_bytes + len(keys) * self.block_bytes(group))
+        return took_ns
 
     def evict(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:

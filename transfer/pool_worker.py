@@ -25,25 +25,23 @@ class PoolWorkerExtension:
     def pdc_open_pool(self, transfer_id: str, hashes: list[bytes]) -> int:
         """Offer the run of `hashes` this instance's host tier holds as transfer `transfer_id`: the
         prompt tokens it covers (0: none held, or no tier here)."""
-        from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            return 0
-        worker = getattr(get_kv_transfer_group(), "_worker", None)
+        worker = _connector_worker()
         return worker.open_pool(transfer_id, [bytes(h) for h in hashes]) if worker is not None else 0
-
 
     def pdc_tier_counts(self) -> dict | None:
         """This instance's host tier's counts (proto/messages.py TierCounts, as a dict: collective_rpc's
         answers cross processes by msgpack), None without a tier."""
         from dataclasses import asdict
 
-        from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            return None
-        tier = getattr(getattr(get_kv_transfer_group(), "_worker", None), "tier", None)
+        tier = getattr(_connector_worker(), "tier", None)
         return asdict(tier.counted()) if tier is not None else None
+
+
+def _connector_worker():
+    """This worker's pdcluster connector's worker side (transfer/connector_worker.py), None without one."""
+    from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
+
+    return getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_algo: str = "sha256") -> list[bytes]:

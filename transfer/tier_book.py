@@ -23,22 +23,10 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 BlockKey = tuple[int, bytes]  # (KV-cache group, the block's hash)
-
-
-def consecutive_runs(indices: Iterable[int]) -> list[range]:
-    """Ascending block indices as runs of consecutive ones: a tier announces each run it stored
-    as one event naming its first block's parent, as vLLM's block pool announces its own."""
-    runs: list[range] = []
-    for i in indices:
-        if runs and runs[-1].stop == i:
-            runs[-1] = range(runs[-1].start, i + 1)
-        else:
-            runs.append(range(i, i + 1))
-    return runs
 
 
 @dataclass

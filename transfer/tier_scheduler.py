@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
-from pdcluster.transfer.tier_book import BlockKey, TierBook, consecutive_runs
+from pdcluster.transfer.paged_kv import block_runs
+from pdcluster.transfer.tier_book import BlockKey, TierBook
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -150,9 +151,9 @@ class TierScheduler:
         """One event per run of consecutive blocks newly kept, as vLLM's block pool announces its
         own: each names its first block's parent, so the router can place it in the prompt's chain."""
         bs, hashes = self.block_size, request.block_hashes
-        return [BlockStored(hashes[run.start:run.stop], hashes[run.start - 1] if run.start else None,
-                            request.all_token_ids[run.start * bs:run.stop * bs], bs, group, HOST_MEDIUM)
-                for run in consecutive_runs(indices)]
+        return [BlockStored(hashes[first:first + n], hashes[first - 1] if first else None,
+                            request.all_token_ids[first * bs:(first + n) * bs], bs, group, HOST_MEDIUM)
+                for first, n in block_runs(indices)]
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """What the tier stored and evicted since the last call, for vLLM to publish."""

@@ -254,10 +254,10 @@ class SimEngineActor(ServesRequestChannel, Engine):
         sched = self._started()
         prompt = list(req.prompt_token_ids)
         hashes = sched.hash_blocks(prompt, [])
-        blocks = self.tier.offer(hashes, len(prompt) - 1)
-        if blocks:
-            self.producer.offer_pool(req.transfer_id, hashes, blocks, self.spec.transfer.lease_s)
-        return PoolOffer(req.transfer_id, blocks * self.config.block_size)
+        tokens = self.tier.offer(hashes, len(prompt))
+        if tokens:
+            self.producer.offer_pool(req.transfer_id, hashes, prompt[:tokens], self.spec.transfer.lease_s)
+        return PoolOffer(req.transfer_id, tokens)
 
     async def tier_counts(self) -> TierCounts | None:
         return self.tier.counts() if self.tier is not None else None

@@ -74,14 +74,13 @@ class ProducerSide(KvHooks):
             return (num_tokens - 1) // bs
         return 0
 
-    def offer_pool(self, transfer_id: str, block_hashes: list, num_blocks: int, lease_s: float) -> None:
-        """The pool: the prompt's first `num_blocks` blocks, which the instance's tier holds (its book),
-        offered to a peer's read as a pooled source. Their bytes are their keys' rows, as P's steps
-        wrote them (payload.py): made as they are read."""
-        keys = payload.block_keys(block_hashes[:num_blocks], [0] * (num_blocks * self.block_size), self.block_size)
-        self.sources.offer_pooled(transfer_id, _PayloadRun(keys, {c.name: self.kv.view(c.name).shape[1]
-                                                                   for c in self.components}),
-                                  num_blocks * self.block_size, lease_s)
+    def offer_pool(self, transfer_id: str, block_hashes: list, tokens: list[int], lease_s: float) -> None:
+        """The pool: a prompt's first blocks (`tokens`, whole blocks), which the instance's tier holds
+        (its book), offered to a peer's read as a pooled source. Their bytes are their keys' rows, as
+        P's steps wrote them (payload.py): made as they are read."""
+        keys = payload.block_keys(block_hashes, tokens, self.block_size)
+        widths = {c.name: self.kv.view(c.name).shape[1] for c in self.components}
+        self.sources.offer_pooled(transfer_id, _PayloadRun(keys, widths), len(tokens), lease_s)
 
     def step_done(self) -> None:
         self.sources.step_done()

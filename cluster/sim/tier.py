@@ -28,7 +28,8 @@ from pdcluster.cluster.sim.kv_wire import BlockHash, BlockRemoved, BlockStored, 
 from pdcluster.proto.handle import MAX_RETENTION_S
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM
 from pdcluster.proto.messages import TierCounts
-from pdcluster.transfer.tier_book import TierBook, consecutive_runs
+from pdcluster.transfer.paged_kv import block_runs
+from pdcluster.transfer.tier_book import TierBook
 
 _GROUP = 0  # the simulated pool is one group: a block stands for every component
 
@@ -55,12 +56,12 @@ class SimTier:
         last = max(first, max_hit_tokens // self.block_size)
         return self.book.match({_GROUP: block_hashes[first:last]})
 
-    def offer(self, block_hashes: Sequence[BlockHash], max_hit_tokens: int) -> int:
-        """The pool (the virtual router's OpenPool): the run of a prompt's first blocks the tier holds,
-        within `max_hit_tokens`, counted as used now. Not pinned: a read is instant on the book."""
-        blocks = self.lookup(block_hashes, 0, max_hit_tokens)
+    def offer(self, block_hashes: Sequence[BlockHash], prompt_tokens: int) -> int:
+        """The pool (an OpenPool): the prompt tokens the run of its first blocks the tier holds covers
+        (its last token left to compute), counted as used now. Not pinned: a read is instant on the book."""
+        blocks = self.lookup(block_hashes, 0, prompt_tokens - 1)
         self.served_blocks += blocks
-        return blocks
+        return blocks * self.block_size
 
     def load_s(self, tokens: int) -> float:
         """The host link's time for loading `tokens` (whole blocks) back to the device."""
@@ -89,11 +90,11 @@ class SimTier:
                                              medium=HOST_MEDIUM, group_idx=_GROUP))
         stored, bs = {h for _, h in kept.stored}, self.block_size
         self.stored_blocks += len(stored)
-        for run in consecutive_runs(i for i, h in enumerate(hashes) if h in stored):  # one event a run
-            parent = external_hashes([hashes[run.start - 1]], self._int_hashes)[0] if run.start else None
+        for first, n in block_runs([i for i, h in enumerate(hashes) if h in stored]):  # one event a run
+            parent = external_hashes([hashes[first - 1]], self._int_hashes)[0] if first else None
             self._events.append(BlockStored(
-                block_hashes=external_hashes(hashes[run.start:run.stop], self._int_hashes), parent_block_hash=parent,
-                token_ids=list(tokens[run.start * bs:run.stop * bs]), block_size=bs, lora_id=None,
+                block_hashes=external_hashes(hashes[first:first + n], self._int_hashes), parent_block_hash=parent,
+                token_ids=list(tokens[first * bs:(first + n) * bs]), block_size=bs, lora_id=None,
                 medium=HOST_MEDIUM, lora_name=None, group_idx=_GROUP))
 
     def clear(self) -> None:

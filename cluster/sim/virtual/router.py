@@ -188,8 +188,8 @@ class VirtualRouter:
                 self.instances[cmd.instance.name].add(flight.p_req)
             elif isinstance(cmd, OpenPool):  # the holder's tier offers its run at once (no network modelled)
                 tier = self.instances[cmd.instance.name].core.tier
-                blocks = tier.offer(flight.prompt.block_hashes, len(flight.prompt.tokens) - 1) if tier else 0
-                offer = PoolOffer(cmd.request.transfer_id, blocks * self.block_size)
+                offer = PoolOffer(cmd.request.transfer_id,
+                                  tier.offer(flight.prompt.block_hashes, len(flight.prompt.tokens)) if tier else 0)
                 if offer.num_tokens:
                     rid = flight.lc.rec.request_id
                     self.kv.expect_pool(offer.transfer_id, offer.num_tokens, cmd.instance.name,
