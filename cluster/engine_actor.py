@@ -40,6 +40,7 @@ from pdcluster.proto.messages import (
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
+from pdcluster.transfer import refusal_counts
 from pdcluster.transfer.channel_server import ServesRequestChannel
 from pdcluster.transfer.network import instance_address, instance_planes
 from pdcluster.transfer.sources import TransferIds
@@ -132,6 +133,10 @@ class EngineActor(ServesRequestChannel, Engine):
         os.environ[SECRET_ENV] = spec.secret()
         self.serve_requests_on(address, spec.secret())
         self._load_times = LoadTimes()  # beside the refusal counts serve_requests_on shared, for vLLM's worker
+        # vLLM names its ZMQ sockets by uuid under VLLM_RPC_BASE_PATH (/tmp by default) and never
+        # unlinks them when Ray kills its processes: put them in that directory, removed with the actor.
+        if where := refusal_counts.shared_dir():
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", where)
         from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM, KVTransferConfig
 
         args = dict(self.plan.engine_args)

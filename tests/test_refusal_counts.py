@@ -79,6 +79,8 @@ def test_share_removes_only_its_own_directories_whose_maker_is_gone(monkeypatch,
     assert left == sorted([f"pdc-refusals-{os.getpid()}-live", "pdc-refusals-x-y", f"other-{gone.pid}-abc",
                            os.path.basename(os.path.dirname(path))])
     assert os.path.basename(os.path.dirname(path)).startswith(f"pdc-refusals-{os.getpid()}-")
+    # What else the instance's processes share (tier load times, vLLM's ZMQ sockets) goes there too.
+    assert refusal_counts.shared_dir() == os.path.dirname(path)
 
 
 class RefusingEngine(FakeEngine):

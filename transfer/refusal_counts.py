@@ -51,6 +51,13 @@ def share() -> str:
         return path
 
 
+def shared_dir() -> str | None:
+    """The directory of the shared file (only this user can enter it; removed with its maker), for
+    other files an instance's processes share; None when none is shared."""
+    path = os.environ.get(ENV)
+    return os.path.dirname(path) if path else None
+
+
 def _sweep(tmp: str) -> None:
     """Remove the directories of this naming that this user made in processes now gone: an actor
     Ray kills runs no atexit. Nothing else is touched (another user's, a live maker's, any other

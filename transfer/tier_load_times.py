@@ -29,8 +29,8 @@ _NAME = "tier-loads"
 
 
 def _path() -> str | None:
-    counts = os.environ.get(refusal_counts.ENV)
-    return os.path.join(os.path.dirname(counts), _NAME) if counts else None
+    where = refusal_counts.shared_dir()
+    return os.path.join(where, _NAME) if where else None
 
 
 def _key(transfer_id: str) -> tuple[bytes, int]:
