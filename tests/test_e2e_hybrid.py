@@ -7,6 +7,11 @@ The connector supports vLLM's hybrid KV cache manager (SupportsHMA), so each
 layer kind keeps its own KV-cache group, and a window group moves only the
 blocks its window covers. Tokens must equal a single engine's (the probes saw
 vLLM's ExampleConnector give unstable tokens on gpt-oss).
+
+P has a host KV tier, a max_model_len of 3,072 tokens and a device pool just over what vLLM asks
+for one such prompt (a prefill allocates every group, windows included, a block per block of the
+prompt before vLLM frees those the window left): a prompt P evicted comes back from its tier, full
+groups whole and each window group's window (transfer/tier_scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from e2e import (
     MODEL_CACHE,
     assert_no_kv_in_use,
     cluster_spec_for,
+    complete,
     local_ray,
     running_cluster,
     serve_over_each_transport,
@@ -40,8 +46,14 @@ class Hybrid:
     window_groups: int
     full_groups: int
 
+    @property
+    def p_blocks(self) -> int:
+        """P's device pool: its max_model_len's 24 blocks in every group, and 6 more."""
+        return 24 * (self.window_groups + self.full_groups) + 6
+
 
 HYBRIDS = [Hybrid("gemma3", GEMMA3_WINDOW, 5, 1), Hybrid("gptoss", GPTOSS_WINDOW, 1, 1)]
+FULL = (3000 - 1) // BLOCK * BLOCK  # of a 3,000-token prompt, what can hit
 
 
 @pytest.fixture(scope="module", params=HYBRIDS, ids=lambda h: h.arch)
@@ -69,7 +81,9 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, hybrid, reference):
-    spec = cluster_spec_for(f"e2e-{hybrid.arch}", model={"path": model_dir, "name": "tiny-qwen3"})
+    spec = cluster_spec_for(f"e2e-{hybrid.arch}", model={"path": model_dir, "name": "tiny-qwen3"},
+                            prefill_engine={"host_tier_gib": 0.05, "max_model_len": 3072, "max_num_batched_tokens": 3072,
+                                            "extra": {"num_gpu_blocks_override": hybrid.p_blocks}})
     with running_cluster(spec) as c:
         yield c
 
@@ -110,6 +124,22 @@ def test_window_groups_move_only_the_window(cluster, served, hybrid):
         # Each group named by its kind and vLLM's spec, for the reports.
         kinds = sorted(g.name.split(" ")[0] for g in rec.transfer_groups)
         assert kinds == ["full_attention"] * hybrid.full_groups + ["sliding_window"] * hybrid.window_groups, kinds
+
+
+def test_a_prompt_p_evicted_comes_back_from_its_host_tier_window_groups_included(cluster, served):
+    prompt, _, want = next((p, b, w) for p, b, w in served if len(p) == 3000)
+    rng = random.Random(12)
+    for _ in range(4):  # other 3,000-token prompts: P's device pool lets go of the first's blocks
+        r = complete(cluster.url, [rng.randrange(3, 1000) for _ in range(3000)], 1)
+        assert r.status_code == 200, r.text
+    assert ray.get(cluster.decode[0].actor.reset_prefix_cache.remote())  # D holds nothing: P prefills it all
+    r = complete(cluster.url, prompt, 8)
+    assert r.status_code == 200, r.text
+    rec = load_run(cluster.run_dir).record(r.json()["id"])
+    # What P's device cache still held, and the rest from its tier: every block that can hit.
+    assert (rec.p_cached_tokens, rec.d_cached_tokens) == (FULL, 0) and rec.p_tier_tokens > 0, (
+        rec.p_cached_tokens, rec.p_tier_tokens, rec.d_cached_tokens)
+    assert r.json()["choices"][0]["token_ids"] == want
 
 
 def test_no_blocks_leak(cluster, served):

@@ -20,6 +20,13 @@ def full(index: int) -> GroupInfo:
     return GroupInfo(index, "full_attention", "FullAttentionSpec", BS, 0, PAGE)
 
 
+WINDOW = 5  # tokens: a hit of E tokens needs the blocks of tokens [E - 4, E)
+
+
+def window(index: int) -> GroupInfo:
+    return GroupInfo(index, "sliding_window", "SlidingWindowSpec", BS, -(-WINDOW // BS) + 1, PAGE, WINDOW)
+
+
 @dataclass
 class Req:
     """What the tier reads of vLLM's Request."""
@@ -167,9 +174,9 @@ def test_only_computed_prompt_blocks_are_kept():
 
 
 def test_groups_a_tier_cannot_keep_yet_are_refused_by_name():
-    window = GroupInfo(1, "sliding_window", "SlidingWindowSpec", BS, 3, PAGE)
-    with pytest.raises(TierUnsupported, match=r"full-attention groups only .* group 1: sliding_window"):
-        TierScheduler([full(0), window], capacity_bytes=PAGE)
+    compressed = GroupInfo(1, "compressed", "MLAAttentionSpec", BS, 0, PAGE)
+    with pytest.raises(TierUnsupported, match=r"sliding-window groups only .* group 1: compressed"):
+        TierScheduler([full(0), compressed], capacity_bytes=PAGE)
     with pytest.raises(TierUnsupported, match=r"one block size in every group, not \[4, 8\]"):
         TierScheduler([full(0), GroupInfo(1, "full_attention", "FullAttentionSpec", 8, 0, PAGE)], PAGE)
 
@@ -221,3 +228,76 @@ def test_ps_connector_hands_vllm_the_tiers_events_as_its_own():
     assert stored_a.token_ids == list(range(100, 108)) and stored_a.block_size == BS and conn.take_events() == []
     conn._tier = None
     assert conn.take_events() == ()
+
+
+def hybrid_tier() -> TierScheduler:
+    """A full-attention group 0 and a window group 1, holding prompt "f" of 13 tokens as P ends it:
+    13 computed, so vLLM had freed the window's blocks 0 and 1 (tokens 0-7: before 13 - 5 + 1)."""
+    sched = TierScheduler([full(0), window(1)], capacity_bytes=20 * PAGE)
+    ended(sched, req("a", "f", 13), [[1, 2, 3, 4], [0, 0, 23, 24]])
+    assert sched.take_orders().copies == [TierCopy("store", 0, (b"f0", b"f1", b"f2"), (1, 2, 3), "a"),
+                                          TierCopy("store", 1, (b"f2",), (23,), "a")]
+    return sched
+
+
+def test_a_window_group_keeps_what_its_window_held_and_loads_only_the_blocks_vllm_allocates_in_it():
+    sched = hybrid_tier()
+    b = req("b", "f", 13)
+    assert sched.lookup(b, 0) == 3 * BS  # a hit of 12 tokens: the window needs tokens 8-11, block 2
+    # vLLM allocates the window group a block for position 2 only (its null block before it).
+    assert sched.allocated(b, [[5, 6, 7, 8], [0, 0, 27, 28]], 3 * BS) == 3
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1", b"f2"), (5, 6, 7), "b"),
+                                          TierCopy("load", 1, (b"f2",), (27,), "b")]
+
+
+def test_a_hit_whose_window_blocks_vllm_had_freed_is_cut_back_to_where_the_window_is_held():
+    sched = TierScheduler([full(0), window(1)], capacity_bytes=20 * PAGE)
+    # D ended it after decoding 4 tokens: 17 computed, the window's blocks 0-2 freed.
+    d = req("d", "f", 13)
+    d.num_computed_tokens = 17
+    sched.finished(d, [[1, 2, 3, 4, 5], [0, 0, 0, 24, 25]], 0.0, free_after=False)
+    assert [c.group for c in sched.take_orders().copies] == [0]  # nothing of the window's
+    assert sched.lookup(req("b", "f", 13), 0) == 0  # every hit's end needs a window block not held
+    # D pulling the rest from P: the window's blocks (2 and 3, for tokens 9-12) come from P, the
+    # full group's before them from the tier.
+    c = req("c", "f", 13)
+    assert sched.lookup(c, 0, computed_to=13) == 2 * BS
+    assert sched.allocated(c, [[5, 6, 7, 8], [0, 0, 27, 28]], 2 * BS) == 2
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1"), (5, 6), "c")]
+
+
+def test_a_window_block_vllm_allocates_that_the_lookup_did_not_check_is_loaded_unleased_and_fails_there():
+    sched = hybrid_tier()
+    b = req("b", "f", 13)
+    assert sched.lookup(b, 0) == 3 * BS
+    sched.allocated(b, [[5, 6, 7, 8], [0, 26, 27, 28]], 3 * BS)  # (a wider window than the spec's)
+    loads = sched.take_orders().copies
+    assert loads[1] == TierCopy("load", 1, (b"f1", b"f2"), (26, 27), "b")  # f1: the worker finds no bytes
+    assert (1, b"f1") not in sched.book
+
+
+def test_d_loads_the_prefix_from_its_tier_and_pulls_the_rest_and_the_windows_tail_from_p():
+    """D's connector (a request with a handle): the tier gives what it holds up to where P's part
+    starts; P's plan pairs D's blocks from there, a window group's tail included."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from pdcluster.proto.handle import TransferHandle
+    from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.connector_meta import PdcMetadata
+
+    conn = object.__new__(PdcConnector)
+    conn.is_producer, conn.groups, conn._tier = False, (full(0), window(1)), hybrid_tier()
+    conn._handled, conn._loading, conn._pending, conn._d_stats = set(), set(), PdcMetadata(), {}
+    d = req("d", "f", 13)
+    d.kv_transfer_params = TransferHandle("p-engine", "127.0.0.1:1", "t-1", 13).to_params()
+    assert conn.get_num_new_matched_tokens(d, 0) == (13, True)  # all of it external: tier and P
+    null = KVCacheBlock(0, is_null=True)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6, 7, 8)], [null, null, KVCacheBlock(27), KVCacheBlock(28)]))
+    conn.update_state_after_alloc(d, blocks, 13)
+    assert conn._tier.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1", b"f2"), (5, 6, 7), "d"),
+                                               TierCopy("load", 1, (b"f2",), (27,), "d")]
+    (job,) = conn._pending.loads
+    assert [(g.remote_indices, g.local_block_ids) for g in job.plan.groups] == [((3,), (8,)), ((3,), (28,))]
+    assert (job.plan.d_cached_tokens, job.plan.transferred_tokens) == (12, 1)
+    assert conn._d_stats["d"].d_tier_tokens == 12

@@ -39,8 +39,7 @@ from pdcluster.proto.messages import TransferStats
 from pdcluster.transfer import vllm_compat
 from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.grpc_client import LoadJob
-from pdcluster.transfer.grpc_server import NULL_BLOCK_ID
-from pdcluster.transfer.plan import TransferPlan, plan_transfer
+from pdcluster.transfer.plan import NULL_BLOCK_ID, TransferPlan, plan_transfer
 from pdcluster.transfer.tier_scheduler import TierScheduler
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
@@ -124,9 +123,10 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             return (self._tier.lookup(request, num_computed_tokens), False) if self._tier is not None else (0, False)
         if request.request_id in self._handled:
             return 0, False
+        end = min(handle.num_tokens, request.num_prompt_tokens)
         if self._tier is not None:  # D's tier part of it is loaded with the pull (update_state_after_alloc)
-            self._tier.lookup(request, num_computed_tokens)
-        count = min(handle.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+            self._tier.lookup(request, num_computed_tokens, computed_to=end)
+        count = end - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -150,12 +150,14 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             plan = TransferPlan((), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
         else:
             hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
-            new = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
+            end = 0  # D's blocks from this position on come from P
             if self._tier is not None:  # the first blocks past D's hit from its tier, the rest from P
                 tier_tokens = self._tier.lookup_taken(request)
-                self._tier.allocated(request, blocks.get_block_ids(), tier_tokens)
-                n = tier_tokens // self._tier.block_size
-                hit_blocks, new = tuple(h + n for h in hit_blocks), tuple(g[n:] for g in new)
+                end = self._tier.allocated(request, blocks.get_block_ids(), tier_tokens)
+                hit_blocks = tuple(h + tier_tokens // self._tier.block_size for h in hit_blocks)
+            # (a window group's blocks past the tier's: the window's tail, ending at the prompt's end)
+            new = tuple(tuple(b.block_id for b in g[end:] if b.block_hash is None and not b.is_null)
+                        for g in blocks.blocks)
             plan = plan_transfer(self.groups, new, hit_blocks,
                                  d_cached_tokens=handle.num_tokens - num_external_tokens + tier_tokens,
                                  num_tokens=handle.num_tokens)
@@ -251,7 +253,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         assert gpu_block_pool.null_block.block_id == NULL_BLOCK_ID, (
-            f"vLLM's null block is {gpu_block_pool.null_block.block_id}, not {NULL_BLOCK_ID}: update grpc_server")
+            f"vLLM's null block is {gpu_block_pool.null_block.block_id}, not {NULL_BLOCK_ID}: update transfer/plan.py")
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM calls this one when the hybrid KV cache manager is off (one group).

@@ -56,6 +56,7 @@ class GroupInfo:
     # window rarely starts on a block boundary. 0: not a window group.
     window_blocks: int
     page_bytes: int  # one block of this group, summed over its layers
+    window: int = 0  # a window group's window, in tokens (0: not a window group)
 
     @property
     def name(self) -> str:
@@ -114,7 +115,7 @@ def describe_group(index: int, spec: KVCacheSpec, num_layers: int) -> GroupInfo:
                                   f"{', '.join(names)}): pdcluster cannot plan one block table for them")
     (kind, window), = kinds
     window_blocks = -(-window // spec.block_size) + 1 if window else 0
-    return GroupInfo(index, kind, "+".join(names), spec.block_size, window_blocks, page_bytes)
+    return GroupInfo(index, kind, "+".join(names), spec.block_size, window_blocks, page_bytes, window)
 
 
 def describe_groups(kv_cache_config: KVCacheConfig) -> tuple[GroupInfo, ...]:

@@ -38,6 +38,7 @@ from pdcluster.transfer.grpc_auth import GrpcAuth, grpc_server_interceptor
 from pdcluster.transfer.kv_seal import SealError, StreamSeal, kv_seal_key
 from pdcluster.transfer.malloc_tuning import tune_malloc_for_transfer
 from pdcluster.transfer.paged_kv import LayerInfo, PagedKv
+from pdcluster.transfer.plan import NULL_BLOCK_ID
 from pdcluster.transfer.sources import Source, SourceError, SourceTable
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,6 @@ def chunk_runs(num_blocks: int, block_bytes: int, chunk_bytes: int) -> list[tupl
     return [(first, min(per, num_blocks - first)) for first in range(0, num_blocks, per)]
 
 
-# vLLM's BlockPool hands out block 0 as the null block (out-of-window positions
-# of sliding-window groups point at it); it never holds a request's KV.
-NULL_BLOCK_ID = 0
 # Longest sleep between checks that D is still listening.
 _POLL_S = 1.0
 _ANSWER_MARGIN_S = 0.2

@@ -25,6 +25,10 @@ from typing import Literal, Protocol
 
 GroupKind = Literal["full_attention", "compressed", "sliding_window"]
 
+# vLLM's BlockPool hands out block 0 as the null block (out-of-window positions of sliding-window
+# groups point at it); it never holds a request's KV.
+NULL_BLOCK_ID = 0
+
 
 class PlanError(ValueError):
     """P's and D's block lists cannot be paired: a bug or an incompatible peer."""

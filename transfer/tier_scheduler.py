@@ -15,8 +15,12 @@ the connector hands vLLM to publish beside the device cache's): the router's pre
 a tier's blocks apart from the device's (router/prefix_index.py).
 
 Keys are (KV-cache group, vLLM's block hash), as vLLM's OffloadingConnector keys its blocks: one
-prompt block's hash names its KV in every full-attention group. Window and compressed groups
-(Gemma3, gpt-oss, DeepSeek-V4) keep only a window, or use other block sizes: not yet.
+prompt block's hash names its KV in every group. A full-attention group keeps and loads every
+block of a prompt's prefix; a sliding-window group (Gemma3, gpt-oss) only the blocks its window
+covers, as vLLM's own cache does: the tier keeps what vLLM had not yet freed when the request
+ended (out-of-window positions hold vLLM's null block), and a hit of E tokens needs the blocks of
+tokens [E - window + 1, E) (vLLM's SlidingWindowManager.get_num_skipped_tokens), which vLLM then
+allocates, and no others. Compressed groups (DeepSeek-V4) use other block sizes: not yet.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.paged_kv import block_runs
+from pdcluster.transfer.plan import NULL_BLOCK_ID
 from pdcluster.transfer.tier_book import BlockKey, TierBook
 
 if TYPE_CHECKING:
@@ -65,16 +70,18 @@ class TierOrders:
 
 class TierScheduler:
     def __init__(self, groups: Sequence[GroupInfo], capacity_bytes: int, max_retention_s: float = MAX_RETENTION_S):
-        odd = [g for g in groups if g.kind != "full_attention"]
+        odd = [g for g in groups if g.kind not in ("full_attention", "sliding_window")]
         if odd:
             raise TierUnsupported(
-                f"a host KV tier keeps full-attention groups only so far; this model has "
+                f"a host KV tier keeps full-attention and sliding-window groups only so far; this model has "
                 f"{', '.join(f'group {g.index}: {g.name}' for g in odd)}: set host_tier_gib only for such models")
         if len({g.block_size for g in groups}) > 1:
             raise TierUnsupported(f"a host KV tier needs one block size in every group, not "
                                   f"{sorted({g.block_size for g in groups})}")
         self.block_size = groups[0].block_size
         self._groups = tuple(g.index for g in groups)
+        self._full = tuple(g.index for g in groups if g.kind == "full_attention")
+        self._windows = {g.index: g.window for g in groups if g.kind == "sliding_window"}  # group -> tokens
         self._block_bytes = {g.index: g.page_bytes for g in groups}
         self.book = TierBook(capacity_bytes, max_retention_s)
         self._orders = TierOrders()
@@ -88,33 +95,57 @@ class TierScheduler:
         # cached when it scheduled them, and then computed them (or ended the request).
         self.failed_tokens: dict[str, int] = {}
 
-    def lookup(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens past the device cache's hit (`num_computed_tokens`, whole blocks) the tier holds
-        in every group. At least one prompt token is left to compute, as vLLM's own cache leaves."""
+    def lookup(self, request: Request, num_computed_tokens: int, computed_to: int = 0) -> int:
+        """Tokens past the device cache's hit (`num_computed_tokens`, whole blocks) the tier holds:
+        every full-attention group's blocks from the hit on; every window group's blocks among
+        them that the window before `computed_to` covers (D pulling the rest from P: the prompt's
+        end; else the tier hit's own end). At least one prompt token is left to compute, as vLLM's
+        own cache leaves."""
         first = num_computed_tokens // self.block_size
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        hashes = request.block_hashes[first:last]
         # The book's run, counted as used now (not the next blocks a keep evicts).
-        tokens = self.book.match({g: request.block_hashes[first:last] for g in self._groups}) * self.block_size
+        n = self.book.match({g: hashes for g in self._full}) if self._full else len(hashes)
+        while n and not all(k in self.book for k in self._window_keys(request, first, first + n, computed_to)):
+            n -= 1
+        if n:
+            self.book.match({g: [h for gg, h in self._window_keys(request, first, first + n, computed_to) if gg == g]
+                             for g in self._windows})
+        tokens = n * self.block_size
         self._first[request.request_id] = first, tokens
         return tokens
+
+    def _window_keys(self, request: Request, first: int, end: int, computed_to: int) -> list[BlockKey]:
+        """Of blocks [first, end), those each window group needs once `computed_to` tokens (at
+        least end's) are computed: the blocks holding its last `window` tokens, as vLLM allocates."""
+        bs, to = self.block_size, max(computed_to, end * self.block_size)
+        return [(g, request.block_hashes[i]) for g, window in self._windows.items()
+                for i in range(max(first, (to - window + 1) // bs), end)]
 
     def lookup_taken(self, request: Request) -> int:
         """The tokens the last `lookup` of the request found (D: its tier's share of a load)."""
         return self._first.get(request.request_id, (0, 0))[1]
 
-    def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_tier_tokens: int) -> None:
+    def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_tier_tokens: int) -> int:
         """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
-        `num_tier_tokens` of the last lookup's from the tier: order their load."""
+        `num_tier_tokens` of the last lookup's from the tier: order their load. The block the tier's
+        hit ends at (blocks from it on are computed, or pulled from P; 0: no hit)."""
         first, _ = self._first.pop(request.request_id, (None, 0))
         if num_tier_tokens <= 0 or first is None:
             self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
-            return
+            return 0
         end = first + num_tier_tokens // self.block_size
-        hashes = tuple(request.block_hashes[first:end])
-        self._leases.append(self.book.lease([(g, h) for g in self._groups for h in hashes]))
+        loads = []  # per group: the positions vLLM allocated a block for (a window's: in the window)
         for g in self._groups:
-            self._orders.copies.append(TierCopy("load", g, hashes, tuple(block_ids[g][first:end]), request.request_id))
+            at = [i for i in range(first, end) if block_ids[g][i] != NULL_BLOCK_ID]
+            loads.append(TierCopy("load", g, tuple(request.block_hashes[i] for i in at),
+                                  tuple(block_ids[g][i] for i in at), request.request_id))
+        # (A block the lookup did not check, were vLLM to allocate one, is not leased: its load
+        # fails and the tokens are computed, or the request ends, as on_failure says.)
+        self._leases.append(self.book.lease([k for c in loads for k in c.keys if k in self.book]))
+        self._orders.copies += [c for c in loads if c.hashes]
         self.hit_tokens[request.request_id] = num_tier_tokens
+        return end
 
     def finished(self, request: Request, block_ids: Sequence[Sequence[int]], now_s: float, free_after: bool) -> bool:
         """The request ended: keep its computed prompt blocks (retained as its hint asks). True
@@ -125,13 +156,16 @@ class TierScheduler:
         n = min(len(request.block_hashes), request.num_computed_tokens // self.block_size,
                 request.num_prompt_tokens // self.block_size, *(len(ids) for ids in block_ids))
         hashes = request.block_hashes[:n]
-        kept = self.book.keep([((g, h), self._block_bytes[g]) for h in hashes for g in self._groups], now_s, retain_s)
+        # A window group's blocks vLLM already freed (its null block in their place) are gone.
+        kept = self.book.keep([((g, h), self._block_bytes[g]) for i, h in enumerate(hashes) for g in self._groups
+                               if block_ids[g][i] != NULL_BLOCK_ID], now_s, retain_s)
         self._order_evictions(kept.evicted)
         if not kept.stored:
             return False
         index = {h: i for i, h in enumerate(hashes)}
         for g in self._groups:
-            stored = tuple(h for gg, h in kept.stored if gg == g)
+            if not (stored := tuple(h for gg, h in kept.stored if gg == g)):
+                continue
             self._orders.copies.append(
                 TierCopy("store", g, stored, tuple(block_ids[g][index[h]] for h in stored), request.request_id))
             if _plain(request):

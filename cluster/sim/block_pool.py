@@ -1,7 +1,7 @@
 """The simulated engine's KV block pool and prefix cache, with vLLM's rules.
 
 A fixed number of blocks of `block_size` tokens. Block 0 is the null block, as in
-vLLM (transfer/grpc_server.NULL_BLOCK_ID: it never holds a request's state), so
+vLLM (transfer/plan.NULL_BLOCK_ID: it never holds a request's state), so
 `num_blocks - 1` are usable. Blocks are ids (a request's block table: a list of
 them). A block is *held* while some request references it (its reference count
 > 0) and *free* otherwise; a free block may still be *cached* (it has a
@@ -61,8 +61,8 @@ from pdcluster.cluster.sim.kv_wire import (
     external_hashes,
     int_block_hashes,
 )
+from pdcluster.transfer.plan import NULL_BLOCK_ID
 
-NULL_BLOCK_ID = 0
 _is_block = functools.partial(operator.is_not, None)  # find_hit's "cached": a map lookup that found one
 
 
