@@ -125,6 +125,9 @@ class TransferStats:
     transfer_end_ns: int = 0
     kv_ready_ns: int = 0  # D's scheduler saw the pull finish
     d_tier_tokens: int = 0  # of d_cached_tokens, those D loaded from its host KV tier
+    # D's worker loading them (D's host clock; 0: no load), before it started the pull
+    d_tier_load_start_ns: int = 0
+    d_tier_loaded_ns: int = 0
 
     @classmethod
     def planned(cls, d_cached_tokens: int, transferred_tokens: int, blocks_per_group: tuple[int, ...],

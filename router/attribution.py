@@ -4,12 +4,15 @@ Phases are intervals between recorded events and may overlap (a layer-wise
 transfer runs under the prefill). The time to first token is split on the
 critical path, at boundaries that every request crosses in order:
 
-    arrival --queue-- p_scheduled --[tier_load]-- --prefill-- p_done --[transfer | d_wait]-- d_scheduled --first_decode-- first_token
+    arrival --queue-- p_scheduled --[tier_load]-- --prefill-- p_done --[d_tier_load | transfer | d_wait]-- d_scheduled --first_decode-- first_token
 
 - queue: router (parse, dispatch) and P's scheduler queue;
 - tier_load: P's worker loading the prompt's host-tier hit back to the device, before the first
   step's forward pass (only with such a hit whose time P reported: docs/kv_tiers.md);
 - prefill: P computing the prompt past its prefix hit;
+- d_tier_load: D's worker loading the part of the prompt its own host tier holds, before it starts
+  the pull, clipped to [p_done, d_scheduled] (only with such a hit; with a push it mostly runs
+  under P's prefill, off the path);
 - transfer: the part of the KV pull NOT hidden under the prefill, i.e. the pull
   interval clipped to [p_done, d_scheduled];
 - (off the path: `transfer_hidden_ns`, the pull interval clipped to the
@@ -47,8 +50,9 @@ from dataclasses import dataclass
 
 from pdcluster.router.timeline import EVENT_ORDER, RequestRecord
 
-CRITICAL_PATH = ("migration", "queue", "tier_load", "prefill", "transfer", "d_wait", "first_decode", "local_prefill")
-OPTIONAL_PARTS = frozenset({"migration", "tier_load", "local_prefill"})  # most requests have none: read as 0
+CRITICAL_PATH = ("migration", "queue", "tier_load", "prefill", "d_tier_load", "transfer", "d_wait", "first_decode",
+                 "local_prefill")
+OPTIONAL_PARTS = frozenset({"migration", "tier_load", "d_tier_load", "local_prefill"})  # most requests have none: read as 0
 
 
 def critical_path(atts: Iterable[Attribution]) -> tuple[str, ...]:
@@ -66,6 +70,7 @@ INTERVALS: tuple[tuple[str, str, str, str], ...] = (
     ("prefill", "p_scheduled", "p_done", "prefill"),
     ("handoff", "p_done", "d_queued", "router"),
     ("d_queue", "d_queued", "transfer_start", "decode"),
+    ("d_tier_load", "d_tier_load_start", "d_tier_loaded", "decode"),
     ("transfer", "transfer_start", "transfer_end", "transfer"),
     ("d_kv_wait", "transfer_end", "d_scheduled", "decode"),
     ("first_decode", "d_scheduled", "d_first_token", "decode"),
@@ -156,7 +161,10 @@ def attribute(rec: RequestRecord) -> Attribution:
         if "transfer_start" in ev and "transfer_end" in ev:
             exposed = _overlap(ev["transfer_start"], ev["transfer_end"], p_end, ev["d_scheduled"])
         parts["transfer"] = exposed
-        parts["d_wait"] = gap - exposed
+        if "d_tier_load_start" in ev and "d_tier_loaded" in ev:  # (it ends before the pull starts)
+            loaded = min(ev["d_tier_loaded"], ev.get("transfer_start", ev["d_tier_loaded"]))
+            parts["d_tier_load"] = _overlap(ev["d_tier_load_start"], loaded, p_end, ev["d_scheduled"])
+        parts["d_wait"] = gap - exposed - parts.get("d_tier_load", 0)
     if "d_scheduled" in ev and "first_token" in ev:
         parts["first_decode"] = ev["first_token"] - ev["d_scheduled"]
     hidden = None

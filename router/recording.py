@@ -42,8 +42,8 @@ def record_route(rec: RequestRecord, route, policy: str) -> None:
 
 # What one attempt at a request records; a migration before the first token drops them,
 # so that the record tells the attempt that produced the first token (router/migration.py).
-_ATTEMPT_EVENTS = ("dispatch", "p_queued", "p_scheduled", "p_tier_loaded", "p_done", "d_queued", "transfer_start", "transfer_end",
-                   "d_kv_ready", "d_scheduled", "d_first_token")
+_ATTEMPT_EVENTS = ("dispatch", "p_queued", "p_scheduled", "p_tier_loaded", "p_done", "d_queued", "d_tier_load_start",
+                   "d_tier_loaded", "transfer_start", "transfer_end", "d_kv_ready", "d_scheduled", "d_first_token")
 
 
 def forget_attempt(rec: RequestRecord) -> None:
@@ -81,6 +81,8 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset,
         names = t.group_names if len(t.group_names) == len(t.blocks_per_group) else ("",) * len(t.blocks_per_group)
         rec.transfer_groups = [GroupTransfer(g, blocks, nbytes, name) for g, (blocks, nbytes, name)
                                in enumerate(zip(t.blocks_per_group, t.bytes_per_group, names))]
+        _mark(rec, "d_tier_load_start", t.d_tier_load_start_ns, clock)
+        _mark(rec, "d_tier_loaded", t.d_tier_loaded_ns, clock)
         _mark(rec, "transfer_start", t.transfer_start_ns, clock)
         _mark(rec, "transfer_end", t.transfer_end_ns, clock)
         _mark(rec, "d_kv_ready", t.kv_ready_ns, clock)

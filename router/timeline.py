@@ -26,6 +26,8 @@ EVENT_ORDER: tuple[str, ...] = (
     "p_tier_loaded",  # P's worker had loaded its host-tier hit (p_scheduled + the load's time; only with one)
     "p_done",  # P's prefill produced its token (first_token_ts): prefill done
     "d_queued",  # D's scheduler queued it
+    "d_tier_load_start",  # D's worker began loading its host-tier hit (only with one; then it starts the pull)
+    "d_tier_loaded",  # ... and had loaded it
     "transfer_start",  # D's worker asked P for the KV (push: while P computes it)
     "transfer_end",  # ... and finished
     "d_kv_ready",  # D's scheduler saw the KV arrive
@@ -36,16 +38,16 @@ EVENT_ORDER: tuple[str, ...] = (
     "finish",  # the router finished the request (answered or failed)
 )
 
-# Events only some requests have: P's tier load, with a P tier hit whose time P reported.
-OPTIONAL_EVENTS: frozenset[str] = frozenset({"p_tier_loaded"})
+# Events only some requests have: P's and D's tier loads, with a tier hit whose time was reported.
+OPTIONAL_EVENTS: frozenset[str] = frozenset({"p_tier_loaded", "d_tier_load_start", "d_tier_loaded"})
 
 # What must happen before what, in either transfer mode: P's path and D's path,
 # joined at dispatch and at the finish. (With a push, D's first token may come
 # before P's p_done: D needs every layer's KV, not P's last MLP or its sampling.)
 CAUSAL_CHAINS: tuple[tuple[str, ...], ...] = (
     ("arrival", "dispatch", "p_queued", "p_scheduled", "p_tier_loaded", "p_done", "finish"),
-    ("arrival", "dispatch", "d_queued", "transfer_start", "transfer_end", "d_kv_ready", "d_scheduled",
-     "d_first_token", "first_token", "last_token", "finish"),
+    ("arrival", "dispatch", "d_queued", "d_tier_load_start", "d_tier_loaded", "transfer_start", "transfer_end",
+     "d_kv_ready", "d_scheduled", "d_first_token", "first_token", "last_token", "finish"),
 )
 
 

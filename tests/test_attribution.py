@@ -39,6 +39,21 @@ def test_a_tier_load_is_its_own_part_cut_from_the_prefill_and_the_parts_still_su
     assert rec(**dict(PLAIN, p_tier_loaded=1_300)).out_of_order() == []
 
 
+def test_ds_tier_load_is_its_own_part_cut_from_ds_wait_where_it_runs_after_p_is_done():
+    # D loads 11,600-11,900 (after p_done at 11,000), then pulls 12,000-15,000.
+    a = attribute(rec(**dict(PLAIN, d_tier_load_start=11_600, d_tier_loaded=11_900)))
+    assert a.parts_ns == {"queue": 1_000, "prefill": 10_000, "d_tier_load": 300, "transfer": 3_000, "d_wait": 1_700,
+                          "first_decode": 2_700}
+    assert a.ttft_ns == sum(a.parts_ns.values()) and a.complete
+    assert critical_path([a]) == ("queue", "prefill", "d_tier_load", "transfer", "d_wait", "first_decode")
+    # With a push D loads while P computes: only what runs past p_done is on the path.
+    pushed = attribute(rec(**dict(PLAIN, d_tier_load_start=10_800, d_tier_loaded=11_100)))
+    assert (pushed.parts_ns["d_tier_load"], pushed.parts_ns["d_wait"]) == (100, 1_900)
+    ivs = {iv.name: iv for iv in intervals(rec(**dict(PLAIN, d_tier_load_start=11_600, d_tier_loaded=11_900)))}
+    assert ivs["d_tier_load"] == Interval("d_tier_load", "decode", T + 11_600, T + 11_900)
+    assert rec(**dict(PLAIN, d_tier_load_start=11_600, d_tier_loaded=11_900)).out_of_order() == []
+
+
 LOCAL = {"arrival": 0, "dispatch": 100, "d_queued": 400, "d_scheduled": 900, "d_first_token": 4_000,
          "first_token": 4_600, "last_token": 9_000, "finish": 9_100}
 

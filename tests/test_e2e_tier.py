@@ -121,6 +121,11 @@ def test_a_prompt_d_lost_comes_back_from_ds_host_tier_and_only_the_rest_comes_fr
     assert (pd["d_cached_tokens"], rec.d_tier_tokens, pd["transferred_tokens"]) == (FULL, FULL, PROMPT - FULL), (
         pd, rec.d_tier_tokens)
     assert tokens == cold_tokens == ray.get(reference.greedy.remote(a, 16))
+    # D's worker timed its load, which ran before it started the pull (docs/kv_tiers.md).
+    ev = rec.events
+    assert ev["d_tier_load_start"] < ev["d_tier_loaded"] <= ev["transfer_start"], ev
+    att = attribute(rec)
+    assert att.ttft_ns == sum(att.parts_ns.values()) and "d_tier_load" in att.parts_ns
     assert_no_kv_in_use(cluster)
     assert f"D cached {FULL} ({FULL} from its host tier)" in format_waterfall(load_run(cluster.run_dir), rec.request_id)
     cluster.each_router("catch_up_kv_events")  # the tiers' occupancy, as their events say: every family kept

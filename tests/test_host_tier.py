@@ -3,6 +3,8 @@ paged KV cache and back into other blocks byte for byte, in vLLM's CPU and flash
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transfer_fakes import LAYERS, LAYOUTS, P_BLOCKS, block, source_caches
@@ -76,7 +78,7 @@ def tier_worker(caches):
     worker = object.__new__(_Worker)
     worker.sources, worker.fetcher, worker._timings, worker._error_blocks = None, None, {}, set()
     worker.tier = HostTier(PagedKv(caches, dict.fromkeys(LAYERS, 0), P_BLOCKS))
-    worker._tier_lost, worker._tier_failed, worker._tier_freed = [], [], set()
+    worker._tier_lost, worker._tier_failed, worker._tier_freed, worker._tier_loads = [], [], set(), {}
     worker.load_times = None
     worker.settings = ConnectorSettings(break_prefix="fault-")
     return worker
@@ -105,6 +107,37 @@ def test_the_worker_carries_out_orders_in_order_and_a_failed_load_fails_its_bloc
     worker.start(PdcMetadata(tier=TierOrders([TierCopy("load", 0, (b"b",), (8,), "fault-r4")])))  # injected
     assert worker.take_error_blocks() == {8} and worker.take_timings().tier_failed == ("fault-r4",)
     assert (0, b"b") in worker.tier  # the bytes are fine: only the load failed
+
+
+def test_ds_worker_reports_each_requests_tier_load_and_its_report_carries_it():
+    """D's worker times the loads of each request (before its pull starts: `start` runs the tier's
+    orders first) and D's scheduler side puts them in the request's transfer report."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from pdcluster.proto.messages import TransferStats
+    from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.connector_meta import PdcMetadata
+    from pdcluster.transfer.groups import GroupInfo
+    from pdcluster.transfer.tier_scheduler import TierCopy, TierOrders, TierScheduler
+    from pdcluster.transfer.vllm_compat import API
+
+    worker = tier_worker(source_caches(LAYOUTS["cpu"][0](P_BLOCKS)))
+    worker.fetcher = object()  # D's: it has a fetcher (no load job reaches it here)
+    worker.tier.store([(0, b"a"), (0, b"b")], [1, 2])
+    before = time.monotonic_ns()
+    worker.start(PdcMetadata(tier=TierOrders([TierCopy("load", 0, (b"a",), (5,), "d1"),
+                                              TierCopy("load", 0, (b"b",), (6,), "d1")])))
+    timings = worker.take_timings()
+    (start, end), = timings.tier_loads.values()
+    assert list(timings.tier_loads) == ["d1"] and before <= start < end <= time.monotonic_ns()
+    assert worker.take_timings() is None  # reported once
+
+    conn = object.__new__(PdcConnector)
+    full = GroupInfo(0, "full_attention", "FullAttentionSpec", 16, 0, 100)
+    conn.api, conn._loading, conn._tier = API["0.32.0"], set(), TierScheduler([full], 1000)
+    conn._d_stats = {"d1": TransferStats(d_cached_tokens=256, d_tier_tokens=256)}
+    conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=timings))
+    assert (conn._d_stats["d1"].d_tier_load_start_ns, conn._d_stats["d1"].d_tier_loaded_ns) == (start, end)
 
 
 def test_p_s_worker_writes_each_prefills_load_time_under_its_transfer(tmp_path):

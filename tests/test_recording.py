@@ -65,6 +65,19 @@ def test_decode_end_fills_transfer_and_d_events():
     assert rec.finish_reason == "length" and rec.transfer_error is None and rec.error is None
 
 
+def test_ds_tier_load_marks_its_start_and_end_on_the_router_clock():
+    from dataclasses import replace
+
+    rec = RequestRecord("r")
+    last = last_delta()
+    # D queued it at 54 (its clock) and started the pull at 55: the load ran in between.
+    load = dict(d_tier_load_start_ns=54 * MS + 200_000, d_tier_loaded_ns=54 * MS + 800_000)
+    last = replace(last, transfer=replace(last.transfer, **load))
+    record_decode_end(rec, last, ClockOffset(-1 * MS, 0))
+    assert (rec.events["d_tier_load_start"], rec.events["d_tier_loaded"]) == (55 * MS + 200_000, 55 * MS + 800_000)
+    assert rec.out_of_order() == []
+
+
 def test_recomputed_transfer_is_noted_but_not_an_error():
     rec = RequestRecord("r")
     record_decode_end(rec, last_delta(error="KV pull from P failed"), ClockOffset(0, 0))

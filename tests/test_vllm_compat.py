@@ -54,7 +54,7 @@ def old_vllm_d(version: str = "0.26.0") -> tuple[PdcConnector, FakeFetcher]:
     worker.sources, worker.fetcher, worker._timings = None, FakeFetcher(), {}
     worker._failed_as_blocks = not conn.api.transfer_results
     worker._load_blocks, worker._error_blocks = {}, set()
-    worker.tier, worker._tier_lost, worker._tier_failed, worker._tier_freed = None, [], [], set()
+    worker.tier, worker._tier_lost, worker._tier_failed, worker._tier_freed, worker._tier_loads = None, [], [], set(), {}
     conn._worker = worker
     return conn, worker.fetcher
 

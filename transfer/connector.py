@@ -181,6 +181,9 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             self._tier.lost(timings.tier_lost)
             for request_id in timings.tier_failed:
                 self._tier.load_failed(request_id)
+            for request_id, (start_ns, end_ns) in timings.tier_loads.items():
+                if (report := self._d_stats.get(request_id)) is not None:
+                    self._d_stats[request_id] = replace(report, d_tier_load_start_ns=start_ns, d_tier_loaded_ns=end_ns)
         for request_id, t in pulls.items():
             if (report := self._d_stats.get(request_id)) is not None:
                 report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)

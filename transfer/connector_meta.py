@@ -79,8 +79,10 @@ class PullTimings(KVConnectorWorkerMetadata):
     pulls: dict[str, PullTiming] = field(default_factory=dict)
     tier_lost: tuple[BlockKey, ...] = ()
     tier_failed: tuple[str, ...] = ()
+    # D: each request's tier load, (start, end) in time.monotonic_ns (it ran before its pull started)
+    tier_loads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PullTimings), f"cannot merge {type(other).__name__} into PullTimings"
         return PullTimings({**self.pulls, **other.pulls}, (*self.tier_lost, *other.tier_lost),
-                           (*self.tier_failed, *other.tier_failed))
+                           (*self.tier_failed, *other.tier_failed), {**self.tier_loads, **other.tier_loads})

@@ -5,6 +5,7 @@ what finished."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ class _Worker:
         self._tier_lost: list[BlockKey] = []
         self._tier_failed: list[str] = []  # requests whose tier load failed, since the last report
         self._tier_freed: set[str] = set()  # requests whose blocks vLLM may free now that they are stored
+        self._tier_loads: dict[str, tuple[int, int]] = {}  # D: request -> its tier load's (start, end), since the last report
         # P: each prefill's tier load time, for its engine actor (transfer/tier_load_times.py).
         self.load_times = LoadTimes() if self.tier is not None and conn.is_producer else None
         secret = _cluster_secret()
@@ -105,6 +107,7 @@ class _Worker:
         """`transfers`: P's request id -> its transfer's, for the requests this step computes."""
         assert self.tier is not None, "host tier orders reached a worker without a tier: host_tier_bytes out of step"
         load_ns: dict[str, int] = {}  # request -> its loads' time this step (a load a group)
+        spans: dict[str, tuple[int, int]] = {}  # request -> from its first load's start to its last's end
         for copy in orders.copies:
             try:
                 if copy.op == "store":
@@ -112,7 +115,10 @@ class _Worker:
                 elif copy.op == "load":
                     if self.settings.break_prefix and copy.request_id.startswith(self.settings.break_prefix):
                         raise RuntimeError("fault injection: transfer.break_transfers_with_prefix")
-                    load_ns[copy.request_id] = load_ns.get(copy.request_id, 0) + self.tier.load(copy.keys, copy.block_ids)
+                    took = self.tier.load(copy.keys, copy.block_ids)
+                    load_ns[copy.request_id] = load_ns.get(copy.request_id, 0) + took
+                    end = time.monotonic_ns()
+                    spans[copy.request_id] = (spans.get(copy.request_id, (end - took, 0))[0], end)
                 else:
                     self.tier.evict(copy.keys)
             except (KeyError, RuntimeError, MemoryError) as err:
@@ -126,10 +132,12 @@ class _Worker:
                     self._tier_failed.append(copy.request_id)
                 self._tier_lost += [k for k in copy.keys if k not in self.tier]
         self._tier_freed |= set(orders.free_after)
-        if self.load_times is not None:
+        if self.load_times is not None:  # P: for its engine actor
             for request_id, ns in load_ns.items():
                 if (transfer_id := transfers.get(request_id)) is not None:
                     self.load_times.write(transfer_id, ns)
+        if self.fetcher is not None:  # D: in its transfer report
+            self._tier_loads.update(spans)
 
     def open_pool(self, transfer_id: str, hashes: Sequence[bytes]) -> int:
         """A peer's read of a prompt's first blocks from this instance's host tier (issue 29's pool):
@@ -171,10 +179,11 @@ class _Worker:
         return out
 
     def take_timings(self) -> PullTimings | None:
-        if not self._timings and not self._tier_lost and not self._tier_failed:
+        if not self._timings and not self._tier_lost and not self._tier_failed and not self._tier_loads:
             return None
-        out = PullTimings(self._timings, tuple(self._tier_lost), tuple(dict.fromkeys(self._tier_failed)))
-        self._timings, self._tier_lost, self._tier_failed = {}, [], []
+        out = PullTimings(self._timings, tuple(self._tier_lost), tuple(dict.fromkeys(self._tier_failed)),
+                          self._tier_loads)
+        self._timings, self._tier_lost, self._tier_failed, self._tier_loads = {}, [], [], {}
         return out
 
     def stop(self) -> None:

@@ -24,7 +24,8 @@ from pdcluster.router.attribution import CRITICAL_PATH, attribute
 
 BUSY = 0.85  # a role busier than this is saturated: its queue grows with any more load
 WAIT_SHARE = 0.2  # a wait this large a share of TTFT names what is waited for
-PART_NAMES = {"queue": "P's queue", "tier_load": "P's tier load", "prefill": "the prefill", "transfer": "the transfer", "d_wait": "the wait for D",
+PART_NAMES = {"queue": "P's queue", "tier_load": "P's tier load", "prefill": "the prefill",
+              "d_tier_load": "D's tier load", "transfer": "the transfer", "d_wait": "the wait for D",
               "first_decode": "D's first step", "migration": "migration", "local_prefill": "D's own prefill"}
 
 
