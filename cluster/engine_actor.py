@@ -24,6 +24,7 @@ from pdcluster.cluster.vllm_patches import (
     check_model_runs_here,
 )
 from pdcluster.proto.engine import Engine
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -197,7 +198,14 @@ class EngineActor(ServesRequestChannel, Engine):
         planes = instance_planes(p.address, await self.open_channel(), self.spec.kv_event_ports(p.role, p.index))
         return InstanceInfo(name=p.name, role=p.role, index=p.index, node_ip=ray.util.get_node_ip_address(),
                             pid=os.getpid(), kv_address=p.kv_address, engine_id=p.engine_id, started_s=self.started_s,
-                            planes=planes)
+                            planes=planes, kv_groups=await self._kv_groups())
+
+    async def _kv_groups(self) -> tuple[KvGroup, ...]:
+        """Its engine's KV-cache groups, from our connector in vLLM's worker (none with NIXL's)."""
+        if self.connector != "pdc":
+            return ()
+        got = await self.llm.collective_rpc("pdc_kv_groups")  # transfer/pool_worker.py
+        return tuple(KvGroup(**g) for g in got[0]) if got else ()
 
     def clock(self) -> int:
         """This host's monotonic clock, which vLLM's engine timestamps use: the router

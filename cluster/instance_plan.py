@@ -1,5 +1,5 @@
 """What one P or D instance's vLLM engine is started with, derived from the spec: its engine args
-(our connector, or vLLM's NIXL; its KV-event publisher; the pool's worker extension), its env (the
+(our connector, or vLLM's NIXL; its KV-event publisher; the worker extension the actor asks through), its env (the
 run-time vLLM patches, CPU binding), its KV port. Pure functions: unit-tested without an engine;
 cluster/engine_actor.py starts the engine from an `InstancePlan`.
 """
@@ -58,8 +58,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         # P serves torch_dist transfers over this backend when a handle asks for them.
         "channel_backend": DEVICES[spec.device].collective_backend,
     }
-    pool = bool(eng.host_tier_gib) and spec.transfer.connector == "pdc"
-    if pool:
+    if eng.host_tier_gib and spec.transfer.connector == "pdc":
         extra["host_tier_bytes"] = int(eng.host_tier_gib * 2**30)
     args: dict[str, Any] = dict(
         model=spec.model.path,
@@ -83,7 +82,7 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         # Every instance publishes its KV cache events (the router's prefix index, router/kv_events.py).
         kv_events_config=engine_kv_events_config(spec, role, index, address.bind),
     )
-    if pool:  # peers read its tier through the worker (transfer/pool_worker.py)
+    if spec.transfer.connector == "pdc":  # the actor asks the worker: its KV groups, its tier (transfer/pool_worker.py)
         args["worker_extension_cls"] = POOL_EXTENSION
     if eng.seed is not None:
         args["seed"] = eng.seed

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.kv_groups import KvGroup
 
 Role = Literal["prefill", "decode"]
 
@@ -212,6 +213,9 @@ class InstanceInfo:
     started_s: float
     extra: dict = field(default_factory=dict)
     planes: PlaneAddresses = PlaneAddresses()
+    # Its engine's KV-cache groups (proto/kv_groups.py), for the router's prefix index; empty:
+    # unknown (vLLM's NIXL connector), one full-attention group assumed.
+    kv_groups: tuple[KvGroup, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from pdcluster.proto.kv_event_wire import END_SEQ, decode_batch
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.router.prefix_index import InstanceIndex
 from pdcluster.transfer.auth import CurveKeys, zmq_secure_client
 
@@ -30,9 +31,10 @@ REPLAY_TIMEOUT_S = 2.0  # the publisher serves replay between queue polls of 0.1
 class InstanceFeed:
     """Per-instance state; sockets are touched by the feed thread only."""
 
-    def __init__(self, name: str, publish: str, replay: str | None, block_size: int):
+    def __init__(self, name: str, publish: str, replay: str | None, block_size: int,
+                 groups: tuple[KvGroup, ...] = ()):
         self.name, self.publish, self.replay_endpoint = name, publish, replay
-        self.index = InstanceIndex(block_size, next_seq=0)  # a new engine numbers from 0
+        self.index = InstanceIndex(block_size, next_seq=0, groups=groups)  # a new engine numbers from 0
         self.last_sub_seq: int | None = None
         self.connected = False
         self.sub: Any = None

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdcluster.proto.kv_event_wire import KV_EVENTS_TOPIC
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.router.kv_event_order import REPLAY_TIMEOUT_S, InstanceFeed, OrderedBatches
 from pdcluster.router.kv_event_reads import FeedReads
 from pdcluster.transfer.auth import CurveKeys, zmq_secure_client
@@ -58,12 +59,14 @@ class KvEventFeed(FeedReads, OrderedBatches):
     def __init__(self, endpoints: Mapping[str, tuple[str, str | None]], block_size: int, *,
                  curve: CurveKeys | None, topic: str = KV_EVENTS_TOPIC, replay_timeout_s: float = REPLAY_TIMEOUT_S,
                  quiet_probe_s: float = QUIET_PROBE_S,
-                 drop: Callable[[str, int], bool] | None = None):
+                 drop: Callable[[str, int], bool] | None = None,
+                 groups: Mapping[str, tuple[KvGroup, ...]] | None = None):
         """`endpoints`: {instance name: (publish endpoint, replay endpoint or None)}, e.g.
         `feed_endpoints(infos)`. `curve`: the cluster's CURVE keys (transfer/auth.py), as the
         engines publish only to the cluster's processes; None only against plain publishers
         (tests of the wire). `drop`: fault injection for tests: SUB messages (instance, seq)
-        it returns True for are ignored, as if the network lost them."""
+        it returns True for are ignored, as if the network lost them. `groups`: each instance's
+        KV-cache groups (InstanceInfo.kv_groups), so that its index counts hits as its engine does."""
         assert endpoints, "a KV-event feed needs at least one instance"
         assert block_size > 0, f"block_size {block_size}: must be positive"
         self.block_size = block_size
@@ -72,7 +75,8 @@ class KvEventFeed(FeedReads, OrderedBatches):
         self._quiet_probe_s = quiet_probe_s
         self._drop = drop
         self._curve = curve
-        self._inst = {name: InstanceFeed(name, pub, replay, block_size) for name, (pub, replay) in endpoints.items()}
+        self._inst = {name: InstanceFeed(name, pub, replay, block_size, (groups or {}).get(name, ()))
+                      for name, (pub, replay) in endpoints.items()}
         self._lock = threading.Lock()  # guards every index and counter
         self._changed = threading.Condition(self._lock)  # notified after every change of state
         self._thread: threading.Thread | None = None

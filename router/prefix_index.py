@@ -18,7 +18,11 @@ business (router/kv_events.py); this module only applies them.
 
 Blocks are keyed per KV cache group (`group_idx`): a hybrid model stores the
 same engine hash once per group, and removing it from one group must not drop
-the others. The engine's own pool (medium GPU or unset; vLLM calls its main pool
+the others. A prompt's hit is counted as the engine counts it (proto/kv_groups.py), when the
+instance said what its groups are (`groups`, from InstanceInfo.kv_groups): every full-attention
+group's run of blocks, cut back until each sliding-window group holds the blocks of its window
+before the hit's end (a window group's older blocks go first when the engine evicts: a window
+group's run from the prompt's start says nothing). Without them, group 0's run. The engine's own pool (medium GPU or unset; vLLM calls its main pool
 GPU on every device) and its host tier (medium CPU: P's host tier, or vLLM's CPU
 offloading) are indexed apart (`host`): a prompt's hit there is the device's run
 of blocks, then the tier's run past it (`tier_matched_blocks`), which the engine
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored, EngineHash, KvEvent
+from pdcluster.proto.kv_groups import KvGroup, window_first_block
 
 RouterHash = bytes
 ROOT: RouterHash = b"\0" * 32  # the parent of a prompt's first block
@@ -127,6 +132,8 @@ class InstanceIndex:
     # until the first such event. Its parents may be device blocks: a tier's run may start past
     # the device's hit.
     host: InstanceIndex | None = field(default=None, repr=False)
+    # The engine's KV-cache groups (InstanceInfo.kv_groups); empty: one full-attention group, 0.
+    groups: tuple[KvGroup, ...] = ()
     # Blocks removed lately: router hash -> `removed_blocks` when it last went, the oldest dropped
     # past REMOVED_KEPT. A promise of blocks whose request ended asks whether its block came and
     # went since (router/pending_blocks.py): stored and evicted between two lookups.
@@ -137,7 +144,7 @@ class InstanceIndex:
             return self
         if medium == HOST_MEDIUM:
             if self.host is None:
-                self.host = InstanceIndex(self.block_size, known=self.known)
+                self.host = InstanceIndex(self.block_size, known=self.known, groups=self.groups)
             return self.host
         return None
 
@@ -148,33 +155,54 @@ class InstanceIndex:
         if not contiguous:
             self.lost_history()
         self.next_seq = seq + 1
+        # Stored blocks whose parent no index holds yet: vLLM announces a hybrid model's groups in
+        # its order (Gemma3's and gpt-oss's window group first), so a window group's blocks may name
+        # a parent that a later event of the batch brings in another group. Retried after each
+        # block placed; dropped at a clear, or at a removal of one of their blocks (never placed
+        # past it).
+        unplaced: list[tuple[InstanceIndex, BlockStored]] = []
         for ev in events:
             if isinstance(ev, BlockStored | BlockRemoved):
                 index = self._index_of(ev.medium)
                 if index is None:
                     self.skipped_events += 1
                 elif isinstance(ev, BlockStored):
-                    index._stored(ev, self)
+                    if not index._stored(ev, self):
+                        unplaced.append((index, ev))
+                    elif unplaced:
+                        unplaced = [(i, e) for i, e in unplaced if not i._stored(e, self)]
                 else:
+                    if unplaced:
+                        gone = set(ev.block_hashes)
+                        unplaced = [(i, e) for i, e in unplaced
+                                    if not (i is index and e.group_idx == ev.group_idx and gone & set(e.block_hashes))]
                     for h in ev.block_hashes:
                         index._drop(ev.group_idx, h)
             else:
+                unplaced = []
                 self.clear()
                 self.stale = False  # the engine's cache is empty: known exactly from here
         return contiguous
 
-    def _stored(self, ev: BlockStored, device: InstanceIndex) -> None:
+    def _stored(self, ev: BlockStored, device: InstanceIndex) -> bool:
         """`device`: the instance's device index (self, or the one whose host tier this is), where a
-        parent may be too."""
+        parent may be too. False: the parent is held nowhere, the blocks are not placed."""
         # vLLM stores blocks of another size for hybrid models (hash-block sized
         # pieces); the router's chain cannot place them.
         if ev.block_size != self.block_size:
             device.skipped_events += 1
-            return
+            return True
         g, bs = ev.group_idx, self.block_size
-        assert len(ev.token_ids) == bs * len(ev.block_hashes), (
+        # vLLM leaves out of a window group's event the blocks it already freed (null), yet gives
+        # the tokens of the whole range: they are the event's first blocks, skipped here.
+        skipped, odd = divmod(len(ev.token_ids), bs)
+        skipped -= len(ev.block_hashes)
+        assert not odd and skipped >= 0, (
             f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens "
             f"(block size {bs}): a decoder that mis-reads the event")
+        if skipped and not any(i == g for i, _ in self._full_and_windows()[1]):
+            device.skipped_events += 1  # (not a window group this index knows: which were left out is unknown)
+            return True
         held = self._held.setdefault(g, {})
         if ev.parent_block_hash is None:
             parent = ROOT
@@ -182,29 +210,37 @@ class InstanceIndex:
             parent = held[ev.parent_block_hash]
         elif ev.parent_block_hash in device._held.get(g, ()):
             parent = device._held[g][ev.parent_block_hash]
-        else:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
-            return
-        routers = self._router_hashes(ev, parent)
+        else:  # a window group's parent may have gone from it but not from another group
+            held_by = (m for m in (*self._held.values(), *device._held.values()) if ev.parent_block_hash in m)
+            parent = next(held_by, {}).get(ev.parent_block_hash)
+            if parent is None:  # a parent the index never saw: it cannot place the blocks in a prompt's chain
+                return False
+        routers = self._router_hashes(ev, parent, skipped)
         count = self._count.setdefault(g, Counter())
         if held.keys().isdisjoint(ev.block_hashes):  # the usual case: every block new, at once
             fresh = dict(zip(ev.block_hashes, routers))
             if len(fresh) == len(routers):
                 held.update(fresh)
                 count.update(routers)
-                return
+                return True
         for h, router_hash in zip(ev.block_hashes, routers):
             if h not in held:  # vLLM may announce a block again (a prefix hit in "full" mode)
                 held[h] = router_hash
                 count[router_hash] += 1
+        return True
 
-    def _router_hashes(self, ev: BlockStored, parent: RouterHash) -> list[RouterHash]:
-        """The router's hash of each of the event's blocks, the first one's parent being `parent`."""
+    def _router_hashes(self, ev: BlockStored, parent: RouterHash, skipped: int = 0) -> list[RouterHash]:
+        """The router's hash of each of the event's blocks, the first one's parent being `parent`
+        (`skipped`: the event's tokens begin with so many blocks it does not name)."""
         bs = self.block_size
         known = self.known if self.known is not None and not ev.extra_keys and ev.group_idx == 0 else None
         out = list(map(known.get, ev.block_hashes)) if known is not None else [None] * len(ev.block_hashes)
         if None not in out:  # every one known: the same chain of tokens as hashing them would give
             return out
         data = memoryview(token_bytes(ev.token_ids))
+        for i in range(skipped):  # (a window's freed blocks: no extra keys, vLLM gives none for them)
+            parent = _hash(parent, data[4 * bs * i:4 * bs * (i + 1)], None)
+        data = data[4 * bs * skipped:]
         for i, router_hash in enumerate(out):
             if router_hash is None:
                 extra = ev.extra_keys[i] if ev.extra_keys else None
@@ -247,19 +283,48 @@ class InstanceIndex:
         self.clear()
         self.stale, self.next_seq = False, None
 
-    def matched_blocks(self, hashes: Sequence[RouterHash], group: int = 0) -> int:
-        """How many leading blocks of a prompt (its chain_hashes) this instance holds in `group`
-        (a model with one KV cache group: 0)."""
-        count = self._count.get(group)
-        return len(list(itertools.takewhile(count.__contains__, hashes))) if count else 0  # the run, in C
+    def matched_blocks(self, hashes: Sequence[RouterHash], group: int | None = None) -> int:
+        """How many leading blocks of a prompt (its chain_hashes) this instance holds as a hit (see
+        the module docstring), or in `group` alone."""
+        return self._hit(hashes, 0) if group is None else self._run(hashes, 0, group)
 
-    def tier_matched_blocks(self, hashes: Sequence[RouterHash], start: int, group: int = 0) -> int:
+    def tier_matched_blocks(self, hashes: Sequence[RouterHash], start: int) -> int:
         """How many blocks of the prompt past its first `start` (the device's hit) the host tier
-        holds, in a run: what the engine would load from it instead of computing."""
-        return self.host.matched_blocks(hashes[start:], group) if self.host is not None else 0
+        holds as a hit's run: what the engine would load from it instead of computing."""
+        return self.host._hit(hashes, start) if self.host is not None else 0
 
-    def holds(self, block: RouterHash, group: int = 0) -> bool:
+    def holds(self, block: RouterHash, group: int | None = None) -> bool:
+        """Whether it holds the block (in `group`, by default its first full-attention group)."""
+        if group is None:
+            full, _ = self._full_and_windows()
+            group = full[0] if full else 0
         return block in self._count.get(group, ())
+
+    def _run(self, hashes: Sequence[RouterHash], start: int, group: int) -> int:
+        count = self._count.get(group)
+        if not count:
+            return 0
+        return len(list(itertools.takewhile(count.__contains__, itertools.islice(hashes, start, None))))  # in C
+
+    def _hit(self, hashes: Sequence[RouterHash], start: int) -> int:
+        """Blocks of the prompt from `start` on that make a hit's run; a window group's blocks
+        before `start` are the caller's (the device's, for a tier)."""
+        full, windows = self._full_and_windows()
+        n = min((self._run(hashes, start, g) for g in full), default=max(0, len(hashes) - start))
+        bs = self.block_size
+        while n and windows and not all(
+                h in self._count.get(g, ()) for g, window in windows
+                for h in hashes[max(start, window_first_block((start + n) * bs, bs, window)):start + n]):
+            n -= 1
+        return n
+
+    def _full_and_windows(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """(full-attention groups, (window group, window) pairs); group 0 alone when the groups are
+        unknown or of other block sizes than the router's (DeepSeek-V4's: their blocks are skipped)."""
+        if not self.groups or any(g.block_size != self.block_size for g in self.groups):
+            return (0,), ()
+        return (tuple(i for i, g in enumerate(self.groups) if not g.is_window),
+                tuple((i, g.window) for i, g in enumerate(self.groups) if g.is_window))
 
     def __len__(self) -> int:
         return sum(map(len, self._held.values()))

@@ -124,7 +124,8 @@ class RouterActor:
         # Every instance's KV cache events, whatever the policy: the predicted hits are
         # recorded for every request (and prefix_aware routes by them). At the addresses the
         # instances advertise, with the cluster's keys (the engines publish to nobody else).
-        self.kv_events = KvEventFeed(feed_endpoints(infos), block_size, curve=curve_keys(spec.secret())).start()
+        self.kv_events = KvEventFeed(feed_endpoints(infos), block_size, curve=curve_keys(spec.secret()),
+                                     groups={i.name: i.kv_groups for i in infos}).start()
         self.dispatcher = PDDispatcher(prefill, decode, model_card(spec), spec.router.request_timeout_s,
                                        transfer_mode=spec.transfer.mode, transport=spec.transfer.backend,
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from pdcluster.proto.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.router.prefix_index import ROOT, InstanceIndex, block_hash, chain_hashes, hittable_hashes
 
 BS = 4
@@ -156,6 +157,89 @@ def test_groups_are_kept_apart():
                   BlockRemoved((11,), group_idx=1)])
     hashes = chain_hashes(PROMPT, BS)
     assert (idx.matched_blocks(hashes, group=0), idx.matched_blocks(hashes, group=1)) == (1, 0)
+
+
+LONG = list(range(100, 125))  # 6 full blocks + 1 token
+WINDOW = 5  # tokens: a hit of E tokens needs the window group's blocks of tokens [E - 4, E)
+
+
+def hybrid_index() -> InstanceIndex:
+    """Group 0 a sliding window (as vLLM orders Gemma3's and gpt-oss's groups), group 1 full attention."""
+    return InstanceIndex(BS, groups=(KvGroup("sliding_window", BS, WINDOW), KvGroup("full_attention", BS)))
+
+
+def test_a_hybrid_models_hit_is_the_full_groups_run_cut_back_to_where_the_window_is_held():
+    idx, hashes = hybrid_index(), chain_hashes(LONG, BS)
+    engine = [11, 12, 13, 14, 15, 16]
+    idx.apply(0, [BlockStored(tuple(engine), None, tuple(LONG[:24]), BS, group_idx=g) for g in (0, 1)])
+    assert idx.matched_blocks(hashes) == 6
+    # The engine evicts the window group's first blocks (freed first, as the window slid past them):
+    # the hit is the same, as vLLM counts it, though group 0's run from the start is gone.
+    idx.apply(1, [BlockRemoved((11, 12, 13), group_idx=0)])
+    assert (idx.matched_blocks(hashes), idx.matched_blocks(hashes, group=0)) == (6, 0)
+    # The window's block at the end gone: the hit ends where the window before it is held.
+    idx.apply(2, [BlockRemoved((16,), group_idx=0)])  # block 5 (tokens 20-23), which a hit of 24 needs
+    assert idx.matched_blocks(hashes) == 5  # 20 tokens: the window needs tokens 16-19, block 4
+    idx.apply(3, [BlockRemoved((15, 14), group_idx=0)])  # blocks 4 and 3: no end before them is held
+    assert idx.matched_blocks(hashes) == 0
+    assert idx.holds(hashes[2]) and not idx.holds(hashes[2], group=0)  # the full group's, by default
+
+
+def test_a_window_groups_blocks_stored_after_their_parent_left_it_are_placed_by_another_groups():
+    idx, hashes = hybrid_index(), chain_hashes(LONG, BS)
+    idx.apply(0, [BlockStored((11, 12), None, tuple(LONG[:8]), BS, group_idx=g) for g in (0, 1)])
+    idx.apply(1, [BlockRemoved((11, 12), group_idx=0)])
+    # A later request computes blocks 2-3: the window group's parent (12) is the full group's only.
+    idx.apply(2, [BlockStored((13, 14), 12, tuple(LONG[8:16]), BS, group_idx=g) for g in (0, 1)])
+    assert idx.matched_blocks(hashes) == 4 and idx.holds(hashes[3], group=0)
+
+
+def test_a_window_groups_blocks_announced_before_their_parents_group_are_placed_once_it_is():
+    """vLLM announces a hybrid model's groups in its order, the window group first: its blocks may
+    name a parent that a later event of the same batch brings (a tier's, or a load's)."""
+    idx, hashes = hybrid_index(), chain_hashes(LONG, BS)
+    idx.apply(0, [BlockStored((16,), 15, tuple(LONG[20:24]), BS, group_idx=0, medium="CPU"),
+                  BlockStored((11, 12, 13, 14, 15, 16), None, tuple(LONG[:24]), BS, group_idx=1, medium="CPU")])
+    assert idx.tier_matched_blocks(hashes, 0) == 6
+    # One removed in the batch before its parent came is never placed.
+    idx.apply(1, [BlockStored((26,), 25, tuple(range(20, 24)), BS, group_idx=0, medium="CPU"),
+                  BlockRemoved((26,), group_idx=0, medium="CPU"),
+                  BlockStored((25,), None, tuple(range(16, 20)), BS, group_idx=1, medium="CPU"),
+                  BlockStored((26,), 25, tuple(range(20, 24)), BS, group_idx=1, medium="CPU")])
+    assert 26 not in idx.host._held[0] and 26 in idx.host._held[1]
+
+
+def test_a_window_groups_event_that_leaves_out_the_blocks_vllm_freed_places_the_rest():
+    """vLLM's window-group event names only the blocks it did not free (a prefill of the whole
+    prompt in one step frees the window's older ones before caching), with the whole range's
+    tokens: they are its last blocks."""
+    idx, hashes = hybrid_index(), chain_hashes(LONG, BS)
+    idx.apply(0, [BlockStored((16,), None, tuple(LONG[:24]), BS, group_idx=0),
+                  BlockStored((11, 12, 13, 14, 15, 16), None, tuple(LONG[:24]), BS, group_idx=1)])
+    assert idx.matched_blocks(hashes) == 6 and idx.holds(hashes[5], group=0)
+    assert not idx.holds(hashes[4], group=0) and idx.skipped_events == 0
+    # An index that does not know the group for a window's: the event is skipped, the batch applies.
+    plain = InstanceIndex(BS)
+    assert plain.apply(0, [BlockStored((16,), None, tuple(LONG[:24]), BS), BlockStored((21,), None, tuple(LONG[:4]), BS)])
+    assert (plain.skipped_events, plain.matched_blocks(hashes)) == (1, 1)
+
+
+def test_a_hybrid_tiers_run_counts_its_window_blocks_past_the_devices_hit():
+    idx, hashes = hybrid_index(), chain_hashes(LONG, BS)
+    idx.apply(0, [BlockStored((11,), None, tuple(LONG[:4]), BS, group_idx=g) for g in (0, 1)])
+    # The tier kept blocks 1-5 of the full group and, of the window group, what its window held.
+    idx.apply(1, [BlockStored((12, 13, 14, 15, 16), 11, tuple(LONG[4:24]), BS, group_idx=1, medium="CPU"),
+                  BlockStored((16,), 15, tuple(LONG[20:24]), BS, group_idx=0, medium="CPU")])
+    assert idx.matched_blocks(hashes) == 1
+    assert idx.tier_matched_blocks(hashes, 1) == 5  # 24 tokens: the window needs block 5 (tokens 20-23)
+    idx.apply(2, [BlockRemoved((16,), group_idx=0, medium="CPU")])
+    assert idx.tier_matched_blocks(hashes, 1) == 0
+
+
+def test_groups_of_other_block_sizes_leave_the_hit_to_group_0():
+    idx = InstanceIndex(BS, groups=(KvGroup("full_attention", BS), KvGroup("compressed", 4 * BS)))
+    idx.apply(0, [BlockStored((11, 12), None, tuple(PROMPT[:8]), BS)])
+    assert idx.matched_blocks(chain_hashes(PROMPT, BS)) == 2
 
 
 def test_extra_keys_make_a_different_block():

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.transfer.plan import GroupKind
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     FullAttentionSpec,
@@ -57,6 +58,11 @@ class GroupInfo:
     window_blocks: int
     page_bytes: int  # one block of this group, summed over its layers
     window: int = 0  # a window group's window, in tokens (0: not a window group)
+
+    @property
+    def shape(self) -> KvGroup:
+        """As the router's prefix index needs it (InstanceInfo.kv_groups)."""
+        return KvGroup(self.kind, self.block_size, self.window)
 
     @property
     def name(self) -> str:

@@ -1,5 +1,7 @@
-"""The pool's engine side (issue 29 item 2): how an engine actor asks its engine's worker to offer a
-peer a run of a prompt's first blocks from the host tier, and the block hashes that name them.
+"""What an engine actor asks its engine's worker, beside the KV tensors: the engine's KV-cache
+groups (for the router's prefix index), its host tier's counts, and the pool's side (issue 29 item
+2): offering a peer a run of a prompt's first blocks from the host tier, and the block hashes that
+name them.
 
 vLLM mixes `PoolWorkerExtension` into its worker class (engine arg `worker_extension_cls`), so
 `AsyncLLM.collective_rpc("pdc_open_pool", ...)` runs it beside the KV tensors, on the worker's
@@ -27,6 +29,15 @@ class PoolWorkerExtension:
         prompt tokens it covers (0: none held, or no tier here)."""
         worker = _connector_worker()
         return worker.open_pool(transfer_id, [bytes(h) for h in hashes]) if worker is not None else 0
+
+    def pdc_kv_groups(self) -> list[dict]:
+        """The engine's KV-cache groups as proto/kv_groups.py KvGroup dicts, in vLLM's order."""
+        from dataclasses import asdict
+
+        from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
+
+        conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+        return [asdict(g.shape) for g in getattr(conn, "groups", ())]
 
     def pdc_tier_counts(self) -> dict | None:
         """This instance's host tier's counts (proto/messages.py TierCounts, as a dict: collective_rpc's

@@ -19,8 +19,7 @@ prompt block's hash names its KV in every group. A full-attention group keeps an
 block of a prompt's prefix; a sliding-window group (Gemma3, gpt-oss) only the blocks its window
 covers, as vLLM's own cache does: the tier keeps what vLLM had not yet freed when the request
 ended (out-of-window positions hold vLLM's null block), and a hit of E tokens needs the blocks of
-tokens [E - window + 1, E) (vLLM's SlidingWindowManager.get_num_skipped_tokens), which vLLM then
-allocates, and no others. Compressed groups (DeepSeek-V4) use other block sizes: not yet.
+tokens [E - window + 1, E) (proto/kv_groups.py), which vLLM then allocates, and no others. Compressed groups (DeepSeek-V4) use other block sizes: not yet.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
+from pdcluster.proto.kv_groups import window_first_block
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.paged_kv import block_runs
 from pdcluster.transfer.plan import NULL_BLOCK_ID
@@ -120,7 +120,7 @@ class TierScheduler:
         least end's) are computed: the blocks holding its last `window` tokens, as vLLM allocates."""
         bs, to = self.block_size, max(computed_to, end * self.block_size)
         return [(g, request.block_hashes[i]) for g, window in self._windows.items()
-                for i in range(max(first, (to - window + 1) // bs), end)]
+                for i in range(max(first, window_first_block(to, bs, window)), end)]
 
     def lookup_taken(self, request: Request) -> int:
         """The tokens the last `lookup` of the request found (D: its tier's share of a load)."""

@@ -1,0 +1,33 @@
+"""An engine's KV-cache groups as a prefix hit needs them, and the one rule a window group adds.
+
+vLLM's hybrid KV cache manager gives each kind of layer its own KV-cache group (Gemma3 and
+gpt-oss: sliding-window and full-attention groups; transfer/groups.py describes them from vLLM's
+specs). A prefix hit of E tokens needs every full-attention (or compressed) group's blocks of
+tokens [0, E), and each sliding-window group's blocks of only its last window before E: those
+holding tokens [E - window + 1, E) (vLLM's SlidingWindowManager.get_num_skipped_tokens). vLLM's
+scheduler finds its own hits so; the host tier (transfer/tier_scheduler.py) and the router's
+prefix index (router/prefix_index.py) count theirs so too, with `window_first_block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV-cache group of an instance's engine (InstanceInfo.kv_groups)."""
+
+    kind: str  # "full_attention" | "compressed" | "sliding_window" (transfer/plan.py GroupKind)
+    block_size: int  # tokens per block
+    window: int = 0  # a sliding-window group's window, in tokens
+
+    @property
+    def is_window(self) -> bool:
+        return self.kind == "sliding_window"
+
+
+def window_first_block(computed_tokens: int, block_size: int, window: int) -> int:
+    """The first block a window group holds once `computed_tokens` are computed: the one with token
+    computed_tokens - window + 1 (blocks before it vLLM has freed)."""
+    return max(0, (computed_tokens - window + 1) // block_size)
