@@ -33,6 +33,8 @@ from e2e import (
 
 from pdcluster.cluster.reference_engine import GreedyReference
 from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PoolRequest, SamplingSpec
 from pdcluster.router.run_store import load_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray]
@@ -133,6 +135,7 @@ def test_a_prompt_p_evicted_comes_back_from_its_host_tier_window_groups_included
         r = complete(cluster.url, [rng.randrange(3, 1000) for _ in range(3000)], 1)
         assert r.status_code == 200, r.text
     assert ray.get(cluster.decode[0].actor.reset_prefix_cache.remote())  # D holds nothing: P prefills it all
+    cluster.each_router("catch_up_kv_events")
     r = complete(cluster.url, prompt, 8)
     assert r.status_code == 200, r.text
     rec = load_run(cluster.run_dir).record(r.json()["id"])
@@ -140,6 +143,26 @@ def test_a_prompt_p_evicted_comes_back_from_its_host_tier_window_groups_included
     assert (rec.p_cached_tokens, rec.d_cached_tokens) == (FULL, 0) and rec.p_tier_tokens > 0, (
         rec.p_cached_tokens, rec.p_tier_tokens, rec.d_cached_tokens)
     assert r.json()["choices"][0]["token_ids"] == want
+    # The router's index counts the hit as vLLM does, window groups and tier included (InstanceInfo.kv_groups).
+    assert (rec.predicted_p_hit_tokens, rec.predicted_p_tier_tokens) == (FULL, rec.p_tier_tokens), (
+        rec.predicted_p_hit_tokens, rec.predicted_p_tier_tokens, rec.p_tier_tokens)
+
+
+def test_d_reads_a_prefix_from_ps_tier_window_groups_included(cluster, served):
+    """The pool on a hybrid model: P offers the full groups' run and each window group's window
+    before its end (HostTier.read_run); D pulls them and computes the rest; P runs no step."""
+    prompt, _, want = next((p, b, w) for p, b, w in served if len(p) == 3000)  # in P's tier since served
+    p, d = cluster.prefill[0], cluster.decode[0]
+    assert ray.get(d.actor.reset_prefix_cache.remote())
+    steps = ray.get(p.actor.load.remote()).steps
+    assert ray.get(p.actor.open_pool.remote(PoolRequest("hybrid-pool", prompt))).num_tokens == FULL
+    handle = TransferHandle(p.engine_id, p.kv_address, "hybrid-pool", FULL)
+    deltas = [ray.get(ref) for ref in d.actor.decode.options(num_returns="streaming").remote(
+        DecodeRequest("hybrid-pool-d", prompt, SamplingSpec(max_tokens=8, temperature=0, ignore_eos=True), handle))]
+    last = deltas[-1].transfer
+    assert last.error is None and (last.d_cached_tokens, last.transferred_tokens) == (0, FULL), last
+    assert [t for delta in deltas for t in delta.new_token_ids] == want
+    assert ray.get(p.actor.load.remote()).steps == steps  # P computed nothing
 
 
 def test_no_blocks_leak(cluster, served):

@@ -70,6 +70,25 @@ def test_one_call_moves_one_groups_blocks_one_key_each():
     assert tier.block_bytes(1) == tier.block_bytes(0) and tier.nbytes == tier.block_bytes(1)
 
 
+def test_a_pooled_run_of_a_hybrid_model_holds_its_window_groups_window_before_its_end():
+    """Group 0 a sliding window of 5 tokens in blocks of 4, group 1 full attention: a run of E
+    blocks needs group 1's blocks 0..E-1 and group 0's blocks of tokens [4E - 4, 4E): block E-1."""
+    caches = source_caches(LAYOUTS["cpu"][0](P_BLOCKS))
+    tier = HostTier(PagedKv(caches, {LAYERS[0]: 0, LAYERS[1]: 1}, P_BLOCKS))
+    tier.store(keys("a", "b", "c", group=1), [1, 2, 3])
+    tier.store(keys("c", group=0), [4])  # what the window still held when the request ended
+    run = tier.read_run([b"a", b"b", b"c", b"d"], block_size=4, windows={0: 5})
+    assert run.num_blocks == 3 and run.keys == {0: {2: (0, b"c")}, 1: {i: (1, h) for i, h in enumerate([b"a", b"b", b"c"])}}
+    assert torch.equal(run.gather(LAYERS[0], 0, [2])[0], caches[LAYERS[0]][4])
+    with pytest.raises(KeyError, match="group 0's blocks 2-2, not 1"):
+        run.gather(LAYERS[0], 0, [1])
+    tier.evict(keys("c", group=0))
+    assert (0, b"c") not in tier  # evicted while pinned: freed when the read ends
+    run.close()
+    # Without the window's block no end is held: no run (group 1 alone would be three).
+    assert tier.read_run([b"a", b"b", b"c"], block_size=4, windows={0: 5}).num_blocks == 0
+
+
 def tier_worker(caches):
     """P's connector worker with only its host tier (no KV server, no sources)."""
     from pdcluster.transfer.connector_meta import ConnectorSettings

@@ -260,9 +260,16 @@ class KvTransferService(pb_grpc.KvTransferServicer):
                           f"already freed (outside the window?)")
         return ids
 
-    def _gather(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
-        if src.tier is not None:  # a pooled source: the host tier's blocks, pinned while it lives
+    def _pooled(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
+        """A pooled source's blocks: the host tier's, pinned while it lives."""
+        try:
             return src.tier.gather(info.name, info.group, indices)
+        except KeyError as err:  # (a window group's block before the run's window)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"transfer {src.transfer_id}: {err.args[0]}")
+
+    def _gather(self, src: Source, info: LayerInfo, indices: list[int], context) -> torch.Tensor:
+        if src.tier is not None:
+            return self._pooled(src, info, indices, context)
         with src.copy_lock:  # a preemption waits for this copy before P reuses the blocks
             return self._kv.gather(info.name, self._block_ids(src, info, indices, context))
 
@@ -271,7 +278,7 @@ class KvTransferService(pb_grpc.KvTransferServicer):
         """The chunk's frame, its blocks copied once: from P's cache straight into the frame (sealed:
         encrypted into it, then joined)."""
         if src.tier is not None:
-            return frames.encode(chunk, src.tier.gather(info.name, info.group, indices), seal)
+            return frames.encode(chunk, self._pooled(src, info, indices, context), seal)
         with src.copy_lock:  # the views read the cache itself: P may not reuse the blocks meanwhile
             ids = self._block_ids(src, info, indices, context)
             runs = self._kv.byte_runs(info.name, ids)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from pdcluster.proto.kv_groups import window_first_block
 from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.tier_book import BlockKey
@@ -112,18 +113,29 @@ class HostTier:
 
     # ---------------------------------------------------------------- the pool: peers' reads
 
-    def read_run(self, hashes: Sequence[bytes]) -> PooledRun:
-        """The run of a prompt's first blocks (`hashes`, vLLM's, in prompt order) held in every
-        group, pinned until the run is closed (it may be empty)."""
+    def read_run(self, hashes: Sequence[bytes], block_size: int = 0, windows: Mapping[int, int] | None = None
+                 ) -> PooledRun:
+        """The run of a prompt's first blocks (`hashes`, vLLM's, in prompt order) held as a hit,
+        pinned until the run is closed (it may be empty): every group's blocks from the first, but
+        a sliding-window group's (`windows`: group -> window in tokens, blocks of `block_size`
+        tokens) only those of its window before the run's end (proto/kv_groups.py)."""
+        windows = windows or {}
         with self._lock:
+            def held(g: int, h: bytes) -> bool:
+                return (g, h) in self._blocks and (g, h) not in self._evict_later
+
             n = 0
-            for h in hashes:
-                if any((g, h) not in self._blocks or (g, h) in self._evict_later for g in self._layers):
-                    break
+            while n < len(hashes) and all(held(g, hashes[n]) for g in self._layers if g not in windows):
                 n += 1
-            keys = {g: tuple((g, h) for h in hashes[:n]) for g in self._layers}
+            first = {g: 0 for g in self._layers}
+            while n:
+                first.update({g: window_first_block(n * block_size, block_size, w) for g, w in windows.items()})
+                if all(held(g, hashes[i]) for g in windows for i in range(first[g], n)):
+                    break
+                n -= 1
+            keys = {g: {i: (g, hashes[i]) for i in range(first[g], n)} for g in self._layers}
             for run in keys.values():
-                self._pins.update(run)
+                self._pins.update(run.values())
         self.counts = replace(self.counts, served_blocks=self.counts.served_blocks + n)
         return PooledRun(self, keys, n)
 
@@ -158,12 +170,17 @@ class PooledRun:
     server reads it as a transfer source's blocks (transfer/sources.py `TierRead`)."""
 
     tier: HostTier
-    keys: dict[int, tuple[BlockKey, ...]]  # per group, in prompt order
+    keys: dict[int, dict[int, BlockKey]]  # per group: position in the prompt -> its block (a window's: its tail)
     num_blocks: int
     closed: bool = False
 
     def gather(self, layer: str, group: int, indices: Sequence[int]) -> torch.Tensor:
-        """Blocks `indices` of the run in `layer`, [len(indices), *block_shape] in host memory."""
+        """Blocks `indices` of the run in `layer`, [len(indices), *block_shape] in host memory
+        (KeyError for a window group's block the run does not hold: before its window)."""
+        missing = [i for i in indices if i not in self.keys[group]]
+        if missing:
+            raise KeyError(f"the pooled run holds group {group}'s blocks {min(self.keys[group], default=0)}-"
+                           f"{self.num_blocks - 1}, not {missing[0]}")
         return self.tier._gather(layer, [self.keys[group][i] for i in indices])
 
     def close(self) -> None:
@@ -171,4 +188,4 @@ class PooledRun:
         if not self.closed:
             self.closed = True
             for run in self.keys.values():
-                self.tier._unpin(run)
+                self.tier._unpin(list(run.values()))
