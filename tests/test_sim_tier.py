@@ -113,10 +113,13 @@ def test_d_loads_its_tier_run_and_pulls_only_the_rest():
     c.add(d)
     assert c.begin_step() == []  # admitted: loading
     assert hooks.started == [d] and d.hit_tokens == d.tier_tokens == 8 * BS and d.external_tokens == 3
+    # Its tier hit loads in the step that starts the load, before the pull (as D's worker does):
+    # that step pays it, and the pull's hooks are told how long it takes.
+    assert c.loading_tier_tokens == 8 * BS and d.tier_load_ns == round(COST.host_load_s(8 * COST.block_bytes) * 1e9)
     c.load_ended(d.request_id, None)
     batch = c.begin_step()
-    assert [(ch.req, ch.num_new_tokens, ch.tier_tokens) for ch in batch] == [(d, 1, 8 * BS)]
-    assert c.step_s(batch) == pytest.approx(0.01 + COST.host_load_s(8 * COST.block_bytes))
+    assert [(ch.req, ch.num_new_tokens, ch.tier_tokens) for ch in batch] == [(d, 1, 0)]  # paid once
+    assert c.step_s(batch) == pytest.approx(0.01)
 
 
 def test_a_reset_empties_the_tier_and_a_file_without_a_host_link_is_refused():

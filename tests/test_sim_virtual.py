@@ -175,3 +175,31 @@ def test_a_run_written_where_one_was_replaces_it(tmp_path):
     write_virtual_run(run, tmp_path / "out")  # the same place again: the same records, not twice as many
     assert (tmp_path / "out" / "timeline" / "requests.jsonl").read_bytes() == first
     assert len(load_run(tmp_path / "out" / "timeline").records) == 2
+
+
+def test_ds_tier_load_runs_before_its_pull_and_in_pull_mode_is_its_own_part_of_ttft(tmp_path):
+    """D's host tier (decode.engine.host_tier_gib): a prompt D's device cache lost loads its first
+    blocks from D's tier in the step that starts D's load (the host link: 20 ms here), then D pulls
+    the rest from P; in pull mode that load is on the path after P is done."""
+    from pdcluster.router.attribution import attribute
+
+    params = fixed_step_params(tmp_path, 0.1, 0.01, 0.005)
+    p = yaml.safe_load(params.read_text())
+    p["host_link"] = {"bytes_per_s": 1e20, "latency_s": 0.02}
+    params.write_text(yaml.safe_dump(p))
+    spec = parse_spec({
+        "name": "virtual-p1d1-d-tier", "model": {"path": "/nonexistent"},
+        "engine": {"kind": "sim", "block_size": 16, "max_model_len": 4096, "max_num_batched_tokens": 4096,
+                   "max_num_seqs": 8},
+        "decode": {"engine": {"host_tier_gib": 1}},
+        "sim": {"params": str(params), "kv_blocks": 40},  # 39 blocks: two of these prompts, not three
+        "transfer": {"mode": "pull"}, "router": {"policy": "round_robin"}})
+    reqs = hand_made([0.0, 1.0, 2.0])
+    reqs.append(BenchRequest(index=3, prompt_token_ids=reqs[0].prompt_token_ids, output_len=3, arrival_s=3.0))
+    run = simulate(spec, timed(reqs), reqs, vocab_size=1000)
+    again = max(run.records, key=lambda r: r.events["arrival"])
+    assert again.d_tier_tokens > 0, again
+    ev = again.events
+    assert ev["d_tier_loaded"] - ev["d_tier_load_start"] == 20 * MS and ev["transfer_start"] == ev["d_tier_loaded"]
+    assert ev["d_tier_load_start"] == ev["d_queued"] == ev["p_done"]  # pull: D has it once P is done
+    assert attribute(again).parts_ns["d_tier_load"] == 20 * MS

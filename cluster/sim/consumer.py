@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdcluster.cluster.sim import payload
 from pdcluster.cluster.sim.cost import Component
@@ -110,10 +110,14 @@ class ConsumerSide(KvHooks):
         groups = [GroupPlan(gi, _PLAN_KIND[c.kind], tuple(load), tuple(ids[i] for i in load))
                   for gi, (c, load) in enumerate(zip(self.components, self.cost.blocks_to_load(n, hit)))]
         plan = TransferPlan(tuple(groups), d_cached_tokens=hit, transferred_tokens=n - hit)
-        self.loads[req.request_id] = _Load(TransferStats.planned(
+        # Its tier hit loads first, in the step that starts it (the model's time: the bytes stay put),
+        # then the pull: the modelled transfer starts when the load ends.
+        now = time.monotonic_ns()
+        tier_load = dict(d_tier_load_start_ns=now, d_tier_loaded_ns=now + req.tier_load_ns) if req.tier_load_ns else {}
+        self.loads[req.request_id] = _Load(replace(TransferStats.planned(
             hit, n - hit, tuple(g.num_blocks for g in groups), tuple(c.bytes_per_block for c in self.components),
-            transfer_start_ns=time.monotonic_ns(), group_names=tuple(c.name for c in self.components),
-            d_tier_tokens=req.tier_tokens))
+            transfer_start_ns=now + req.tier_load_ns, group_names=tuple(c.name for c in self.components),
+            d_tier_tokens=req.tier_tokens), **tier_load))
         self._planned[req.request_id] = tuple(groups)
         with self._lock:
             for g in groups:

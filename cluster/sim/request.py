@@ -55,6 +55,9 @@ class SimRequest:
     tier_tokens: int = 0  # of hit_tokens, those loaded from the instance's host tier (cluster/sim/tier.py)
     num_tier_tokens: int = 0  # of num_cached_tokens, the host tier's
     tier_load_tokens: int = 0  # tier tokens whose load the next step that schedules it pays for
+    # A request loading past its hit (D pulling from P): its tier hit's load, in the step that
+    # started it, before the pull (as D's worker runs it: docs/kv_tiers.md)
+    tier_load_ns: int = 0
     retain_s: float = 0.0  # the request's retention hint for its prompt's blocks in the host tier
     finish_reason: str | None = None
     error: str | None = None

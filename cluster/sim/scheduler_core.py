@@ -64,6 +64,7 @@ class SchedulerCore(StepShapes, StepOutputs):
         self.config = config
         self.pool = pool
         self.tier = tier
+        self.loading_tier_tokens = 0  # (set by each _schedule)
         self.cost = cost
         self.variation = variation
         self.hooks = hooks or KvHooks()
@@ -217,6 +218,7 @@ class SchedulerCore(StepShapes, StepOutputs):
 
     def _schedule(self) -> list[ScheduledChunk]:
         c = self.config
+        self.loading_tier_tokens = 0  # the tier loads of loads this step starts: the step pays them
         budget = c.max_num_batched_tokens
         batch: list[ScheduledChunk] = []
         preempted = False
@@ -310,6 +312,10 @@ class SchedulerCore(StepShapes, StepOutputs):
             return True
         req.external_tokens -= hit_tokens
         req.status = Status.LOADING
+        if req.tier_load_tokens:  # loaded in this step, before the pull starts
+            req.tier_load_ns = round(self.tier.load_s(req.tier_load_tokens) * 1e9)
+            self.loading_tier_tokens += req.tier_load_tokens
+            req.tier_load_tokens = 0
         try:
             self.hooks.start_load(req)
         except Exception as err:  # noqa: BLE001  (the load's failure is the request's, never the engine's)

@@ -34,7 +34,7 @@ class StepShapes:
             step = self.cost.decode_step_s(contexts)
         else:
             step = self.cost.mixed_step_s(chunks, contexts)
-        loaded = sum(c.tier_tokens for c in batch)
+        loaded = sum(c.tier_tokens for c in batch) + self.loading_tier_tokens
         return step + self.tier.load_s(loaded) if loaded else step  # a synchronous load, before the compute
 
     def decode_contexts(self, batch: list[ScheduledChunk]) -> list[int] | None:
@@ -66,6 +66,8 @@ class StepShapes:
         them short at whichever step such an event falls in (cluster/sim/virtual/instance.py)."""
         c = self.config
         if self._aborts or self.decode_contexts(batch) is None or len(batch) != len(self.running):
+            return 1
+        if self.loading_tier_tokens:  # this step loads a tier hit for a pull it starts
             return 1
         # A waiting request that is not loading could be admitted at the next step.
         if len(self.running) < c.max_num_seqs and any(r.status is not Status.LOADING for r in self.waiting):

@@ -18,7 +18,7 @@ lease runs out (the transfer then fails, as a pull from an expired source does).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdcluster.cluster.sim.cost import CostModel
 from pdcluster.cluster.sim.link import LinkModel, modelled_end_ns
@@ -39,6 +39,7 @@ class _Transfer:
     d_start_ns: int | None = None
     d_hit_tokens: int = 0
     d_tier_tokens: int = 0  # of d_hit_tokens, D's host tier's
+    d_tier_load_ns: tuple[int, int] | None = None  # D's tier load: (start, end); the pull starts at its end
     done: bool = False  # every block arrived (or the transfer failed)
     p_released: bool = False
     expired: bool = False  # P's lease ran out first
@@ -93,8 +94,10 @@ class VirtualKv:
         t.ready.append((self.loop.now_ns, min(end, t.num_tokens)))
         self._maybe_done(t)
 
-    def _d_started(self, t: _Transfer, hit_tokens: int, tier_tokens: int) -> None:
-        t.d_start_ns, t.d_hit_tokens, t.d_tier_tokens = self.loop.now_ns, hit_tokens, tier_tokens
+    def _d_started(self, t: _Transfer, hit_tokens: int, tier_tokens: int, tier_load_ns: int = 0) -> None:
+        """D's load began: its tier's part first (`tier_load_ns`, in the step that began it), then the pull."""
+        t.d_tier_load_ns = (self.loop.now_ns, self.loop.now_ns + tier_load_ns) if tier_load_ns else None
+        t.d_start_ns, t.d_hit_tokens, t.d_tier_tokens = self.loop.now_ns + tier_load_ns, hit_tokens, tier_tokens
         if t.expired:
             self._fail(t, "KV pull from P failed: P's lease on the blocks ran out before D asked")
             return
@@ -110,6 +113,8 @@ class VirtualKv:
                                         tuple(c.bytes_per_block for c in self.cost.components),
                                         group_names=tuple(c.name for c in self.cost.components),
                                         d_tier_tokens=t.d_tier_tokens).pulled(t.d_start_ns, end_ns)
+        if t.d_tier_load_ns is not None:
+            t.stats = replace(t.stats, d_tier_load_start_ns=t.d_tier_load_ns[0], d_tier_loaded_ns=t.d_tier_load_ns[1])
         # After whatever runs now (P's step is still ending: its request is held only after it).
         self.loop.at(self.loop.now_ns, lambda: self._p_release(t))
         d_name = self._d_of[t.d_request_id]
@@ -186,7 +191,7 @@ class _ConsumerHooks(KvHooks):
     def start_load(self, req: SimRequest) -> None:
         t = self.kv._by_d.get(req.request_id)
         assert t is not None, f"D loads {req.request_id}, which the router never announced (VirtualKv.expect)"
-        self.kv._d_started(t, req.hit_tokens, req.tier_tokens)
+        self.kv._d_started(t, req.hit_tokens, req.tier_tokens, req.tier_load_ns)
 
     def cancel_load(self, req: SimRequest) -> None:
         raise AssertionError(f"{req.request_id} aborted while loading: the virtual clock has no aborts")
