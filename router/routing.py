@@ -3,7 +3,7 @@
 `InstancePicker.pick` hashes the prompt once (router/prefix_index.py), asks the
 prefix lookup (the KV-event feed, router/kv_events.py) how many leading blocks
 each instance holds, and applies the configured policy (router/policies.py) to
-what the router itself counts of each instance's load:
+what the router itself counts of each instance's load (router/instance_loads.py):
 
 - P: prefill tokens it has been given and not finished (prompt minus the hit
   predicted when it was picked), their predicted prefill time (router/prefill_cost.py),
@@ -29,14 +29,14 @@ visible per request and in the metrics.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from pdcluster.proto.router_spec import LocalPrefillSpec, Policy
+from pdcluster.router.instance_loads import InstanceLoad, LoadCounts
 from pdcluster.router.local_prefill import LocalDecision, LocalView, decide
 from pdcluster.router.pending_blocks import PendingBlocks
 from pdcluster.router.policies import DecodeView, PrefillView, pick_decode, pick_prefill
@@ -107,19 +107,11 @@ class Route(Generic[I]):
         return self.local.pool_tokens if self.pool is not None else 0
 
 
-@dataclass
-class _Load:
-    tokens: int = 0
-    requests: int = 0
-    seconds: float = 0.0  # P: predicted prefill time of its requests (each as predicted when picked)
-    local: int = 0  # D: requests it prefills itself, until their first token
-
-
 class NoInstanceUp(Exception):
     """Every instance of a role is down (dead, restarting, or unreachable); the message names them."""
 
 
-class InstancePicker(Generic[I]):
+class InstancePicker(LoadCounts[I], Generic[I]):
     """Picks P and D by policy among the instances `is_up` says are reachable now (all, if
     None): a dead or cut-off instance gets no new request until it is back."""
 
@@ -149,9 +141,7 @@ class InstancePicker(Generic[I]):
         self.colocated = self.local is not None and self.local.policy == "always"
         self._turn = itertools.count()
         self._keys = itertools.count()
-        # Invariant: each instance's load is the sum over the requests between
-        # prefilling()/decoding() entry and exit on it; both return to 0 when idle.
-        self._load: dict[str, _Load] = {i.name: _Load() for i in [*prefill, *decode]}
+        self._load = {i.name: InstanceLoad() for i in [*prefill, *decode]}  # (router/instance_loads.py)
 
     def replace(self, instance: I) -> None:
         """The instance of the same name, as it is now (e.g. restarted at another address)."""
@@ -305,70 +295,3 @@ class InstancePicker(Generic[I]):
             held[i.name], promised[i.name] = (confirmed + extra + tier) * self.block_size, extra * self.block_size
             tiered[i.name] = tier * self.block_size
         return held, promised, tiered
-
-    def ended(self, route: Route[I]) -> None:
-        """The request is over, however it ended: if P did not finish its prefill, its promise
-        is withdrawn."""
-        if self.pending is not None:
-            self.pending.withdraw(route.prefill.name, route.key)
-
-    @contextlib.contextmanager
-    def prefilling(self, route: Route[I], prompt_tokens: int) -> Iterator[None]:
-        """P's load while it works on the request: the tokens it will compute. Once P is done,
-        its promise waits only for the events."""
-        with self._counted(route.prefill.name, prompt_tokens - (route.predicted_p_hit_tokens or 0),
-                           route.p_work_s):
-            yield
-        self._finished(route.prefill.name, route)
-
-    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
-        """What a P's engine took for a prefill (`tier_tokens` of its hit loaded from its host tier):
-        the cost model learns from it."""
-        self.cost.observe(cached_tokens, prompt_tokens, seconds, tier_tokens)
-
-    @contextlib.contextmanager
-    def prefilling_locally(self, route: Route[I]) -> Iterator[None]:
-        """D prefilling the request itself, until its first token: one of D's local slots."""
-        assert route.local_prefill, "prefilling_locally: the route sends the prefill to P"
-        load = self._load[route.decode.name]
-        load.local += 1
-        # With no disaggregation, D's predicted prefill queue is what the next pick weighs.
-        seconds = route.p_work_s if self.colocated else 0.0
-        load.seconds += seconds
-        try:
-            yield
-        finally:
-            load.local -= 1
-            load.seconds = max(0.0, load.seconds - seconds) if load.local else 0.0  # no float residue
-        if self.colocated:
-            self._finished(route.decode.name, route)
-
-    @contextlib.contextmanager
-    def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:
-        """D's load while it holds the request: the KV it must keep."""
-        with self._counted(route.decode.name, prompt_tokens + max_tokens):
-            yield
-
-    def _finished(self, instance: str, route: Route[I]) -> None:
-        if self.pending is not None:
-            self.pending.finished(instance, route.key, self._clock(), self.lookup.clears(instance),
-                                  self.lookup.removals(instance))
-
-    @contextlib.contextmanager
-    def _counted(self, name: str, tokens: int, seconds: float = 0.0) -> Iterator[None]:
-        load = self._load[name]
-        load.tokens += tokens
-        load.requests += 1
-        load.seconds += seconds
-        try:
-            yield
-        finally:
-            load.tokens -= tokens
-            load.requests -= 1
-            load.seconds = max(0.0, load.seconds - seconds) if load.requests else 0.0  # no float residue
-
-    def in_flight(self) -> dict[str, int]:
-        return {name: load.requests for name, load in self._load.items()}
-
-    def queued_tokens(self) -> dict[str, int]:
-        return {name: load.tokens for name, load in self._load.items()}
