@@ -17,6 +17,7 @@ The sequence (docs/architecture.md walks it with the functions that do it):
                         push:          Decode(the handle), Prefill       D asks P while P computes
                         pull:          Prefill                           D after P's answer
     pool_opened    -> Decode(the pool's handle, or none if it offered nothing); pool_failed: Decode(none)
+                        (router/lifecycle_pool.py)
     prefill_answered -> (pull) Decode(the handle); (push) nothing, or D's deferred last chunk
     decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished;
                         D's pool read failed before a token: Abort, Routed (no pool), ...
@@ -42,7 +43,6 @@ from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
-    PoolOffer,
     PoolRequest,
     PrefillRequest,
     PrefillResult,
@@ -65,6 +65,7 @@ from pdcluster.router.lifecycle_commands import (
     pd_final,
     pd_so_far,
 )
+from pdcluster.router.lifecycle_pool import PoolSteps
 from pdcluster.router.migration import InstanceLost, continuation
 from pdcluster.router.openai_models import PdUsage
 from pdcluster.router.prefix_index import RouterHash
@@ -74,7 +75,7 @@ from pdcluster.router.timeline import Migration, RequestRecord
 
 log = logging.getLogger(__name__)
 
-class Lifecycle(Generic[I]):
+class Lifecycle(PoolSteps[I], Generic[I]):
     """One request, from its admission (the driver asked `Dispatch.admit`) to `close`."""
 
     def __init__(self, dispatch: Dispatch[I], request_id: str, prompt: list[int], sampling: SamplingSpec,
@@ -101,11 +102,6 @@ class Lifecycle(Generic[I]):
         return not self.done and self.attempt is not None and self.attempt.p_waiting
 
     @property
-    def waiting_for_pool(self) -> bool:
-        """The pool's holder's offer is awaited (nothing else is, meanwhile)."""
-        return not self.done and self.attempt is not None and self.attempt.pool_waiting
-
-    @property
     def waiting_for_decode(self) -> bool:
         a = self.attempt
         return not self.done and a is not None and a.d_running and a.held is None and a.deferred is None
@@ -130,25 +126,6 @@ class Lifecycle(Generic[I]):
         if a.push:
             return []
         return self._send_decode(a, a.handle, result.connector_params)
-
-    def pool_opened(self, attempt: int, offer: PoolOffer, now_ns: int) -> list[Command]:
-        """The holder offers `offer.num_tokens` of the prompt: D reads them and computes the rest
-        (none: its tier lost them since its events, D computes it all)."""
-        a = self._current(attempt)
-        a.pool_waiting = False
-        if offer.num_tokens:
-            holder = a.route.pool
-            a.handle = TransferHandle(holder.engine_id, holder.kv_address, offer.transfer_id, offer.num_tokens,
-                                      self.dispatch.transport)
-        return self._send_decode(a, a.handle)
-
-    def pool_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
-        """The holder did not offer (lost, or it raised): D computes the prefix, as with no pool."""
-        a = self._current(attempt)
-        a.pool_waiting = False
-        self.rec.pool_error = f"{a.route.pool.name} did not offer the prefix ({failure.kind}): {failure.message}"
-        log.warning("%s: %s; D computes it", self.rec.request_id, self.rec.pool_error)
-        return self._send_decode(a, None)
 
     def prefill_failed(self, attempt: int, failure: Failure, now_ns: int) -> list[Command]:
         a = self._current(attempt)
@@ -353,18 +330,6 @@ class Lifecycle(Generic[I]):
         rec.migrations.append(Migration(now_ns, lost.role, lost.instance, len(self.sent), str(lost)))
         if not self.sent:  # the record tells the attempt that produces the first token
             forget_attempt(rec)
-        return out + self._begin_attempt(now_ns)
-
-    def _pool_read_failed(self, a: Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
-        """D's read of a P's tier failed before a token (the holder died, its lease ran out): again
-        on a new attempt that reads no tier, D computing the prefix."""
-        a.d_running, self.pool_ok = False, False
-        why = delta.transfer.error if delta.transfer and delta.transfer.error else delta.finish_reason
-        self.rec.pool_error = f"D's read from {a.route.pool.name}'s tier failed: {why}"
-        log.warning("%s: %s; D computes the prompt", self.rec.request_id, self.rec.pool_error)
-        out = self._end_attempt()
-        if not self.sent:
-            forget_attempt(self.rec)
         return out + self._begin_attempt(now_ns)
 
     def _fail(self, err: BackendError) -> list[Command]:
