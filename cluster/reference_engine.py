@@ -45,7 +45,12 @@ class ReferenceEngine:
                  block_size: int = 128, kv_cache_space_gib: int = 1, enable_prefix_caching: bool = False):
         args = _engine_args(model, cpu_bind, max_model_len, dtype, block_size, kv_cache_space_gib,
                             enable_prefix_caching, in_process=False)
+        from pdcluster.transfer import refusal_counts
         from pdcluster.transfer.vllm_compat import AsyncEngineArgs, AsyncLLM
+
+        # vLLM's ZMQ sockets in a directory of this process's own, removed with it (or swept at the
+        # next start on the host), as the cluster's engines' are (cluster/engine_actor.py).
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(refusal_counts.share()))
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
