@@ -34,10 +34,7 @@ class PoolWorkerExtension:
         """The engine's KV-cache groups as proto/kv_groups.py KvGroup dicts, in vLLM's order."""
         from dataclasses import asdict
 
-        from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
-
-        conn = get_kv_transfer_group() if has_kv_transfer_group() else None
-        return [asdict(g.shape) for g in getattr(conn, "groups", ())]
+        return [asdict(g.shape) for g in getattr(_connector(), "groups", ())]
 
     def pdc_tier_counts(self) -> dict | None:
         """This instance's host tier's counts (proto/messages.py TierCounts, as a dict: collective_rpc's
@@ -48,11 +45,16 @@ class PoolWorkerExtension:
         return asdict(tier.counted()) if tier is not None else None
 
 
-def _connector_worker():
-    """This worker's pdcluster connector's worker side (transfer/connector_worker.py), None without one."""
+def _connector():
+    """This worker's KV connector (ours, or another's), None without one."""
     from pdcluster.transfer.vllm_compat import get_kv_transfer_group, has_kv_transfer_group
 
-    return getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _connector_worker():
+    """This worker's pdcluster connector's worker side (transfer/connector_worker.py), None without one."""
+    return getattr(_connector(), "_worker", None)
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_algo: str = "sha256") -> list[bytes]:
