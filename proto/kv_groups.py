@@ -6,11 +6,13 @@ specs). A prefix hit of E tokens needs every full-attention (or compressed) grou
 tokens [0, E), and each sliding-window group's blocks of only its last window before E: those
 holding tokens [E - window + 1, E) (vLLM's SlidingWindowManager.get_num_skipped_tokens). vLLM's
 scheduler finds its own hits so; the host tier (transfer/tier_scheduler.py) and the router's
-prefix index (router/prefix_index.py) count theirs so too, with `window_first_block`.
+prefix index (router/prefix_index.py) and the pool's reads (transfer/host_tier.py) count theirs so
+too, with `cut_to_windows`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -31,3 +33,23 @@ def window_first_block(computed_tokens: int, block_size: int, window: int) -> in
     """The first block a window group holds once `computed_tokens` are computed: the one with token
     computed_tokens - window + 1 (blocks before it vLLM has freed)."""
     return max(0, (computed_tokens - window + 1) // block_size)
+
+
+def window_blocks(start: int, end: int, block_size: int, window: int, computed_to: int = 0) -> range:
+    """Of blocks [start, end), those a window group needs once `computed_to` tokens (at least end's)
+    are computed: the ones holding its last `window` tokens, as vLLM allocates them."""
+    to = max(computed_to, end * block_size)
+    return range(max(start, window_first_block(to, block_size, window)), end)
+
+
+def cut_to_windows(n: int, start: int, block_size: int, windows: Iterable[tuple[int, int]],
+                   held: Callable[[int, int], bool], computed_to: int = 0) -> int:
+    """The hit rule: of a run of `n` blocks from block `start` that every full group holds, the
+    longest run whose every window group (group, window) holds its window's blocks
+    (`held(group, block)`) before the run's end, or before `computed_to` when that is later (D
+    pulling the rest of the prompt from P). Window blocks before `start` are the caller's."""
+    windows = tuple(windows)
+    while n and windows and not all(held(g, i) for g, window in windows
+                                    for i in window_blocks(start, start + n, block_size, window, computed_to)):
+        n -= 1
+    return n

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored, EngineHash, KvEvent
-from pdcluster.proto.kv_groups import KvGroup, window_first_block
+from pdcluster.proto.kv_groups import KvGroup, cut_to_windows
 
 RouterHash = bytes
 ROOT: RouterHash = b"\0" * 32  # the parent of a prompt's first block
@@ -311,12 +311,7 @@ class InstanceIndex:
         before `start` are the caller's (the device's, for a tier)."""
         full, windows = self._full_and_windows()
         n = min((self._run(hashes, start, g) for g in full), default=max(0, len(hashes) - start))
-        bs = self.block_size
-        while n and windows and not all(
-                h in self._count.get(g, ()) for g, window in windows
-                for h in hashes[max(start, window_first_block((start + n) * bs, bs, window)):start + n]):
-            n -= 1
-        return n
+        return cut_to_windows(n, start, self.block_size, windows, lambda g, i: hashes[i] in self._count.get(g, ()))
 
     def _full_and_windows(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
         """(full-attention groups, (window group, window) pairs); group 0 alone when the groups are

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdcluster.proto.kv_groups import window_first_block
+from pdcluster.proto.kv_groups import cut_to_windows, window_blocks
 from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.tier_book import BlockKey
@@ -127,12 +127,8 @@ class HostTier:
             n = 0
             while n < len(hashes) and all(held(g, hashes[n]) for g in self._layers if g not in windows):
                 n += 1
-            first = {g: 0 for g in self._layers}
-            while n:
-                first.update({g: window_first_block(n * block_size, block_size, w) for g, w in windows.items()})
-                if all(held(g, hashes[i]) for g in windows for i in range(first[g], n)):
-                    break
-                n -= 1
+            n = cut_to_windows(n, 0, block_size, windows.items(), lambda g, i: held(g, hashes[i]))
+            first = {g: window_blocks(0, n, block_size, windows[g]).start if g in windows else 0 for g in self._layers}
             keys = {g: {i: (g, hashes[i]) for i in range(first[g], n)} for g in self._layers}
             for run in keys.values():
                 self._pins.update(run.values())

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
-from pdcluster.proto.kv_groups import window_first_block
+from pdcluster.proto.kv_groups import cut_to_windows, window_blocks
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.paged_kv import block_runs
 from pdcluster.transfer.plan import NULL_BLOCK_ID
@@ -106,21 +106,15 @@ class TierScheduler:
         hashes = request.block_hashes[first:last]
         # The book's run, counted as used now (not the next blocks a keep evicts).
         n = self.book.match({g: hashes for g in self._full}) if self._full else len(hashes)
-        while n and not all(k in self.book for k in self._window_keys(request, first, first + n, computed_to)):
-            n -= 1
+        n = cut_to_windows(n, first, self.block_size, self._windows.items(),
+                           lambda g, i: (g, request.block_hashes[i]) in self.book, computed_to)
         if n:
-            self.book.match({g: [h for gg, h in self._window_keys(request, first, first + n, computed_to) if gg == g]
-                             for g in self._windows})
+            self.book.match({g: [request.block_hashes[i] for i in window_blocks(first, first + n, self.block_size,
+                                                                                 window, computed_to)]
+                             for g, window in self._windows.items()})
         tokens = n * self.block_size
         self._first[request.request_id] = first, tokens
         return tokens
-
-    def _window_keys(self, request: Request, first: int, end: int, computed_to: int) -> list[BlockKey]:
-        """Of blocks [first, end), those each window group needs once `computed_to` tokens (at
-        least end's) are computed: the blocks holding its last `window` tokens, as vLLM allocates."""
-        bs, to = self.block_size, max(computed_to, end * self.block_size)
-        return [(g, request.block_hashes[i]) for g, window in self._windows.items()
-                for i in range(max(first, window_first_block(to, bs, window)), end)]
 
     def lookup_taken(self, request: Request) -> int:
         """The tokens the last `lookup` of the request found (D: its tier's share of a load)."""

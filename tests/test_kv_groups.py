@@ -1,0 +1,38 @@
+"""The hit rule of hybrid models (proto/kv_groups.py), on hand-made holdings."""
+
+from pdcluster.proto.kv_groups import cut_to_windows, window_blocks, window_first_block
+
+BS = 4
+
+
+def holder(blocks: dict[int, set[int]]):
+    return lambda g, i: i in blocks.get(g, set())
+
+
+def test_window_first_block_is_the_block_of_the_windows_first_token():
+    assert window_first_block(16, BS, 8) == 2  # tokens 9..15: blocks 2 and 3
+    assert window_first_block(16, BS, 9) == 2  # tokens 8..15
+    assert window_first_block(16, BS, 10) == 1  # tokens 7..15
+    assert window_first_block(3, BS, 8) == 0
+
+
+def test_window_blocks_count_from_the_later_of_the_runs_end_and_computed_to():
+    assert window_blocks(0, 4, BS, 8) == range(2, 4)
+    assert window_blocks(3, 4, BS, 8) == range(3, 4)  # blocks before start are the caller's
+    assert window_blocks(0, 4, BS, 8, computed_to=40) == range(4, 4)  # D pulls the window's tail from P
+
+
+def test_a_run_is_cut_back_until_every_window_group_holds_its_window():
+    windows = [(1, 8)]
+    assert cut_to_windows(4, 0, BS, windows, holder({1: {2, 3}})) == 4
+    # Without block 3 the hit ends where the window's blocks before it are held: 3 blocks need 1, 2.
+    assert cut_to_windows(4, 0, BS, windows, holder({1: {1, 2}})) == 3
+    assert cut_to_windows(4, 0, BS, windows, holder({1: set()})) == 0
+    assert cut_to_windows(4, 0, BS, [], holder({})) == 4  # no window group: the full groups' run
+
+
+def test_with_computed_to_later_only_the_blocks_in_the_final_window_are_needed():
+    # Prompt of 40 tokens: the window (8) lies past the run, so no window block is needed.
+    assert cut_to_windows(4, 0, BS, [(1, 8)], holder({}), computed_to=40) == 4
+    # Prompt of 18 tokens: tokens 11..17 are in the window, of the run's blocks only block 2 and 3.
+    assert cut_to_windows(4, 0, BS, [(1, 8)], holder({1: {3}}), computed_to=18) == 2
