@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -162,6 +163,7 @@ class EngineActor(ServesRequestChannel, Engine):
                 raise
             raise RuntimeError(f"vLLM's engine core failed to start: {cause}") from err
         self.started_s = time.time() - t0
+        self._groups: tuple[KvGroup, ...] | None = None
         self._warmed = False
         self._engine_watch: asyncio.Task | None = None
 
@@ -204,8 +206,10 @@ class EngineActor(ServesRequestChannel, Engine):
         """Its engine's KV-cache groups, from our connector in vLLM's worker (none with NIXL's)."""
         if self.connector != "pdc":
             return ()
-        got = await self.llm.collective_rpc("pdc_kv_groups")  # transfer/pool_worker.py
-        return tuple(KvGroup(**g) for g in got[0]) if got else ()
+        if self._groups is None:  # (they do not change while the engine runs)
+            got = await self.llm.collective_rpc("pdc_kv_groups")  # transfer/pool_worker.py
+            self._groups = tuple(KvGroup(**g) for g in got[0]) if got else ()
+        return self._groups
 
     def clock(self) -> int:
         """This host's monotonic clock, which vLLM's engine timestamps use: the router
@@ -282,7 +286,9 @@ class EngineActor(ServesRequestChannel, Engine):
         if self.plan.kv_address is None or not self.spec.role_engine(self.plan.role).host_tier_gib:
             return PoolOffer(req.transfer_id, 0)  # no KV server or no tier: nothing to serve from
         cache = self.llm.vllm_config.cache_config
-        hashes = prompt_block_hashes(req.prompt_token_ids, cache.block_size,
+        # vLLM hashes a prompt in blocks of its groups' greatest common block size (one group: its own).
+        sizes = [g.block_size for g in await self._kv_groups()] or [cache.block_size]
+        hashes = prompt_block_hashes(req.prompt_token_ids, math.gcd(*sizes),
                                      getattr(cache, "prefix_caching_hash_algo", "sha256"))
         covered = await self.llm.collective_rpc("pdc_open_pool", args=(req.transfer_id, hashes))
         return PoolOffer(req.transfer_id, int(covered[0]) if covered else 0)

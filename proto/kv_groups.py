@@ -36,20 +36,22 @@ def window_first_block(computed_tokens: int, block_size: int, window: int) -> in
 
 
 def window_blocks(start: int, end: int, block_size: int, window: int, computed_to: int = 0) -> range:
-    """Of blocks [start, end), those a window group needs once `computed_to` tokens (at least end's)
-    are computed: the ones holding its last `window` tokens, as vLLM allocates them."""
-    to = max(computed_to, end * block_size)
-    return range(max(start, window_first_block(to, block_size, window)), end)
+    """Of a window group's blocks (of `block_size` tokens) holding tokens [start, end), those it
+    needs once `computed_to` tokens (at least `end`) are computed: the ones holding its last
+    `window` tokens, as vLLM allocates them. `start` and `end` are multiples of `block_size`."""
+    return range(max(start // block_size, window_first_block(max(computed_to, end), block_size, window)),
+                 end // block_size)
 
 
-def cut_to_windows(n: int, start: int, block_size: int, windows: Iterable[tuple[int, int]],
+def cut_to_windows(n: int, start: int, unit: int, windows: Iterable[tuple[int, int, int]],
                    held: Callable[[int, int], bool], computed_to: int = 0) -> int:
-    """The hit rule: of a run of `n` blocks from block `start` that every full group holds, the
-    longest run whose every window group (group, window) holds its window's blocks
-    (`held(group, block)`) before the run's end, or before `computed_to` when that is later (D
-    pulling the rest of the prompt from P). Window blocks before `start` are the caller's."""
+    """The hit rule: of a run of `n` units of `unit` tokens from token `start` that every full group
+    holds, the longest run whose every window group (group, window, block size) holds its window's
+    blocks (`held(group, block)`) before the run's end, or before `computed_to` when that is later
+    (D pulling the rest of the prompt from P). Window blocks before `start` are the caller's.
+    `unit` is a multiple of every group's block size (vLLM's scheduler block size)."""
     windows = tuple(windows)
-    while n and windows and not all(held(g, i) for g, window in windows
-                                    for i in window_blocks(start, start + n, block_size, window, computed_to)):
+    while n and windows and not all(held(g, i) for g, window, block_size in windows
+                                    for i in window_blocks(start, start + n * unit, block_size, window, computed_to)):
         n -= 1
     return n

@@ -200,7 +200,7 @@ class InstanceIndex:
         assert not odd and skipped >= 0, (
             f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens "
             f"(block size {bs}): a decoder that mis-reads the event")
-        if skipped and not any(i == g for i, _ in self._full_and_windows()[1]):
+        if skipped and not any(i == g for i, *_ in self._full_and_windows()[1]):
             device.skipped_events += 1  # (not a window group this index knows: which were left out is unknown)
             return True
         held = self._held.setdefault(g, {})
@@ -311,15 +311,16 @@ class InstanceIndex:
         before `start` are the caller's (the device's, for a tier)."""
         full, windows = self._full_and_windows()
         n = min((self._run(hashes, start, g) for g in full), default=max(0, len(hashes) - start))
-        return cut_to_windows(n, start, self.block_size, windows, lambda g, i: hashes[i] in self._count.get(g, ()))
+        return cut_to_windows(n, start * self.block_size, self.block_size, windows,
+                              lambda g, i: hashes[i] in self._count.get(g, ()))
 
-    def _full_and_windows(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-        """(full-attention groups, (window group, window) pairs); group 0 alone when the groups are
+    def _full_and_windows(self) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+        """(full-attention groups, (window group, window, block size)); group 0 alone when the groups are
         unknown or of other block sizes than the router's (DeepSeek-V4's: their blocks are skipped)."""
         if not self.groups or any(g.block_size != self.block_size for g in self.groups):
             return (0,), ()
         return (tuple(i for i, g in enumerate(self.groups) if not g.is_window),
-                tuple((i, g.window) for i, g in enumerate(self.groups) if g.is_window))
+                tuple((i, g.window, g.block_size) for i, g in enumerate(self.groups) if g.is_window))
 
     def __len__(self) -> int:
         return sum(map(len, self._held.values()))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transfer_fakes import LAYERS, LAYOUTS, P_BLOCKS, block, source_caches
 
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.transfer.host_tier import HostTier
 from pdcluster.transfer.paged_kv import PagedKv
 
@@ -41,7 +42,8 @@ def test_the_tier_counts_what_it_held_loaded_stored_and_offered_peers():
     bb = tier.block_bytes(0)
     tier.store(keys("a", "b", "c"), [1, 2, 3])
     tier.load(keys("a", "b"), [4, 5])
-    tier.read_run([b"a", b"b", b"x"]).close()  # a peer's read of a prompt whose third block is not held
+    # A peer's read of a prompt whose third block is not held.
+    tier.read_run([b"a", b"b", b"x"], [KvGroup("full_attention", 4)]).close()
     tier.evict(keys("c"))
     c = tier.counted()
     assert (c.held_bytes, c.stored_blocks, c.stored_bytes, c.loaded_blocks, c.loaded_bytes, c.served_blocks) == (
@@ -77,8 +79,9 @@ def test_a_pooled_run_of_a_hybrid_model_holds_its_window_groups_window_before_it
     tier = HostTier(PagedKv(caches, {LAYERS[0]: 0, LAYERS[1]: 1}, P_BLOCKS))
     tier.store(keys("a", "b", "c", group=1), [1, 2, 3])
     tier.store(keys("c", group=0), [4])  # what the window still held when the request ended
-    run = tier.read_run([b"a", b"b", b"c", b"d"], block_size=4, windows={0: 5})
-    assert run.num_blocks == 3 and run.keys == {0: {2: (0, b"c")}, 1: {i: (1, h) for i, h in enumerate([b"a", b"b", b"c"])}}
+    groups = (KvGroup("sliding_window", 4, 5), KvGroup("full_attention", 4))
+    run = tier.read_run([b"a", b"b", b"c", b"d"], groups)
+    assert run.num_tokens == 12 and run.keys == {0: {2: (0, b"c")}, 1: {i: (1, h) for i, h in enumerate([b"a", b"b", b"c"])}}
     assert torch.equal(run.gather(LAYERS[0], 0, [2])[0], caches[LAYERS[0]][4])
     with pytest.raises(KeyError, match="group 0's blocks 2-2, not 1"):
         run.gather(LAYERS[0], 0, [1])
@@ -86,7 +89,7 @@ def test_a_pooled_run_of_a_hybrid_model_holds_its_window_groups_window_before_it
     assert (0, b"c") not in tier  # evicted while pinned: freed when the read ends
     run.close()
     # Without the window's block no end is held: no run (group 1 alone would be three).
-    assert tier.read_run([b"a", b"b", b"c"], block_size=4, windows={0: 5}).num_blocks == 0
+    assert tier.read_run([b"a", b"b", b"c"], groups).num_tokens == 0
 
 
 def tier_worker(caches):

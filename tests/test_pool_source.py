@@ -9,11 +9,13 @@ import pytest
 import torch
 from transfer_fakes import BLOCK_SIZE, LAYERS, TIMEOUT_S, make_job, wait_results
 
+from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.transfer import kv_transfer_pb2 as pb
 from pdcluster.transfer.host_tier import HostTier
 
 HASHES = [bytes([i]) * 32 for i in range(4)]  # a prompt's first four blocks (vLLM's hashes)
 P_IDS = (2, 5, 7)  # where P computed the first three
+GROUPS = (KvGroup("full_attention", BLOCK_SIZE),)
 
 
 def kept(p) -> tuple[HostTier, dict[str, torch.Tensor]]:
@@ -30,8 +32,8 @@ def kept(p) -> tuple[HostTier, dict[str, torch.Tensor]]:
 def test_a_peer_reads_the_tiers_run_over_the_kv_plane(make_p, make_d):
     p, d = make_p(), make_d()
     tier, want = kept(p)
-    run = tier.read_run(HASHES)  # the fourth block is not in the tier: the run is three
-    assert run.num_blocks == 3
+    run = tier.read_run(HASHES, GROUPS)  # the fourth block is not in the tier: the run is three
+    assert run.num_tokens == 3 * BLOCK_SIZE
     p.sources.offer_pooled("pool-1", run, 3 * BLOCK_SIZE, lease_s=60)
     d.fetcher.submit(make_job(p.server.address, [0, 1, 2], [1, 2, 3], transfer_id="pool-1", num_blocks=3))
     results = wait_results(d.fetcher, ["d-pool-1"])
@@ -47,7 +49,7 @@ def test_a_peer_reads_the_tiers_run_over_the_kv_plane(make_p, make_d):
 def test_the_pools_run_crosses_the_torch_dist_channel_too(gloo_pair, layout):
     p, d = gloo_pair(layout)
     tier, want = kept(p)
-    p.sources.offer_pooled("pool-dist", tier.read_run(HASHES), 3 * BLOCK_SIZE, lease_s=60)
+    p.sources.offer_pooled("pool-dist", tier.read_run(HASHES, GROUPS), 3 * BLOCK_SIZE, lease_s=60)
     d.fetcher.submit(make_job(p.server.address, [0, 1, 2], [6, 1, 3], transfer_id="pool-dist", num_blocks=3,
                               transport="torch_dist"))
     results = wait_results(d.fetcher, ["d-pool-dist"])
@@ -59,10 +61,10 @@ def test_the_pools_run_crosses_the_torch_dist_channel_too(gloo_pair, layout):
 def test_an_eviction_during_the_read_waits_for_it(make_p, make_d):
     p, d = make_p(), make_d()
     tier, want = kept(p)
-    run = tier.read_run(HASHES[:2])
+    run = tier.read_run(HASHES[:2], GROUPS)
     p.sources.offer_pooled("pool-2", run, 2 * BLOCK_SIZE, lease_s=60)
     tier.evict([(0, h) for h in HASHES[:3]])  # the book needs the room now
-    assert (0, HASHES[0]) not in tier and (0, HASHES[2]) not in tier and tier.read_run(HASHES).num_blocks == 0
+    assert (0, HASHES[0]) not in tier and (0, HASHES[2]) not in tier and tier.read_run(HASHES, GROUPS).num_tokens == 0
     d.fetcher.submit(make_job(p.server.address, [0, 1], [4, 5], transfer_id="pool-2", num_blocks=2))
     assert wait_results(d.fetcher, ["d-pool-2"]).failed == set()
     for name in LAYERS:
@@ -74,8 +76,8 @@ def test_an_eviction_during_the_read_waits_for_it(make_p, make_d):
 def test_a_read_past_the_run_is_refused_and_an_expired_one_is_gone(make_p, stub_to):
     p = make_p()
     tier, _ = kept(p)
-    p.sources.offer_pooled("pool-3", tier.read_run(HASHES), 3 * BLOCK_SIZE, lease_s=60)
-    dup = tier.read_run(HASHES)
+    p.sources.offer_pooled("pool-3", tier.read_run(HASHES, GROUPS), 3 * BLOCK_SIZE, lease_s=60)
+    dup = tier.read_run(HASHES, GROUPS)
     with pytest.raises(ValueError, match="pool-3 already has a source"):
         p.sources.offer_pooled("pool-3", dup, 3 * BLOCK_SIZE, lease_s=60)
     dup.close()
@@ -83,7 +85,7 @@ def test_a_read_past_the_run_is_refused_and_an_expired_one_is_gone(make_p, stub_
         list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
             transfer_id="pool-3", groups=[pb.GroupBlocks(group=0, block_indices=[3])]), timeout=TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE  # the run is three blocks
-    expired = tier.read_run(HASHES)
+    expired = tier.read_run(HASHES, GROUPS)
     p.sources.offer_pooled("pool-4", expired, 3 * BLOCK_SIZE, lease_s=0.0)
     with pytest.raises(grpc.RpcError) as err:
         list(stub_to(p.server.address).ReadBlocks(pb.ReadBlocksRequest(
@@ -91,7 +93,7 @@ def test_a_read_past_the_run_is_refused_and_an_expired_one_is_gone(make_p, stub_
     assert "expired" in err.value.details()
     p.sources.release("pool-3")
     assert len(p.sources) == 1 and not expired.closed  # an expired one waits for a sweep: the next offer
-    p.sources.offer_pooled("pool-5", tier.read_run(HASHES[:1]), BLOCK_SIZE, lease_s=0.0)
+    p.sources.offer_pooled("pool-5", tier.read_run(HASHES[:1], GROUPS), BLOCK_SIZE, lease_s=0.0)
     assert expired.closed and p.sources.take_finished() == set() and len(p.sources) == 0
 
 

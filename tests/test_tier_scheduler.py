@@ -10,7 +10,7 @@ import pytest
 
 from pdcluster.proto.kv_event_wire import BlockRemoved, BlockStored
 from pdcluster.transfer.groups import GroupInfo
-from pdcluster.transfer.tier_scheduler import TierCopy, TierScheduler, TierUnsupported
+from pdcluster.transfer.tier_scheduler import TierCopy, TierScheduler
 
 BS = 4  # tokens per block
 PAGE = 100  # bytes per block and group
@@ -173,12 +173,34 @@ def test_only_computed_prompt_blocks_are_kept():
     assert sched.take_orders().copies == [TierCopy("store", 0, (b"f0",), (1,), "a")]
 
 
-def test_groups_a_tier_cannot_keep_yet_are_refused_by_name():
-    compressed = GroupInfo(1, "compressed", "MLAAttentionSpec", BS, 0, PAGE)
-    with pytest.raises(TierUnsupported, match=r"sliding-window groups only .* group 1: compressed"):
-        TierScheduler([full(0), compressed], capacity_bytes=PAGE)
-    with pytest.raises(TierUnsupported, match=r"one block size in every group, not \[4, 8\]"):
-        TierScheduler([full(0), GroupInfo(1, "full_attention", "FullAttentionSpec", 8, 0, PAGE)], PAGE)
+def dsv4_like() -> TierScheduler:
+    """DeepSeek-V4's shape, scaled down: a compressed group of 16-token blocks, a window group of
+    2-token blocks (window 4) and one of 8-token blocks (window 16). vLLM hashes in blocks of 2
+    tokens (their gcd) and counts hits in units of 16 (their lcm)."""
+    return TierScheduler([GroupInfo(0, "compressed", "MLAAttentionSpec", 16, 0, PAGE),
+                          GroupInfo(1, "sliding_window", "SlidingWindowMLASpec", 2, 3, PAGE, 4),
+                          GroupInfo(2, "sliding_window", "SlidingWindowMLASpec", 8, 3, PAGE, 16)], 100 * PAGE)
+
+
+def test_groups_of_several_block_sizes_keep_and_load_each_groups_blocks_by_the_hash_of_the_prefix_it_ends():
+    sched = dsv4_like()
+    assert (sched.block_size, sched.hash_block_size) == (16, 2)
+    a = Req("a", 32, [f"f{i}".encode() for i in range(16)])  # 32 tokens: one hash per 2
+    # vLLM had freed the window groups' blocks before their windows (tokens 29-31 and 17-31).
+    ended(sched, a, [[1, 2], [0] * 14 + [114, 115], [0, 0, 202, 203]])
+    assert sched.take_orders().copies == [TierCopy("store", 0, (b"f7", b"f15"), (1, 2), "a"),
+                                          TierCopy("store", 1, (b"f14", b"f15"), (114, 115), "a"),
+                                          TierCopy("store", 2, (b"f11", b"f15"), (202, 203), "a")]
+    # A longer prompt of the family: a hit of the whole 32 tokens (2 units) needs what was kept.
+    b = Req("b", 40, [f"f{i}".encode() for i in range(20)])
+    assert sched.lookup(b, 0) == 32
+    assert sched.allocated(b, [[5, 6, 7], [0] * 14 + [314, 315, 316, 317], [0, 0, 402, 403, 404]], 32) == 32
+    assert sched.take_orders().copies == [TierCopy("load", 0, (b"f7", b"f15"), (5, 6), "b"),
+                                          TierCopy("load", 1, (b"f14", b"f15"), (314, 315), "b"),
+                                          TierCopy("load", 2, (b"f11", b"f15"), (402, 403), "b")]
+    # The prompt resent: a hit may end at 16 only (a token is left to compute), whose windows
+    # (blocks 6-7 and 0-1) vLLM had freed: no hit.
+    assert sched.lookup(Req("c", 32, [f"f{i}".encode() for i in range(16)]), 0) == 0
 
 
 def test_a_reset_empties_the_tier_and_orders_its_bytes_freed():
@@ -245,7 +267,7 @@ def test_a_window_group_keeps_what_its_window_held_and_loads_only_the_blocks_vll
     b = req("b", "f", 13)
     assert sched.lookup(b, 0) == 3 * BS  # a hit of 12 tokens: the window needs tokens 8-11, block 2
     # vLLM allocates the window group a block for position 2 only (its null block before it).
-    assert sched.allocated(b, [[5, 6, 7, 8], [0, 0, 27, 28]], 3 * BS) == 3
+    assert sched.allocated(b, [[5, 6, 7, 8], [0, 0, 27, 28]], 3 * BS) == 3 * BS
     assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1", b"f2"), (5, 6, 7), "b"),
                                           TierCopy("load", 1, (b"f2",), (27,), "b")]
 
@@ -262,7 +284,7 @@ def test_a_hit_whose_window_blocks_vllm_had_freed_is_cut_back_to_where_the_windo
     # full group's before them from the tier.
     c = req("c", "f", 13)
     assert sched.lookup(c, 0, computed_to=13) == 2 * BS
-    assert sched.allocated(c, [[5, 6, 7, 8], [0, 0, 27, 28]], 2 * BS) == 2
+    assert sched.allocated(c, [[5, 6, 7, 8], [0, 0, 27, 28]], 2 * BS) == 2 * BS
     assert sched.take_orders().copies == [TierCopy("load", 0, (b"f0", b"f1"), (5, 6), "c")]
 
 

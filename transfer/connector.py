@@ -150,14 +150,14 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             plan = TransferPlan((), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
         else:
             hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
-            end = 0  # D's blocks from this position on come from P
+            end = 0  # D's tokens from this one on come from P
             if self._tier is not None:  # the first blocks past D's hit from its tier, the rest from P
                 tier_tokens = self._tier.lookup_taken(request)
                 end = self._tier.allocated(request, blocks.get_block_ids(), tier_tokens)
-                hit_blocks = tuple(h + tier_tokens // self._tier.block_size for h in hit_blocks)
+                hit_blocks = tuple(h + tier_tokens // g.block_size for h, g in zip(hit_blocks, self.groups))
             # (a window group's blocks past the tier's: the window's tail, ending at the prompt's end)
-            new = tuple(tuple(b.block_id for b in g[end:] if b.block_hash is None and not b.is_null)
-                        for g in blocks.blocks)
+            new = tuple(tuple(b.block_id for b in g[end // info.block_size:] if b.block_hash is None and not b.is_null)
+                        for g, info in zip(blocks.blocks, self.groups))
             plan = plan_transfer(self.groups, new, hit_blocks,
                                  d_cached_tokens=handle.num_tokens - num_external_tokens + tier_tokens,
                                  num_tokens=handle.num_tokens)

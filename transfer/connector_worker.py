@@ -63,9 +63,7 @@ class _Worker:
         self._error_blocks: set[int] = set()
         self.sources: SourceTable | None = None
         self.server = self.fetcher = None
-        self.block_size = conn.groups[0].block_size
-        # Sliding-window groups -> their windows in tokens: a pooled run holds only their window's blocks.
-        self.windows = {g.index: g.window for g in conn.groups if g.kind == "sliding_window"}
+        self.kv_groups = tuple(g.shape for g in conn.groups)  # what a pooled run holds of each
         s = conn.settings
         # The host tier's bytes (the scheduler side's book decides); CPU engines' cache is host memory already.
         self.tier = HostTier(self.kv, pin=kv_caches_on_accelerator(kv_caches)) if s.host_tier_bytes else None
@@ -148,11 +146,10 @@ class _Worker:
         (0: nothing held, nothing offered)."""
         if self.tier is None or self.sources is None:
             return 0
-        run = self.tier.read_run(hashes, self.block_size, self.windows)
-        if run.num_blocks == 0:
+        run = self.tier.read_run(hashes, self.kv_groups)
+        if (tokens := run.num_tokens) == 0:
             run.close()
             return 0
-        tokens = run.num_blocks * self.block_size
         try:
             self.sources.offer_pooled(transfer_id, run, tokens, self.settings.lease_s)
         except ValueError:

@@ -20,15 +20,16 @@ evicts; the KV server's threads read: every access to the blocks is under one lo
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from pdcluster.proto.kv_groups import cut_to_windows, window_blocks
+from pdcluster.proto.kv_groups import KvGroup, cut_to_windows, window_blocks
 from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.tier_book import BlockKey
@@ -113,27 +114,38 @@ class HostTier:
 
     # ---------------------------------------------------------------- the pool: peers' reads
 
-    def read_run(self, hashes: Sequence[bytes], block_size: int = 0, windows: Mapping[int, int] | None = None
-                 ) -> PooledRun:
-        """The run of a prompt's first blocks (`hashes`, vLLM's, in prompt order) held as a hit,
-        pinned until the run is closed (it may be empty): every group's blocks from the first, but
-        a sliding-window group's (`windows`: group -> window in tokens, blocks of `block_size`
-        tokens) only those of its window before the run's end (proto/kv_groups.py)."""
-        windows = windows or {}
+    def read_run(self, hashes: Sequence[bytes], groups: Sequence[KvGroup]) -> PooledRun:
+        """The run of a prompt's first blocks held as a hit, pinned until the run is closed (it may
+        be empty). `hashes` are vLLM's block hashes of the prompt, in prompt order, in blocks of the
+        groups' greatest common block size; `groups` the engine's KV-cache groups, in vLLM's order.
+        Every full group's blocks from the first, a sliding-window
+        group's only those of its window before the run's end (proto/kv_groups.py); a hit is whole
+        units of the groups' least common block size, as vLLM's scheduler counts one."""
+        sizes = {g: groups[g].block_size for g in self._layers}
+        hash_size, unit = math.gcd(*sizes.values()), math.lcm(*sizes.values())
+        windows = [(g, groups[g].window, sizes[g]) for g in self._layers if groups[g].is_window]
+        full = [g for g in self._layers if g not in {w[0] for w in windows}]
+
+        def key(g: int, i: int) -> BlockKey:  # group g's block i: named by the hash of the prefix it ends
+            return g, hashes[(i + 1) * sizes[g] // hash_size - 1]
+
         with self._lock:
-            def held(g: int, h: bytes) -> bool:
-                return (g, h) in self._blocks and (g, h) not in self._evict_later
+            def held(g: int, i: int) -> bool:
+                k = key(g, i)
+                return k in self._blocks and k not in self._evict_later
 
             n = 0
-            while n < len(hashes) and all(held(g, hashes[n]) for g in self._layers if g not in windows):
+            while (n + 1) * unit <= len(hashes) * hash_size and all(
+                    held(g, i) for g in full for i in range(n * unit // sizes[g], (n + 1) * unit // sizes[g])):
                 n += 1
-            n = cut_to_windows(n, 0, block_size, windows.items(), lambda g, i: held(g, hashes[i]))
-            first = {g: window_blocks(0, n, block_size, windows[g]).start if g in windows else 0 for g in self._layers}
-            keys = {g: {i: (g, hashes[i]) for i in range(first[g], n)} for g in self._layers}
+            n = cut_to_windows(n, 0, unit, windows, held)
+            blocks = {g: range(n * unit // sizes[g]) for g in full} | {
+                g: window_blocks(0, n * unit, size, window) for g, window, size in windows}
+            keys = {g: {i: key(g, i) for i in blocks[g]} for g in self._layers}
             for run in keys.values():
                 self._pins.update(run.values())
         self.counts = replace(self.counts, served_blocks=self.counts.served_blocks + n)
-        return PooledRun(self, keys, n)
+        return PooledRun(self, keys, n * unit)
 
     def _gather(self, layer: str, keys: Sequence[BlockKey]) -> torch.Tensor:
         with self._lock:
@@ -166,8 +178,8 @@ class PooledRun:
     server reads it as a transfer source's blocks (transfer/sources.py `TierRead`)."""
 
     tier: HostTier
-    keys: dict[int, dict[int, BlockKey]]  # per group: position in the prompt -> its block (a window's: its tail)
-    num_blocks: int
+    keys: dict[int, dict[int, BlockKey]]  # per group: its block's position -> its key (a window's: its tail)
+    num_tokens: int  # the prompt tokens the run covers
     closed: bool = False
 
     def gather(self, layer: str, group: int, indices: Sequence[int]) -> torch.Tensor:
@@ -176,7 +188,7 @@ class PooledRun:
         missing = [i for i in indices if i not in self.keys[group]]
         if missing:
             raise KeyError(f"the pooled run holds group {group}'s blocks {min(self.keys[group], default=0)}-"
-                           f"{self.num_blocks - 1}, not {missing[0]}")
+                           f"{max(self.keys[group], default=-1)}, not {missing[0]}")
         return self.tier._gather(layer, [self.keys[group][i] for i in indices])
 
     def close(self) -> None:

@@ -15,15 +15,21 @@ the connector hands vLLM to publish beside the device cache's): the router's pre
 a tier's blocks apart from the device's (router/prefix_index.py).
 
 Keys are (KV-cache group, vLLM's block hash), as vLLM's OffloadingConnector keys its blocks: one
-prompt block's hash names its KV in every group. A full-attention group keeps and loads every
-block of a prompt's prefix; a sliding-window group (Gemma3, gpt-oss) only the blocks its window
-covers, as vLLM's own cache does: the tier keeps what vLLM had not yet freed when the request
+prompt block's hash names its KV in every group. A full-attention (or compressed) group keeps and
+loads every block of a prompt's prefix; a sliding-window group (Gemma3, gpt-oss) only the blocks its
+window covers, as vLLM's own cache does: the tier keeps what vLLM had not yet freed when the request
 ended (out-of-window positions hold vLLM's null block), and a hit of E tokens needs the blocks of
-tokens [E - window + 1, E) (proto/kv_groups.py), which vLLM then allocates, and no others. Compressed groups (DeepSeek-V4) use other block sizes: not yet.
+tokens [E - window + 1, E) (proto/kv_groups.py), which vLLM then allocates, and no others.
+
+Groups may differ in block size (DeepSeek-V4: 256, 64, 8 and 4 tokens). vLLM then hashes a prompt
+in blocks of their greatest common divisor (`Request.block_hashes`), names a group's block by the
+hash of the prefix it ends (BlockPool's `_get_partial_block_hash`), and counts hits in whole units
+of their least common multiple (the scheduler's block size); the tier does the same (`_key`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -70,17 +76,17 @@ class TierOrders:
 
 class TierScheduler:
     def __init__(self, groups: Sequence[GroupInfo], capacity_bytes: int, max_retention_s: float = MAX_RETENTION_S):
-        odd = [g for g in groups if g.kind not in ("full_attention", "sliding_window")]
+        odd = [g for g in groups if g.kind not in ("full_attention", "compressed", "sliding_window")]
         if odd:
             raise TierUnsupported(
-                f"a host KV tier keeps full-attention and sliding-window groups only so far; this model has "
+                f"a host KV tier keeps full-attention, compressed and sliding-window groups; this model has "
                 f"{', '.join(f'group {g.index}: {g.name}' for g in odd)}: set host_tier_gib only for such models")
-        if len({g.block_size for g in groups}) > 1:
-            raise TierUnsupported(f"a host KV tier needs one block size in every group, not "
-                                  f"{sorted({g.block_size for g in groups})}")
-        self.block_size = groups[0].block_size
+        sizes = [g.block_size for g in groups]
+        self.block_size = math.lcm(*sizes)  # a hit is whole units of this many tokens (vLLM's scheduler block size)
+        self.hash_block_size = math.gcd(*sizes)  # tokens per entry of Request.block_hashes
+        self._sizes = {g.index: g.block_size for g in groups}
         self._groups = tuple(g.index for g in groups)
-        self._full = tuple(g.index for g in groups if g.kind == "full_attention")
+        self._full = tuple(g.index for g in groups if g.kind != "sliding_window")
         self._windows = {g.index: g.window for g in groups if g.kind == "sliding_window"}  # group -> tokens
         self._block_bytes = {g.index: g.page_bytes for g in groups}
         self.book = TierBook(capacity_bytes, max_retention_s)
@@ -95,25 +101,35 @@ class TierScheduler:
         # cached when it scheduled them, and then computed them (or ended the request).
         self.failed_tokens: dict[str, int] = {}
 
+    def _key(self, hashes: Sequence[bytes], group: int, i: int) -> bytes:
+        """Group `group`'s block `i`: the hash of the prompt up to its end (vLLM's name for it)."""
+        return hashes[(i + 1) * self._sizes[group] // self.hash_block_size - 1]
+
+    def _keys(self, hashes: Sequence[bytes], group: int, blocks: range) -> list[bytes]:
+        return [self._key(hashes, group, i) for i in blocks]
+
     def lookup(self, request: Request, num_computed_tokens: int, computed_to: int = 0) -> int:
-        """Tokens past the device cache's hit (`num_computed_tokens`, whole blocks) the tier holds:
+        """Tokens past the device cache's hit (`num_computed_tokens`, whole units) the tier holds:
         every full-attention group's blocks from the hit on; every window group's blocks among
         them that the window before `computed_to` covers (D pulling the rest from P: the prompt's
         end; else the tier hit's own end). At least one prompt token is left to compute, as vLLM's
         own cache leaves."""
-        first = num_computed_tokens // self.block_size
-        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        hashes = request.block_hashes[first:last]
-        # The book's run, counted as used now (not the next blocks a keep evicts).
-        n = self.book.match({g: hashes for g in self._full}) if self._full else len(hashes)
-        n = cut_to_windows(n, first, self.block_size, self._windows.items(),
-                           lambda g, i: (g, request.block_hashes[i]) in self.book, computed_to)
+        unit, hashes, start = self.block_size, request.block_hashes, num_computed_tokens
+        last = min(len(hashes) * self.hash_block_size, request.num_tokens - 1) // unit * unit
+        n = max(0, (last - start) // unit)
+        # The book's run, counted as used now (not the next blocks a keep evicts), per block size.
+        for size in sorted({self._sizes[g] for g in self._full}):
+            run = self.book.match({g: self._keys(hashes, g, range(start // size, last // size))
+                                   for g in self._full if self._sizes[g] == size})
+            n = min(n, run * size // unit)
+        n = cut_to_windows(n, start, unit, [(g, w, self._sizes[g]) for g, w in self._windows.items()],
+                           lambda g, i: (g, self._key(hashes, g, i)) in self.book, computed_to)
         if n:
-            self.book.match({g: [request.block_hashes[i] for i in window_blocks(first, first + n, self.block_size,
-                                                                                 window, computed_to)]
+            self.book.match({g: self._keys(hashes, g, window_blocks(start, start + n * unit, self._sizes[g], window,
+                                                                    computed_to))
                              for g, window in self._windows.items()})
-        tokens = n * self.block_size
-        self._first[request.request_id] = first, tokens
+        tokens = n * unit
+        self._first[request.request_id] = start, tokens
         return tokens
 
     def lookup_taken(self, request: Request) -> int:
@@ -122,17 +138,18 @@ class TierScheduler:
 
     def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_tier_tokens: int) -> int:
         """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
-        `num_tier_tokens` of the last lookup's from the tier: order their load. The block the tier's
-        hit ends at (blocks from it on are computed, or pulled from P; 0: no hit)."""
-        first, _ = self._first.pop(request.request_id, (None, 0))
-        if num_tier_tokens <= 0 or first is None:
+        `num_tier_tokens` of the last lookup's from the tier: order their load. The token the tier's
+        hit ends at (tokens from it on are computed, or pulled from P; 0: no hit)."""
+        start, _ = self._first.pop(request.request_id, (None, 0))
+        if num_tier_tokens <= 0 or start is None:
             self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
             return 0
-        end = first + num_tier_tokens // self.block_size
+        end = start + num_tier_tokens
         loads = []  # per group: the positions vLLM allocated a block for (a window's: in the window)
         for g in self._groups:
-            at = [i for i in range(first, end) if block_ids[g][i] != NULL_BLOCK_ID]
-            loads.append(TierCopy("load", g, tuple(request.block_hashes[i] for i in at),
+            size = self._sizes[g]
+            at = [i for i in range(start // size, end // size) if block_ids[g][i] != NULL_BLOCK_ID]
+            loads.append(TierCopy("load", g, tuple(self._key(request.block_hashes, g, i) for i in at),
                                   tuple(block_ids[g][i] for i in at), request.request_id))
         # (A block the lookup did not check, were vLLM to allocate one, is not leased: its load
         # fails and the tokens are computed, or the request ends, as on_failure says.)
@@ -147,23 +164,26 @@ class TierScheduler:
         reports the request (the caller holds the blocks no other way)."""
         retain_s = float((getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY, 0.0))
         self.forget(request.request_id)
-        n = min(len(request.block_hashes), request.num_computed_tokens // self.block_size,
-                request.num_prompt_tokens // self.block_size, *(len(ids) for ids in block_ids))
-        hashes = request.block_hashes[:n]
-        # A window group's blocks vLLM already freed (its null block in their place) are gone.
-        kept = self.book.keep([((g, h), self._block_bytes[g]) for i, h in enumerate(hashes) for g in self._groups
-                               if block_ids[g][i] != NULL_BLOCK_ID], now_s, retain_s)
+        hashes = request.block_hashes
+        tokens = min(len(hashes) * self.hash_block_size, request.num_computed_tokens, request.num_prompt_tokens,
+                     *(len(block_ids[g]) * self._sizes[g] for g in self._groups))
+        # Each group's blocks the prompt's computed tokens fill, in the order of the prefix they end
+        # (the book refuses the rest after a block that finds no room). A window group's blocks vLLM
+        # already freed (its null block in their place) are gone.
+        blocks = sorted((((i + 1) * self._sizes[g], g), i) for g in self._groups
+                        for i in range(tokens // self._sizes[g]) if block_ids[g][i] != NULL_BLOCK_ID)
+        where = {(g, self._key(hashes, g, i)): i for (_, g), i in blocks}
+        kept = self.book.keep([(key, self._block_bytes[key[0]]) for key in where], now_s, retain_s)
         self._order_evictions(kept.evicted)
         if not kept.stored:
             return False
-        index = {h: i for i, h in enumerate(hashes)}
         for g in self._groups:
-            if not (stored := tuple(h for gg, h in kept.stored if gg == g)):
+            if not (stored := [key for key in kept.stored if key[0] == g]):
                 continue
-            self._orders.copies.append(
-                TierCopy("store", g, stored, tuple(block_ids[g][index[h]] for h in stored), request.request_id))
+            self._orders.copies.append(TierCopy("store", g, tuple(h for _, h in stored),
+                                                tuple(block_ids[g][where[key]] for key in stored), request.request_id))
             if _plain(request):
-                self._events += self._stored_events(request, g, sorted(index[h] for h in stored))
+                self._events += self._stored_events(request, g, sorted(where[key] for key in stored))
         if free_after:
             self._orders.free_after.append(request.request_id)
         return True
@@ -178,8 +198,9 @@ class TierScheduler:
     def _stored_events(self, request: Request, group: int, indices: Sequence[int]) -> list[BlockStored]:
         """One event per run of consecutive blocks newly kept, as vLLM's block pool announces its
         own: each names its first block's parent, so the router can place it in the prompt's chain."""
-        bs, hashes = self.block_size, request.block_hashes
-        return [BlockStored(hashes[first:first + n], hashes[first - 1] if first else None,
+        bs, hashes = self._sizes[group], request.block_hashes
+        return [BlockStored(self._keys(hashes, group, range(first, first + n)),
+                            self._key(hashes, group, first - 1) if first else None,
                             request.all_token_ids[first * bs:(first + n) * bs], bs, group, HOST_MEDIUM)
                 for first, n in block_runs(indices)]
 
