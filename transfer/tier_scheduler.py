@@ -100,6 +100,10 @@ class TierScheduler:
         # Requests whose tier load failed, with the tokens it was to give: vLLM counted them as
         # cached when it scheduled them, and then computed them (or ended the request).
         self.failed_tokens: dict[str, int] = {}
+        # Requests whose prompt is still being computed here, from their allocation (window groups:
+        # their steps' hit boundaries are kept as they pass, `stepped`); what the last step passed.
+        self._prefilling: dict[str, Request] = {}
+        self._written: list[tuple[Request, list[tuple[int, int, int]]]] = []
 
     def _key(self, hashes: Sequence[bytes], group: int, i: int) -> bytes:
         """Group `group`'s block `i`: the hash of the prompt up to its end (vLLM's name for it)."""
@@ -140,6 +144,8 @@ class TierScheduler:
         """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
         `num_tier_tokens` of the last lookup's from the tier: order their load. The token the tier's
         hit ends at (tokens from it on are computed, or pulled from P; 0: no hit)."""
+        if self._windows and request.num_computed_tokens < request.num_prompt_tokens:
+            self._prefilling[request.request_id] = request
         start, _ = self._first.pop(request.request_id, (None, 0))
         if num_tier_tokens <= 0 or start is None:
             self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
@@ -162,31 +168,71 @@ class TierScheduler:
         """The request ended: keep its computed prompt blocks (retained as its hint asks). True
         when the worker must store some before vLLM frees them; with `free_after` the worker then
         reports the request (the caller holds the blocks no other way)."""
-        retain_s = float((getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY, 0.0))
+        retain_s = _retain_s(request)
         self.forget(request.request_id)
+        tokens = min(len(request.block_hashes) * self.hash_block_size, request.num_computed_tokens,
+                     request.num_prompt_tokens, *(len(block_ids[g]) * self._sizes[g] for g in self._groups))
+        # A window group's blocks vLLM already freed (its null block in their place) were kept as
+        # the prefill passed them, those a hit needs (`stepped`).
+        if not self._keep(request, [(g, i, block_ids[g][i]) for g in self._groups
+                                    for i in range(tokens // self._sizes[g]) if block_ids[g][i] != NULL_BLOCK_ID],
+                          now_s, retain_s):
+            return False
+        if free_after:
+            self._orders.free_after.append(request.request_id)
+        return True
+
+    def prefilling(self, request_id: str) -> bool:
+        """The request's prompt is still being computed here (its steps may pass hit boundaries)."""
+        return request_id in self._prefilling
+
+    def stepped(self, request_id: str, num_scheduled: int, block_ids: Sequence[Sequence[int]]) -> None:
+        """A step computes `num_scheduled` more of the request's tokens, in these blocks (its whole
+        table, per group): each window group's blocks that a hit ending at a unit boundary the step
+        passes needs are kept once the step has written them (`written`, at the next step's orders),
+        as vLLM's own cache keeps them, before vLLM frees them as the window slides on."""
+        request = self._prefilling.get(request_id)
+        if request is None:
+            return
+        start, unit = request.num_computed_tokens, self.block_size  # (vLLM advances it after this step)
+        end = min(start + num_scheduled, request.num_prompt_tokens, len(request.block_hashes) * self.hash_block_size)
+        tails = {(g, i) for g, window in self._windows.items()
+                 for boundary in range((start // unit + 1) * unit, end + 1, unit)
+                 for i in window_blocks(0, boundary, self._sizes[g], window)}
+        blocks = [(g, i, block_ids[g][i]) for g, i in tails if i < len(block_ids[g]) and block_ids[g][i] != NULL_BLOCK_ID]
+        if blocks:
+            self._written.append((request, blocks))
+        if start + num_scheduled >= request.num_prompt_tokens:
+            del self._prefilling[request_id]
+
+    def written(self, now_s: float) -> None:
+        """The last step ran: keep the window blocks its `stepped` requests passed. Their stores go
+        first in the next orders, before a load there writes a block vLLM has since freed and reused."""
+        written, self._written = self._written, []
+        if not written:
+            return
+        later, self._orders.copies = self._orders.copies, []
+        for request, blocks in written:
+            self._keep(request, blocks, now_s, _retain_s(request))
+        self._orders.copies += later
+
+    def _keep(self, request: Request, blocks: Sequence[tuple[int, int, int]], now_s: float, retain_s: float) -> bool:
+        """Hold these (group, block, device block id) of the request's prompt, in the order of the
+        prefix each ends (the book refuses the rest after a block that finds no room); order the
+        stores of those newly held and announce them. True: some are to be stored."""
         hashes = request.block_hashes
-        tokens = min(len(hashes) * self.hash_block_size, request.num_computed_tokens, request.num_prompt_tokens,
-                     *(len(block_ids[g]) * self._sizes[g] for g in self._groups))
-        # Each group's blocks the prompt's computed tokens fill, in the order of the prefix they end
-        # (the book refuses the rest after a block that finds no room). A window group's blocks vLLM
-        # already freed (its null block in their place) are gone.
-        blocks = sorted((((i + 1) * self._sizes[g], g), i) for g in self._groups
-                        for i in range(tokens // self._sizes[g]) if block_ids[g][i] != NULL_BLOCK_ID)
-        where = {(g, self._key(hashes, g, i)): i for (_, g), i in blocks}
+        blocks = sorted(blocks, key=lambda b: ((b[1] + 1) * self._sizes[b[0]], b[0], b[1]))
+        where = {(g, self._key(hashes, g, i)): (i, block_id) for g, i, block_id in blocks}
         kept = self.book.keep([(key, self._block_bytes[key[0]]) for key in where], now_s, retain_s)
         self._order_evictions(kept.evicted)
-        if not kept.stored:
-            return False
         for g in self._groups:
             if not (stored := [key for key in kept.stored if key[0] == g]):
                 continue
             self._orders.copies.append(TierCopy("store", g, tuple(h for _, h in stored),
-                                                tuple(block_ids[g][where[key]] for key in stored), request.request_id))
+                                                tuple(where[key][1] for key in stored), request.request_id))
             if _plain(request):
-                self._events += self._stored_events(request, g, sorted(where[key] for key in stored))
-        if free_after:
-            self._orders.free_after.append(request.request_id)
-        return True
+                self._events += self._stored_events(request, g, sorted(where[key][0] for key in stored))
+        return bool(kept.stored)
 
     def _order_evictions(self, keys: Sequence[BlockKey]) -> None:
         by_group: dict[int, list[bytes]] = {}
@@ -214,6 +260,7 @@ class TierScheduler:
         self.hit_tokens.pop(request_id, None)
         self.failed_tokens.pop(request_id, None)
         self._first.pop(request_id, None)
+        self._prefilling.pop(request_id, None)
 
     def load_failed(self, request_id: str) -> None:
         """The worker could not load the request's tier hit: it counts as computed, not as a hit."""
@@ -236,6 +283,11 @@ class TierScheduler:
         self._leases = []
         out, self._orders = self._orders, TierOrders()
         return out
+
+
+def _retain_s(request: Request) -> float:
+    """The request's retention hint (proto/handle.py RETAIN_KEY), 0 without one."""
+    return float((getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY, 0.0))
 
 
 def _plain(request: Request) -> bool:
