@@ -138,6 +138,7 @@ def test_ds_worker_reports_each_requests_tier_load_and_its_report_carries_it():
 
     from pdcluster.proto.messages import TransferStats
     from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.connector_loads import Loads
     from pdcluster.transfer.connector_meta import PdcMetadata
     from pdcluster.transfer.groups import GroupInfo
     from pdcluster.transfer.tier_scheduler import TierCopy, TierOrders, TierScheduler
@@ -156,10 +157,12 @@ def test_ds_worker_reports_each_requests_tier_load_and_its_report_carries_it():
 
     conn = object.__new__(PdcConnector)
     full = GroupInfo(0, "full_attention", "FullAttentionSpec", 16, 0, 100)
-    conn.api, conn._loading, conn._tier = API["0.32.0"], set(), TierScheduler([full], 1000)
-    conn._d_stats = {"d1": TransferStats(d_cached_tokens=256, d_tier_tokens=256)}
+    conn._tier = TierScheduler([full], 1000)
+    conn._loads = Loads([full], conn._tier, failed_recving=API["0.32.0"].failed_recving)
+    conn._loads.reports = {"d1": TransferStats(d_cached_tokens=256, d_tier_tokens=256)}
     conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=timings))
-    assert (conn._d_stats["d1"].d_tier_load_start_ns, conn._d_stats["d1"].d_tier_loaded_ns) == (start, end)
+    report = conn._loads.reports["d1"]
+    assert (report.d_tier_load_start_ns, report.d_tier_loaded_ns) == (start, end)
 
 
 def test_p_s_worker_writes_each_prefills_load_time_under_its_transfer(tmp_path):

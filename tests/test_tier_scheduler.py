@@ -306,11 +306,12 @@ def test_d_loads_the_prefix_from_its_tier_and_pulls_the_rest_and_the_windows_tai
 
     from pdcluster.proto.handle import TransferHandle
     from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.connector_loads import Loads
     from pdcluster.transfer.connector_meta import PdcMetadata
 
     conn = object.__new__(PdcConnector)
     conn.is_producer, conn.groups, conn._tier = False, (full(0), window(1)), hybrid_tier()
-    conn._handled, conn._loading, conn._pending, conn._d_stats = set(), set(), PdcMetadata(), {}
+    conn._loads, conn._pending = Loads(conn.groups, conn._tier, failed_recving=True), PdcMetadata()
     d = req("d", "f", 13)
     d.kv_transfer_params = TransferHandle("p-engine", "127.0.0.1:1", "t-1", 13).to_params()
     assert conn.get_num_new_matched_tokens(d, 0) == (13, True)  # all of it external: tier and P
@@ -322,7 +323,7 @@ def test_d_loads_the_prefix_from_its_tier_and_pulls_the_rest_and_the_windows_tai
     (job,) = conn._pending.loads
     assert [(g.remote_indices, g.local_block_ids) for g in job.plan.groups] == [((3,), (8,)), ((3,), (28,))]
     assert (job.plan.d_cached_tokens, job.plan.transferred_tokens) == (12, 1)
-    assert conn._d_stats["d"].d_tier_tokens == 12
+    assert conn._loads.reports["d"].d_tier_tokens == 12
 
 
 def test_a_window_groups_blocks_at_each_hit_boundary_the_prefill_passes_are_kept_before_vllm_frees_them():

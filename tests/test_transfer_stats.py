@@ -46,11 +46,14 @@ def test_it_crosses_vllms_boundary_as_builtins_and_comes_back_checked():
 def d_connector(*request_ids: str):
     """D's connector, scheduler side only, each request planned."""
     from pdcluster.transfer.connector import PdcConnector
+    from pdcluster.transfer.connector_loads import Loads
     from pdcluster.transfer.vllm_compat import API
 
     conn = object.__new__(PdcConnector)
-    conn.api, conn._loading, conn._tier = API["0.32.0"], set(request_ids), None
-    conn._d_stats = {r: planned() for r in request_ids}
+    conn._tier = None
+    conn._loads = Loads((), None, failed_recving=API["0.32.0"].failed_recving)
+    conn._loads._loading = set(request_ids)
+    conn._loads.reports = {r: planned() for r in request_ids}
     return conn
 
 
@@ -65,9 +68,9 @@ def test_a_failed_pull_says_why_whichever_step_the_workers_word_comes_in():
     timing = PullTiming(10, 30, (0, 0), why)
     conn.update_connector_output(KVConnectorOutput(failed_recving={"a"}, kv_connector_worker_meta=PullTimings({"a": timing})))
     conn.update_connector_output(KVConnectorOutput(failed_recving={"b"}))  # its timing a step later
-    assert conn._d_stats["b"].error == "KV pull from P failed"
+    assert conn._loads.reports["b"].error == "KV pull from P failed"
     conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PullTimings({"b": timing})))
-    assert conn._d_stats["a"].error == conn._d_stats["b"].error == f"KV pull from P failed: {why}"
+    assert conn._loads.reports["a"].error == conn._loads.reports["b"].error == f"KV pull from P failed: {why}"
     ok = d_connector("c")
     ok.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PullTimings({"c": PullTiming(10, 30, (200, 0))})))
-    assert ok._d_stats["c"].error is None and ok._d_stats["c"].transfer_end_ns == 30
+    assert ok._loads.reports["c"].error is None and ok._loads.reports["c"].transfer_end_ns == 30

@@ -22,6 +22,9 @@ Flow of one request. The router names the transfer (transfer_id) and sends:
    failed_recving: vLLM errors the request, or recomputes it
    (kv_load_failure_policy).
 
+D's side of steps 2 and 3 (the plan, the pull followed to its end, the report) is
+transfer/connector_loads.py.
+
 Push or pull is only the order in which the router sends: D's request at the same
 time as P's (push: the transfer runs under P's forward pass, layer by layer), or
 after P answered (pull).
@@ -31,15 +34,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.proto.handle import HandleError, TransferHandle, transfer_id_of
-from pdcluster.proto.messages import TransferStats
 from pdcluster.transfer import vllm_compat
 from pdcluster.transfer.groups import describe_groups
-from pdcluster.transfer.grpc_client import LoadJob
-from pdcluster.transfer.plan import NULL_BLOCK_ID, TransferPlan, plan_transfer
+from pdcluster.transfer.plan import NULL_BLOCK_ID
 from pdcluster.transfer.tier_scheduler import TierScheduler
 from pdcluster.transfer.vllm_compat import (  # vLLM's, through the module that knows each version
     KVConnectorBase_V1,
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+from pdcluster.transfer.connector_loads import Loads
 from pdcluster.transfer.connector_meta import ConnectorSettings, PdcMetadata, PullTimings, SourceEnd, SourceStep
 from pdcluster.transfer.connector_worker import _Worker
 
@@ -73,12 +74,6 @@ D_STATS_KEY = "pdc_d_stats"
 # failed (in P's final output; absent: none).
 P_TIER_KEY = "pdc_p_tier_tokens"
 P_TIER_FAILED_KEY = "pdc_p_tier_failed_tokens"
-FAILED_PULL = "KV pull from P failed"  # the report's error, followed by why when D's worker said
-
-
-def _failed_pull(why: str | None) -> str:
-    return f"{FAILED_PULL}: {why}" if why else FAILED_PULL
-
 
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -105,12 +100,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self._producing: dict[str, tuple[str, Request]] = {}
         # P: the subset that some step has run (its worker knows the source).
         self._ran: set[str] = set()
-        # D: requests whose handle was consumed (a plan or a release was issued).
-        self._handled: set[str] = set()
-        # D: requests with a load in flight (planned, not yet reported back).
-        self._loading: set[str] = set()
-        # D: request_id -> its transfer report, until request_finished returns it.
-        self._d_stats: dict[str, TransferStats] = {}
+        # D: the requests with a handle, their loads and reports (transfer/connector_loads.py).
+        self._loads = Loads(self.groups, self._tier, self.api.failed_recving)
         # Worker side (set in register_kv_caches) ---------------------------
         self._worker: _Worker | None = None
         self.kv_address: str | None = None
@@ -121,13 +112,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         handle = None if self.is_producer else self._handle_of(request)
         if handle is None:  # P, or D prefilling itself: what its host tier holds past the device's hit
             return (self._tier.lookup(request, num_computed_tokens), False) if self._tier is not None else (0, False)
-        if request.request_id in self._handled:
-            return 0, False
-        end = min(handle.num_tokens, request.num_prompt_tokens)
-        if self._tier is not None:  # D's tier part of it is loaded with the pull (update_state_after_alloc)
-            self._tier.lookup(request, num_computed_tokens, computed_to=end)
-        count = end - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return self._loads.matched(request, handle, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if self.is_producer:
@@ -141,66 +126,15 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
             if self._tier is not None:
                 self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
             return
-        if request.request_id in self._handled:
-            return  # also the second call, after the load finished
-        self._handled.add(request.request_id)
-        tier_tokens = 0
-        if num_external_tokens == 0:
-            # D's own cache covers everything P has: pull nothing, but free P's lease.
-            plan = TransferPlan((), d_cached_tokens=handle.num_tokens, transferred_tokens=0)
-        else:
-            hit_blocks = tuple(sum(b.block_hash is not None and not b.is_null for b in g) for g in blocks.blocks)
-            end = 0  # D's tokens from this one on come from P
-            if self._tier is not None:  # the first blocks past D's hit from its tier, the rest from P
-                tier_tokens = self._tier.lookup_taken(request)
-                end = self._tier.allocated(request, blocks.get_block_ids(), tier_tokens)
-                hit_blocks = tuple(h + tier_tokens // g.block_size for h, g in zip(hit_blocks, self.groups))
-            # (a window group's blocks past the tier's: the window's tail, ending at the prompt's end)
-            new = tuple(tuple(b.block_id for b in g[end // info.block_size:] if b.block_hash is None and not b.is_null)
-                        for g, info in zip(blocks.blocks, self.groups))
-            plan = plan_transfer(self.groups, new, hit_blocks,
-                                 d_cached_tokens=handle.num_tokens - num_external_tokens + tier_tokens,
-                                 num_tokens=handle.num_tokens)
-            self._loading.add(request.request_id)
-        self._pending.loads.append(LoadJob(request.request_id, handle, plan))
-        self._d_stats[request.request_id] = replace(self._report(plan), d_tier_tokens=tier_tokens)
-
-    def _report(self, plan: TransferPlan) -> TransferStats:
-        blocks = [0] * len(self.groups)
-        for g in plan.groups:
-            blocks[g.group] = g.num_blocks
-        return TransferStats.planned(plan.d_cached_tokens, plan.transferred_tokens, tuple(blocks),
-                                     tuple(g.page_bytes for g in self.groups),
-                                     group_names=tuple(g.name for g in self.groups))
+        self._loads.allocated(request, handle, blocks, num_external_tokens, self._pending)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        now_ns = time.monotonic_ns()
         timings = connector_output.kv_connector_worker_meta
-        pulls = timings.pulls if isinstance(timings, PullTimings) else {}
         if self._tier is not None and isinstance(timings, PullTimings):
             self._tier.lost(timings.tier_lost)
             for request_id in timings.tier_failed:
                 self._tier.load_failed(request_id)
-            for request_id, (start_ns, end_ns) in timings.tier_loads.items():
-                if (report := self._d_stats.get(request_id)) is not None:
-                    self._d_stats[request_id] = replace(report, d_tier_load_start_ns=start_ns, d_tier_loaded_ns=end_ns)
-        for request_id, t in pulls.items():
-            if (report := self._d_stats.get(request_id)) is not None:
-                report = report.pulled(t.start_ns, t.end_ns, t.bytes_per_group)
-                if report.error is not None and t.error:  # reported failed at an earlier step: now why
-                    report = replace(report, error=_failed_pull(t.error))
-                self._d_stats[request_id] = report
-        for request_id in connector_output.finished_recving or ():
-            self._loading.discard(request_id)
-            if (report := self._d_stats.get(request_id)) is not None:  # the scheduler sees the KV from this step on
-                self._d_stats[request_id] = replace(report, kv_ready_ns=now_ns)
-        # A failed pull: vLLM errors the request or recomputes it (kv_load_failure_policy);
-        # either way nothing came from P, and the report says so.
-        # (vLLM < 0.32 has no failed_recving: there the report keeps what was planned.)
-        for request_id in (connector_output.failed_recving if self.api.failed_recving else None) or ():
-            if (report := self._d_stats.get(request_id)) is not None:
-                why = pulls[request_id].error if request_id in pulls else None
-                self._d_stats[request_id] = report.failed(_failed_pull(why))
+        self._loads.update(connector_output)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._tables is not None and (self.is_producer or self._tier is not None):
@@ -281,15 +215,7 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         handle = self._handle_of(request)
         if handle is None:
             return False, None
-        if request.request_id not in self._handled:
-            # Aborted before D allocated blocks: nothing to receive, but P must not wait for its lease.
-            self._handled.add(request.request_id)
-            self._pending.loads.append(LoadJob(request.request_id, handle, TransferPlan((), 0, 0)))
-        elif request.request_id in self._loading:
-            # Aborted while its KV is arriving: stop the load (vLLM keeps the blocks until it reports).
-            self._pending.cancels.append(request.request_id)
-        self._handled.discard(request.request_id)
-        report = self._d_stats.pop(request.request_id, None)
+        report = self._loads.ended(request, handle, self._pending)
         return self._keep_in_tier(request, block_ids, free_after=True), \
             {D_STATS_KEY: report.to_params() if report is not None else None}
 
