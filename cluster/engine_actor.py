@@ -25,6 +25,7 @@ from pdcluster.cluster.vllm_patches import (
     check_model_runs_here,
 )
 from pdcluster.proto.engine import Engine
+from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.kv_groups import KvGroup
 from pdcluster.proto.messages import (
     DecodeDelta,
@@ -57,15 +58,18 @@ ENGINE_WATCH_S = 0.5
 ENGINE_DEAD_EXIT = 70  # the actor's exit status when its engine core died (a crash to Ray: it restarts it)
 
 
-def prefill_kv_params(connector: str, transfer_id: str, retain_s: float = 0.0) -> dict:
+def prefill_kv_params(connector: str, transfer_id: str, retain_s: float = 0.0,
+                      pool: TransferHandle | None = None) -> dict:
     """What P's request carries so its connector keeps the KV for a remote decode (and in its
-    host tier, for `retain_s` ahead of others)."""
+    host tier, for `retain_s` ahead of others), and reads the prompt's first blocks from a peer's
+    tier (`pool`)."""
     from pdcluster.proto.handle import PRODUCE_KEY, RETAIN_KEY
 
     if connector == "nixl":  # as vLLM's toy P/D proxy sends it
         return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    return {PRODUCE_KEY: transfer_id, **({RETAIN_KEY: retain_s} if retain_s else {})}
+    return {PRODUCE_KEY: transfer_id, **({RETAIN_KEY: retain_s} if retain_s else {}),
+            **(pool.to_params() if pool is not None else {})}
 
 
 def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
@@ -225,12 +229,12 @@ class EngineActor(ServesRequestChannel, Engine):
         return True
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        from pdcluster.transfer.connector import P_TIER_FAILED_KEY, P_TIER_KEY
+        from pdcluster.transfer.connector import P_POOL_KEY, P_TIER_FAILED_KEY, P_TIER_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
         transfer_id = req.transfer_id or req.request_id
-        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=prefill_kv_params(self.connector, transfer_id,
-                                                                                               req.sampling.retain_s))
+        params = prefill_kv_params(self.connector, transfer_id, req.sampling.retain_s, req.pool)
+        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=params)
         final = None
         with self._transfer_ids.taken(transfer_id) if self.connector == "pdc" else contextlib.nullcontext():
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
@@ -238,6 +242,7 @@ class EngineActor(ServesRequestChannel, Engine):
                 final = out
         assert final is not None and final.finished, f"prefill {req.request_id} ended without a final output"
         tier = (final.kv_transfer_params or {}) if self.connector == "pdc" else {}
+        pool = TransferStats.from_params(tier.get(P_POOL_KEY)) if P_POOL_KEY in tier else None
         return PrefillResult(
             request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids),
             # pdcluster's connector returns the handle the router built already: only another's matter.
@@ -247,6 +252,7 @@ class EngineActor(ServesRequestChannel, Engine):
             engine=EngineTimes.from_vllm(final.metrics), p_tier_tokens=tier.get(P_TIER_KEY, 0),
             # Its worker wrote how long loading them took (before the output left the engine).
             p_tier_load_ns=self._load_times.read(transfer_id) if tier.get(P_TIER_KEY) else 0,
+            p_pool_tokens=pool.transferred_tokens if pool is not None and pool.error is None else 0, p_pool=pool,
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:

@@ -62,6 +62,9 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     transfer_id: str = ""  # the router's name for the P->D transfer; "": the request id
+    # A peer P's host tier offering the prompt's first blocks (the pool, OpenPool's offer): P reads
+    # them over the KV plane and computes the rest; None: P computes what its own caches lack.
+    pool: TransferHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ class PrefillResult:
     engine: EngineTimes = EngineTimes()
     p_tier_tokens: int = 0  # of p_cached_tokens, those P loaded from its host KV tier
     p_tier_load_ns: int = 0  # the time P's worker took to load them (0: none, or not known)
+    # Of p_cached_tokens, those P read from a peer's host tier (PrefillRequest.pool), and its read's
+    # report (None: no read); a read that failed is computed (or the prefill fails, as on_failure says).
+    p_pool_tokens: int = 0
+    p_pool: TransferStats | None = None
 
 
 @dataclass(frozen=True)

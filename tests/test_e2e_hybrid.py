@@ -83,8 +83,10 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, hybrid, reference):
+    # P's tier keeps every window block of each prompt (each block boundary's window, as vLLM's own
+    # cache does): room for all five 3,000-token prompts below.
     spec = cluster_spec_for(f"e2e-{hybrid.arch}", model={"path": model_dir, "name": "tiny-qwen3"},
-                            prefill_engine={"host_tier_gib": 0.05, "max_model_len": 3072, "max_num_batched_tokens": 3072,
+                            prefill_engine={"host_tier_gib": 0.25, "max_model_len": 3072, "max_num_batched_tokens": 3072,
                                             "extra": {"num_gpu_blocks_override": hybrid.p_blocks}})
     with running_cluster(spec) as c:
         yield c
@@ -128,13 +130,25 @@ def test_window_groups_move_only_the_window(cluster, served, hybrid):
         assert kinds == ["full_attention"] * hybrid.full_groups + ["sliding_window"] * hybrid.window_groups, kinds
 
 
-def test_a_prompt_p_evicted_comes_back_from_its_host_tier_window_groups_included(cluster, served):
+def test_a_prompt_p_evicted_comes_back_from_its_host_tier_window_groups_included(cluster, served, reference):
     prompt, _, want = next((p, b, w) for p, b, w in served if len(p) == 3000)
     rng = random.Random(12)
     for _ in range(4):  # other 3,000-token prompts: P's device pool lets go of the first's blocks
         r = complete(cluster.url, [rng.randrange(3, 1000) for _ in range(3000)], 1)
         assert r.status_code == 200, r.text
+    # A prompt sharing only its first 2,000 tokens: the tier's hit ends at the last block boundary
+    # they share, whose window blocks the tier kept as P's prefill passed it (by the prompt's end
+    # vLLM had freed them).
+    shared = prompt[:2000] + [rng.randrange(3, 1000) for _ in range(500)]
     assert ray.get(cluster.decode[0].actor.reset_prefix_cache.remote())  # D holds nothing: P prefills it all
+    cluster.each_router("catch_up_kv_events")
+    r = complete(cluster.url, shared, 8)
+    assert r.status_code == 200, r.text
+    rec = load_run(cluster.run_dir).record(r.json()["id"])
+    assert (rec.p_cached_tokens, rec.predicted_p_hit_tokens) == (1920, 1920) and rec.p_tier_tokens > 0, (
+        rec.p_cached_tokens, rec.predicted_p_hit_tokens, rec.p_tier_tokens)
+    assert r.json()["choices"][0]["token_ids"] == ray.get(reference.greedy.remote(shared, 8))
+    assert ray.get(cluster.decode[0].actor.reset_prefix_cache.remote())
     cluster.each_router("catch_up_kv_events")
     r = complete(cluster.url, prompt, 8)
     assert r.status_code == 200, r.text

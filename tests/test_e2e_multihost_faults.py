@@ -1,7 +1,8 @@
 """Faults across hosts, with real vLLM engines: the shipped 4-host P2D2 spec in the lab.
 
 deploy/lab-p2d2-tiny-cpu.yaml puts prefill-0/1 on host1/host2 and decode-0/1 on host3/host4;
-the router runs on the head. Three faults, each followed by its recovery:
+the router runs on the head. A P reads a prompt's first blocks from the other P's host tier
+across hosts (the pool). Three faults, each followed by its recovery:
 - P's hosts are cut from D's hosts in the middle of a transfer (dropped on the bridge: no FIN,
   no RST; the router still reaches everyone). The request ends in transfer.on_failure's error
   within transfer.timeout_s, P's lease frees its blocks, and after the heal requests succeed.
@@ -26,6 +27,7 @@ from e2e import (
     LABS,
     TRANSPORTS,
     assert_no_kv_in_use,
+    complete,
     free_port_run,
     health,
     running_cluster,
@@ -35,6 +37,8 @@ from e2e import (
     wait_until,
 )
 
+from pdcluster.proto.handle import TransferHandle
+from pdcluster.proto.messages import DecodeRequest, PoolRequest, PrefillRequest, SamplingSpec
 from pdcluster.proto.spec import parse_spec, read_yaml
 from pdcluster.router.run_store import load_run
 from pdcluster.transfer.channel_wire import DEAD_PEER_S
@@ -74,6 +78,7 @@ def lab_spec(ray_address: str):
     data["ray_address"] = ray_address
     data["transfer"] |= {"base_port": ports, "timeout_s": TIMEOUT_S, "lease_s": LEASE_S, "on_failure": "error"}
     data["router"] |= {"port": ports + 12, "kv_events_port": ports + 4, "request_timeout_s": 120}
+    data["prefill"]["engine"] = {"host_tier_gib": 0.25}  # each P's host tier: a peer P may read it
     return parse_spec(data, str(DEPLOY))
 
 
@@ -124,6 +129,39 @@ def test_the_shipped_p2d2_spec_puts_each_instance_on_its_host(lab, cluster):
                      "decode-0": lab.host("host3").address, "decode-1": lab.host("host4").address}
     r, _ = post(cluster, fresh_prompt(300))
     assert r.status_code == 200, r.text
+
+
+def test_a_p_reads_a_prompts_first_blocks_from_a_peer_ps_tier_on_another_host(lab, cluster):
+    """The pool, P from P (issue 29 item 2): the P that prefilled a prompt keeps it in its host
+    tier and offers it (EngineActor.open_pool); the other P, on another host, reads that run over
+    the KV plane, computes only the rest, and D pulls the whole prompt from it: the tokens equal
+    the cluster's own answer."""
+    prompt = fresh_prompt(1000)
+    r = complete(cluster.url, prompt, 8)
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]["token_ids"]
+    [rec] = [x for x in load_run(cluster.run_dir).records if x.request_id == r.json()["id"]]
+    holder = next(p for p in cluster.prefill if p.name == rec.prefill_instance)
+    reader = next(p for p in cluster.prefill if p.name != rec.prefill_instance)
+    decode = next(d for d in cluster.decode if d.name == rec.decode_instance)
+    assert ray.get(decode.actor.reset_prefix_cache.remote())  # D pulls the whole prompt from the reader
+    full = (len(prompt) - 1) // 128 * 128  # the blocks a hit may hold: vLLM computes the last token
+    # The holder's tier stores the prompt's blocks in its next step: offered once they are there.
+    offers = iter(range(1000))
+    offer = wait_until(lambda: (o := ray.get(holder.actor.open_pool.remote(PoolRequest(f"pfp-{next(offers)}", prompt))))
+                       .num_tokens and o, 30, what="the holder's tier offering the prompt")
+    assert offer.num_tokens == full
+    sampling = SamplingSpec(max_tokens=8, temperature=0, ignore_eos=True)
+    pool = TransferHandle(holder.engine_id, holder.kv_address, offer.transfer_id, offer.num_tokens)
+    pre = ray.get(reader.actor.prefill.remote(PrefillRequest("pfp", prompt, sampling, transfer_id="pfp", pool=pool)))
+    assert (pre.p_pool_tokens, pre.p_cached_tokens) == (full, full), pre
+    handle = TransferHandle(reader.engine_id, reader.kv_address, "pfp", len(prompt))
+    deltas = [ray.get(ref) for ref in decode.actor.decode.options(num_returns="streaming").remote(
+        DecodeRequest("pfp-d", prompt, sampling, handle))]
+    last = deltas[-1].transfer
+    assert last.error is None and (last.d_cached_tokens, last.transferred_tokens) == (0, len(prompt)), last
+    assert [t for delta in deltas for t in delta.new_token_ids] == want
+    assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
 
 
 def cut_p_from_d(lab, cut: bool) -> None:

@@ -302,6 +302,7 @@ def test_a_window_groups_blocks_at_each_hit_boundary_the_prefill_passes_are_kept
     sched = dsv4_like()
     a = Req("a", 40, [f"f{i}".encode() for i in range(20)])
     assert sched.lookup(a, 0) == 0 and sched.allocated(a, [[1, 2], list(range(100, 110)), [200, 201, 202]], 0) == 0
+    sched.track(a)
     assert sched.prefilling("a")
     # Step 1 computes tokens 0-19, passing the boundary at 16: its windows' blocks 6-7 and 0-1.
     sched.stepped("a", 20, [[1, 2], list(range(100, 110)), [200, 201, 202]])

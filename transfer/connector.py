@@ -37,6 +37,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.proto.handle import HandleError, TransferHandle, transfer_id_of
+from pdcluster.proto.messages import TransferStats
 from pdcluster.transfer import vllm_compat
 from pdcluster.transfer.groups import describe_groups
 from pdcluster.transfer.plan import NULL_BLOCK_ID
@@ -70,10 +71,12 @@ log = logging.getLogger(__name__)
 # kv_transfer_params key of D's per-request report (TransferStats.to_params, in D's final output).
 D_STATS_KEY = "pdc_d_stats"
 # kv_transfer_params keys of P's host-tier hit: of the prompt tokens P did not compute, those it
-# loaded from its host tier; and those vLLM counted as cached but computed, their load having
-# failed (in P's final output; absent: none).
+# loaded from its host tier; and those vLLM counted as cached but computed, their load (from its
+# tier, or a peer's) having failed (in P's final output; absent: none).
 P_TIER_KEY = "pdc_p_tier_tokens"
 P_TIER_FAILED_KEY = "pdc_p_tier_failed_tokens"
+# kv_transfer_params key of P's read of a peer's host tier (the pool): its TransferStats.to_params.
+P_POOL_KEY = "pdc_p_pool"
 
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -109,20 +112,19 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        handle = None if self.is_producer else self._handle_of(request)
+        # D: where P's KV is. P: a peer's host tier offering the prompt's first blocks (the pool).
+        handle = self._handle_of(request)
         if handle is None:  # P, or D prefilling itself: what its host tier holds past the device's hit
             return (self._tier.lookup(request, num_computed_tokens), False) if self._tier is not None else (0, False)
         return self._loads.matched(request, handle, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
-        if self.is_producer:
-            if (transfer_id := transfer_id_of(request.kv_transfer_params)) is not None:
-                self._producing[request.request_id] = (transfer_id, request)
-            if self._tier is not None:
-                self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
-            return
+        if self.is_producer and (transfer_id := transfer_id_of(request.kv_transfer_params)) is not None:
+            self._producing[request.request_id] = (transfer_id, request)
+        if self._tier is not None:
+            self._tier.track(request)
         handle = self._handle_of(request)
-        if handle is None:  # D prefilling itself: as P, its tier's hit is loaded in the step
+        if handle is None:  # P, or D prefilling itself: its tier's hit is loaded in the step
             if self._tier is not None:
                 self._tier.allocated(request, blocks.get_block_ids(), num_external_tokens)
             return
@@ -203,21 +205,16 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        if self.is_producer:
-            delay, params = self._finish_prefill(request)
-            if self._tier is None:
-                return delay, params
-            report = {k: v for k, v in ((P_TIER_KEY, self._tier.hit_tokens.get(request.request_id, 0)),
-                                        (P_TIER_FAILED_KEY, self._tier.failed_tokens.get(request.request_id, 0))) if v}
-            # Held by the transfer's lease, its blocks are stored before it ends; else vLLM waits for them.
-            delay |= self._keep_in_tier(request, block_ids, free_after=not delay)
-            return delay, (report or params)
         handle = self._handle_of(request)
-        if handle is None:
+        load, failed = self._loads.ended(request, handle, self._pending) if handle is not None else (None, 0)
+        if self.is_producer:
+            return self._finish_prefill(request, block_ids, load, failed)
+        if handle is None:  # D prefilling itself: its tier keeps nothing of it (a pull's KV, it does)
+            if self._tier is not None:
+                self._tier.forget(request.request_id)
             return False, None
-        report = self._loads.ended(request, handle, self._pending)
         return self._keep_in_tier(request, block_ids, free_after=True), \
-            {D_STATS_KEY: report.to_params() if report is not None else None}
+            {D_STATS_KEY: load.to_params() if load is not None else None}
 
     def _keep_in_tier(self, request: Request, block_ids: tuple[list[int], ...], free_after: bool) -> bool:
         """A request ended: its prompt blocks go to the instance's tier, if it has one, before vLLM
@@ -231,22 +228,38 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps, or a pull, in flight)
         return False
 
-    def _finish_prefill(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def _finish_prefill(self, request: Request, block_ids: tuple[list[int], ...], load: TransferStats | None,
+                        failed: int) -> tuple[bool, dict[str, Any] | None]:
+        """P's prefill ended: its source ends (its blocks kept while D reads them) and its tier
+        keeps them. P's report of what it loaded rather than computed: its tier's hit, a peer's
+        tier's read (`load`), and the tokens of a failed load, which it computed."""
+        rid = request.request_id
+        delay = self._end_source(request)
+        report: dict[str, Any] = {P_POOL_KEY: load.to_params() if load is not None else None}
+        if self._tier is not None:  # (its counts before the request is handed to it, which forgets them)
+            report[P_TIER_KEY] = self._tier.hit_tokens.get(rid, 0)
+            failed += self._tier.failed_tokens.get(rid, 0)
+            # Held by the transfer's lease, its blocks are stored before it ends; else vLLM waits for them.
+            delay |= self._keep_in_tier(request, block_ids, free_after=not delay)
+        report[P_TIER_FAILED_KEY] = failed
+        return delay, ({k: v for k, v in report.items() if v} or None)
+
+    def _end_source(self, request: Request) -> bool:
+        """True: vLLM keeps the request's blocks until the worker says D is done with them."""
         if self._tables is not None:
             self._tables.forget(request.request_id)
         entry = self._producing.pop(request.request_id, None)
         if entry is None:
-            return False, None
+            return False
         transfer_id = entry[0]
         if request.request_id not in self._ran:
-            return False, None  # never ran: no worker state, nothing for D
+            return False  # never ran: no worker state, nothing for D
         self._ran.discard(request.request_id)
         done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         # Keep the blocks either way: a D may be reading them right now. An aborted
         # source ends as soon as its readers stop.
         self._pending.ends.append(SourceEnd(transfer_id, aborted=not done))
-        # Nothing for the router: it named the transfer's handle itself when it picked this P.
-        return True, None
+        return True
 
     @staticmethod
     def _handle_of(request: Request) -> TransferHandle | None:

@@ -1,6 +1,8 @@
 """The connector's loads, scheduler side: requests that carry a TransferHandle (transfer/connector.py).
 
-D's request carries the handle the router built for P's KV: D offers the tokens past its own hit
+D's request carries the handle the router built for P's KV; P's may carry one for a run of the
+prompt's first blocks in a peer P's host tier (the pool), which P loads as D loads P's KV and
+then computes on from. D (or P) offers the tokens past its own hit
 as external, loaded asynchronously (`matched`), plans per KV-cache group which of P's blocks go
 into which of its own once vLLM allocated them (`allocated`), follows the worker's pull to its end
 (`update`) and hands the request's report back when it ends (`ended`). With a host tier, the first
@@ -48,6 +50,9 @@ class Loads:
         self._handled: set[str] = set()
         self._loading: set[str] = set()
         self.reports: dict[str, TransferStats] = {}
+        # Requests whose load failed, with the tokens it was to bring: vLLM counted them as cached
+        # when it scheduled the request, and then computed them (or ended the request).
+        self._failed_tokens: dict[str, int] = {}
 
     def matched(self, request: Request, handle: TransferHandle, num_computed_tokens: int) -> tuple[int, bool]:
         """get_num_new_matched_tokens for a request with a handle."""
@@ -121,10 +126,12 @@ class Loads:
             if (report := self.reports.get(request_id)) is not None:
                 why = pulls[request_id].error if request_id in pulls else None
                 self.reports[request_id] = report.failed(failed_pull(why))
+                self._failed_tokens[request_id] = report.transferred_tokens
 
-    def ended(self, request: Request, handle: TransferHandle, pending: PdcMetadata) -> TransferStats | None:
+    def ended(self, request: Request, handle: TransferHandle, pending: PdcMetadata) -> tuple[TransferStats | None, int]:
         """The request ended: stop its load if it is running (or free P's lease if it never
-        started), and hand back its report."""
+        started). Its report, and the tokens of a failed load (computed, though vLLM counted them
+        as cached)."""
         if request.request_id not in self._handled:
             # Aborted before D allocated blocks: nothing to receive, but P must not wait for its lease.
             self._handled.add(request.request_id)
@@ -133,4 +140,4 @@ class Loads:
             # Aborted while its KV is arriving: stop the load (vLLM keeps the blocks until it reports).
             pending.cancels.append(request.request_id)
         self._handled.discard(request.request_id)
-        return self.reports.pop(request.request_id, None)
+        return self.reports.pop(request.request_id, None), self._failed_tokens.pop(request.request_id, 0)

@@ -48,7 +48,8 @@ def kv_caches_on_accelerator(kv_caches: dict) -> bool:
 
 
 class _Worker:
-    """Worker-side state: the source table and KV server on P, the fetcher on D."""
+    """Worker-side state: the source table and KV server on P, the fetcher on D (and on P, for
+    reads of a peer's host tier)."""
 
     def __init__(self, conn: PdcConnector, kv_caches: dict[str, torch.Tensor]):
         cfg = conn._kv_cache_config
@@ -62,7 +63,7 @@ class _Worker:
         self._load_blocks: dict[str, set[int]] = {}
         self._error_blocks: set[int] = set()
         self.sources: SourceTable | None = None
-        self.server = self.fetcher = None
+        self.server = None
         self.kv_groups = tuple(g.shape for g in conn.groups)  # what a pooled run holds of each
         s = conn.settings
         # The host tier's bytes (the scheduler side's book decides); CPU engines' cache is host memory already.
@@ -80,8 +81,8 @@ class _Worker:
                                    secret=secret, wait_s=s.timeout_s, break_prefix=s.break_prefix,
                                    channel_backend=s.channel_backend, advertise=s.advertise_host,
                                    require_seal=s.encrypt)
-        else:
-            self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret, seal=s.encrypt)
+        # D pulls P's KV; P may read a prompt's first blocks from a peer's host tier (the pool).
+        self.fetcher = KvFetcher(conn.engine_id, self.kv, s.timeout_s, secret=secret, seal=s.encrypt)
 
     def start(self, meta: PdcMetadata) -> None:
         if meta.tier is not None:  # first: a load fills blocks this step's sources then serve
@@ -95,7 +96,6 @@ class _Worker:
             for end in meta.ends:
                 self.sources.finish(end.transfer_id, self.settings.lease_s, aborted=end.aborted)
         if meta.loads or meta.cancels:
-            assert self.fetcher is not None, "a load job reached a producer: kv_role misconfigured"
             for job in meta.loads:
                 if self._failed_as_blocks:
                     self._load_blocks[job.request_id] = {b for g in job.plan.groups for b in g.local_block_ids}
@@ -136,7 +136,7 @@ class _Worker:
             for request_id, ns in load_ns.items():
                 if (transfer_id := transfers.get(request_id)) is not None:
                     self.load_times.write(transfer_id, ns)
-        if self.fetcher is not None:  # D: in its transfer report
+        if self.sources is None:  # D: in its transfer report
             self._tier_loads.update(spans)
 
     def open_pool(self, transfer_id: str, hashes: Sequence[bytes]) -> int:

@@ -100,8 +100,8 @@ class TierScheduler:
         # Requests whose tier load failed, with the tokens it was to give: vLLM counted them as
         # cached when it scheduled them, and then computed them (or ended the request).
         self.failed_tokens: dict[str, int] = {}
-        # Requests whose prompt is still being computed here, from their allocation (window groups:
-        # their steps' hit boundaries are kept as they pass, `stepped`); what the last step passed.
+        # Requests whose prompt is still being computed here, from their allocation (`track`; window
+        # groups: their steps' hit boundaries are kept as they pass, `stepped`); what the last step passed.
         self._prefilling: dict[str, Request] = {}
         self._written: list[tuple[Request, list[tuple[int, int, int]]]] = []
 
@@ -144,8 +144,6 @@ class TierScheduler:
         """vLLM allocated the request's blocks (`block_ids` per group, its whole table) with
         `num_tier_tokens` of the last lookup's from the tier: order their load. The token the tier's
         hit ends at (tokens from it on are computed, or pulled from P; 0: no hit)."""
-        if self._windows and request.num_computed_tokens < request.num_prompt_tokens:
-            self._prefilling[request.request_id] = request
         start, _ = self._first.pop(request.request_id, (None, 0))
         if num_tier_tokens <= 0 or start is None:
             self.hit_tokens.pop(request.request_id, None)  # (a preempted request's earlier hit is void)
@@ -181,6 +179,12 @@ class TierScheduler:
         if free_after:
             self._orders.free_after.append(request.request_id)
         return True
+
+    def track(self, request: Request) -> None:
+        """vLLM allocated the request's blocks: its steps may pass hit boundaries (`stepped`) until
+        its prompt is computed or it ends."""
+        if self._windows and request.num_computed_tokens < request.num_prompt_tokens:
+            self._prefilling[request.request_id] = request
 
     def prefilling(self, request_id: str) -> bool:
         """The request's prompt is still being computed here (its steps may pass hit boundaries)."""
