@@ -86,6 +86,7 @@ def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(clust
     rng = random.Random(1)
     history = d_holds_history(cluster, rng)
     p_steps = engine_steps(cluster, "prefill-0")
+    stored = ray.get(cluster.decode[0].actor.tier_counts.remote()).stored_blocks
     prompt = history + tokens(MAX_TOKENS - 1, rng)  # 1,279 tokens: D lacks 255 (its last block's and the rest)
     rid, got, usage = run(cluster, prompt)
     assert usage["pd"] == {"p_cached_tokens": 0, "d_cached_tokens": HISTORY, "transferred_tokens": 0,
@@ -95,6 +96,8 @@ def test_a_short_remainder_is_served_by_d_alone_and_equals_a_single_engine(clust
     assert engine_steps(cluster, "prefill-0") == p_steps, "P's engine ran a step for a request D served alone"
     assert got == ray.get(reference.greedy.remote(prompt, 16))
     assert_no_kv_in_use(cluster)
+    # D's host tier keeps the blocks it computed (the prompt's ninth, as its full blocks end there).
+    assert ray.get(cluster.decode[0].actor.tier_counts.remote()).stored_blocks == stored + 1
     rec = load_run(cluster.run_dir).record(rid)
     assert rec.local_prefill and rec.prefill_reason == "short_remainder" and rec.prefill_instance is None
     assert not any(e.startswith("p_") or e.startswith("transfer") for e in rec.events)

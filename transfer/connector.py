@@ -209,12 +209,10 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         load, failed = self._loads.ended(request, handle, self._pending) if handle is not None else (None, 0)
         if self.is_producer:
             return self._finish_prefill(request, block_ids, load, failed)
-        if handle is None:  # D prefilling itself: its tier keeps nothing of it (a pull's KV, it does)
-            if self._tier is not None:
-                self._tier.forget(request.request_id)
-            return False, None
-        return self._keep_in_tier(request, block_ids, free_after=True), \
-            {D_STATS_KEY: load.to_params() if load is not None else None}
+        # D keeps what it prefilled itself in its tier as it keeps what it pulled (as the simulated
+        # engine does); only a request with a handle has a report.
+        keep = self._keep_in_tier(request, block_ids, free_after=True)
+        return keep, ({D_STATS_KEY: load.to_params() if load is not None else None} if handle is not None else None)
 
     def _keep_in_tier(self, request: Request, block_ids: tuple[list[int], ...], free_after: bool) -> bool:
         """A request ended: its prompt blocks go to the instance's tier, if it has one, before vLLM
