@@ -3,9 +3,10 @@
 deploy/lab-p2d2-tiny-cpu.yaml puts prefill-0/1 on host1/host2 and decode-0/1 on host3/host4;
 the router runs on the head. A P reads a prompt's first blocks from the other P's host tier
 across hosts (the pool). Three faults, each followed by its recovery:
-- P's hosts are cut from D's hosts in the middle of a transfer (dropped on the bridge: no FIN,
-  no RST; the router still reaches everyone). The request ends in transfer.on_failure's error
-  within transfer.timeout_s, P's lease frees its blocks, and after the heal requests succeed.
+- P's hosts are cut from D's hosts in the middle of two transfers, one over gRPC and one over
+  torch.distributed (dropped on the bridge: no FIN, no RST; the router still reaches everyone).
+  Each request ends in transfer.on_failure's error within transfer.timeout_s, P's lease frees its
+  blocks, and after the heal requests succeed.
 - decode-1's host is cut off for 10 s under load, less than the lab's partition tolerance: Ray
   keeps its node, nothing restarts, and once the link is back decode-1 serves again.
 - decode-1's host dies (link down, every process in it killed) while it streams. Its requests
@@ -171,39 +172,54 @@ def cut_p_from_d(lab, cut: bool) -> None:
             (lab.partition if cut else lab.heal)(p, d)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab, cluster, transport):
-    with transfer_as(cluster, transport=transport):
-        lab.shape(None, CUT_RATE)
-        try:
-            # Shaped and uncut, the prompt's transfer takes longer than the cut's delay: the cut is mid-way.
-            r, whole_s = post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))
-            assert r.status_code == 200 and r.json()["usage"]["pd"]["transferred_tokens"] == CUT_PROMPT_TOKENS, r.text
-            assert whole_s > CUT_AFTER_S * 2, f"the shaped transfer took only {whole_s:.1f} s"
-            threads, out = in_parallel([lambda: post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))])
-            time.sleep(CUT_AFTER_S)
-            cut_p_from_d(lab, True)
-            threads[0].join()
-            r, took_s = out[0]
-            print(f"{transport}: shaped transfer {whole_s:.1f} s uncut; cut at {CUT_AFTER_S} s, "
-                  f"the request ended at {took_s:.1f} s")
-            assert r.status_code == 502, r.text
+def decodes_in_flight(cluster) -> int:
+    """Requests the router counts on the decode instances, from the pick (the transfer's transport
+    is chosen by then). The router's own metrics: its /metrics page also asks each instance's tier,
+    which waits for P's step to end."""
+    lines = ray.get(cluster.router.own_metrics.remote(), timeout=10).decode().splitlines()
+    return sum(int(float(ln.split()[-1])) for ln in lines
+               if ln.startswith("pdc_in_flight{") and any(f'"{d.name}"' in ln for d in cluster.decode))
+
+
+def test_cut_between_p_and_d_hosts_mid_transfer_ends_in_error_within_timeout(lab, cluster):
+    """One cut catches a transfer over each transport (grpc, torch_dist) mid-way."""
+    lab.shape(None, CUT_RATE)
+    try:
+        for transport in TRANSPORTS:
+            with transfer_as(cluster, transport=transport):
+                # Shaped and uncut, the prompt's transfer takes longer than the cut's delay: the cut is mid-way.
+                r, whole_s = post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))
+                assert r.status_code == 200 and r.json()["usage"]["pd"]["transferred_tokens"] == CUT_PROMPT_TOKENS, r.text
+                assert whole_s > CUT_AFTER_S * 2, f"{transport}: the shaped transfer took only {whole_s:.1f} s"
+        sent = []  # per transport: (its thread, where its (response, seconds) lands)
+        for k, transport in enumerate(TRANSPORTS):  # one request over each, in flight at once
+            with transfer_as(cluster, transport=transport):
+                [thread], out = in_parallel([lambda: post(cluster, fresh_prompt(CUT_PROMPT_TOKENS))])
+                sent.append((thread, out))
+                wait_until(lambda: decodes_in_flight(cluster) > k, 30, interval=0.02, what=f"the {transport} request picked")
+        time.sleep(CUT_AFTER_S)
+        cut_p_from_d(lab, True)
+        for thread, _ in sent:
+            thread.join()
+        for transport, (_, [(r, took_s)]) in zip(TRANSPORTS, sent):
+            print(f"{transport}: cut at {CUT_AFTER_S} s, the request ended at {took_s:.1f} s")
+            assert r.status_code == 502, (transport, r.text)
             error = r.json()["error"]
-            assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], error
+            assert error["type"] == "kv_transfer_error" and "KV transfer" in error["message"], (transport, error)
             # D's wait starts when it gets the request (with P's, in push mode): within timeout_s of it.
             # (Measured: 1.1 s past it; the rest of the margin is CI's load.)
-            assert took_s < TIMEOUT_S + 3.0, f"the cut request took {took_s:.1f} s; transfer.timeout_s is {TIMEOUT_S}"
-            # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
-            assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
-        finally:
-            cut_p_from_d(lab, False)
-            lab.shape(None, None)
-        # Healed: nothing restarted, every request goes through, its KV transferred.
-        threads, out = in_parallel([lambda: post(cluster, fresh_prompt(1000)) for _ in range(4)])
-        for t in threads:
-            t.join()
-        for r, _ in out:
-            assert r.status_code == 200 and r.json()["usage"]["pd"]["transfer_error"] is None, r.text
+            assert took_s < TIMEOUT_S + 3.0, f"{transport}: the cut request took {took_s:.1f} s; timeout_s is {TIMEOUT_S}"
+        # While still cut (D cannot tell P to release), P's lease frees the blocks; D freed its own.
+        assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
+    finally:
+        cut_p_from_d(lab, False)
+        lab.shape(None, None)
+    # Healed: nothing restarted, every request goes through, its KV transferred.
+    threads, out = in_parallel([lambda: post(cluster, fresh_prompt(1000)) for _ in range(4)])
+    for t in threads:
+        t.join()
+    for r, _ in out:
+        assert r.status_code == 200 and r.json()["usage"]["pd"]["transfer_error"] is None, r.text
     assert all(health(cluster).values())
 
 
