@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +25,7 @@ from pdcluster.cluster.vllm_patches import (
 )
 from pdcluster.proto.engine import Engine
 from pdcluster.proto.handle import TransferHandle
-from pdcluster.proto.kv_groups import KvGroup
+from pdcluster.proto.kv_groups import KvGroup, hash_block_size
 from pdcluster.proto.messages import (
     DecodeDelta,
     DecodeRequest,
@@ -292,9 +291,8 @@ class EngineActor(ServesRequestChannel, Engine):
         if self.plan.kv_address is None or not self.spec.role_engine(self.plan.role).host_tier_gib:
             return PoolOffer(req.transfer_id, 0)  # no KV server or no tier: nothing to serve from
         cache = self.llm.vllm_config.cache_config
-        # vLLM hashes a prompt in blocks of its groups' greatest common block size (one group: its own).
         sizes = [g.block_size for g in await self._kv_groups()] or [cache.block_size]
-        hashes = prompt_block_hashes(req.prompt_token_ids, math.gcd(*sizes),
+        hashes = prompt_block_hashes(req.prompt_token_ids, hash_block_size(sizes),
                                      getattr(cache, "prefix_caching_hash_algo", "sha256"))
         covered = await self.llm.collective_rpc("pdc_open_pool", args=(req.transfer_id, hashes))
         return PoolOffer(req.transfer_id, int(covered[0]) if covered else 0)

@@ -12,6 +12,7 @@ too, with `cut_to_windows`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -27,6 +28,24 @@ class KvGroup:
     @property
     def is_window(self) -> bool:
         return self.kind == "sliding_window"
+
+
+def hash_block_size(block_sizes: Iterable[int]) -> int:
+    """Tokens per entry of vLLM's Request.block_hashes for an engine whose groups have these block
+    sizes: their greatest common divisor (one group: its own)."""
+    return math.gcd(*block_sizes)
+
+
+def hit_unit(block_sizes: Iterable[int]) -> int:
+    """The tokens a prefix hit is a whole number of (vLLM's scheduler block size): the groups'
+    least common multiple."""
+    return math.lcm(*block_sizes)
+
+
+def block_hash_index(block: int, block_size: int, hash_size: int) -> int:
+    """Which of Request.block_hashes (of `hash_size` tokens each) names a group's block `block` (of
+    `block_size` tokens): the hash of the prefix the block ends (BlockPool's _get_partial_block_hash)."""
+    return (block + 1) * block_size // hash_size - 1
 
 
 def window_first_block(computed_tokens: int, block_size: int, window: int) -> int:

@@ -1,6 +1,13 @@
 """The hit rule of hybrid models (proto/kv_groups.py), on hand-made holdings."""
 
-from pdcluster.proto.kv_groups import cut_to_windows, window_blocks, window_first_block
+from pdcluster.proto.kv_groups import (
+    block_hash_index,
+    cut_to_windows,
+    hash_block_size,
+    hit_unit,
+    window_blocks,
+    window_first_block,
+)
 
 BS = 4
 
@@ -48,3 +55,11 @@ def test_groups_of_other_block_sizes_are_counted_in_their_own_blocks():
     assert cut_to_windows(2, 0, 16, windows, holder({1: {6, 7, 14}, 2: {0, 1, 2, 3}})) == 1
     # From token 16, two units would end at 48 (blocks 22, 23 not held): one.
     assert cut_to_windows(2, 16, 16, windows, holder({1: {14, 15}, 2: {2, 3}})) == 1
+
+
+def test_vllms_hash_granularity_hit_unit_and_block_names_for_groups_of_several_block_sizes():
+    sizes = (256, 4, 64, 8)  # DeepSeek-V4's
+    assert (hash_block_size(sizes), hit_unit(sizes)) == (4, 256)
+    assert (hash_block_size([128]), hit_unit([128])) == (128, 128)
+    # Block 1 of a 64-token group ends at token 128: the 32nd hash of 4 tokens names it.
+    assert block_hash_index(1, 64, 4) == 31 and block_hash_index(0, 4, 4) == 0

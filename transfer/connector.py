@@ -78,6 +78,7 @@ P_TIER_FAILED_KEY = "pdc_p_tier_failed_tokens"
 # kv_transfer_params key of P's read of a peer's host tier (the pool): its TransferStats.to_params.
 P_POOL_KEY = "pdc_p_pool"
 
+
 class PdcConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -205,6 +206,8 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if self._tables is not None:  # (vLLM < 0.32: the block table rebuilt for P and for a tier)
+            self._tables.forget(request.request_id)
         handle = self._handle_of(request)
         load, failed = self._loads.ended(request, handle, self._pending) if handle is not None else (None, 0)
         if self.is_producer:
@@ -219,8 +222,6 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
         frees them. True: vLLM must wait for the worker to say they are stored."""
         if self._tier is None:
             return False
-        if self._tables is not None and not self.is_producer:
-            self._tables.forget(request.request_id)
         if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return self._tier.finished(request, block_ids, time.monotonic(), free_after=free_after)
         self._tier.forget(request.request_id)  # aborted: its KV may be partial (steps, or a pull, in flight)
@@ -244,8 +245,6 @@ class PdcConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _end_source(self, request: Request) -> bool:
         """True: vLLM keeps the request's blocks until the worker says D is done with them."""
-        if self._tables is not None:
-            self._tables.forget(request.request_id)
         entry = self._producing.pop(request.request_id, None)
         if entry is None:
             return False

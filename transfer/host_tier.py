@@ -20,7 +20,6 @@ evicts; the KV server's threads read: every access to the blocks is under one lo
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import Counter
@@ -29,7 +28,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdcluster.proto.kv_groups import KvGroup, cut_to_windows, window_blocks
+from pdcluster.proto.kv_groups import (
+    KvGroup,
+    block_hash_index,
+    cut_to_windows,
+    hash_block_size,
+    hit_unit,
+    window_blocks,
+)
 from pdcluster.proto.messages import TierCounts
 from pdcluster.transfer.paged_kv import PagedKv
 from pdcluster.transfer.tier_book import BlockKey
@@ -122,12 +128,12 @@ class HostTier:
         group's only those of its window before the run's end (proto/kv_groups.py); a hit is whole
         units of the groups' least common block size, as vLLM's scheduler counts one."""
         sizes = {g: groups[g].block_size for g in self._layers}
-        hash_size, unit = math.gcd(*sizes.values()), math.lcm(*sizes.values())
+        hash_size, unit = hash_block_size(sizes.values()), hit_unit(sizes.values())
         windows = [(g, groups[g].window, sizes[g]) for g in self._layers if groups[g].is_window]
         full = [g for g in self._layers if g not in {w[0] for w in windows}]
 
         def key(g: int, i: int) -> BlockKey:  # group g's block i: named by the hash of the prefix it ends
-            return g, hashes[(i + 1) * sizes[g] // hash_size - 1]
+            return g, hashes[block_hash_index(i, sizes[g], hash_size)]
 
         with self._lock:
             def held(g: int, i: int) -> bool:

@@ -29,14 +29,13 @@ of their least common multiple (the scheduler's block size); the tier does the s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdcluster.proto.handle import MAX_RETENTION_S, RETAIN_KEY
 from pdcluster.proto.kv_event_wire import HOST_MEDIUM, BlockRemoved, BlockStored
-from pdcluster.proto.kv_groups import cut_to_windows, window_blocks
+from pdcluster.proto.kv_groups import block_hash_index, cut_to_windows, hash_block_size, hit_unit, window_blocks
 from pdcluster.transfer.groups import GroupInfo
 from pdcluster.transfer.paged_kv import block_runs
 from pdcluster.transfer.plan import NULL_BLOCK_ID
@@ -82,8 +81,8 @@ class TierScheduler:
                 f"a host KV tier keeps full-attention, compressed and sliding-window groups; this model has "
                 f"{', '.join(f'group {g.index}: {g.name}' for g in odd)}: set host_tier_gib only for such models")
         sizes = [g.block_size for g in groups]
-        self.block_size = math.lcm(*sizes)  # a hit is whole units of this many tokens (vLLM's scheduler block size)
-        self.hash_block_size = math.gcd(*sizes)  # tokens per entry of Request.block_hashes
+        self.block_size = hit_unit(sizes)  # a hit is whole units of this many tokens (vLLM's scheduler block size)
+        self.hash_block_size = hash_block_size(sizes)  # tokens per entry of Request.block_hashes
         self._sizes = {g.index: g.block_size for g in groups}
         self._groups = tuple(g.index for g in groups)
         self._full = tuple(g.index for g in groups if g.kind != "sliding_window")
@@ -107,7 +106,7 @@ class TierScheduler:
 
     def _key(self, hashes: Sequence[bytes], group: int, i: int) -> bytes:
         """Group `group`'s block `i`: the hash of the prompt up to its end (vLLM's name for it)."""
-        return hashes[(i + 1) * self._sizes[group] // self.hash_block_size - 1]
+        return hashes[block_hash_index(i, self._sizes[group], self.hash_block_size)]
 
     def _keys(self, hashes: Sequence[bytes], group: int, blocks: range) -> list[bytes]:
         return [self._key(hashes, group, i) for i in blocks]
