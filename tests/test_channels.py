@@ -3,6 +3,9 @@ per P, P's host of the channels D's opened, against a real KV service in this pr
 
 from __future__ import annotations
 
+import time
+from concurrent import futures
+
 import pytest
 import torch
 from e2e import wait_until
@@ -78,5 +81,27 @@ def test_a_restarted_d_opens_on_its_first_try_and_p_frees_the_old_d_s_channel():
         assert_pair_carries(server._channels.get(second.name), second, 3)
         old_d.close()
         new_d.close()
+    finally:
+        server.stop()
+
+
+def test_an_open_gives_up_at_its_transfers_deadline():
+    """P took the open but never joins the rendezvous (e.g. the link was cut right after): D's
+    wait ends at the transfer's deadline, not the channel timeout's later."""
+    server = kv_service(10.0)
+
+    class NeverOpens:
+        def submit(self, *args, **kwargs):
+            return futures.Future()
+
+        def shutdown(self, **kwargs):
+            pass
+    server._channels._pool = NeverOpens()
+    try:
+        _, stub = kv_stub(server.address, GrpcAuth(SECRET), SERVER)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError, match="P did not complete the rendezvous within 0.[0-9] s"):
+            ChannelPool("d-test", 10.0, KEY).get(server.address, stub, t0 + 0.8)
+        assert time.monotonic() - t0 < 3.0
     finally:
         server.stop()

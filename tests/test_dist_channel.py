@@ -248,6 +248,18 @@ def test_close_abandons_a_pending_wait(peer):
     p.proc.kill()
 
 
+def test_a_wait_gives_up_at_its_transfers_deadline(peer):
+    """A transfer's deadline sooner than the channel's timeout bounds each of its waits."""
+    p, ch, first = peer("silent", timeout_s=10.0)
+    pending = ch.recv_async(torch.empty(16), first + 1)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match=rf"recv of tag {first + 1} .* timed out after 0\.\d s"):
+        pending.wait(until=t0 + 0.3)
+    assert time.monotonic() - t0 < 2.0 and "timed out" in ch.unusable
+    ch.close()
+    p.proc.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -20,6 +20,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -119,9 +120,14 @@ class ChannelPool:
         self._nonce = secrets.token_hex(6)
         self._opens = itertools.count()
 
-    def get(self, address: str, stub) -> TensorChannel:
-        """`stub`: an authenticated KvTransfer stub of the P at `address`."""
-        with self._lock:
+    def get(self, address: str, stub, deadline: float | None = None) -> TensorChannel:
+        """`stub`: an authenticated KvTransfer stub of the P at `address`; `deadline`
+        (time.monotonic) bounds the wait for another open and this one's (default: timeout_s)."""
+        deadline = time.monotonic() + self._timeout_s if deadline is None else deadline
+        # Opening under the lock: concurrent first transfers to one P wait for a single rendezvous.
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ChannelError(f"P at {address}: another data channel's open outlasted this transfer's time")
+        try:
             ch = self._channels.get(address)
             if ch is not None and (why := ch.unusable) is not None:
                 # E.g. its liveness connection timed out while the link to P was cut: a new pair.
@@ -132,17 +138,19 @@ class ChannelPool:
             if ch is not None:
                 return ch
             name = f"{address}/{self._engine_id}/{self._nonce}-{next(self._opens)}"
-            # Opening under the lock: concurrent first transfers to one P wait for a single rendezvous.
+            left = lambda: max(0.01, deadline - time.monotonic())  # noqa: E731
             try:
-                reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=self._timeout_s)
+                reply = stub.OpenChannel(pb.OpenChannelRequest(name=name), timeout=left())
             except grpc.RpcError as err:
                 why = REFUSED_HINT if is_refusal(err) else err.details()
                 raise ChannelError(f"P at {address} did not open channel {name!r}: {err.code().name}: {why}") from None
-            ch = open_channel("d", RemoteStore(stub, name, self._timeout_s), reply.backend, self._timeout_s, name,
-                              local_address_towards(address), self._auth_key)
+            ch = open_channel("d", RemoteStore(stub, name, left()), reply.backend, self._timeout_s, name,
+                              local_address_towards(address), self._auth_key, open_within=left())
             self._channels[address] = ch
             log.info("opened %s data channel %s", reply.backend, name)
             return ch
+        finally:
+            self._lock.release()
 
     def drop(self, address: str, ch: TensorChannel) -> None:
         with self._lock:

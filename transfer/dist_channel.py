@@ -113,22 +113,24 @@ def _make_backend(backend: str, store: dist.Store, rank: int, timeout: datetime.
 
 
 def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, name: str, local_host: str,
-                 auth_key: bytes) -> TensorChannel:
+                 auth_key: bytes, open_within: float | None = None) -> TensorChannel:
     """Open P's or D's end of the pair channel `name`; returns once both ends are connected.
 
     `store`: the channel's rendezvous store (transfer/channel_store.py: P's LocalStore, D's
     RemoteStore through P's KV service); `local_host`: the address this end's sockets bind
     and the peer dials (P's advertised address; D's address towards P); `auth_key`: the
     cluster's key for the liveness connection (`channel_liveness_key`). The whole open is
-    bounded by timeout_s; an absent peer raises ChannelError. Use a fresh name for every
-    open of a pair (e.g. "<p id>-<d id>-<generation>").
+    bounded by `open_within` (default timeout_s, each later send's and receive's bound); an
+    absent peer raises ChannelError. Use a fresh name for every open of a pair (e.g.
+    "<p id>-<d id>-<generation>").
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown channel backend {backend!r}; one of {BACKENDS}")
     rank = ROLES[role]
-    deadline = time.monotonic() + timeout_s
+    open_within = timeout_s if open_within is None else open_within
+    deadline = time.monotonic() + open_within
     where = f"channel {name!r} ({backend}) as {role.upper()} on {local_host}"
     try:
         store.set_timeout(_td(deadline - time.monotonic()))
@@ -137,7 +139,7 @@ def open_channel(role: str, store: dist.Store, backend: str, timeout_s: float, n
         alive = _liveness_pair(rank, store, f"pdc-channel-alive/{name}", local_host, deadline, auth_key)
     except Exception as err:  # c10d: DistStoreError, DistNetworkError, RuntimeError; store; socket: OSError
         peer = "D never joined" if rank == 0 else "P did not complete the rendezvous"
-        raise ChannelError(f"{where}: {peer} within {timeout_s:.1f} s: {err}") from err
+        raise ChannelError(f"{where}: {peer} within {open_within:.1f} s: {err}") from err
     return TensorChannel(pg, rank, backend, timeout_s, name, store, alive)
 
 
@@ -179,18 +181,22 @@ class Pending:
         self._keep = (*self._keep, keep)
         return self
 
-    def wait(self) -> None:
+    def wait(self, until: float | None = None) -> None:
+        """`until` (time.monotonic): give up there if sooner than the channel's timeout (a
+        transfer's own deadline); the channel is then broken, as after a timeout."""
         if self._done:
             return
         ch = self._channel
         deadline = self._posted + ch.timeout_s + 0.25  # the backend's own timeout error, if it comes first
+        if until is not None:
+            deadline = min(deadline, until)
         while not self._event.wait(0.02):
             if ch._closed:
                 raise ChannelError(f"channel {ch.name!r}: {self._what} abandoned: the channel was closed")
             if ch._gone is not None:
                 raise ch._failed(f"{self._what} failed: {ch._gone}")
             if time.monotonic() > deadline:
-                raise ch._failed(f"{self._what} timed out after {ch.timeout_s:.1f} s")
+                raise ch._failed(f"{self._what} timed out after {time.monotonic() - self._posted:.1f} s")
         if self._error is not None:
             elapsed = time.monotonic() - self._posted
             raise ch._failed(f"{self._what} failed after {elapsed:.2f} s: {self._error}") from self._error

@@ -244,7 +244,7 @@ class KvFetcher:
         for attempt in (1, 2):
             channel = None
             if job.handle.transport == "torch_dist":
-                channel = self._channels.get(job.handle.address, stub)
+                channel = self._channels.get(job.handle.address, stub, deadline)
                 request.channel = channel.name
                 # P tags its k-th chunk first_tag + k; a chunk holds at least one block.
                 request.first_tag = channel.allocate_tags(sum(expected.values()))
@@ -311,12 +311,12 @@ class KvFetcher:
                 self._kv.write(chunk.layer, local, data)
             else:
                 if len(in_flight) >= SEND_WINDOW:
-                    in_flight.popleft().wait()
+                    in_flight.popleft().wait(deadline)
                 in_flight.append(self._post_recv(channel, chunk.layer, local, chunk.tag))
             received[chunk.layer] |= indices
             bytes_per_group[chunk.group] += chunk.count * self._kv.layers[chunk.layer].block_bytes
         while in_flight:
-            in_flight.popleft().wait()
+            in_flight.popleft().wait(deadline)
         if any(len(received[k]) != v for k, v in expected.items()):
             short = {k: (len(received[k]), v) for k, v in expected.items() if len(received[k]) != v}
             raise TransferError(f"incomplete transfer, (received, expected) blocks per layer: {short}")
