@@ -57,10 +57,11 @@ class LoadCounts(Generic[I]):
             yield
         self._finished(route.prefill.name, route)
 
-    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
-        """What a P's engine took for a prefill (`tier_tokens` of its hit loaded from its host tier):
-        the cost model learns from it."""
-        self.cost.observe(cached_tokens, prompt_tokens, seconds, tier_tokens)
+    def prefilled(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,
+                  pool_tokens: int = 0) -> None:
+        """What a P's engine took for a prefill (`tier_tokens` of its hit loaded from its host tier,
+        `pool_tokens` read from a peer's): the cost model learns from it."""
+        self.cost.observe(cached_tokens, prompt_tokens, seconds, tier_tokens, pool_tokens)
 
     @contextlib.contextmanager
     def prefilling_locally(self, route: Route[I]) -> Iterator[None]:

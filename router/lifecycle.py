@@ -16,8 +16,10 @@ The sequence (docs/architecture.md walks it with the functions that do it):
                         ... with pool: OpenPool                          a P's tier offers the prefix
                         push:          Decode(the handle), Prefill       D asks P while P computes
                         pull:          Prefill                           D after P's answer
-    pool_opened    -> Decode(the pool's handle, or none if it offered nothing); pool_failed: Decode(none)
-                        (router/lifecycle_pool.py)
+                        ... with pool: OpenPool                          a peer P's tier offers it to P
+    pool_opened    -> D's read: Decode(the pool's handle, or none if it offered nothing);
+                      P's read: (push) Decode(the handle), Prefill(the pool's handle, or none)
+                      pool_failed: the same without the pool's handle (router/lifecycle_pool.py)
     prefill_answered -> (pull) Decode(the handle); (push) nothing, or D's deferred last chunk
     decode_output    -> Emit(chunk) ...; the last: Emit, Abort, Finished;
                         D's pool read failed before a token: Abort, Routed (no pool), ...
@@ -118,7 +120,8 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         engine = result.engine
         if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
             self.dispatch.picker.prefilled(result.p_cached_tokens, len(a.prompt),
-                                           (engine.first_token_ns - engine.scheduled_ns) / 1e9, result.p_tier_tokens)
+                                           (engine.first_token_ns - engine.scheduled_ns) / 1e9, result.p_tier_tokens,
+                                           result.p_pool_tokens)
         if a.first:
             record_prefill(self.rec, result, self.dispatch.clock_of(a.route.prefill.name))
         if a.deferred is not None:  # push: D had finished first
@@ -248,20 +251,27 @@ class Lifecycle(PoolSteps[I], Generic[I]):
             return out + self._send_decode(a, None)
         # P's load counts from the pick: a request right behind this one must see it.
         a.p_slot.enter_context(picker.prefilling(route, len(prompt)))
-        prefill = PrefillRequest(engine_rid, prompt, sampling, transfer_id=engine_rid)
-        # The transfer's handle, named here once: where P's KV will be, under the transfer's name,
-        # over the transport the router chose. A P without a KV server (another connector's, such
-        # as vLLM's NIXL) names its own in its answer (`connector_params`).
+        # The transfer's handle, named here once: where P's KV will be, under the transfer's name
+        # (the engine request's id), over the transport the router chose. A P without a KV server
+        # (another connector's, such as vLLM's NIXL) names its own in its answer (`connector_params`).
         if getattr(p, "kv_address", None):
-            a.handle = TransferHandle(p.engine_id, p.kv_address, prefill.transfer_id, len(prompt),
-                                      self.dispatch.transport)
+            a.handle = TransferHandle(p.engine_id, p.kv_address, engine_rid, len(prompt), self.dispatch.transport)
+        if route.pool is not None:  # P reads the prompt's first blocks from a peer's tier: its offer first
+            a.pool_waiting = True
+            return out + [OpenPool(a.number, route.pool, PoolRequest(engine_rid, prompt))]
+        return out + self._send_prefill(a, None)
+
+    def _send_prefill(self, a: Attempt[I], pool: TransferHandle | None) -> list[Command]:
+        """P's prefill (`pool`: the peer's offer P reads first), and D's request with it in push mode."""
+        out: list[Command] = []
         if a.push:
             # D first: D allocates its blocks and asks P for them while P computes them. D's
             # tokens need not wait for P's answer: once D has every layer's KV, P's last layer's
             # MLP, sampling and reply are no business of D's.
             out += self._send_decode(a, a.handle)
         a.p_waiting = True
-        return out + [Prefill(a.number, p, prefill)]
+        return out + [Prefill(a.number, a.route.prefill,
+                              PrefillRequest(a.engine_rid, a.prompt, a.sampling, transfer_id=a.engine_rid, pool=pool))]
 
     def _send_decode(self, a: Attempt[I], handle: TransferHandle | None,
                      connector_params: dict | None = None) -> list[Command]:
@@ -301,7 +311,7 @@ class Lifecycle(PoolSteps[I], Generic[I]):
                                            f"transfer from {route.prefill.name} failed or D aborted the request{why}", 502, "kv_transfer_error"))
         p_cached, moves = a.pre.p_cached_tokens if a.pre else 0, len(self.rec.migrations)
         if delta.finish_reason is not None:
-            pd = pd_final(route, p_cached, delta, moves)
+            pd = pd_final(route, p_cached, delta, moves, a.pre.p_pool_tokens if a.pre else 0)
         else:  # one report per attempt and P answer, shared by its chunks: no cost per token
             if a.so_far is None or a.so_far.p_cached_tokens != p_cached:
                 a.so_far = pd_so_far(route, p_cached, moves)

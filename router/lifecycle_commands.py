@@ -105,15 +105,15 @@ def pd_so_far(route: Route, p_cached_tokens: int, migrations: int) -> PdUsage:
                    local_prefill=route.local_prefill, migrations=migrations)
 
 
-def pd_final(route: Route, p_cached_tokens: int, last: DecodeDelta, migrations: int) -> PdUsage:
-    """The whole report, from D's last output and its transfer report."""
+def pd_final(route: Route, p_cached_tokens: int, last: DecodeDelta, migrations: int, p_pool_tokens: int = 0) -> PdUsage:
+    """The whole report, from D's last output and its transfer report (and P's pool read's tokens)."""
     t = last.transfer
     return PdUsage(
         p_cached_tokens=p_cached_tokens,
         # D prefilled it: D's own hit is all it had (the engine's count).
         d_cached_tokens=t.d_cached_tokens if t else (last.num_cached_tokens if route.local_prefill else 0),
         transferred_tokens=t.transferred_tokens if t else 0, transfer_error=t.error if t else None,
-        # D prefilled it reading a P's tier: what it read is the pool's.
-        pool_tokens=t.transferred_tokens if route.local_prefill and t and t.error is None else 0,
+        # D prefilled it reading a P's tier: what it read is the pool's; else what P read of a peer's.
+        pool_tokens=(t.transferred_tokens if t and t.error is None else 0) if route.local_prefill else p_pool_tokens,
         prefill_instance=route.decode.name if route.local_prefill else route.prefill.name,
         local_prefill=route.local_prefill, migrations=migrations)

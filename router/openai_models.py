@@ -155,7 +155,7 @@ class PdUsage(BaseModel):
     transfer_error: str | None = None  # set when the KV pull failed and D recomputed the prompt
     prefill_instance: str | None = None  # the instance that prefilled the prompt: a P, or the D itself
     local_prefill: bool = False  # D prefilled it itself: no P computed it
-    pool_tokens: int = 0  # D prefilled it reading these prompt tokens from a P's host tier (the pool)
+    pool_tokens: int = 0  # its prefiller (D, or P) read these prompt tokens from a P's host tier (the pool)
     # Moves off a lost instance; after one, the cache counts are the last attempt's (its prompt
     # is the original one plus the tokens already sent).
     migrations: int = 0

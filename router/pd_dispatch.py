@@ -74,7 +74,8 @@ class PDDispatcher(TokenBackend):
                  policy: Policy = "round_robin", block_size: int = 128, lookup: PrefixLookup | None = None,
                  channels: dict[str, EngineChannel] | None = None, pending: PendingBlocks | None = None,
                  cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None,
-                 admission: AdmissionLimits | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT):
+                 admission: AdmissionLimits | None = None, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 p_pool: bool = False):
         assert prefill and decode, "a P/D cluster needs at least one P and one D instance"
         assert transfer_mode == "pull" or all(p.kv_address for p in prefill), (
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
@@ -84,7 +85,7 @@ class PDDispatcher(TokenBackend):
         # Only instances whose channel is up get new requests: a dead host's are skipped from
         # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
         self.picker = InstancePicker(policy, prefill, decode, block_size, lookup, is_up=self._channel_up,
-                                     pending=pending, cost=cost, local=local)
+                                     pending=pending, cost=cost, local=local, p_pool=p_pool)
         # The lifecycle's shared part (router/lifecycle.py): transfer settings, admission
         # (None: every request is taken in), moves per request off lost instances.
         self.core = Dispatch(self.picker, transfer_mode, transport, request_timeout_s, migration_limit, admission,

@@ -18,7 +18,9 @@ unit-tested without engines; router/routing.py feeds them.
   two cold-minus-warm prefills (it arrives faster than one P prefills it).
   Time, not tokens: a warm remainder over a long history costs its attention
   over that history, far more than its share of tokens. vllm-router's `cache_aware` weighs hit ratio against
-  load the same way, with a threshold instead of one cost. On a tie (a prefix no P
+  load the same way, with a threshold instead of one cost. With router.p_pool, what a
+  P holds may be a run it would read from a peer's host tier (PrefillView.pool_from);
+  of equal costs, the P holding the prefix itself wins. On a tie (a prefix no P
   holds, idle instances) the P with fewer requests wins, then the next in
   turn, so new prefix families spread over the instances instead of piling
   onto the first. (Not the P holding the fewest blocks: vLLM publishes a
@@ -46,6 +48,11 @@ class PrefillView:
     queued_s: float = 0.0  # their predicted prefill time (router/prefill_cost.py)
     prefill_s: float = 0.0  # this request's predicted prefill time on it (its hit there considered)
     tier_tokens: int = 0  # of matched_tokens, those in its host KV tier (loaded, not computed)
+    # It reads the prompt's first `pool_tokens` from this peer P's host tier (router.p_pool), of
+    # which `pool_read_tokens` past what it holds itself; matched_tokens is then that run. None: no read.
+    pool_from: str | None = None
+    pool_tokens: int = 0
+    pool_read_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,9 @@ def pick_prefill(policy: Policy, candidates: Sequence[PrefillView], turn: int) -
     if policy == "least_load":
         return min(candidates, key=lambda c: (c.queued_tokens, c.queued_requests, _rotated(candidates, c, turn)))
     if policy == "prefix_aware":
-        return min(candidates, key=lambda c: (2 * c.prefill_s + c.queued_s,
-                                              -c.matched_tokens, c.queued_requests, _rotated(candidates, c, turn)))
+        return min(candidates, key=lambda c: (2 * c.prefill_s + c.queued_s, -c.matched_tokens,
+                                              c.pool_from is not None,  # of equals, the one that holds it
+                                              c.queued_requests, _rotated(candidates, c, turn)))
     raise ValueError(f"unknown routing policy {policy!r}; one of {', '.join(POLICIES)}")
 
 

@@ -16,7 +16,9 @@ work; docs/sim.md: 1.09 s vs 8.43 s on the DeepSeek-V4 parameters).
   Of the cached tokens, those a host KV tier gives are not free: P loads them (docs/kv_tiers.md).
   A third coefficient prices each, `c * tier`, fitted to what the prefills with a tier hit took
   beyond what the first two terms say (a, b are fitted to the others alone): on a GPU, the PCIe
-  copy of their blocks; on a CPU engine, a copy within host memory.
+  copy of their blocks; on a CPU engine, a copy within host memory. Those P reads from a peer P's
+  tier (the pool, `router.p_pool`) cross the network: a fourth, `d * pool`, fitted the same way
+  to the prefills with a pool read (beyond a, b and c); until one is seen, priced as a tier token.
 """
 
 from __future__ import annotations
@@ -32,15 +34,17 @@ _WINDOW = 256  # prefills kept for the fit: recent enough to follow the engine, 
 
 
 class PrefillCost(Protocol):
-    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0) -> float:
+    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0, pool_tokens: int = 0) -> float:
         """Predicted time P takes to prefill a prompt of which `cached_tokens` are in its cache,
-        `tier_tokens` of them in its host KV tier (loaded, not computed)."""
+        `tier_tokens` of them in its host KV tier and `pool_tokens` in a peer P's (loaded, not
+        computed)."""
 
-    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,
+                pool_tokens: int = 0) -> None:
         """A prefill P finished, as its engine timed it (a model that learns nothing ignores it)."""
 
     def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float,
-                tier_tokens: int = 0) -> float:
+                tier_tokens: int = 0, pool_tokens: int = 0) -> float:
         """Predicted time from P's first step of the prompt to its last, behind `queued_tokens`
         to compute (predicted at `queued_s`) that P took in before it."""
 
@@ -57,19 +61,20 @@ class ModelledCost:
     # (cached, prompt) -> seconds: a pick asks it of every P, mostly for the same few shapes
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
-    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0) -> float:
-        # The simulated engine models no tier (docs/kv_tiers.md): its tier tokens are not asked of it.
+    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0, pool_tokens: int = 0) -> float:
+        # The simulated engine's tier loads are not in this model (docs/kv_tiers.md), nor a pool.
         key = (cached_tokens, prompt_tokens)
         if key not in self._memo:
             new = prompt_tokens - min(cached_tokens, prompt_tokens)
             self._memo[key] = self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
         return self._memo[key]
 
-    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,
+                pool_tokens: int = 0) -> None:
         pass
 
     def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float,
-                tier_tokens: int = 0) -> float:
+                tier_tokens: int = 0, pool_tokens: int = 0) -> float:
         new = prompt_tokens - min(cached_tokens, prompt_tokens)
         return shared_steps_s(queued_tokens, queued_s, new, self.seconds(cached_tokens, prompt_tokens), self.budget)
 
@@ -100,7 +105,9 @@ class FittedCost:
         self._seen: deque[tuple[float, float, float]] = deque(maxlen=window)
         # (new tokens, attention pairs, tier tokens, seconds) of those with a host-tier hit.
         self._tier_seen: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._fitted = (_PRIOR_S_PER_TOKEN, 0.0, 0.0)  # (a, b, c), as of the last fit
+        # (new tokens, attention pairs, tier tokens, pool tokens, seconds) of those with a pool read.
+        self._pool_seen: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
+        self._fitted = (_PRIOR_S_PER_TOKEN, 0.0, 0.0, 0.0)  # (a, b, c, d), as of the last fit
         self._stale = False  # observations since the last fit
 
     @property
@@ -115,31 +122,42 @@ class FittedCost:
     def per_tier_token_s(self) -> float:
         return self._coefficients()[2]
 
-    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0) -> float:
-        a, b, c = self._coefficients()
+    @property
+    def per_pool_token_s(self) -> float:
+        return self._coefficients()[3]
+
+    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0, pool_tokens: int = 0) -> float:
+        a, b, c, d = self._coefficients()
         new, pairs = _features(cached_tokens, prompt_tokens)
-        return a * new + b * pairs + c * tier_tokens
+        return a * new + b * pairs + c * tier_tokens + d * pool_tokens
 
     def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float,
-                tier_tokens: int = 0) -> float:
-        return self.seconds(cached_tokens, prompt_tokens, tier_tokens)  # fitted to such times: any sharing is in it
+                tier_tokens: int = 0, pool_tokens: int = 0) -> float:
+        return self.seconds(cached_tokens, prompt_tokens, tier_tokens, pool_tokens)  # fitted to such times: any sharing is in it
 
-    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,
+                pool_tokens: int = 0) -> None:
         new, pairs = _features(cached_tokens, prompt_tokens)
         if new > 0 and seconds > 0:  # a full hit computes nothing: it says nothing of the cost
-            if tier_tokens > 0:
+            if pool_tokens > 0:
+                self._pool_seen.append((new, pairs, float(tier_tokens), float(pool_tokens), seconds))
+            elif tier_tokens > 0:
                 self._tier_seen.append((new, pairs, float(tier_tokens), seconds))
             else:
                 self._seen.append((new, pairs, seconds))
             self._stale = True
 
-    def _coefficients(self) -> tuple[float, float, float]:
+    def _coefficients(self) -> tuple[float, float, float, float]:
         if self._stale:  # fitted when asked, not per observation: picks are rarer than reports
             a, b = _nonnegative_fit(self._seen) if self._seen else self._fitted[:2]
             # Least squares of what the tier hits took beyond the first two terms, per tier token.
             zz = sum(z * z for _, _, z, _ in self._tier_seen)
             zr = sum(z * (t - a * x - b * y) for x, y, z, t in self._tier_seen)
-            self._fitted, self._stale = (a, b, max(zr / zz, 0.0) if zz else 0.0), False
+            c = max(zr / zz, 0.0) if zz else 0.0
+            # ... and the pool reads beyond the first three, per pool token; a tier token's until seen.
+            ww = sum(w * w for *_, w, _ in self._pool_seen)
+            wr = sum(w * (t - a * x - b * y - c * z) for x, y, z, w, t in self._pool_seen)
+            self._fitted, self._stale = (a, b, c, max(wr / ww, 0.0) if ww else c), False
         return self._fitted
 
 

@@ -57,6 +57,10 @@ def forget_attempt(rec: RequestRecord) -> None:
 
 def record_prefill(rec: RequestRecord, pre: PrefillResult, clock: ClockOffset) -> None:
     rec.p_cached_tokens, rec.p_tier_tokens = pre.p_cached_tokens, pre.p_tier_tokens
+    if pre.p_pool is not None:  # P read a peer's tier first (the route's pool)
+        rec.pool_tokens = pre.p_pool_tokens
+        if pre.p_pool.error:
+            rec.pool_error = f"P's read from {rec.pool_instance}'s tier failed (P computed it): {pre.p_pool.error}"
     _mark(rec, "p_queued", pre.engine.queued_ns, clock)
     _mark(rec, "p_scheduled", pre.engine.scheduled_ns, clock)
     if pre.p_tier_load_ns and pre.engine.scheduled_ns:  # the load opens the first step that runs it
@@ -77,7 +81,8 @@ def record_decode_end(rec: RequestRecord, last: DecodeDelta, clock: ClockOffset,
     if t is not None:
         rec.d_cached_tokens, rec.transferred_tokens = t.d_cached_tokens, t.transferred_tokens
         rec.d_tier_tokens = t.d_tier_tokens
-        rec.pool_tokens = t.transferred_tokens if pooled and t.error is None else 0
+        if rec.local_prefill:  # D's read of a P's tier (P's own read came with P's answer)
+            rec.pool_tokens = t.transferred_tokens if pooled and t.error is None else 0
         names = t.group_names if len(t.group_names) == len(t.blocks_per_group) else ("",) * len(t.blocks_per_group)
         rec.transfer_groups = [GroupTransfer(g, blocks, nbytes, name) for g, (blocks, nbytes, name)
                                in enumerate(zip(t.blocks_per_group, t.bytes_per_group, names))]

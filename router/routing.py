@@ -29,6 +29,7 @@ visible per request and in the metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -95,8 +96,10 @@ class Route(Generic[I]):
     # Of each side's predicted hit, the tokens in its host KV tier (loaded, not computed).
     predicted_p_tier_tokens: int | None = None
     predicted_d_tier_tokens: int | None = None
-    # D prefills it reading the first `local.pool_tokens` from this P's host tier (the pool); None: not.
+    # Who prefills it (D for a local prefill, else P) reads the prompt's first `pool_tokens` from
+    # this P's host tier first (the pool, docs/kv_tiers.md); None: no pool read.
     pool: I | None = None
+    p_pool_tokens: int = 0  # P's pool read (the run's end); a local prefill's is `local.pool_tokens`
 
     @property
     def local_prefill(self) -> bool:
@@ -104,7 +107,9 @@ class Route(Generic[I]):
 
     @property
     def pool_tokens(self) -> int:
-        return self.local.pool_tokens if self.pool is not None else 0
+        if self.pool is None:
+            return 0
+        return self.local.pool_tokens if self.local_prefill else self.p_pool_tokens
 
 
 class NoInstanceUp(Exception):
@@ -118,11 +123,12 @@ class InstancePicker(LoadCounts[I], Generic[I]):
     def __init__(self, policy: Policy, prefill: Sequence[I], decode: Sequence[I], block_size: int,
                  lookup: PrefixLookup | None = None, is_up: Callable[[str], bool] | None = None,
                  pending: PendingBlocks | None = None, clock: Callable[[], float] = time.monotonic,
-                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None):
+                 cost: PrefillCost | None = None, local: LocalPrefillSpec | None = None, p_pool: bool = False):
         """`pending`: the blocks of routed requests count as held from the moment they are
         routed (router/pending_blocks.py); None: only what the lookup says. `cost`: P's prefill
         time (router/prefill_cost.py); by default fitted from the prefills P reports. `local`:
-        when D prefills a request itself (router/local_prefill.py); None: never."""
+        when D prefills a request itself (router/local_prefill.py); None: never. `p_pool`: a P
+        may read the prompt's first blocks from a peer P's host tier (spec router.p_pool)."""
         assert policy != "prefix_aware" or lookup is not None, (
             "prefix_aware routing needs a prefix lookup (the KV-event feed)")
         assert pending is None or lookup is not None, "pending blocks extend a prefix lookup: give one"
@@ -137,6 +143,7 @@ class InstancePicker(LoadCounts[I], Generic[I]):
         self._clock = clock
         self.cost = cost if cost is not None else FittedCost()
         self.local = local if local is not None and local.policy != "never" else None
+        self.p_pool = p_pool and lookup is not None
         # No disaggregation: every request on D (there may be no P at all).
         self.colocated = self.local is not None and self.local.policy == "always"
         self._turn = itertools.count()
@@ -193,24 +200,29 @@ class InstancePicker(LoadCounts[I], Generic[I]):
             # D takes a request in as it arrives (in push mode, with P's), long before blocks another
             # request is still receiving are there: only what D's events confirmed is a hit on D.
             matched_d, _, tier_d = self._matched(decode, hashes, None)
-        p_views = self._prefill_views(prefill, matched_p, n, tier_p)
+        d_pool = self.local is not None and self.local.pool and pool
+        runs = self._tier_runs(prefill, hashes) if self.p_pool or d_pool else {}
+        p_views = self._prefill_views(prefill, matched_p, n, tier_p, runs if self.p_pool else None)
         d_views = self._decode_views(decode, matched_d)
-        p_name = pick_prefill(self.policy, p_views, turn).name
+        p_view = pick_prefill(self.policy, p_views, turn)
+        p_name = p_view.name
         d_name = pick_decode(self.policy, d_views, turn).name
         p = next(i for i in prefill if i.name == p_name)
         d = next(i for i in decode if i.name == d_name)
-        local = holder = None
+        local = None
         if self.local is not None:
-            holder, pool_tokens = self._pool(prefill, hashes, p_name) if pool and self.local.pool else (None, 0)
+            d_holder, d_run = self._pool(prefill, runs, p_name) if d_pool else (None, 0)
             local = decide(self.local, LocalView(n, matched_d[d_name], self.lookup.stale(d_name),
-                                                 self._load[d_name].local, self._load[p_name].seconds, pool_tokens))
-        p_view = next(v for v in p_views if v.name == p_name)
+                                                 self._load[d_name].local, self._load[p_name].seconds, d_run))
+        if local is not None and local.local:  # D prefills: it may read a P's tier first
+            holder, p_run = (d_holder if local.pool_tokens else None), 0
+        else:  # P prefills: it may read a peer's tier first
+            holder, p_run = next((i for i in prefill if i.name == p_view.pool_from), None), p_view.pool_tokens
         taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
-                                    p_view.tier_tokens)
-        route = Route(p, d, matched_p[p_name] if matched_p else None, matched_d[d_name] if matched_d else None,
+                                    p_view.tier_tokens, p_view.pool_read_tokens)
+        route = Route(p, d, p_view.matched_tokens if matched_p else None, matched_d[d_name] if matched_d else None,
                       pending_p[p_name] if pending_p else None, next(self._keys), p_view.prefill_s, taken_s, local,
-                      tier_p[p_name] if tier_p else None, tier_d[d_name] if tier_d else None,
-                      holder if local is not None and local.pool_tokens else None)
+                      tier_p[p_name] if tier_p else None, tier_d[d_name] if tier_d else None, holder, p_run)
         if self.pending is not None and not route.local_prefill:  # at once: the next request of this prefix sees it on this P
             self.pending.add(p.name, route.key, hashes)
         return route
@@ -253,28 +265,40 @@ class InstancePicker(LoadCounts[I], Generic[I]):
         return [DecodeView(d.name, self._load[d.name].tokens, self._load[d.name].requests,
                            matched[d.name] if matched else 0) for d in instances]
 
-    def _pool(self, prefill: list[I], hashes: list[RouterHash], picked: str) -> tuple[I | None, int]:
-        """The P whose host tier holds the longest run of the prompt's first blocks, as its events
-        said (the picked P first among equals), and that run in tokens; (None, 0): none holds any."""
+    def _tier_runs(self, prefill: list[I], hashes: list[RouterHash]) -> dict[str, int]:
+        """Per P whose index is not stale: the run of the prompt's first blocks its host tier
+        holds, in tokens (what it offers a reader: the pool)."""
+        return {p.name: self.lookup.tier_matched_blocks(p.name, hashes, 0) * self.block_size
+                for p in prefill if not self.lookup.stale(p.name)}
+
+    def _pool(self, prefill: list[I], runs: dict[str, int], picked: str) -> tuple[I | None, int]:
+        """The P whose host tier holds the longest run (the picked P first among equals), and
+        that run; (None, 0): none holds any."""
         best, run = None, 0
         for p in sorted(prefill, key=lambda i: i.name != picked):
-            if self.lookup.stale(p.name):
-                continue
-            blocks = self.lookup.tier_matched_blocks(p.name, hashes, 0)
-            if blocks * self.block_size > run:
-                best, run = p, blocks * self.block_size
+            if runs.get(p.name, 0) > run:
+                best, run = p, runs[p.name]
         return best, run
 
     def _prefill_views(self, instances: list[I], matched: dict[str, int] | None, n: int,
-                       tier: dict[str, int] | None) -> list[PrefillView]:
+                       tier: dict[str, int] | None, runs: dict[str, int] | None = None) -> list[PrefillView]:
         """What pick_prefill weighs of each instance that would prefill a prompt of n tokens: what
-        it holds of it (in its tier, of that), its queue, and the prompt's predicted time there."""
+        it holds of it (in its tier, of that), its queue, and the prompt's predicted time there.
+        With `runs` (router.p_pool), what it holds may be a longer run in a peer's tier, read
+        first where the cost says that is cheaper than computing it."""
         views = []
         for i in instances:
             held, tiered = (matched[i.name], tier[i.name]) if matched and tier else (0, 0)
             load = self._load[i.name]
-            views.append(PrefillView(i.name, held, load.tokens, load.requests, load.seconds,
-                                     self.cost.seconds(held, n, tiered), tiered))
+            view = PrefillView(i.name, held, load.tokens, load.requests, load.seconds,
+                               self.cost.seconds(held, n, tiered), tiered)
+            if runs:
+                peer, run = max(((p, r) for p, r in runs.items() if p != i.name and r > held),
+                                key=lambda pr: pr[1], default=(None, 0))
+                if peer is not None and (s := self.cost.seconds(run, n, tiered, run - held)) < view.prefill_s:
+                    view = dataclasses.replace(view, matched_tokens=run, prefill_s=s, pool_from=peer,
+                                               pool_tokens=run, pool_read_tokens=run - held)
+            views.append(view)
         return views
 
     def _matched(self, instances: list[I], hashes: list[RouterHash],

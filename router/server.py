@@ -131,7 +131,7 @@ class RouterActor:
                                        policy=spec.router.policy, block_size=block_size, lookup=self.kv_events,
                                        pending=PendingBlocks() if spec.router.track_pending else None,
                                        cost=self._cost if self._cost is not None else FittedCost(),
-                                       local=spec.router.local_prefill,
+                                       local=spec.router.local_prefill, p_pool=spec.router.p_pool,
                                        admission=AdmissionLimits.settle(
                                            spec.router.admission,
                                            decode_slots=len(decode) * spec.role_engine("decode").max_num_seqs,

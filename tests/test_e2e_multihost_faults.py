@@ -38,8 +38,6 @@ from e2e import (
     wait_until,
 )
 
-from pdcluster.proto.handle import TransferHandle
-from pdcluster.proto.messages import DecodeRequest, PoolRequest, PrefillRequest, SamplingSpec
 from pdcluster.proto.spec import parse_spec, read_yaml
 from pdcluster.router.run_store import load_run
 from pdcluster.transfer.channel_wire import DEAD_PEER_S
@@ -80,7 +78,7 @@ def lab_spec(ray_address: str):
     data["model"] = {"path": tiny_model_dir(), "name": "tiny-qwen3"}
     data["ray_address"] = ray_address
     data["transfer"] |= {"base_port": ports, "timeout_s": TIMEOUT_S, "lease_s": LEASE_S, "on_failure": "error"}
-    data["router"] |= {"port": ports + 12, "kv_events_port": ports + 4, "request_timeout_s": 120}
+    data["router"] |= {"port": ports + 12, "kv_events_port": ports + 4, "request_timeout_s": 120, "p_pool": True}
     data["prefill"]["engine"] = {"host_tier_gib": 0.25}  # each P's host tier: a peer P may read it
     return parse_spec(data, str(DEPLOY))
 
@@ -135,35 +133,34 @@ def test_the_shipped_p2d2_spec_puts_each_instance_on_its_host(lab, cluster):
 
 
 def test_a_p_reads_a_prompts_first_blocks_from_a_peer_ps_tier_on_another_host(lab, cluster):
-    """The pool, P from P (issue 29 item 2): the P that prefilled a prompt keeps it in its host
-    tier and offers it (EngineActor.open_pool); the other P, on another host, reads that run over
-    the KV plane, computes only the rest, and D pulls the whole prompt from it: the tokens equal
-    the cluster's own answer."""
+    """The pool, P from P (issue 29 items 2, 3; spec router.p_pool): the P that prefilled a prompt
+    keeps it in its host tier; the router, sending the prompt again to the other P (round robin),
+    has that P read the run from the holder's tier across hosts (OpenPool, then the prefill with
+    the offer's handle) and compute only the rest; D pulls the whole prompt from it, and the
+    tokens equal the cluster's first answer."""
     prompt = fresh_prompt(1000)
+    stored = {p.name: ray.get(p.actor.tier_counts.remote()).stored_blocks for p in cluster.prefill}
     r = complete(cluster.url, prompt, 8)
     assert r.status_code == 200, r.text
     want = r.json()["choices"][0]["token_ids"]
-    [rec] = [x for x in load_run(cluster.run_dir).records if x.request_id == r.json()["id"]]
-    holder = next(p for p in cluster.prefill if p.name == rec.prefill_instance)
-    reader = next(p for p in cluster.prefill if p.name != rec.prefill_instance)
-    decode = next(d for d in cluster.decode if d.name == rec.decode_instance)
-    assert ray.get(decode.actor.reset_prefix_cache.remote())  # D pulls the whole prompt from the reader
+    holder = next(p for p in cluster.prefill if p.name == r.json()["usage"]["pd"]["prefill_instance"])
     full = (len(prompt) - 1) // 128 * 128  # the blocks a hit may hold: vLLM computes the last token
-    # The holder's tier stores the prompt's blocks in its next step: offered once they are there.
-    offers = iter(range(1000))
-    offer = wait_until(lambda: (o := ray.get(holder.actor.open_pool.remote(PoolRequest(f"pfp-{next(offers)}", prompt))))
-                       .num_tokens and o, 30, what="the holder's tier offering the prompt")
-    assert offer.num_tokens == full
-    sampling = SamplingSpec(max_tokens=8, temperature=0, ignore_eos=True)
-    pool = TransferHandle(holder.engine_id, holder.kv_address, offer.transfer_id, offer.num_tokens)
-    pre = ray.get(reader.actor.prefill.remote(PrefillRequest("pfp", prompt, sampling, transfer_id="pfp", pool=pool)))
-    assert (pre.p_pool_tokens, pre.p_cached_tokens) == (full, full), pre
-    handle = TransferHandle(reader.engine_id, reader.kv_address, "pfp", len(prompt))
-    deltas = [ray.get(ref) for ref in decode.actor.decode.options(num_returns="streaming").remote(
-        DecodeRequest("pfp-d", prompt, sampling, handle))]
-    last = deltas[-1].transfer
-    assert last.error is None and (last.d_cached_tokens, last.transferred_tokens) == (0, len(prompt)), last
-    assert [t for delta in deltas for t in delta.new_token_ids] == want
+    # The holder's tier stores the prompt's blocks in a step after the request's; then its events.
+    wait_until(lambda: ray.get(holder.actor.tier_counts.remote()).stored_blocks >= stored[holder.name] + full // 128,
+               30, what="the holder's tier storing the prompt")
+    cluster.each_router("catch_up_kv_events")
+    cluster.each_router("set_policy", "round_robin")
+    try:  # two picks in a row: one goes to the holder (its own hit), one to the other P
+        answers = [complete(cluster.url, prompt, 8) for _ in range(2)]
+    finally:
+        cluster.each_router("set_policy", cluster.spec.router.policy)
+    for a in answers:
+        assert a.status_code == 200 and a.json()["choices"][0]["token_ids"] == want, a.text
+    [read] = [a.json() for a in answers if a.json()["usage"]["pd"]["prefill_instance"] != holder.name]
+    pd = read["usage"]["pd"]
+    assert (pd["pool_tokens"], pd["p_cached_tokens"], pd["transfer_error"]) == (full, full, None), pd
+    [rec] = [x for x in load_run(cluster.run_dir).records if x.request_id == read["id"]]
+    assert (rec.pool_instance, rec.predicted_pool_tokens, rec.pool_tokens, rec.pool_error) == (holder.name, full, full, None)
     assert_no_kv_in_use(cluster, timeout=LEASE_S + 10)
 
 

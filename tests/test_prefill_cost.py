@@ -46,6 +46,23 @@ def test_a_host_tier_hit_is_priced_by_what_its_loads_took_past_the_compute():
     assert cost.taken_s(61440, 65536, 0, 0.0, tier_tokens=61440) == tier
 
 
+def test_a_pool_read_is_priced_as_a_tier_token_until_one_is_seen_then_by_what_it_took():
+    cost = FittedCost()
+    for cached, prompt in ((0, 4096), (0, 16384), (12288, 16384), (0, 65536), (61440, 65536)):
+        cost.observe(cached, prompt, engine_s(cached, prompt))
+    for cached, prompt in ((12288, 16384), (61440, 65536)):
+        cost.observe(cached, prompt, engine_s(cached, prompt) + 1e-7 * cached, tier_tokens=cached)
+    assert cost.per_pool_token_s == pytest.approx(1e-7, rel=1e-6)  # none seen: a tier token's
+    # Reads from a peer's tier (the network): 4e-7 s a token, past 4,096 tokens of P's own tier.
+    for cached, prompt in ((12288, 16384), (61440, 65536)):
+        pool = cached - 4096
+        cost.observe(cached, prompt, engine_s(cached, prompt) + 1e-7 * 4096 + 4e-7 * pool, tier_tokens=4096,
+                     pool_tokens=pool)
+    assert cost.per_pool_token_s == pytest.approx(4e-7, rel=1e-6)
+    assert cost.per_tier_token_s == pytest.approx(1e-7, rel=1e-6) and cost.per_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert cost.seconds(61440, 65536, 0, pool_tokens=61440) - cost.seconds(61440, 65536) == pytest.approx(61440 * 4e-7)
+
+
 def test_one_size_seen_gives_the_linear_fit_and_a_full_hit_teaches_nothing():
     cost = FittedCost()
     for _ in range(3):

@@ -236,15 +236,16 @@ def test_a_hot_family_is_copied_to_a_second_p_once_the_holders_queue_exceeds_two
 class AttentionOnlyCost:
     """A prefill's time is its attention pairs only: each new token over all tokens before it."""
 
-    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0) -> float:
+    def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0, pool_tokens: int = 0) -> float:
         new = prompt_tokens - cached_tokens
         return new * (cached_tokens + new / 2)
 
-    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0) -> None:
+    def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,
+                pool_tokens: int = 0) -> None:
         pass
 
     def taken_s(self, cached_tokens: int, prompt_tokens: int, queued_tokens: int, queued_s: float,
-                tier_tokens: int = 0) -> float:
+                tier_tokens: int = 0, pool_tokens: int = 0) -> float:
         return 10 * queued_tokens + queued_s  # what the picker hands it, to check
 
 
