@@ -81,6 +81,7 @@ class PDDispatcher(TokenBackend):
             "push mode needs every P's KV address (InstanceInfo.kv_address)")
         self.prefill, self.decode = prefill, decode
         self._card = card
+        self._last_answers: dict[tuple[str, str], object] = {}  # (method, instance) -> its last answer (_ask_each)
         self._timeout_s = request_timeout_s
         # Only instances whose channel is up get new requests: a dead host's are skipped from
         # the moment its connection ends (its FIN, keepalive, or Ray's word) until it is back.
@@ -348,14 +349,19 @@ class PDDispatcher(TokenBackend):
         """Each instance's host tier's own counts (instances without a tier left out)."""
         return await self._ask_each("tier_counts")
 
-    async def _ask_each(self, method: str, timeout_s: float = 2.0) -> dict:
-        """Each instance's answer to a Ray call of `method`; one that does not answer in `timeout_s`,
-        or answers None, is left out (dead or restarting: its counts show again when it answers)."""
+    async def _ask_each(self, method: str, timeout_s: float = 1.0) -> dict:
+        """Each instance's answer to a Ray call of `method`. One that does not answer in `timeout_s`
+        (a P in a long prefill step answers a tier's counts only after it) gives its last answer,
+        so that a scrape neither waits for the step nor sees its counters vanish; one that is down,
+        or answers None, is left out (its counts show again when it answers)."""
         async def one(inst: Instance):
+            key = (method, inst.name)
             try:
-                return await asyncio.wait_for(getattr(inst.actor, method).remote(), timeout_s)
+                answer = await asyncio.wait_for(getattr(inst.actor, method).remote(), timeout_s)
             except Exception:
-                return None
+                return self._last_answers.get(key) if self._channel_up(inst.name) else None
+            self._last_answers[key] = answer
+            return answer
 
         insts = self.prefill + self.decode
         counts = await asyncio.gather(*(one(i) for i in insts))

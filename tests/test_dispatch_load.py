@@ -47,3 +47,26 @@ def test_an_attempt_that_ends_before_p_answers_leaves_no_load_on_p(cancelled):
         return disp.picker.in_flight()
 
     assert run(main())["prefill-0"] == 0
+
+
+def test_an_instance_in_a_long_step_gives_its_last_tier_counts_and_a_down_one_none():
+    """/metrics asks each instance's tier (router/server.py): a P in a long prefill step answers
+    only after it, and its counters must neither hold up the page nor vanish from it."""
+    from dispatch_fakes import FakeRef, Method
+
+    from pdcluster.proto.messages import TierCounts
+
+    p, d = FakeEngine(), FakeEngine()
+    disp = make([p], [d])
+    p.tier_counts = Method(lambda: FakeRef(TierCounts(stored_blocks=3)))
+    d.tier_counts = Method(lambda: FakeRef(None))  # no tier
+
+    async def main():
+        first = await disp.tier_counts()
+        p.tier_counts = Method(lambda: asyncio.sleep(30))  # in its step
+        in_step = await disp.tier_counts()
+        p.connected = False
+        return first, in_step, await disp.tier_counts()
+
+    first, in_step, down = run(main())
+    assert first == in_step == {"prefill-0": TierCounts(stored_blocks=3)} and down == {}
