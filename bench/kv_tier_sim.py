@@ -1,8 +1,9 @@
 """The host KV tier at the users' scale, on the virtual clock (issue 29): simulated P8+D8 under a
 C90-shaped load of 64 prefix families, for DeepSeek-V4-Flash on 910C and a dense Qwen3-8B-like
-model on H200, in four modes: no tier; the host tier; the tier with D prefilling short remainders
+model on H200, in five modes: no tier; the host tier; the tier with D prefilling short remainders
 itself (router.local_prefill, `--local-max-tokens`) but reading no P's tier; and that with the pool
-(D reads a family a P's tier holds and computes the rest).
+(D reads a family a P's tier holds and computes the rest); the tier with P reading a peer P's tier
+(router.p_pool: `tier+ppool`).
 
 - `dsv4`: deploy/p8d8-sim-tiered.yaml as shipped (device caches sized so that each P's ~8 families
   are 3.1x its cache and D's 64 are 3.6x its own; 64 GiB of tier a card), the C90 preset with 64
@@ -18,8 +19,8 @@ Per case: the formal phase's delivered hit beside the structural maximum (every 
 unlimited cache would hold), TTFT mean and p90, how much of P's hit came from its tier, and how
 many requests D prefilled itself, reading the pool.
 
-usage: python -m pdcluster.bench.kv_tier_sim [--cases dsv4,qwen3-8b] [--modes off,tier,tier+local,tier+pool]
-                                             [--num-requests 640] [--dense-rate 0.8] [--dense-tier-gib 200]
+usage: python -m pdcluster.bench.kv_tier_sim [--cases dsv4,qwen3-8b] [--modes off,tier,tier+local,tier+pool,tier+ppool]
+                                             [--num-requests 640] [--families 64] [--dense-rate 0.8] [--dense-tier-gib 200]
                                              [--local-max-tokens 16384] [--out FILE.json]
 """
 
@@ -38,7 +39,7 @@ from pdcluster.proto.spec_sections import RoleKvBlocks
 
 TIERED = Path(__file__).resolve().parents[1] / "deploy" / "p8d8-sim-tiered.yaml"
 FAMILIES = 64
-MODES = ("off", "tier", "tier+local", "tier+pool")
+MODES = ("off", "tier", "tier+local", "tier+pool", "tier+ppool")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Outcome:
     ttft_mean_s: float
     ttft_p90_s: float
     local: int  # formal requests D prefilled itself
-    pooled: int  # of those, the ones that read a P's tier
+    pooled: int  # formal requests whose prefiller (D, or P) read a P's tier
     requests: int
     failed: int
     wall_s: float
@@ -73,6 +74,8 @@ def in_mode(spec, mode: str, local_max_tokens: int):
     if mode in ("tier+local", "tier+pool"):
         local = LocalPrefillSpec(policy="short_remainder", max_tokens=local_max_tokens, pool=mode == "tier+pool")
         spec = spec.model_copy(update={"router": spec.router.model_copy(update={"local_prefill": local})})
+    if mode == "tier+ppool":
+        spec = spec.model_copy(update={"router": spec.router.model_copy(update={"p_pool": True})})
     return spec
 
 
@@ -106,13 +109,14 @@ def main(argv=None) -> int:
     ap.add_argument("--local-max-tokens", type=int, default=16384,
                     help="router.local_prefill.max_tokens in the tier+local and tier+pool modes")
     ap.add_argument("--num-requests", type=int, default=640, help="formal requests (C90: 640)")
+    ap.add_argument("--families", type=int, default=FAMILIES, help="prefix families (C90: 16)")
     ap.add_argument("--dense-rate", type=float, default=0.8, help="qwen3-8b: requests a second")
     ap.add_argument("--dense-tier-gib", type=float, default=200, help="qwen3-8b: host tier per GPU, GiB")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     base = load_spec(TIERED)
-    cases = {"dsv4": (base, BenchConfig.from_preset("c90", num_prefixes=FAMILIES, num_requests=a.num_requests)),
-             "qwen3-8b": (dense(base, a.dense_tier_gib), BenchConfig.from_preset("c90", num_prefixes=FAMILIES,
+    cases = {"dsv4": (base, BenchConfig.from_preset("c90", num_prefixes=a.families, num_requests=a.num_requests)),
+             "qwen3-8b": (dense(base, a.dense_tier_gib), BenchConfig.from_preset("c90", num_prefixes=a.families,
                                                                num_requests=a.num_requests, request_rate=a.dense_rate))}
     out = []
     modes = a.modes.split(",")

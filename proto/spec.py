@@ -111,9 +111,6 @@ class ClusterSpec(_Strict):
         if p.kind == "sim" and self.transfer.connector != "pdc":
             raise ValueError(f"transfer.connector: {self.transfer.connector} needs real vLLM engines; "
                              f"the simulated engine moves its state through the pdc transfer")
-        if p.kind == "sim" and self.router.p_pool:
-            raise ValueError("router.p_pool: the simulated engine does not model a P reading a peer's tier "
-                             "(D's reads, router.local_prefill.pool, it does); leave it false with engine.kind: sim")
         if self.decode.instances < 1:
             raise ValueError("decode.instances: at least 1; D serves every request")
         if self.prefill.instances < 1 and self.router.local_prefill.policy != "always":

@@ -335,7 +335,7 @@ class RouterSpec(_Strict):
     # router/routing.py: the pool for P (docs/kv_tiers.md "The pool"); off until its figures say more.
     p_pool: bool = Field(False, description="a P reads the prompt's first blocks from a peer P's host KV tier "
                                             "when that peer holds a longer run and reading it is predicted "
-                                            "cheaper than computing it (real engines only)")
+                                            "cheaper than computing it")
     # router/admission.py: past these bounds a request gets a 429 at once, not a timeout.
     admission: AdmissionSpec = AdmissionSpec()
     # How often D sends a stream's new tokens, as vLLM's --stream-interval (tokens; 1: every

@@ -50,8 +50,17 @@ class PrefillCost(Protocol):
 
 
 class StepTimes(Protocol):
+    block_size: int
+
     def prefill_s(self, new_tokens: int, cached_tokens: int, budget: int) -> float:
         """A prefill's time in chunks of `budget` tokens (cluster/sim/cost.py's CostModel)."""
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every full and compressed component."""
+
+    def transfer_s(self, nbytes: int) -> float:
+        """The modelled network's time for these bytes."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,15 @@ class ModelledCost:
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, cached_tokens: int, prompt_tokens: int, tier_tokens: int = 0, pool_tokens: int = 0) -> float:
-        # The simulated engine's tier loads are not in this model (docs/kv_tiers.md), nor a pool.
+        # The simulated engine's tier loads are not in this model (docs/kv_tiers.md); a read of a
+        # peer's tier is its blocks over the modelled network, as the engine waits it out.
         key = (cached_tokens, prompt_tokens)
         if key not in self._memo:
             new = prompt_tokens - min(cached_tokens, prompt_tokens)
             self._memo[key] = self.model.prefill_s(new, prompt_tokens - new, self.budget) if new else 0.0
+        if pool_tokens:
+            m = self.model
+            return self._memo[key] + m.transfer_s(-(-pool_tokens // m.block_size) * m.block_bytes)
         return self._memo[key]
 
     def observe(self, cached_tokens: int, prompt_tokens: int, seconds: float, tier_tokens: int = 0,

@@ -109,9 +109,3 @@ def test_no_offer_or_a_read_that_failed_leaves_p_computing_it_and_the_record_say
     assert finished.error is None and rec.pool_tokens == 0 and rec.p_cached_tokens == 0
     assert rec.pool_error == "P's read from p1's tier failed (P computed it): p1 went away"
 
-
-def test_the_spec_refuses_it_on_the_simulated_engine_which_does_not_model_it():
-    from test_spec import minimal, spec_error
-
-    assert "router.p_pool: the simulated engine does not model a P reading a peer's tier" in spec_error(
-        minimal(engine={"kind": "sim"}, sim={"params": "qwen3-0.6b-1dev"}, router={"p_pool": True}))

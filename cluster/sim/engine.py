@@ -32,7 +32,7 @@ from pdcluster.cluster.sim.consumer import ConsumerSide, RecordingPagedKv
 from pdcluster.cluster.sim.cost import CostModel, SimParams
 from pdcluster.cluster.sim.kv_wire import EventPublisher, KVEventBatch, int_block_hashes
 from pdcluster.cluster.sim.payload import component_rows_bytes, make_paged_kv
-from pdcluster.cluster.sim.producer import ProducerSide
+from pdcluster.cluster.sim.producer import PrefillSide, ProducerSide
 from pdcluster.cluster.sim.request import SimRequest
 from pdcluster.cluster.sim.scheduler import Scheduler, SchedulerConfig
 from pdcluster.cluster.sim.tier import host_tier, tier_load_ns
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SimStats:
-    received_bytes: int  # D: scaled payload bytes its pulls wrote, over transport grpc (P: 0)
+    received_bytes: int  # scaled payload bytes its pulls wrote, over transport grpc (P: its reads of peers' tiers)
     payload_bytes_per_block: dict[str, int]  # per component: one block's bytes on the wire
     steps: int
     lag_resets: int  # steps that started more than max_lag_s late: the CPU could not keep up
@@ -101,7 +101,8 @@ class SimEngineActor(ServesRequestChannel, Engine):
         if role == "prefill":
             from pdcluster.proto.devices import DEVICES
 
-            kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale)
+            # Recording: a prefill that reads a peer's tier first paces its read as D does (consumer.py).
+            kv = make_paged_kv(components, num_blocks, spec.sim.payload_scale, RecordingPagedKv)
             kv_port = spec.kv_port(role, index)
             self.kv_address = host_port(self.address.advertise, kv_port)
             self.producer = ProducerSide(self.engine_id, components, kv, eng.block_size, self.address.bind, kv_port,
@@ -132,11 +133,13 @@ class SimEngineActor(ServesRequestChannel, Engine):
         """The scheduler loop, started on the actor's event loop at the first call that needs it."""
         if self.scheduler is None:
             loop = asyncio.get_running_loop()
-            hooks = self.producer
-            if self.role == "decode":
-                hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, self._d_kv,
-                                                     self.config.block_size, self.cost, self.spec.transfer.timeout_s,
-                                                     loop, self.spec.secret(), self.spec.transfer.encrypt)
+            # D's KV comes from P; P's may come from a peer's tier first (the pool): both consume.
+            kv = self.producer.kv if self.role == "prefill" else self._d_kv
+            hooks = self.consumer = ConsumerSide(self.engine_id, self.cost.components, kv, self.config.block_size,
+                                                 self.cost, self.spec.transfer.timeout_s, loop, self.spec.secret(),
+                                                 self.spec.transfer.encrypt)
+            if self.role == "prefill":
+                hooks = PrefillSide(self.producer, self.consumer)
             self.scheduler = Scheduler(self.config, self.pool, self.cost, hooks, on_events=self._publish,
                                        variation=StepVariation(self.cost.params.variation, self.name), tier=self.tier)
             hooks.scheduler = self.scheduler
@@ -180,22 +183,33 @@ class SimEngineActor(ServesRequestChannel, Engine):
         rid = self._request_id(req.request_id)
         transfer_id = req.transfer_id or req.request_id
         s = req.sampling
+        pool = req.pool  # a peer's tier offers the prompt's first blocks: read them first
+        if pool is not None and pool.num_tokens > len(req.prompt_token_ids):
+            raise ValueError(f"prefill {req.request_id}: the pool's handle covers {pool.num_tokens} tokens, the "
+                             f"prompt has {len(req.prompt_token_ids)}")
         with self.producer.ids_in_use.taken(transfer_id):
-            sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
-                                        stop_token_ids=frozenset(s.stop_token_ids), retain_s=s.retain_s))
-            self.producer.produce(rid, transfer_id)
+            if pool is not None:
+                self.consumer.expect(rid, pool)
             try:
+                sreq = sched.add(SimRequest(rid, list(req.prompt_token_ids), max_tokens=1, ignore_eos=s.ignore_eos,
+                                            stop_token_ids=frozenset(s.stop_token_ids), retain_s=s.retain_s,
+                                            external_tokens=pool.num_tokens if pool else 0))
+                self.producer.produce(rid, transfer_id)
                 while (delta := await sreq.out.get()).finish_reason is None:
                     pass
             except asyncio.CancelledError:
                 sched.abort(rid)
                 raise
+            finally:
+                read = self.consumer.take_report(rid)
         if delta.finish_reason not in ("length", "stop"):
             raise RuntimeError(f"prefill {req.request_id} on {self.name} ended with {delta.finish_reason!r}")
+        pool_tokens = read.transferred_tokens if read is not None and read.error is None else 0
         return PrefillResult(request_id=req.request_id, connector_params=None, prompt_tokens=sreq.num_prompt_tokens,
-                             p_cached_tokens=max(0, sreq.num_cached_tokens), p_tier_tokens=sreq.num_tier_tokens,
-                             p_tier_load_ns=tier_load_ns(self.tier, sreq),
-                             engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns))
+                             p_cached_tokens=max(0, sreq.num_cached_tokens) + pool_tokens,
+                             p_tier_tokens=sreq.num_tier_tokens, p_tier_load_ns=tier_load_ns(self.tier, sreq),
+                             engine=EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns),
+                             p_pool_tokens=pool_tokens, p_pool=read)
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
         assert self.role == "decode", f"{self.name} got a decode: the router mixed up P and D"

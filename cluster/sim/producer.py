@@ -109,6 +109,44 @@ class ProducerSide(KvHooks):
         self.server.stop()
 
 
+class PrefillSide(KvHooks):
+    """P's hooks: its producer's at every step, and a consumer's (consumer.py) for a prefill that
+    reads a peer P's tier first (the pool, `PrefillRequest.pool`) into the producer's own blocks:
+    the steps after the read compute the rest, and D pulls the whole prompt as usual."""
+
+    def __init__(self, producer: ProducerSide, consumer: KvHooks):
+        self.producer, self.consumer = producer, consumer
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.producer.scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        self.producer.scheduler = self.consumer.scheduler = scheduler
+
+    def computed(self, req: SimRequest, start: int, end: int) -> None:
+        self.producer.computed(req, start, end)
+
+    def step_done(self) -> None:
+        self.producer.step_done()
+
+    def start_load(self, req: SimRequest) -> None:
+        self.consumer.start_load(req)
+
+    def cancel_load(self, req: SimRequest) -> None:
+        self.consumer.cancel_load(req)
+
+    def finished(self, req: SimRequest) -> bool:
+        return self.producer.finished(req)
+
+    def preempted(self, req: SimRequest) -> None:
+        self.producer.preempted(req)
+
+    def poll(self) -> None:
+        self.producer.poll()
+
+
 class _PayloadRun:
     """A pooled source's blocks in the simulated tier (transfer/sources.py TierRead): their rows,
     made from their keys when the KV server reads them."""

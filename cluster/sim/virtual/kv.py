@@ -70,8 +70,9 @@ class VirtualKv:
         self._p_of[p_request_id], self._d_of[d_request_id] = p_name, d_name
 
     def expect_pool(self, transfer_id: str, num_tokens: int, holder: str, d_name: str, d_request_id: str) -> None:
-        """D reads a prompt's first `num_tokens` from `holder`'s host tier (the pool): ready at once,
-        no P request holds them (the holder's tier keeps them; not modelled: its eviction meanwhile)."""
+        """A reader (D, or a P: `d_name` and `d_request_id` name the reader and its request) reads a
+        prompt's first `num_tokens` from `holder`'s host tier (the pool): ready at once, no P request
+        holds them (the holder's tier keeps them; not modelled: its eviction meanwhile)."""
         t = _Transfer(transfer_id, num_tokens, f"{transfer_id}#pool", d_request_id,
                       ready=[(self.loop.now_ns, num_tokens)], p_released=True)
         self._by_d[d_request_id], self._d_of[d_request_id] = t, d_name
@@ -83,7 +84,8 @@ class VirtualKv:
         return t.stats if t is not None else None
 
     def producer(self) -> KvHooks:
-        return _ProducerHooks(self)
+        """P's hooks: its steps make D's blocks ready, and it may read a peer's tier first (the pool)."""
+        return _PrefillHooks(self)
 
     def consumer(self) -> KvHooks:
         return _ConsumerHooks(self)
@@ -196,3 +198,7 @@ class _ConsumerHooks(KvHooks):
     def cancel_load(self, req: SimRequest) -> None:
         raise AssertionError(f"{req.request_id} aborted while loading: the virtual clock has no aborts")
 
+
+
+class _PrefillHooks(_ProducerHooks, _ConsumerHooks):
+    """P: a producer for D, and a consumer of a peer's tier when its prefill reads the pool."""

@@ -138,7 +138,7 @@ class VirtualRouter:
         r = spec.router
         self.picker = InstancePicker(r.policy, prefill, decode, self.block_size, _IndexLookup(self.indexes),
                                      pending=PendingBlocks() if r.track_pending else None, clock=loop.now_s,
-                                     cost=prefill_cost(spec), local=r.local_prefill)
+                                     cost=prefill_cost(spec), local=r.local_prefill, p_pool=r.p_pool)
         self.dispatch = Dispatch(self.picker, transfer_mode=spec.transfer.mode,
                                  request_timeout_s=r.request_timeout_s, migration_limit=r.migration_limit,
                                  admission=AdmissionLimits.settle(
@@ -183,17 +183,18 @@ class VirtualRouter:
                     rid = flight.lc.rec.request_id
                     self.kv.expect(f"{rid}#d", len(flight.prompt.tokens), route.prefill.name, f"{rid}#p",
                                    route.decode.name, f"{rid}#d")
-            elif isinstance(cmd, Prefill):
-                flight.p_req = self._sim_request(flight, "p", 1, 0, lambda d: self._p_delta(flight, d))
+            elif isinstance(cmd, Prefill):  # with the pool's handle: P loads the holder's run first
+                external = cmd.request.pool.num_tokens if cmd.request.pool is not None else 0
+                flight.p_req = self._sim_request(flight, "p", 1, external, lambda d: self._p_delta(flight, d))
                 self.instances[cmd.instance.name].add(flight.p_req)
             elif isinstance(cmd, OpenPool):  # the holder's tier offers its run at once (no network modelled)
                 tier = self.instances[cmd.instance.name].core.tier
                 offer = PoolOffer(cmd.request.transfer_id,
                                   tier.offer(flight.prompt.block_hashes, len(flight.prompt.tokens)) if tier else 0)
-                if offer.num_tokens:
-                    rid = flight.lc.rec.request_id
-                    self.kv.expect_pool(offer.transfer_id, offer.num_tokens, cmd.instance.name,
-                                        flight.lc.attempt.route.decode.name, f"{rid}#d")
+                if offer.num_tokens:  # the reader: D for a local prefill, else P
+                    rid, route = flight.lc.rec.request_id, flight.lc.attempt.route
+                    reader = (route.decode.name, f"{rid}#d") if route.local_prefill else (route.prefill.name, f"{rid}#p")
+                    self.kv.expect_pool(offer.transfer_id, offer.num_tokens, cmd.instance.name, *reader)
                 self._do(flight, flight.lc.pool_opened(cmd.attempt, offer, self.loop.now_ns))
             elif isinstance(cmd, Decode):
                 # The prompt's KV comes from P (or a P's tier) for what the request's handle covers.
@@ -219,10 +220,12 @@ class VirtualRouter:
             return
         sreq = flight.p_req
         engine = EngineTimes(sreq.queued_ns, sreq.scheduled_ns, sreq.first_token_ns)
+        pool = self.kv.stats(sreq.request_id)  # P's read of a peer's tier, if it read one
+        read = pool.transferred_tokens if pool is not None and pool.error is None else 0
         result = PrefillResult(flight.lc.rec.request_id, None, len(flight.prompt.tokens),
-                               max(0, sreq.num_cached_tokens), engine, p_tier_tokens=sreq.num_tier_tokens,
+                               max(0, sreq.num_cached_tokens) + read, engine, p_tier_tokens=sreq.num_tier_tokens,
                                p_tier_load_ns=tier_load_ns(self.instances[flight.lc.attempt.route.prefill.name].core.tier,
-                                                           sreq))
+                                                           sreq), p_pool_tokens=read, p_pool=pool)
         self._do(flight, flight.lc.prefill_answered(flight.attempt, result, self.loop.now_ns))
 
     def _d_delta(self, flight: _Flight, delta: Delta) -> None:
