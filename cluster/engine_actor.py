@@ -88,13 +88,21 @@ def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
     from pdcluster.transfer.vllm_compat import RequestOutputKind, SamplingParams
 
-    return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+    max_tokens = max_tokens if max_tokens is not None else s.max_tokens
+    params = SamplingParams(
+        max_tokens=max_tokens,
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
         seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=list(s.stop_token_ids),
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty, min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
+        logit_bias=dict(s.logit_bias) or None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
         detokenize=False, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
     )
+    if s.bad_words_token_ids:  # what update_from_tokenizer would set, had the engine a tokenizer
+        params._bad_words_token_ids = [list(ids) for ids in s.bad_words_token_ids]
+    return params
 
 
 async def until_engine_dead(errored: Callable[[], bool], every_s: float) -> None:

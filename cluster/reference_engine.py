@@ -104,12 +104,25 @@ class GreedyReference:
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Greedy output tokens (EOS ignored)."""
-        from pdcluster.transfer.vllm_compat import SamplingParams, TokensPrompt
+        from pdcluster.transfer.vllm_compat import SamplingParams
 
+        return self._tokens(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                   detokenize=False))
+
+    def sample(self, prompt: list[int], spec) -> list[int]:
+        """Output tokens with the vLLM sampling parameters the cluster's engines make of `spec`
+        (a proto SamplingSpec: cluster/engine_actor.py:sampling_params)."""
+        from pdcluster.cluster.engine_actor import sampling_params
+
+        return self._tokens(prompt, sampling_params(spec))
+
+    def _tokens(self, prompt: list[int], params) -> list[int]:
+        from pdcluster.transfer.vllm_compat import RequestOutputKind, TokensPrompt
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
         self._ids += 1
         rid = f"ref-{self._ids}"
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False))
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
         final = None
         while self.engine.has_unfinished_requests():
             final = next((out for out in self.engine.step() if out.request_id == rid and out.finished), final)

@@ -37,6 +37,16 @@ class SamplingSpec:
     # Keep the prompt's blocks in the host KV tiers ahead of others for so long (0: no hint);
     # transfer/tier_scheduler.py caps it at MAX_RETENTION_S.
     retain_s: float = 0.0
+    # vLLM's, with its meaning; checked by the router (router/sampling_checks.py).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): vLLM's dict, in order
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words as its tokenizer splits them (the router's: the engines run without one).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

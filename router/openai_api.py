@@ -49,6 +49,7 @@ from pdcluster.router.openai_models import (
 )
 from pdcluster.router.openai_stream import Job, envelope, run_job, sse
 from pdcluster.router.otlp import valid_traceparent
+from pdcluster.router.sampling_checks import extra_sampling
 from pdcluster.router.text_codec import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
-                                retain_s=retain_s)
+                                retain_s=retain_s, **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
         return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,

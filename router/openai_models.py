@@ -34,6 +34,11 @@ class StreamOptions(BaseModel):
 # by both engines at every step: vLLM sets no bound; OpenAI takes 4 stop strings.
 MAX_STOPS = 64
 MAX_STOP_TOKEN_IDS = 1024
+# D applies these at every step (vLLM sets no bound): a token's worth of bias, whitelist or ban
+# each, bounded as generously as a client could mean them.
+MAX_LOGIT_BIAS = 4096
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_BAD_WORDS = 128  # vLLM's own VLLM_MAX_NUM_BAD_WORDS default
 
 
 class CommonRequest(BaseModel):
@@ -57,13 +62,18 @@ class CommonRequest(BaseModel):
     # pdcluster's: keep this prompt's blocks in the instances' host KV tiers ahead of others for so
     # many seconds (a session's next turn expected within it); docs/kv_tiers.md "Retention".
     kv_retention_s: float | None = None
+    # Sampling on D beyond the plain parameters, with vLLM's meaning (router/sampling_checks.py).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: StrictInt | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     # Refused unless unset or at their no-op value (UNSUPPORTED); typed loosely so that the
     # refusal, not a type error, is what the client reads.
     best_of: Any = None
-    logit_bias: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -87,9 +97,7 @@ MAX_STOP_CHARS = 2048
 # OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off". Only
 # null is off for the logprob counts: vLLM reads 0 as "each token's own logprob, no alternatives".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "top_logprobs": (None,),
     "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
@@ -206,7 +214,7 @@ def _check_lengths(model: type[BaseModel], obj: dict) -> None:
     for name, (limit, kinds) in _length_limits(model).items():
         value = obj.get(name)
         if isinstance(value, kinds) and len(value) > limit:
-            what = "items" if isinstance(value, list) else "characters"
+            what = "characters" if isinstance(value, str) else "items"
             raise ApiError(f"'{name}' has {len(value)} {what}, at most {limit}", param=name)
 
 

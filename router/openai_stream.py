@@ -48,8 +48,10 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> int | None:
+    """The first stop string in text[start:] that ends past `floor` (the text of the first
+    min_tokens tokens, where vLLM's detokenizer looks for none)."""
+    hits = [i for s in stops if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
     return min(hits) if hits else None
 
 
@@ -74,6 +76,8 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
     # stop string split across tokens never reaches the client.
     hold = max((len(s) for s in job.stops), default=1) - 1
     text, sent, scanned, n_out = "", 0, 0, 0
+    min_tokens = job.sampling.min_tokens
+    floor = 0  # stop strings end past the text of the first min_tokens tokens (once it is known)
     last: GenerationChunk | None = None
     final: Delta | None = None
     try:
@@ -83,11 +87,16 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
             last, ids, finish = chunk, chunk.new_token_ids, chunk.finish_reason
             if not ids and finish is None:
                 continue
-            n_out += len(ids)
+            before, n_out = n_out, n_out + len(ids)
             if finish == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
                 ids = ids[:-1]  # the eos that ended generation is not text
+            if before < min_tokens <= n_out:  # this chunk holds the min_tokens-th token: where stops may end
+                text += detok.add(ids[:min_tokens - before], final=False)
+                floor, ids = len(text), ids[min_tokens - before:]
             text += detok.add(ids, final=finish is not None)
-            cut = _find_stop(text, job.stops, max(0, scanned - hold))
+            if n_out <= min_tokens:
+                floor = len(text)
+            cut = _find_stop(text, job.stops, max(0, scanned - hold), floor)
             scanned = len(text)
             if cut is not None:
                 text, finish = text[:cut], "stop"

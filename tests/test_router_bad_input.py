@@ -28,9 +28,18 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("stop", ["x"] * (MAX_STOP_STRINGS + 1), ["stop", f"at most {MAX_STOP_STRINGS}"]),
     ("stop", ["y" * (MAX_STOP_CHARS + 1)], ["stop", f"{MAX_STOP_CHARS} characters"]),
     ("best_of", 2, ["'best_of' is not supported", "2"]),
-    ("logit_bias", {"5": 100}, ["'logit_bias' is not supported"]),
-    ("frequency_penalty", 0.5, ["'frequency_penalty' is not supported"]),
-    ("presence_penalty", True, ["'presence_penalty'"]),
+    # D's sampling parameters: vLLM's bounds and messages (router/sampling_checks.py).
+    ("logit_bias", {"five": 1}, ["logit_bias contains key(s) that cannot be converted to integer token IDs: ['five']"]),
+    ("logit_bias", {"5": 1, "99999": 2}, ["token_id(s) [99999] in logit_bias contain out-of-vocab token ids"]),
+    ("frequency_penalty", 2.5, ["frequency_penalty must be in [-2, 2], got 2.5."]),
+    ("presence_penalty", -3, ["presence_penalty must be in [-2, 2], got -3"]),
+    ("repetition_penalty", 0, ["repetition_penalty must be greater than zero, got 0"]),
+    ("min_p", 1.5, ["min_p must be in [0, 1], got 1.5."]),
+    ("min_tokens", -1, ["min_tokens must be greater than or equal to 0, got -1."]),
+    ("allowed_token_ids", [], ["allowed_token_ids is not None and empty!"]),
+    ("allowed_token_ids", [3, -1], ["token_id(s) [-1] in allowed_token_ids contain out-of-vocab token ids"]),
+    ("bad_words", ["ok", ""], ["bad_words cannot contain an empty string."]),
+    ("bad_words", ["w"] * 200, ["'bad_words' has 200 items, at most 128"]),
     ("response_format", {"type": "json_object"}, ["'response_format' is not supported"]),
     ("tools", [{"type": "function", "function": {"name": "f"}}], ["'tools' is not supported"]),
     ("suffix", "tail", ["'suffix'"]),
@@ -47,8 +56,20 @@ def test_out_of_range_and_unsupported_are_400(fake_router, path, body, field, va
     assert backend.calls == []
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "a", "max_tokens": 16}),
+                                       ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 16})])
+def test_min_tokens_over_max_tokens_is_400(fake_router, path, body):
+    client, backend = fake_router()
+    err = bad_request(client, path, {**body, "min_tokens": 17})
+    assert (err["param"], err["message"]) == ("min_tokens", "min_tokens must be less than or equal to max_tokens=16, "
+                                                            "got 17.")
+    assert backend.calls == []
+
+
 @pytest.mark.parametrize("extra", [{"seed": 2**63 - 1}, {"seed": -2**63}, {"temperature": 2}, {"best_of": 1},
                                    {"frequency_penalty": 0}, {"presence_penalty": 0.0}, {"logit_bias": {}},
+                                   {"frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 1e-3},
+                                   {"min_p": 1, "min_tokens": 16}, {"allowed_token_ids": [0]},
                                    {"response_format": {"type": "text"}}, {"tools": []},
                                    {"stop": ["z" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] * MAX_STOP_STRINGS}])
 def test_edge_values_and_no_op_parameters_are_served(fake_router, extra):

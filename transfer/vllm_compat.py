@@ -180,6 +180,7 @@ USES: tuple[Symbol, ...] = (
     Symbol("vllm.v1.engine.llm_engine", "LLMEngine.step"),
     Symbol("vllm.v1.engine.llm_engine", "LLMEngine.has_unfinished_requests"),
     Symbol("vllm.sampling_params", "SamplingParams"),
+    Symbol("vllm.sampling_params", "SamplingParams._bad_words_token_ids"),  # cluster/engine_actor.py:sampling_params
     Symbol("vllm.config.kv_transfer", "KVTransferConfig"),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
     Symbol("vllm.inputs", "TokensPrompt"),

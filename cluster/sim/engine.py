@@ -221,7 +221,7 @@ class SimEngineActor(ServesRequestChannel, Engine):
                              f"has {len(req.prompt_token_ids)}")
         s = req.sampling
         sreq = SimRequest(rid, list(req.prompt_token_ids), max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
-                          stop_token_ids=frozenset(s.stop_token_ids), retain_s=s.retain_s,
+                          stop_token_ids=frozenset(s.stop_token_ids), min_tokens=s.min_tokens, retain_s=s.retain_s,
                           external_tokens=handle.num_tokens if handle else 0)
         if handle is not None:
             self.consumer.expect(rid, handle)

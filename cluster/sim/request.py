@@ -38,6 +38,7 @@ class SimRequest:
     max_tokens: int
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0  # neither EOS nor a stop token ends it before this many outputs (vLLM's)
     external_tokens: int = 0  # leading prompt tokens whose KV comes from elsewhere (D: from P)
     # The prompt's smallest and largest token id; None: found here (one pass over the prompt).
     # The virtual clock passes it, and the prompt's block hashes (`block_hashes`), worked out

@@ -62,10 +62,11 @@ class StepOutputs:
         return out
 
     def _stop_reason(self, req: SimRequest, token: int) -> str | None:
-        if not req.ignore_eos and token == self.config.eos_token_id:
-            return "stop"
-        if token in req.stop_token_ids:
-            return "stop"
+        if len(req.output_token_ids) > req.min_tokens:  # (vLLM masks them before: here they just do not stop it)
+            if not req.ignore_eos and token == self.config.eos_token_id:
+                return "stop"
+            if token in req.stop_token_ids:
+                return "stop"
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length"
         return None

@@ -1,0 +1,47 @@
+"""D's sampling parameters through P/D on real vLLM engines (issue 30; router/sampling_checks.py):
+each acts on the answer, and the answer equals a single engine's given the same parameters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+from e2e import cluster_spec_for, complete, shared_cluster, shared_reference, tiny_model_dir
+
+from pdcluster.proto.messages import SamplingSpec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
+PROMPT = [random.Random(30).randrange(3, 1000) for _ in range(300)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+
+
+def answer(cluster, **params) -> list[int]:
+    r = complete(cluster.url, PROMPT, 12, **params)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_a_forced_token_a_whitelist_and_a_ban_each_act_on_ds_answer(cluster):
+    plain = answer(cluster)
+    forced = next(t for t in range(5, 1000) if t not in plain)
+    assert answer(cluster, logit_bias={str(forced): 100}) == [forced] * 12
+    allowed = {plain[0], forced}
+    assert set(answer(cluster, allowed_token_ids=sorted(allowed))) <= allowed
+    from transformers import AutoTokenizer
+
+    word = AutoTokenizer.from_pretrained(tiny_model_dir()).decode([plain[0]]).strip()
+    banned = answer(cluster, bad_words=[word])
+    assert plain[0] not in banned and banned != plain, (word, banned)
+
+
+def test_penalties_min_p_and_min_tokens_equal_a_single_engines(cluster):
+    params = dict(frequency_penalty=1.5, presence_penalty=1.0, repetition_penalty=1.3, min_p=0.05, min_tokens=4)
+    got = answer(cluster, **params)
+    want = ray.get(shared_reference().sample.remote(PROMPT, SamplingSpec(max_tokens=12, temperature=0,
+                                                                        ignore_eos=True, **params)))
+    assert got == want and got != answer(cluster)
