@@ -51,6 +51,7 @@ from pdcluster.router.openai_stream import Job, envelope, run_job, sse
 from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
 from pdcluster.router.text_codec import PromptTokenizer
+from pdcluster.router.vllm_params import refuse_vllm_only
 
 log = logging.getLogger(__name__)
 _encode_json = msgspec.json.Encoder().encode
@@ -104,6 +105,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {what}, "
                            f"{max_tokens} for the completion). Please reduce the length of the {what} or completion.")
         refuse_unsupported(req)
+        refuse_vllm_only(req, chat)
         temperature = 1.0 if req.temperature is None else req.temperature
         if not 0 <= temperature <= 2:  # OpenAI's range; written so that NaN fails too (1e400 parses as inf)
             raise ApiError(f"temperature must be in [0, 2], got {temperature}", param="temperature")

@@ -42,7 +42,9 @@ MAX_BAD_WORDS = 128  # vLLM's own VLLM_MAX_NUM_BAD_WORDS default
 
 
 class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as vLLM does
+    # Unknown fields are kept aside (model_extra): vLLM's own ones are refused unless at their
+    # defaults (router/vllm_params.py), any other is ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
