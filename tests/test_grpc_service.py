@@ -175,28 +175,29 @@ def test_injected_fault_breaks_the_transfer_halfway(make_d):
 
 def test_server_reads_ahead_of_a_stalled_reader_only_a_bounded_amount(stub_to):
     """Flow control: P copies blocks out only as fast as D drains the stream. With D
-    stalled after one chunk, P has read a few chunks (HTTP/2 window), not the 64 MiB."""
-    n, shape = 65, (2, 128, 1024)  # 1 MiB blocks (float32); block 0 is the null block
+    stalled after one chunk, P has read what the transport's windows and buffers take (a few
+    chunks; 36 MiB once in a clean clone's unit run, under load), not the 160 MiB."""
+    n, shape = 161, (2, 128, 1024)  # 1 MiB blocks (float32); block 0 is the null block
     caches = {LAYERS[0]: torch.zeros(n, *shape)}
     kv = PagedKv(caches, {LAYERS[0]: 0}, n)
     reads = []
     real_byte_runs = kv.byte_runs  # how P reads blocks into a frame
     kv.byte_runs = lambda layer, ids: (reads.append(len(ids)), real_byte_runs(layer, ids))[1]
     sources = SourceTable({LAYERS[0]: 0}, (BLOCK_SIZE,))
-    sources.step("big", "big", 64 * BLOCK_SIZE, (tuple(range(1, n)),), 64 * BLOCK_SIZE)
+    sources.step("big", "big", (n - 1) * BLOCK_SIZE, (tuple(range(1, n)),), (n - 1) * BLOCK_SIZE)
     sources.step_done()
     sources.finish("big", 60)
     server = KvServer("p0", kv, sources, "127.0.0.1", 0, 1 << 20, secret=SECRET)
     try:
         stream = stub_to(server.address).ReadBlocks(pb.ReadBlocksRequest(
-            transfer_id="big", groups=[pb.GroupBlocks(group=0, block_indices=list(range(64)))]), timeout=30)
+            transfer_id="big", groups=[pb.GroupBlocks(group=0, block_indices=list(range(n - 1)))]), timeout=30)
         first = next(stream)
         assert first.chunk.count == 1
         time.sleep(1.0)  # D stalls: P may only fill the transport's window
         ahead = sum(reads)
-        assert ahead <= 24, f"P read {ahead} MiB ahead of a stalled reader"
-        assert sum(c.chunk.count for c in stream) == 63  # and the rest still arrives, in full
-        assert sum(reads) == 64
+        assert ahead <= 64, f"P read {ahead} MiB ahead of a stalled reader"
+        assert sum(c.chunk.count for c in stream) == n - 2  # and the rest still arrives, in full
+        assert sum(reads) == n - 1
     finally:
         server.stop()
 
