@@ -108,11 +108,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 def refuse_unsupported(req: CommonRequest) -> None:
     for name, off in UNSUPPORTED.items():
-        value = getattr(req, name)
-        # Same type and value (True == 1, but true is not best_of 1).
-        if not any(type(value) is type(o) and value == o for o in off):
-            shown = f" (got {value!r:.60})" if isinstance(value, (int, float, str)) else ""
-            raise ApiError(f"'{name}' is not supported by this server{shown}", param=name)
+        refuse_unless_off(name, getattr(req, name), off)
+
+
+def refuse_unless_off(name: str, value: Any, off: tuple[Any, ...]) -> None:
+    """A 400 naming the parameter unless `value` is one of its no-op values `off`."""
+    # Same type and value (True == 1, but true is not best_of 1).
+    if not any(type(value) is type(o) and value == o for o in off):
+        shown = f" (got {value!r:.60})" if isinstance(value, (int, float, str)) else ""
+        raise ApiError(f"'{name}' is not supported by this server{shown}", param=name)
 
 
 class CompletionRequest(CommonRequest):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcluster.router.openai_models import ApiError, CommonRequest
+from pdcluster.router.openai_models import CommonRequest, refuse_unless_off
 
 # Both endpoints: (field, the values that are the router's behaviour: vLLM's defaults).
 _COMMON: dict[str, tuple[Any, ...]] = {
@@ -40,8 +40,5 @@ def refuse_vllm_only(req: CommonRequest, chat: bool) -> None:
         return
     table = CHAT_ONLY if chat else COMPLETION_ONLY
     for name, value in extra.items():
-        off = table.get(name)
-        # Same type and value (True == 1, but true is not priority 1).
-        if off is not None and not any(type(value) is type(o) and value == o for o in off):
-            shown = f" (got {value!r:.60})" if isinstance(value, (int, float, str)) else ""
-            raise ApiError(f"'{name}' is not supported by this server{shown}", param=name)
+        if name in table:
+            refuse_unless_off(name, value, table[name])
