@@ -48,10 +48,9 @@ class PrefillView:
     queued_s: float = 0.0  # their predicted prefill time (router/prefill_cost.py)
     prefill_s: float = 0.0  # this request's predicted prefill time on it (its hit there considered)
     tier_tokens: int = 0  # of matched_tokens, those in its host KV tier (loaded, not computed)
-    # It reads the prompt's first `pool_tokens` from this peer P's host tier (router.p_pool), of
-    # which `pool_read_tokens` past what it holds itself; matched_tokens is then that run. None: no read.
+    # It reads the prompt's first `matched_tokens` from this peer P's host tier (router.p_pool), of
+    # which `pool_read_tokens` past what it holds itself. None: no read.
     pool_from: str | None = None
-    pool_tokens: int = 0
     pool_read_tokens: int = 0
 
 

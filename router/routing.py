@@ -217,7 +217,8 @@ class InstancePicker(LoadCounts[I], Generic[I]):
         if local is not None and local.local:  # D prefills: it may read a P's tier first
             holder, p_run = (d_holder if local.pool_tokens else None), 0
         else:  # P prefills: it may read a peer's tier first
-            holder, p_run = next((i for i in prefill if i.name == p_view.pool_from), None), p_view.pool_tokens
+            holder = next((i for i in prefill if i.name == p_view.pool_from), None)
+            p_run = p_view.matched_tokens if holder is not None else 0
         taken_s = self.cost.taken_s(p_view.matched_tokens, n, p_view.queued_tokens, p_view.queued_s,
                                     p_view.tier_tokens, p_view.pool_read_tokens)
         route = Route(p, d, p_view.matched_tokens if matched_p else None, matched_d[d_name] if matched_d else None,
@@ -297,7 +298,7 @@ class InstancePicker(LoadCounts[I], Generic[I]):
                                 key=lambda pr: pr[1], default=(None, 0))
                 if peer is not None and (s := self.cost.seconds(run, n, tiered, run - held)) < view.prefill_s:
                     view = dataclasses.replace(view, matched_tokens=run, prefill_s=s, pool_from=peer,
-                                               pool_tokens=run, pool_read_tokens=run - held)
+                                               pool_read_tokens=run - held)
             views.append(view)
         return views
 
