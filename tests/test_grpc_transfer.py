@@ -238,6 +238,18 @@ def test_cancelled_load_stops_waiting_for_p(make_p, make_d):
     d.fetcher.cancel("d-r1")  # after the end: nothing happens
 
 
+def test_stop_ends_a_running_load_before_closing_its_channel(make_p, make_d):
+    p, d = make_p(), make_d(timeout_s=30.0)
+    d.fetcher.submit(make_job(p.server.address, (0, 1), (0, 1), num_blocks=2))
+    wait_until_true(lambda: p.sources.waiting == 1)
+    t0 = time.monotonic()
+    d.fetcher.stop()
+
+    assert time.monotonic() - t0 < 2.0  # the call was cancelled, not waited out
+    r = d.fetcher.take_results()
+    assert r.finished == {"d-r1"} and r.failed == {"d-r1"}  # ended and reported before the close
+
+
 def test_preemption_waits_for_a_copy_then_resets_progress(make_p):
     p = make_p()
     offer(p, "r1", (2, 5, 7, 9), ready_tokens=4 * BLOCK_SIZE)

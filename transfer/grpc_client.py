@@ -339,8 +339,15 @@ class KvFetcher:
             log.warning("could not release %s on %s: %s", job.handle.transfer_id, job.handle.address, err.code())
 
     def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._releases.shutdown(wait=False, cancel_futures=True)
+        """End every load (running ones as cancelled), then close the channels: a channel closed
+        under a call still running on it can crash the process inside gRPC's C core (a worker
+        of the unit suite once died so). Waits at most the longest call's own timeout."""
+        with self._lock:
+            running = list(self._calls)
+        for request_id in running:
+            self.cancel(request_id)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._releases.shutdown(wait=True, cancel_futures=True)
         self._channels.close()
         with self._lock:
             for channel, _ in self._stubs.values():
