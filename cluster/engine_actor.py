@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdcluster.cluster.instance_plan import plan_instance
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
@@ -39,6 +39,7 @@ from pdcluster.proto.messages import (
     Role,
     SamplingSpec,
     TierCounts,
+    TokenLogprobs,
     TransferStats,
 )
 from pdcluster.proto.spec import ClusterSpec
@@ -97,6 +98,7 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
         repetition_penalty=s.repetition_penalty, min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
+        logprobs=s.logprobs,
         detokenize=False, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
     )
@@ -241,7 +243,8 @@ class EngineActor(ServesRequestChannel, Engine):
 
         transfer_id = req.transfer_id or req.request_id
         params = prefill_kv_params(self.connector, transfer_id, req.sampling.retain_s, req.pool)
-        sp = sampling_params(req.sampling, max_tokens=1, kv_transfer_params=params)
+        # P's one sampled token is thrown away: its logprobs too.
+        sp = sampling_params(replace(req.sampling, logprobs=None), max_tokens=1, kv_transfer_params=params)
         final = None
         with self._transfer_ids.taken(transfer_id) if self.connector == "pdc" else contextlib.nullcontext():
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
@@ -267,8 +270,9 @@ class EngineActor(ServesRequestChannel, Engine):
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
         sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req))
-        pending: list[int] = []  # tokens not sent yet, and when vLLM handed each over
+        pending: list[int] = []  # tokens not sent yet, when vLLM handed each over, their logprobs
         pending_ns: list[int] = []
+        pending_lp: list[TokenLogprobs] = []
         last_sent = 0
         stream = self._stream_pacing
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
@@ -277,6 +281,8 @@ class EngineActor(ServesRequestChannel, Engine):
             now = time.monotonic_ns()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
+            if req.sampling.logprobs is not None:
+                pending_lp += map(TokenLogprobs.from_vllm, completion.logprobs or ())
             # Per step by default, as vLLM streams; router.stream_interval / stream_coalesce_ms
             # coalesce, since every message costs the router CPU. final_only: the last alone. The
             # first token goes at once; token_ns keeps every token's time either way.
@@ -289,8 +295,9 @@ class EngineActor(ServesRequestChannel, Engine):
             yield DecodeDelta(new_token_ids=pending, token_ns=tuple(pending_ns),
                               finish_reason=completion.finish_reason if out.finished else None,
                               transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,
-                              engine=EngineTimes.from_vllm(out.metrics) if out.finished else None)
-            pending, pending_ns = [], []
+                              engine=EngineTimes.from_vllm(out.metrics) if out.finished else None,
+                              logprobs=tuple(pending_lp))
+            pending, pending_ns, pending_lp = [], [], []
 
     async def open_pool(self, req: PoolRequest) -> PoolOffer:
         """The worker offers the run (transfer/pool_worker.py), between two steps."""

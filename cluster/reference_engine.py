@@ -116,7 +116,18 @@ class GreedyReference:
 
         return self._tokens(prompt, sampling_params(spec))
 
+    def logprobs(self, prompt: list[int], spec) -> list:
+        """The logprobs of each output token (spec.logprobs set), as the cluster's D sends them
+        (proto TokenLogprobs)."""
+        from pdcluster.cluster.engine_actor import sampling_params
+        from pdcluster.proto.messages import TokenLogprobs
+
+        return [TokenLogprobs.from_vllm(p) for p in self._final(prompt, sampling_params(spec)).outputs[0].logprobs]
+
     def _tokens(self, prompt: list[int], params) -> list[int]:
+        return list(self._final(prompt, params).outputs[0].token_ids)
+
+    def _final(self, prompt: list[int], params):
         from pdcluster.transfer.vllm_compat import RequestOutputKind, TokensPrompt
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -127,4 +138,4 @@ class GreedyReference:
         while self.engine.has_unfinished_requests():
             final = next((out for out in self.engine.step() if out.request_id == rid and out.finished), final)
         assert final is not None, f"the reference engine ended {rid} without a final output"
-        return list(final.outputs[0].token_ids)
+        return final

@@ -47,6 +47,23 @@ class SamplingSpec:
     allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's bad_words as its tokenizer splits them (the router's: the engines run without one).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's logprobs: each generated token's, with so many top alternatives (-1: the whole
+    # vocabulary); None: none. D computes them (router/logprobs.py shapes them for the client).
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs as vLLM's engine gives them, in its order: the sampled token
+    first, then the top alternatives by rank (a token among both appears once, first)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # -inf where vLLM gives it
+
+    @classmethod
+    def from_vllm(cls, position) -> TokenLogprobs:
+        """From vLLM's dict[int, Logprob] of one position (a FlatLogprobs yields those too)."""
+        return cls(tuple(position), tuple(lp.logprob for lp in position.values()))
 
 
 @dataclass(frozen=True)
@@ -193,6 +210,7 @@ class DecodeDelta:
     transfer: TransferStats | None = None  # set on the last delta
     num_cached_tokens: int = 0  # D's count: local hit + transferred
     engine: EngineTimes | None = None  # set on the last delta
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingSpec.logprobs asked
     # When each new token was made (engine's time.monotonic_ns), if the engine sends
     # several steps' tokens in one delta (the simulated engine does, to keep Ray's
     # per-message cost off 90 streams); empty: the router stamps arrival times.

@@ -11,7 +11,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdcluster.proto.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.router.openai_models import PdUsage
 
 
@@ -20,6 +20,8 @@ class ModelCard:
     name: str
     max_model_len: int
     vocab_size: int  # valid token ids are 0 .. vocab_size-1
+    # The engines compute logits (vLLM's do; the simulated engine's tokens have none): logprobs.
+    logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class GenerationChunk:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
     pd: PdUsage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked
 
 
 class BackendError(Exception):

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from pdcluster.proto.handle import MAX_RETENTION_S
-from pdcluster.proto.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
 from pdcluster.router.http_app import (
@@ -33,6 +33,13 @@ from pdcluster.router.http_app import (
     aclose,
     error_body,
     json_response,
+)
+from pdcluster.router.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    chat_logprobs_asked,
+    check_logprobs,
+    completion_logprobs,
 )
 from pdcluster.router.openai_models import (
     MAX_STOP_CHARS,
@@ -80,10 +87,17 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     tokenizer_dir = tokenizer.name_or_path  # as from_pretrained was given it
     prompts = PromptTokenizer(tokenizer)
     app = HttpApp(limits)
+    texts = TokenTexts(tokenizer)
+
+    def logprobs_of(job: Job, positions: list[TokenLogprobs]) -> dict[str, list] | None:
+        top = job.sampling.logprobs
+        if top is None:
+            return None
+        return chat_logprobs(positions, top, texts) if job.chat else completion_logprobs(positions, top, texts)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None,
-                 traceparent: str | None = None) -> Job:
+                 traceparent: str | None = None, logprobs: int | None = None) -> Job:
         card: ModelCard = backend.model_card()
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
@@ -136,7 +150,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
-                                retain_s=retain_s, **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
+                                retain_s=retain_s, logprobs=logprobs, **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
         return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
@@ -161,7 +175,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             text = "".join(d.text for d in pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                       else {"index": 0, "text": text})
-            choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+            choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs]),
+                       "finish_reason": last.finish_reason}
             if job.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
             return json_response(envelope(job, [choice], last.usage, chunk=False))
@@ -172,7 +187,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         except BaseException:
             await aclose(deltas)
             raise
-        return StreamResponse(sse(job, first, deltas), headers={"cache-control": "no-cache"})
+        return StreamResponse(sse(job, first, deltas, logprobs_of), headers={"cache-control": "no-cache"})
 
     async def guarded(handler: Any) -> Response:
         try:
@@ -197,8 +212,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         backend.admit()  # a 429 before the prompt costs a tokenization
         if req.echo:
             raise ApiError("echo is not supported", param="echo")
-        if req.logprobs is not None:
-            raise ApiError("logprobs is not supported", param="logprobs")
+        logprobs = check_logprobs(req.logprobs, "logprobs", backend.model_card())
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -208,15 +222,14 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         ids = await prompts.text(prompt) if isinstance(prompt, str) else list(prompt)
         return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
                                     request.headers.get("x-request-id"),
-                                    valid_traceparent(request.headers.get("traceparent"))))
+                                    valid_traceparent(request.headers.get("traceparent")), logprobs))
 
     async def chat_completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
         req = await parse(request, ChatCompletionRequest)
         check_model(req)
         backend.admit()
-        if req.logprobs:
-            raise ApiError("logprobs is not supported", param="logprobs")
+        logprobs = chat_logprobs_asked(req.logprobs, req.top_logprobs, backend.model_card())
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
         try:
@@ -227,7 +240,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
                                     request.headers.get("x-request-id"),
-                                    valid_traceparent(request.headers.get("traceparent"))))
+                                    valid_traceparent(request.headers.get("traceparent")), logprobs))
 
     async def models(request: HttpRequest) -> Response:
         card = backend.model_card()

@@ -82,7 +82,6 @@ class CommonRequest(BaseModel):
     functions: Any = None
     function_call: Any = None
     suffix: Any = None
-    top_logprobs: Any = None
     prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -100,7 +99,7 @@ MAX_STOP_CHARS = 2048
 # null is off for the logprob counts: vLLM reads 0 as "each token's own logprob, no alternatives".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "top_logprobs": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
     "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
 }
@@ -123,7 +122,7 @@ class CompletionRequest(CommonRequest):
     # Strict types: lax pydantic would turn `true` or "5" into token ids.
     prompt: StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None  # so many alternatives (router/logprobs.py)
 
 
 MAX_MESSAGES = 4096  # a conversation's messages (each costs the chat template work, even empty)
@@ -139,6 +138,7 @@ class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
 
 
 class TokenizeRequest(BaseModel):

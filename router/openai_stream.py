@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.proto.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.router.backend import BackendError, GenerationChunk, TokenBackend
 from pdcluster.router.http_app import aclose, error_body
 from pdcluster.router.openai_models import PdUsage, PromptTokensDetails, Usage
@@ -46,6 +46,7 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
+    logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asked
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> int | None:
@@ -103,9 +104,10 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
             end = len(text) if finish else max(sent, len(text) - hold)
             delta, sent = text[sent:end], end
             if finish is None:
-                yield Delta(delta, token_ids=chunk.new_token_ids)
+                yield Delta(delta, token_ids=chunk.new_token_ids, logprobs=chunk.logprobs)
                 continue
-            final = Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids)
+            final = Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids,
+                          logprobs=chunk.logprobs)
             if cut is not None:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
         if final is None:
@@ -130,8 +132,10 @@ def sse_event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[str]:
-    """OpenAI's SSE stream: chunks, an optional usage chunk, then [DONE]."""
+async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
+              logprobs_of: Callable[[Job, list[TokenLogprobs]], dict | None]) -> AsyncIterator[str]:
+    """OpenAI's SSE stream: chunks, an optional usage chunk, then [DONE]; `logprobs_of` shapes
+    a chunk's logprobs."""
 
     def chunk(delta: Delta, role: bool = False) -> str:
         if job.chat:
@@ -139,7 +143,8 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterat
             choice = {"index": 0, "delta": msg}
         else:
             choice = {"index": 0, "text": delta.text}
-        choice |= {"logprobs": None, "finish_reason": delta.finish_reason}
+        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs)),
+                   "finish_reason": delta.finish_reason}
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return sse_event(envelope(job, [choice], None, chunk=True))

@@ -55,7 +55,8 @@ def _resume_itself() -> None:
 def model_card(spec: ClusterSpec) -> ModelCard:
     config = json.loads((Path(spec.model.path) / "config.json").read_text())
     max_len = min(spec.role_engine("prefill").max_model_len, spec.role_engine("decode").max_model_len)
-    return ModelCard(name=spec.model.served_name, max_model_len=max_len, vocab_size=int(config["vocab_size"]))
+    return ModelCard(name=spec.model.served_name, max_model_len=max_len, vocab_size=int(config["vocab_size"]),
+                     logits=spec.role_engine("decode").kind != "sim")
 
 
 PEER_TIMEOUT_S = 10.0  # another router's /metrics share; a live router answers in milliseconds

@@ -17,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdcluster.cluster.tiny_model import make_tiny_model
-from pdcluster.proto.messages import SamplingSpec
+from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.router.backend import GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.openai_api import build_app
 from pdcluster.router.openai_models import PdUsage
@@ -27,8 +27,21 @@ MAX_LEN = 64
 TEXT = "Hello world, héllo 你好 the end."
 
 
+def fake_logprobs(token_id: int, top: int) -> TokenLogprobs:
+    """A position as vLLM's engine gives it: the sampled token, then `top` alternatives by rank
+    (the sampled one among them at rank 2, so it appears once); the last alternative is -inf."""
+    alternatives = [token_id + 1, token_id, *range(token_id + 2, token_id + top)][:top]
+    logprobs = [-1.0 - i / 4 for i in range(len(alternatives))]
+    if alternatives:
+        logprobs[-1] = float("-inf")
+    ranked = dict(zip(alternatives, logprobs))
+    sampled = ranked.pop(token_id, -1.5)
+    return TokenLogprobs((token_id, *ranked), (sampled, *ranked.values()))
+
+
 class FakeBackend(TokenBackend):
-    """Yields `script` (token ids, one chunk each) then a final chunk; records calls and early closes."""
+    """Yields `script` (token ids, one chunk each) then a final chunk (with `fake_logprobs` when
+    asked); records calls and early closes."""
 
     def __init__(self, vocab_size: int, script: list[int], final: list[int], finish: str = "stop",
                  error: Exception | None = None, error_after: int = 0, delay: float = 0.0):
@@ -52,9 +65,10 @@ class FakeBackend(TokenBackend):
                 if self.error is not None and i == self.error_after:
                     raise self.error
                 await asyncio.sleep(self.delay)
-                yield GenerationChunk([t])
+                yield GenerationChunk([t], logprobs=self._logprobs([t], sampling))
             yield GenerationChunk(self.final, self.finish, PdUsage(p_cached_tokens=3, d_cached_tokens=1,
-                                                                   transferred_tokens=5, prefill_instance="prefill-0"))
+                                                                   transferred_tokens=5, prefill_instance="prefill-0"),
+                                  self._logprobs(self.final, sampling))
             done = True
         finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
             if not done and self.error is None:
@@ -62,6 +76,12 @@ class FakeBackend(TokenBackend):
 
     async def health(self):
         return dict(self.instances)
+
+    @staticmethod
+    def _logprobs(tokens: list[int], sampling: SamplingSpec) -> tuple[TokenLogprobs, ...]:
+        if sampling.logprobs is None:
+            return ()
+        return tuple(fake_logprobs(t, 8 if sampling.logprobs == -1 else sampling.logprobs) for t in tokens)
 
 
 @pytest.fixture(scope="module")

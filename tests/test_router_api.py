@@ -161,7 +161,11 @@ def test_stop_string_never_streamed_in_part(fake_router, tok):
     ({"prompt": "a", "top_k": -2}, "top_k", ["top_k"]),
     ({"prompt": "a", "n": 2}, "n", ["n must be 1"]),
     ({"prompt": "a", "echo": True}, "echo", ["echo"]),
-    ({"prompt": "a", "logprobs": 1}, "logprobs", ["logprobs"]),
+    ({"prompt": "a", "logprobs": -2}, "logprobs", ["`logprobs` must be a positive value or -1."]),
+    ({"prompt": "a", "logprobs": 21}, "logprobs", ["Requested sample logprobs of 21, which is greater than max "
+                                                   "allowed: 20"]),
+    ({"prompt": "a", "logprobs": -1}, "logprobs", ["Requested sample logprobs of"]),  # the vocabulary: over 20
+    ({"prompt": "a", "logprobs": True}, "logprobs", ["logprobs"]),
     ({"prompt": "a", "stop": 3}, "stop", ["stop"]),
     ({"prompt": "a", "stream": "yes please"}, "stream", ["stream"]),
     ({"prompt": "a", "kv_retention_s": -1}, "kv_retention_s", ["kv_retention_s must be in [0, 3600] seconds"]),

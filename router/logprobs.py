@@ -1,0 +1,113 @@
+"""Logprobs: the request's checks and the answer's shapes, as vLLM's server has them.
+
+D's vLLM computes each generated token's logprob and its top alternatives (SamplingSpec.logprobs,
+`TokenLogprobs` per token); this module checks what a client asks for with vLLM's bounds and
+messages, and writes what comes back in OpenAI's shapes exactly as vLLM 0.32's server does
+(vllm/entrypoints/openai/{completion,chat_completion}/serving.py): the same token strings, the
+same -9999.0 for -inf, the same choice of alternatives. The engines run without a tokenizer, so
+the token strings are made here, as vLLM's output processor makes them
+(vllm/tokenizers/detokenizer_utils.py:convert_ids_list_to_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pdcluster.proto.messages import TokenLogprobs
+from pdcluster.router.backend import ModelCard
+from pdcluster.router.openai_models import ApiError
+
+FLOOR = -9999.0  # OpenAI's stand-in for -inf, as vLLM writes it
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, which the engines run with
+
+
+def check_logprobs(value: int | None, param: str, card: ModelCard) -> int | None:
+    """The number of alternatives asked for (-1: the vocabulary), checked as vLLM checks it."""
+    if value is None:
+        return None
+    if value < 0 and value != -1:
+        raise ApiError(f"`{param}` must be a positive value or -1.", param=param)
+    if not card.logits:
+        raise ApiError(f"'{param}': the simulated engine computes no logits, so no logprobs", param=param)
+    wanted = card.vocab_size if value == -1 else value
+    if wanted > MAX_LOGPROBS:
+        raise ApiError(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                       f"{MAX_LOGPROBS}", param=param)
+    return value
+
+
+def chat_logprobs_asked(logprobs: bool | None, top_logprobs: int | None, card: ModelCard) -> int | None:
+    """Chat's pair: `logprobs` turns them on, `top_logprobs` (default 0) counts alternatives."""
+    top = 0 if top_logprobs is None else top_logprobs
+    if top < 0 and top != -1:
+        raise ApiError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
+    if top != 0 and not logprobs:
+        raise ApiError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return check_logprobs(top, "top_logprobs", card) if logprobs else None
+
+
+class TokenTexts:
+    """Each token id's own text, as vLLM's output processor decodes one: decode([id]), with the
+    leading spaces a SentencePiece (Metaspace) vocabulary's marker stands for put back."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._marker = _space_marker(tokenizer)
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id]) or ""
+            if self._marker is not None:
+                raw = self._tokenizer.convert_ids_to_tokens(token_id) or ""
+                markers = len(raw) - len(raw.lstrip(self._marker))
+                text = " " * max(0, markers - (len(text) - len(text.lstrip(" ")))) + text
+            self._texts[token_id] = text
+        return text
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    for sub in [pre] + (pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else []):
+        if sub.get("type") == "Metaspace":
+            return sub.get("replacement", "▁")
+    return None
+
+
+def _pairs(position: TokenLogprobs, top: int, inclusive: bool) -> list[tuple[int, float]]:
+    """The position's entries vLLM shows: completions the sampled one and `top` more
+    (`i <= top`), chat the first `top` (`i < top`); -1: all."""
+    pairs = zip(position.token_ids, position.logprobs)
+    return [(t, max(lp, FLOOR)) for i, (t, lp) in enumerate(pairs) if top == -1 or i < top + inclusive]
+
+
+def completion_logprobs(positions: Sequence[TokenLogprobs], top: int, texts: TokenTexts,
+                        offset: int = 0) -> dict[str, list]:
+    """/v1/completions' `logprobs` object; `offset`: the text's length before the first token."""
+    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for position in positions:
+        token = texts(position.token_ids[0])  # the sampled token is the position's first entry
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(max(position.logprobs[0], FLOOR))
+        out["tokens"].append(token)
+        out["top_logprobs"].append({texts(t): lp for t, lp in _pairs(position, top, inclusive=True)})
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(positions: Sequence[TokenLogprobs], top: int, texts: TokenTexts) -> dict[str, list]:
+    """/v1/chat/completions' `logprobs` object."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = texts(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {"content": [entry(p.token_ids[0], max(p.logprobs[0], FLOOR))
+                        | {"top_logprobs": [entry(t, lp) for t, lp in _pairs(p, top, inclusive=False)]}
+                        for p in positions]}

@@ -1,0 +1,120 @@
+"""Logprobs through the router's front end: the checks, and the shapes held to vLLM's own server's
+formatting functions (called on the same positions, with the token strings vLLM's output
+processor would have set), streamed and not."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+from router_fakes import TEXT, bad_request, fake_logprobs, sse_events
+
+from pdcluster.router.logprobs import TokenTexts
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@functools.cache
+def vllm_formatters():
+    """vLLM's completion and chat logprob writers, bound to a stand-in `self` (they read only
+    return_tokens_as_token_ids and the static _get_decoded_token)."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    me = types.SimpleNamespace(return_tokens_as_token_ids=False,
+                               _get_decoded_token=GenerateBaseServing._get_decoded_token)
+    me._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, me)
+    return (functools.partial(OpenAIServingCompletion._create_completion_logprobs, me),
+            functools.partial(OpenAIServingChat._create_chat_logprobs, me))
+
+
+def vllm_positions(tok, token_ids, top):
+    """What vllm serve's engine hands its server: per position a dict of Logprob, decoded."""
+    from vllm.logprobs import Logprob
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    out = []
+    for t in token_ids:
+        p = fake_logprobs(t, top)
+        texts = convert_ids_list_to_tokens(tok, list(p.token_ids))
+        out.append({i: Logprob(lp, None, s) for i, lp, s in zip(p.token_ids, p.logprobs, texts)})
+    return out
+
+
+def test_token_texts_are_vllms(tok):
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    ids = list(range(len(tok)))
+    texts = TokenTexts(tok)
+    assert [texts(i) for i in ids] == convert_ids_list_to_tokens(tok, ids)
+
+
+@pytest.mark.parametrize("top", [0, 1, 3, 20])
+def test_completion_logprobs_are_vllms(fake_router, tok, top):
+    client, backend = fake_router()
+    body = client.post("/v1/completions", json={"prompt": "a", "logprobs": top}).json()
+
+    generated = tok.encode(TEXT) + [tok.eos_token_id]
+    completion, _ = vllm_formatters()
+    want = completion(generated, vllm_positions(tok, generated, top), top, tok).model_dump()
+    assert body["choices"][0]["logprobs"] == want
+    assert backend.calls[0][2].logprobs == top
+    assert -9999.0 in want["top_logprobs"][0].values() if top else True  # -inf is written as vLLM writes it
+
+
+@pytest.mark.parametrize("top", [0, 2, 20])
+def test_chat_logprobs_are_vllms(fake_router, tok, top):
+    client, backend = fake_router()
+    body = client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": top}).json()
+
+    generated = tok.encode(TEXT) + [tok.eos_token_id]
+    _, chat = vllm_formatters()
+    want = chat(generated, vllm_positions(tok, generated, top), tok, top).model_dump()
+    assert body["choices"][0]["logprobs"] == want
+    assert len(want["content"][0]["top_logprobs"]) == top
+
+
+def test_streamed_chunks_carry_their_tokens_logprobs(fake_router, tok):
+    client, _ = fake_router()
+    generated = tok.encode(TEXT) + [tok.eos_token_id]
+    with client.stream("POST", "/v1/completions", json={"prompt": "a", "logprobs": 2, "stream": True}) as r:
+        r.read()
+    chunks = [e["choices"][0]["logprobs"] for e in sse_events(r) if e["choices"]]
+    assert [t for c in chunks for t in c["tokens"]] == [TokenTexts(tok)(t) for t in generated]
+
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "logprobs": True, "stream": True}) as r:
+        r.read()
+    events = [e["choices"][0] for e in sse_events(r) if e["choices"]]
+    assert events[0]["logprobs"] is None  # the role's chunk
+    assert [c["token"] for e in events[1:] for c in e["logprobs"]["content"]] == \
+        [TokenTexts(tok)(t) for t in generated]
+
+
+def test_without_logprobs_none_are_asked_or_written(fake_router):
+    client, backend = fake_router()
+    assert client.post("/v1/completions", json={"prompt": "a"}).json()["choices"][0]["logprobs"] is None
+    # vLLM's default top_logprobs 0 with logprobs off: nothing asked
+    assert client.post("/v1/chat/completions", json={**CHAT, "top_logprobs": 0}).json()["choices"][0]["logprobs"] is None
+    assert [c[2].logprobs for c in backend.calls] == [None, None]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({"logprobs": True, "top_logprobs": -3}, "`top_logprobs` must be a positive value or -1."),
+    ({"logprobs": True, "top_logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({"logprobs": True, "top_logprobs": "2"}, "invalid 'top_logprobs'"),
+])
+def test_chat_logprobs_refused_as_vllm_refuses_them(fake_router, body, message):
+    client, backend = fake_router()
+    err = bad_request(client, "/v1/chat/completions", {**CHAT, **body})
+    assert err["param"] == "top_logprobs" and message in err["message"]
+    assert backend.calls == []
+
+
+def test_an_engine_without_logits_refuses_logprobs(fake_router):
+    client, backend = fake_router()
+    backend.card = types.SimpleNamespace(**{**vars(backend.card), "logits": False})
+    err = bad_request(client, "/v1/completions", {"prompt": "a", "logprobs": 0})
+    assert err["param"] == "logprobs" and "the simulated engine computes no logits" in err["message"]
