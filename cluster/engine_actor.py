@@ -98,7 +98,7 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
         repetition_penalty=s.repetition_penalty, min_p=s.min_p, min_tokens=min(s.min_tokens, max_tokens),
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
-        logprobs=s.logprobs,
+        logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
         detokenize=False, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
     )
@@ -263,6 +263,7 @@ class EngineActor(ServesRequestChannel, Engine):
             # Its worker wrote how long loading them took (before the output left the engine).
             p_tier_load_ns=self._load_times.read(transfer_id) if tier.get(P_TIER_KEY) else 0,
             p_pool_tokens=pool.transferred_tokens if pool is not None and pool.error is None else 0, p_pool=pool,
+            prompt_logprobs=TokenLogprobs.prompt_from_vllm(final.prompt_logprobs),
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
@@ -273,6 +274,7 @@ class EngineActor(ServesRequestChannel, Engine):
         pending: list[int] = []  # tokens not sent yet, when vLLM handed each over, their logprobs
         pending_ns: list[int] = []
         pending_lp: list[TokenLogprobs] = []
+        prompt_lp: tuple[TokenLogprobs | None, ...] = ()  # the router asks D for them only when D prefills
         last_sent = 0
         stream = self._stream_pacing
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
@@ -283,6 +285,8 @@ class EngineActor(ServesRequestChannel, Engine):
             pending_ns += [now] * len(completion.token_ids)
             if req.sampling.logprobs is not None:
                 pending_lp += map(TokenLogprobs.from_vllm, completion.logprobs or ())
+            if out.prompt_logprobs and not prompt_lp:  # vLLM gives them with the first output
+                prompt_lp = TokenLogprobs.prompt_from_vllm(out.prompt_logprobs)
             # Per step by default, as vLLM streams; router.stream_interval / stream_coalesce_ms
             # coalesce, since every message costs the router CPU. final_only: the last alone. The
             # first token goes at once; token_ns keeps every token's time either way.
@@ -296,8 +300,8 @@ class EngineActor(ServesRequestChannel, Engine):
                               finish_reason=completion.finish_reason if out.finished else None,
                               transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,
                               engine=EngineTimes.from_vllm(out.metrics) if out.finished else None,
-                              logprobs=tuple(pending_lp))
-            pending, pending_ns, pending_lp = [], [], []
+                              logprobs=tuple(pending_lp), prompt_logprobs=prompt_lp)
+            pending, pending_ns, pending_lp, prompt_lp = [], [], [], ()
 
     async def open_pool(self, req: PoolRequest) -> PoolOffer:
         """The worker offers the run (transfer/pool_worker.py), between two steps."""

@@ -124,6 +124,13 @@ class GreedyReference:
 
         return [TokenLogprobs.from_vllm(p) for p in self._final(prompt, sampling_params(spec)).outputs[0].logprobs]
 
+    def prompt_logprobs(self, prompt: list[int], spec) -> tuple:
+        """The prompt's logprobs (spec.prompt_logprobs set), as the cluster's P sends them."""
+        from pdcluster.cluster.engine_actor import sampling_params
+        from pdcluster.proto.messages import TokenLogprobs
+
+        return TokenLogprobs.prompt_from_vllm(self._final(prompt, sampling_params(spec)).prompt_logprobs)
+
     def _tokens(self, prompt: list[int], params) -> list[int]:
         return list(self._final(prompt, params).outputs[0].token_ids)
 

@@ -50,6 +50,9 @@ class SamplingSpec:
     # vLLM's logprobs: each generated token's, with so many top alternatives (-1: the whole
     # vocabulary); None: none. D computes them (router/logprobs.py shapes them for the client).
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's, as logprobs. Whoever prefills computes them (P,
+    # or D prefilling alone), every prompt token anew: vLLM reads no cached prefix for them.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,18 @@ class TokenLogprobs:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # -inf where vLLM gives it
+    ranks: tuple[int | None, ...] = ()  # each token's rank in the vocabulary (1: the likeliest)
 
     @classmethod
     def from_vllm(cls, position) -> TokenLogprobs:
         """From vLLM's dict[int, Logprob] of one position (a FlatLogprobs yields those too)."""
-        return cls(tuple(position), tuple(lp.logprob for lp in position.values()))
+        return cls(tuple(position), tuple(lp.logprob for lp in position.values()),
+                   tuple(lp.rank for lp in position.values()))
+
+    @classmethod
+    def prompt_from_vllm(cls, positions) -> tuple[TokenLogprobs | None, ...]:
+        """vLLM's prompt_logprobs (the first position None: nothing precedes it)."""
+        return tuple(None if p is None else cls.from_vllm(p) for p in positions or ())
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,7 @@ class PrefillResult:
     # report (None: no read); a read that failed is computed (or the prefill fails, as on_failure says).
     p_pool_tokens: int = 0
     p_pool: TransferStats | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # when SamplingSpec.prompt_logprobs asked
 
 
 @dataclass(frozen=True)
@@ -211,6 +222,8 @@ class DecodeDelta:
     num_cached_tokens: int = 0  # D's count: local hit + transferred
     engine: EngineTimes | None = None  # set on the last delta
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingSpec.logprobs asked
+    # D prefilling alone, asked for them: the prompt's (on the first delta)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     # When each new token was made (engine's time.monotonic_ns), if the engine sends
     # several steps' tokens in one delta (the simulated engine does, to keep Ray's
     # per-message cost off 90 streams); empty: the router stamps arrival times.

@@ -34,6 +34,7 @@ class GenerationChunk:
     finish_reason: str | None = None  # "stop" | "length"
     pd: PdUsage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last chunk, when the request asked
 
 
 class BackendError(Exception):

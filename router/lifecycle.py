@@ -36,6 +36,7 @@ pick to the end of each part, and learns P's prefill times.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ from pdcluster.proto.messages import (
     PrefillRequest,
     PrefillResult,
     SamplingSpec,
+    TokenLogprobs,
 )
 from pdcluster.router.attempt import Attempt
 from pdcluster.router.backend import BackendError, GenerationChunk
@@ -89,7 +91,11 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         self.rec.mark("arrival", arrival_ns)
         self.sent: list[int] = []  # output tokens the client has
         self.avoid: set[str] = set()  # instances lost under this request
-        self.pool_ok = True  # False once D's read of a P's tier failed: the rest read none
+        # False once D's read of a P's tier failed: the rest read none. Prompt logprobs need every
+        # prompt token computed: no pool then.
+        self.pool_ok = sampling.prompt_logprobs is None
+        # The prompt's logprobs, from whoever prefilled it first (a P, or D alone), when asked.
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
         self.attempt: Attempt[I] | None = None
         self.done = False  # Finished was emitted
         self._closed = False
@@ -116,6 +122,7 @@ class Lifecycle(PoolSteps[I], Generic[I]):
     def prefill_answered(self, attempt: int, result: PrefillResult, now_ns: int) -> list[Command]:
         a = self._current(attempt)
         a.p_waiting, a.pre = False, result
+        self._got_prompt_logprobs(result.prompt_logprobs)
         a.p_slot.close()  # out of P's load; its promise of blocks now waits only for the events
         engine = result.engine
         if engine.scheduled_ns and engine.first_token_ns > engine.scheduled_ns:  # both on P's clock
@@ -245,7 +252,7 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         out: list[Command] = [Routed(a.number, route)]
         if route.local_prefill:  # D alone: no P, no transfer, D prefills what its cache lacks
             a.local_slot.enter_context(picker.prefilling_locally(route))
-            if route.pool is not None:  # ... past what a P's tier offers it
+            if route.pool is not None and self.pool_ok:  # ... past what a P's tier offers it
                 a.pool_waiting = True
                 return out + [OpenPool(a.number, route.pool, PoolRequest(engine_rid, prompt))]
             return out + self._send_decode(a, None)
@@ -256,7 +263,7 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         # (another connector's, such as vLLM's NIXL) names its own in its answer (`connector_params`).
         if getattr(p, "kv_address", None):
             a.handle = TransferHandle(p.engine_id, p.kv_address, engine_rid, len(prompt), self.dispatch.transport)
-        if route.pool is not None:  # P reads the prompt's first blocks from a peer's tier: its offer first
+        if route.pool is not None and self.pool_ok:  # P reads the prompt's first blocks from a peer's tier: its offer first
             a.pool_waiting = True
             return out + [OpenPool(a.number, route.pool, PoolRequest(engine_rid, prompt))]
         return out + self._send_prefill(a, None)
@@ -277,13 +284,17 @@ class Lifecycle(PoolSteps[I], Generic[I]):
                      connector_params: dict | None = None) -> list[Command]:
         a.d_running = True
         a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens))
+        sampling = a.sampling  # the prompt's logprobs are the prefiller's to compute: D's only alone
+        if not a.route.local_prefill and sampling.prompt_logprobs is not None:
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         return [Decode(a.number, a.route.decode,
-                       DecodeRequest(a.engine_rid, a.prompt, a.sampling, handle, connector_params))]
+                       DecodeRequest(a.engine_rid, a.prompt, sampling, handle, connector_params))]
 
     def _take(self, a: Attempt[I], delta: DecodeDelta, now_ns: int) -> list[Command]:
         """D's output, recorded; the last one waits for P's answer in push mode (for the record)."""
         rec = self.rec
         record_tokens(rec, delta, self.dispatch.clock_of(a.route.decode.name), now_ns)
+        self._got_prompt_logprobs(delta.prompt_logprobs)
         if delta.new_token_ids:
             a.got_token = True
             a.local_slot.close()
@@ -320,7 +331,16 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         self.sent += chunk.new_token_ids
         if delta.finish_reason is None:
             return [Emit(chunk)]
+        if self.sampling.prompt_logprobs is not None:
+            if not self.prompt_logprobs:  # push: P failed after D had its KV, taking them along
+                return self._fail(BackendError(f"the prompt's logprobs were lost with {route.prefill.name}'s answer", 502))
+            chunk = dataclasses.replace(chunk, prompt_logprobs=self.prompt_logprobs)
         return self._finish([Emit(chunk)])
+
+    def _got_prompt_logprobs(self, positions: tuple[TokenLogprobs | None, ...]) -> None:
+        """The first prefiller's; a later attempt's prompt is longer by the tokens already sent."""
+        if positions and not self.prompt_logprobs:
+            self.prompt_logprobs = positions[:len(self.prompt)]
 
     def _lost(self, lost: InstanceLost, now_ns: int) -> list[Command]:
         """Move the request off a lost instance (router/migration.py), or end it naming why not."""

@@ -38,6 +38,24 @@ def check_logprobs(value: int | None, param: str, card: ModelCard) -> int | None
     return value
 
 
+def check_prompt_logprobs(value: int | None, stream: bool, card: ModelCard) -> int | None:
+    """The prompt's logprobs asked for: vLLM's checks, and its bound."""
+    if value is None:
+        return None
+    if stream and (value > 0 or value == -1):
+        raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    if value < 0 and value != -1:
+        raise ApiError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+    if not card.logits:
+        raise ApiError("'prompt_logprobs': the simulated engine computes no logits, so no logprobs",
+                       param="prompt_logprobs")
+    wanted = card.vocab_size if value == -1 else value
+    if wanted > MAX_LOGPROBS:
+        raise ApiError(f"Requested prompt logprobs of {wanted}, which is greater than max allowed: "
+                       f"{MAX_LOGPROBS}", param="prompt_logprobs")
+    return value
+
+
 def chat_logprobs_asked(logprobs: bool | None, top_logprobs: int | None, card: ModelCard) -> int | None:
     """Chat's pair: `logprobs` turns them on, `top_logprobs` (default 0) counts alternatives."""
     top = 0 if top_logprobs is None else top_logprobs
@@ -56,6 +74,10 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self._marker = _space_marker(tokenizer)
         self._texts: dict[int, str] = {}
+
+    def plain(self, token_id: int) -> str:
+        """decode([id]) alone: vLLM's server's text for a token without logprobs (echo's first)."""
+        return self._tokenizer.decode([token_id])
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -87,18 +109,33 @@ def _pairs(position: TokenLogprobs, top: int, inclusive: bool) -> list[tuple[int
     return [(t, max(lp, FLOOR)) for i, (t, lp) in enumerate(pairs) if top == -1 or i < top + inclusive]
 
 
-def completion_logprobs(positions: Sequence[TokenLogprobs], top: int, texts: TokenTexts,
-                        offset: int = 0) -> dict[str, list]:
-    """/v1/completions' `logprobs` object; `offset`: the text's length before the first token."""
+def completion_logprobs(positions: Sequence[TokenLogprobs | None], top: int, texts: TokenTexts,
+                        offset: int = 0, token_ids: Sequence[int] = ()) -> dict[str, list]:
+    """/v1/completions' `logprobs` object; `offset`: the text's length before the first token.
+    A position None (an echoed prompt's first) has no logprobs: its token is `token_ids`' there."""
     out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for position in positions:
-        token = texts(position.token_ids[0])  # the sampled token is the position's first entry
+    for i, position in enumerate(positions):
+        if position is None:
+            token, logprob, alternatives = texts.plain(token_ids[i]), None, None
+        else:
+            token = texts(position.token_ids[0])  # the sampled (or prompt) token is the position's first entry
+            logprob = max(position.logprobs[0], FLOOR)
+            alternatives = {texts(t): lp for t, lp in _pairs(position, top, inclusive=True)}
         out["text_offset"].append(offset)
-        out["token_logprobs"].append(max(position.logprobs[0], FLOOR))
+        out["token_logprobs"].append(logprob)
         out["tokens"].append(token)
-        out["top_logprobs"].append({texts(t): lp for t, lp in _pairs(position, top, inclusive=True)})
+        out["top_logprobs"].append(alternatives)
         offset += len(token)
     return out
+
+
+def prompt_logprobs(positions: Sequence[TokenLogprobs | None], texts: TokenTexts) -> list[dict | None]:
+    """The `prompt_logprobs` list, as vLLM's server writes its dict[int, Logprob] per position:
+    each entry the prompt token first, then the top ones, -inf as -9999.0."""
+    return [None if p is None else
+            {str(t): {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": texts(t)}
+             for t, lp, rank in zip(p.token_ids, p.logprobs, p.ranks or (None,) * len(p.token_ids))}
+            for p in positions]
 
 
 def chat_logprobs(positions: Sequence[TokenLogprobs], top: int, texts: TokenTexts) -> dict[str, list]:

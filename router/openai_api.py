@@ -39,7 +39,9 @@ from pdcluster.router.logprobs import (
     chat_logprobs,
     chat_logprobs_asked,
     check_logprobs,
+    check_prompt_logprobs,
     completion_logprobs,
+    prompt_logprobs,
 )
 from pdcluster.router.openai_models import (
     MAX_STOP_CHARS,
@@ -89,15 +91,17 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     app = HttpApp(limits)
     texts = TokenTexts(tokenizer)
 
-    def logprobs_of(job: Job, positions: list[TokenLogprobs]) -> dict[str, list] | None:
+    def logprobs_of(job: Job, positions: list[TokenLogprobs | None], token_ids: list[int] = ()) -> dict | None:
         top = job.sampling.logprobs
         if top is None:
             return None
-        return chat_logprobs(positions, top, texts) if job.chat else completion_logprobs(positions, top, texts)
+        return chat_logprobs(positions, top, texts) if job.chat else \
+            completion_logprobs(positions, top, texts, token_ids=token_ids)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None,
-                 traceparent: str | None = None, logprobs: int | None = None) -> Job:
+                 traceparent: str | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, echo: str | None = None) -> Job:
         card: ModelCard = backend.model_card()
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
@@ -150,13 +154,15 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
-                                retain_s=retain_s, logprobs=logprobs, **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
+                                retain_s=retain_s, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
         return Job(request_id=prefix + (client_id or uuid.uuid4().hex), chat=chat, model=card.name, prompt_ids=prompt_ids,
                     sampling=sampling, stops=stops, stream=bool(req.stream),
                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-                    return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns, traceparent=traceparent)
+                    return_token_ids=bool(req.return_token_ids), arrival_ns=arrival_ns, traceparent=traceparent,
+                    echo=echo)
 
     def check_model(req: CommonRequest | TokenizeRequest | DetokenizeRequest) -> None:
         name = backend.model_card().name
@@ -172,14 +178,21 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             finally:
                 await aclose(deltas)
             last = pieces[-1]
-            text = "".join(d.text for d in pieces)
+            text = (job.echo or "") + "".join(d.text for d in pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                       else {"index": 0, "text": text})
-            choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs]),
+            positions: list[TokenLogprobs | None] = [p for d in pieces for p in d.logprobs]
+            generated = [t for d in pieces for t in d.token_ids]
+            if job.echo is not None:  # as vLLM: the prompt's tokens and logprobs, then the answer's
+                positions, ids = [*last.prompt_logprobs, *positions], job.prompt_ids + generated
+            choice |= {"logprobs": logprobs_of(job, positions, ids if job.echo is not None else generated),
                        "finish_reason": last.finish_reason}
             if job.return_token_ids:
-                choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
-            return json_response(envelope(job, [choice], last.usage, chunk=False))
+                choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": generated}
+            body = envelope(job, [choice], last.usage, chunk=False)
+            if job.sampling.prompt_logprobs is not None:  # vLLM's place for them: the choice, or chat's body
+                (body if job.chat else choice)["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts)
+            return json_response(body)
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
         try:
@@ -210,9 +223,14 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         req = await parse(request, CompletionRequest)
         check_model(req)
         backend.admit()  # a 429 before the prompt costs a tokenization
-        if req.echo:
-            raise ApiError("echo is not supported", param="echo")
-        logprobs = check_logprobs(req.logprobs, "logprobs", backend.model_card())
+        card = backend.model_card()
+        logprobs = check_logprobs(req.logprobs, "logprobs", card)
+        asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), card)
+        if req.echo and asked_prompt_logprobs is None:
+            if logprobs is not None and req.stream:
+                raise ApiError("echo with logprobs is served unstreamed only (the prompt's logprobs come with "
+                               "P's answer)", param="echo")
+            asked_prompt_logprobs = logprobs  # vLLM's: the echoed prompt gets logprobs as the answer does
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -220,9 +238,13 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                "send one prompt per request", param="prompt")
             prompt = prompt[0]
         ids = await prompts.text(prompt) if isinstance(prompt, str) else list(prompt)
+        echo = None
+        if req.echo:  # vLLM's: the prompt as given, or its ids decoded; none with return_token_ids
+            echo = "" if req.return_token_ids else prompt if isinstance(prompt, str) else tokenizer.decode(ids)
         return await serve(make_job(req, False, ids, req.max_tokens, "max_tokens", arrival_ns,
                                     request.headers.get("x-request-id"),
-                                    valid_traceparent(request.headers.get("traceparent")), logprobs))
+                                    valid_traceparent(request.headers.get("traceparent")), logprobs,
+                                    asked_prompt_logprobs, echo))
 
     async def chat_completions(request: HttpRequest) -> Response:
         arrival_ns = time.monotonic_ns()
@@ -230,6 +252,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         check_model(req)
         backend.admit()
         logprobs = chat_logprobs_asked(req.logprobs, req.top_logprobs, backend.model_card())
+        asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), backend.model_card())
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
         try:
@@ -240,7 +263,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
                                     request.headers.get("x-request-id"),
-                                    valid_traceparent(request.headers.get("traceparent")), logprobs))
+                                    valid_traceparent(request.headers.get("traceparent")), logprobs,
+                                    asked_prompt_logprobs))
 
     async def models(request: HttpRequest) -> Response:
         card = backend.model_card()

@@ -73,6 +73,8 @@ class CommonRequest(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     allowed_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # Computed by whoever prefills the prompt (router/logprobs.py); 0 is each prompt token's own.
+    prompt_logprobs: StrictInt | None = None
     # Refused unless unset or at their no-op value (UNSUPPORTED); typed loosely so that the
     # refusal, not a type error, is what the client reads.
     best_of: Any = None
@@ -82,7 +84,6 @@ class CommonRequest(BaseModel):
     functions: Any = None
     function_call: Any = None
     suffix: Any = None
-    prompt_logprobs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -95,12 +96,10 @@ class CommonRequest(BaseModel):
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 2048
 
-# OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off". Only
-# null is off for the logprob counts: vLLM reads 0 as "each token's own logprob, no alternatives".
+# OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
-    "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
 }
 

@@ -4,6 +4,7 @@ a `Job` and serves what this returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ class Job:
     return_token_ids: bool
     arrival_ns: int  # time.monotonic_ns() when the HTTP request arrived
     traceparent: str | None = None  # the client's W3C trace context (router/otlp.py)
+    echo: str | None = None  # completions' echo: the prompt's text, put before the answer's
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -47,6 +49,7 @@ class Delta:
     usage: Usage | None = None
     token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
     logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last, when the request asked
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> int | None:
@@ -107,7 +110,7 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
                 yield Delta(delta, token_ids=chunk.new_token_ids, logprobs=chunk.logprobs)
                 continue
             final = Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids,
-                          logprobs=chunk.logprobs)
+                          logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
             if cut is not None:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
         if final is None:
@@ -153,7 +156,7 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
         if job.chat:
             yield chunk(Delta(""), role=True)  # the role comes first, as OpenAI sends it
         last = first
-        yield chunk(first)
+        yield chunk(first if job.echo is None else dataclasses.replace(first, text=job.echo + first.text))
         if first.finish_reason is None:
             async for last in rest:
                 yield chunk(last)

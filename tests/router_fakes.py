@@ -35,8 +35,10 @@ def fake_logprobs(token_id: int, top: int) -> TokenLogprobs:
     if alternatives:
         logprobs[-1] = float("-inf")
     ranked = dict(zip(alternatives, logprobs))
+    rank = {t: i + 1 for i, t in enumerate(alternatives)}
     sampled = ranked.pop(token_id, -1.5)
-    return TokenLogprobs((token_id, *ranked), (sampled, *ranked.values()))
+    return TokenLogprobs((token_id, *ranked), (sampled, *ranked.values()),
+                         (rank.get(token_id, top + 7), *(rank[t] for t in ranked)))
 
 
 class FakeBackend(TokenBackend):
@@ -68,7 +70,7 @@ class FakeBackend(TokenBackend):
                 yield GenerationChunk([t], logprobs=self._logprobs([t], sampling))
             yield GenerationChunk(self.final, self.finish, PdUsage(p_cached_tokens=3, d_cached_tokens=1,
                                                                    transferred_tokens=5, prefill_instance="prefill-0"),
-                                  self._logprobs(self.final, sampling))
+                                  self._logprobs(self.final, sampling), self._prompt_logprobs(prompt_token_ids, sampling))
             done = True
         finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
             if not done and self.error is None:
@@ -76,6 +78,12 @@ class FakeBackend(TokenBackend):
 
     async def health(self):
         return dict(self.instances)
+
+    @staticmethod
+    def _prompt_logprobs(prompt: list[int], sampling: SamplingSpec) -> tuple[TokenLogprobs | None, ...]:
+        if sampling.prompt_logprobs is None:
+            return ()
+        return (None, *(fake_logprobs(t, sampling.prompt_logprobs) for t in prompt[1:]))
 
     @staticmethod
     def _logprobs(tokens: list[int], sampling: SamplingSpec) -> tuple[TokenLogprobs, ...]:

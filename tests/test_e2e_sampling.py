@@ -7,7 +7,7 @@ import random
 
 import pytest
 import ray
-from e2e import cluster_spec_for, complete, shared_cluster, shared_reference, tiny_model_dir
+from e2e import assert_no_kv_in_use, cluster_spec_for, complete, shared_cluster, shared_reference, tiny_model_dir
 
 from pdcluster.proto.messages import SamplingSpec
 
@@ -77,3 +77,18 @@ def merged_logprobs(sse_text: str) -> dict[str, list]:
                 for k in out:
                     out[k] += (choice["logprobs"] or {}).get(k, [])
     return out
+
+
+@pytest.mark.parametrize("top", [0, 5])
+def test_prompt_logprobs_come_from_ps_prefill_and_equal_a_single_engines(cluster, top):
+    r = complete(cluster.url, PROMPT, 4, prompt_logprobs=top)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    want = ray.get(shared_reference().prompt_logprobs.remote(PROMPT, SamplingSpec(max_tokens=1, prompt_logprobs=top)))
+    assert got[0] is None and len(got) == len(PROMPT) == len(want)
+    for g, w in zip(got[1:], want[1:]):
+        assert [int(t) for t in g] == list(w.token_ids)
+        assert [e["logprob"] for e in g.values()] == pytest.approx(list(w.logprobs), abs=1e-3)
+        assert [e["rank"] for e in g.values()] == list(w.ranks)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # vLLM reads no cached prefix for them
+    assert_no_kv_in_use(cluster)  # P's leases ended though its connector's matches were set aside

@@ -5,6 +5,7 @@ processor would have set), streamed and not."""
 from __future__ import annotations
 
 import functools
+import json
 import types
 
 import pytest
@@ -118,3 +119,72 @@ def test_an_engine_without_logits_refuses_logprobs(fake_router):
     backend.card = types.SimpleNamespace(**{**vars(backend.card), "logits": False})
     err = bad_request(client, "/v1/completions", {"prompt": "a", "logprobs": 0})
     assert err["param"] == "logprobs" and "the simulated engine computes no logits" in err["message"]
+
+
+def vllm_prompt_positions(tok, prompt, top):
+    from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+
+    positions = vllm_positions(tok, prompt[1:], top)
+    for p, t in zip(positions, prompt[1:]):
+        for i, (token_id, lp) in enumerate(p.items()):
+            lp.rank = fake_logprobs(t, top).ranks[i]
+    return clamp_prompt_logprobs([None, *positions])
+
+
+@pytest.mark.parametrize("top", [0, 5])
+def test_prompt_logprobs_are_vllms_in_the_choice_and_chats_body(fake_router, tok, top):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
+
+    client, backend = fake_router()
+    body = client.post("/v1/completions", json={"prompt": "a b c", "prompt_logprobs": top}).json()
+    prompt = backend.calls[0][1]
+    assert backend.calls[0][2].prompt_logprobs == top
+    want = CompletionResponseChoice(index=0, text="", prompt_logprobs=vllm_prompt_positions(tok, prompt, top))
+    assert body["choices"][0]["prompt_logprobs"] == json.loads(want.model_dump_json())["prompt_logprobs"]
+    assert body["choices"][0]["logprobs"] is None
+
+    body = client.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": top}).json()
+    prompt = backend.calls[1][1]
+    want = ChatCompletionResponse(model="tiny", choices=[], usage={"prompt_tokens": 0, "total_tokens": 0},
+                                  prompt_logprobs=vllm_prompt_positions(tok, prompt, top))
+    assert body["prompt_logprobs"] == json.loads(want.model_dump_json())["prompt_logprobs"] and "prompt_logprobs" not in body["choices"][0]
+
+
+def test_echo_puts_the_prompt_before_the_answer_and_its_logprobs_before_the_answers(fake_router, tok):
+    client, backend = fake_router()
+    body = client.post("/v1/completions", json={"prompt": "a b c", "echo": True}).json()
+    assert body["choices"][0]["text"] == "a b c" + TEXT and backend.calls[0][2].prompt_logprobs is None
+
+    body = client.post("/v1/completions", json={"prompt": "a b c", "echo": True, "logprobs": 2}).json()
+    prompt, spec = backend.calls[1][1], backend.calls[1][2]
+    assert (spec.logprobs, spec.prompt_logprobs) == (2, 2)  # vLLM's: the echoed prompt's as the answer's
+    generated = tok.encode(TEXT) + [tok.eos_token_id]
+    completion, _ = vllm_formatters()
+    want = completion([*prompt, *generated], [*vllm_prompt_positions(tok, prompt, 2), *vllm_positions(tok, generated, 2)],
+                      2, tok).model_dump()
+    assert body["choices"][0]["logprobs"] == want and want["tokens"][0] == tok.decode(prompt[0])
+
+    with client.stream("POST", "/v1/completions", json={"prompt": "a b c", "echo": True, "stream": True}) as r:
+        r.read()
+    assert "".join(e["choices"][0]["text"] for e in sse_events(r) if e["choices"]) == "a b c" + TEXT
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."),
+    ({"prompt_logprobs": -2}, "prompt_logprobs", "`prompt_logprobs` must be a positive value or -1."),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "echo", "echo with logprobs is served unstreamed only"),
+])
+def test_prompt_logprobs_refused_as_vllm_refuses_them(fake_router, body, param, message):
+    client, backend = fake_router()
+    err = bad_request(client, "/v1/completions", {"prompt": "a", **body})
+    assert err["param"] == param and message in err["message"]
+    assert backend.calls == []
+
+
+def test_prompt_logprobs_zero_streamed_is_served_as_vllm_serves_it(fake_router):
+    client, backend = fake_router()  # vLLM takes it, and its stream's chunks have no place for them
+    with client.stream("POST", "/v1/completions", json={"prompt": "a", "prompt_logprobs": 0, "stream": True}) as r:
+        r.read()
+    assert r.status_code == 200 and backend.calls[0][2].prompt_logprobs == 0

@@ -160,7 +160,7 @@ def test_stop_string_never_streamed_in_part(fake_router, tok):
     ({"prompt": "a", "top_p": 1.5}, "top_p", ["top_p"]),
     ({"prompt": "a", "top_k": -2}, "top_k", ["top_k"]),
     ({"prompt": "a", "n": 2}, "n", ["n must be 1"]),
-    ({"prompt": "a", "echo": True}, "echo", ["echo"]),
+    ({"prompt": "a", "echo": True, "logprobs": 0, "stream": True}, "echo", ["echo with logprobs is served unstreamed"]),
     ({"prompt": "a", "logprobs": -2}, "logprobs", ["`logprobs` must be a positive value or -1."]),
     ({"prompt": "a", "logprobs": 21}, "logprobs", ["Requested sample logprobs of 21, which is greater than max "
                                                    "allowed: 20"]),

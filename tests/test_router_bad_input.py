@@ -43,8 +43,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("response_format", {"type": "json_object"}, ["'response_format' is not supported"]),
     ("tools", [{"type": "function", "function": {"name": "f"}}], ["'tools' is not supported"]),
     ("suffix", "tail", ["'suffix'"]),
-    # 0 is not "off" in vLLM: each prompt token's own logprob (AISBench's perplexity mode sends it).
-    ("prompt_logprobs", 0, ["'prompt_logprobs' is not supported", "0"]),
+    ("prompt_logprobs", -2, ["`prompt_logprobs` must be a positive value or -1."]),
 ])
 @pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", CHAT)])
 def test_out_of_range_and_unsupported_are_400(fake_router, path, body, field, value, words):
