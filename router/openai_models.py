@@ -128,9 +128,13 @@ MAX_MESSAGES = 4096  # a conversation's messages (each costs the chat template w
 MAX_ROLE_CHARS = 64  # "system", "user", "assistant", "tool", "developer"
 
 
+MAX_CONTENT_PARTS = 4096  # a message's content parts (router/chat_content.py)
+
+
 class ChatMessage(BaseModel):
     role: str = Field(max_length=MAX_ROLE_CHARS)
-    content: str
+    # A string, or a list of parts (router/chat_content.py reads them, as vLLM does)
+    content: str | Annotated[list[StrictStr | dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class ChatCompletionRequest(CommonRequest):

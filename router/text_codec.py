@@ -95,9 +95,11 @@ class PromptTokenizer:
     async def text(self, text: str) -> list[int]:
         return await self.run(len(text), partial(self._encode, text))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """`messages`: as the template takes them (content a string, or text parts: router/chat_content.py)."""
         # The template's work grows with every field and every message, not the contents alone.
-        cost = sum(len(m["role"]) + len(m["content"]) + MESSAGE_CHARS for m in messages)
+        cost = sum(len(m["role"]) + MESSAGE_CHARS + (len(c) if isinstance(c := m["content"], str) else
+                                                     sum(len(p["text"]) + MESSAGE_CHARS for p in c)) for m in messages)
         return list(await self.run(cost, partial(self._tokenizer.apply_chat_template, messages,
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)))
 

@@ -270,3 +270,14 @@ def test_the_handle_crosses_typed_and_a_malformed_one_is_refused_at_the_wire():
         raw[0][2]["handle"].update(bad)
         with pytest.raises(msgspec.ValidationError):
             ENGINE_INBOX.decode(msgspec.msgpack.encode(raw))
+
+
+def test_logprobs_cross_the_wire_exactly_minus_infinity_included():
+    from pdcluster.proto.messages import DecodeDelta, TokenLogprobs
+    from pdcluster.transfer.channel_wire import ROUTER_INBOX, DecodeReply, PrefillReply, _encode
+
+    lps = (TokenLogprobs((5, 6), (-0.25, float("-inf")), (1, 2)),)
+    delta = DecodeDelta([5], logprobs=lps, prompt_logprobs=(None, *lps))
+    pre = PrefillResult("r0", None, 3, 0, prompt_logprobs=(None, *lps))
+    assert ROUTER_INBOX.decode(_encode([DecodeReply(1, delta, False), PrefillReply(2, pre, True)])) == \
+        [DecodeReply(1, delta, False), PrefillReply(2, pre, True)]
