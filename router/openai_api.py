@@ -25,6 +25,7 @@ from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
 from pdcluster.router.chat_content import content_format, template_messages
+from pdcluster.router.chat_template import template_kwargs
 from pdcluster.router.http_app import (
     BytesResponse,
     HttpApp,
@@ -205,13 +206,16 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
 
     formats: dict[str, str] = {}  # the chat template's content format (chat_content.py), once a request needs it
 
-    async def chat_ids(messages: list) -> list[int]:
+    async def chat_ids(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        messages = req.messages
+        kwargs = template_kwargs(tokenizer, req.chat_template_kwargs, req.add_generation_prompt,
+                                 req.continue_final_message)
         if "fmt" not in formats and any(not isinstance(m.content, str) for m in messages):
             # Off the loop: vLLM's template reader, in a child process (seconds, once).
             formats["fmt"] = await prompts.run(1 << 30, partial(content_format, getattr(tokenizer, "chat_template", None)))
         converted = template_messages(messages, formats.get("fmt", "string"))
         try:
-            return await prompts.chat(converted)
+            return await prompts.chat(converted, kwargs)
         except Exception as e:  # the template rejected the conversation (e.g. a role it does not know)
             raise ApiError(f"cannot apply the chat template to messages: {e}", param="messages") from None
 
@@ -268,7 +272,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), backend.model_card())
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
-        ids = await chat_ids(req.messages)
+        ids = await chat_ids(req)
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
@@ -292,7 +296,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         if req.prompt is not None:
             ids = await prompts.text(req.prompt)
         else:
-            ids = await chat_ids(req.messages)
+            ids = await chat_ids(req)
         card = backend.model_card()
         # msgspec: 630K ids in ~5 ms; json.dumps held the loop ~150 ms for them.
         return BytesResponse(_encode_json({"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,

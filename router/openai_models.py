@@ -142,6 +142,10 @@ class ChatCompletionRequest(CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = None
+    # The chat template's arguments (router/chat_template.py), with vLLM's defaults.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -151,6 +155,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -95,13 +95,15 @@ class PromptTokenizer:
     async def text(self, text: str) -> list[int]:
         return await self.run(len(text), partial(self._encode, text))
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """`messages`: as the template takes them (content a string, or text parts: router/chat_content.py)."""
+    async def chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None) -> list[int]:
+        """`messages`: as the template takes them (content a string, or text parts: router/chat_content.py);
+        `kwargs`: the template's arguments (router/chat_template.py; default: a generation prompt)."""
+        kwargs = {"add_generation_prompt": True} if kwargs is None else kwargs
         # The template's work grows with every field and every message, not the contents alone.
         cost = sum(len(m["role"]) + MESSAGE_CHARS + (len(c) if isinstance(c := m["content"], str) else
                                                      sum(len(p["text"]) + MESSAGE_CHARS for p in c)) for m in messages)
         return list(await self.run(cost, partial(self._tokenizer.apply_chat_template, messages,
-                                                 add_generation_prompt=True, tokenize=True, return_dict=False)))
+                                                 tokenize=True, return_dict=False, **kwargs)))
 
     async def decode(self, ids: list[int], vocab_size: int) -> str:
         """The tokenizer's decode of `ids`; ValueError naming the first id outside [0, vocab_size)."""

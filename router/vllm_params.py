@@ -28,9 +28,8 @@ _COMMON: dict[str, tuple[Any, ...]] = {
 COMPLETION_ONLY: dict[str, tuple[Any, ...]] = _COMMON | {
     "prompt_embeds": (None,), "add_special_tokens": (True,)}
 CHAT_ONLY: dict[str, tuple[Any, ...]] = _COMMON | {
-    "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "add_special_tokens": (False,), "documents": (None,), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "reasoning_effort": (None,), "include_reasoning": (True,),
+    "echo": (False,), "add_special_tokens": (False,), "documents": (None,), "chat_template": (None,),
+    "reasoning_effort": (None,), "include_reasoning": (True,),
     "parallel_tool_calls": (None, True), "return_prompt_text": (None, False)}
 
 
