@@ -28,7 +28,7 @@ def incremental(tokenizer, ids: list[int], per_delta: int) -> str:
 
     detok, text = _Detokenizer(tokenizer), ""
     for start in range(0, len(ids), per_delta):
-        text += detok.add(ids[start:start + per_delta], final=start + per_delta >= len(ids))
+        text += detok.add(ids[start:start + per_delta])
     return text
 
 

@@ -67,8 +67,10 @@ def chat_logprobs_asked(logprobs: bool | None, top_logprobs: int | None, card: M
 
 
 class TokenTexts:
-    """Each token id's own text, as vLLM's output processor decodes one: decode([id]), with the
-    leading spaces a SentencePiece (Metaspace) vocabulary's marker stands for put back."""
+    """Token ids' texts as vLLM's output processor writes them in logprobs (its LogprobsProcessor):
+    each id's own decode([id]), with the leading spaces a SentencePiece (Metaspace) vocabulary's
+    marker stands for put back; one ending inside a UTF-8 character (U+FFFD) decoded again after
+    up to 4 tokens before it at its position, as the character's rest, or "" while incomplete."""
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
@@ -90,6 +92,37 @@ class TokenTexts:
             self._texts[token_id] = text
         return text
 
+    def of(self, positions: Sequence[TokenLogprobs | None], context: Sequence[int] = ()) -> list[list[str] | None]:
+        """Each position's entries' texts; `context`: the sequence's ids before the first position
+        (a stream's earlier tokens). A position's own first id is the context of those after it."""
+        before, out = list(context), []
+        for p in positions:
+            if p is None:
+                out.append(None)
+                continue
+            out.append([self._completed(t, before[-4:]) if (text := self(t)).endswith("\ufffd") else text
+                        for t in p.token_ids])
+            before.append(p.token_ids[0])
+        return out
+
+    def _completed(self, token_id: int, context: list[int]) -> str:
+        """vLLM's `_correct_decoded_token` (vllm/v1/engine/logprobs.py, 0.32)."""
+        decode = self._tokenizer.decode
+        for n in range(1, len(context) + 1):
+            ctx = context[-n:]
+            full = decode(ctx + [token_id])
+            if full.endswith("\ufffd"):
+                continue
+            clean_end = len(ctx)  # context tokens that end inside a character belong to this one's text
+            while clean_end and decode([ctx[clean_end - 1]]).endswith("\ufffd"):
+                clean_end -= 1
+            prefix = decode(ctx[:clean_end]) if clean_end else ""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
+            return full[common:]
+        return ""
+
 
 def _space_marker(tokenizer: Any) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -109,18 +142,19 @@ def _pairs(position: TokenLogprobs, top: int, inclusive: bool) -> list[tuple[int
     return [(t, max(lp, FLOOR)) for i, (t, lp) in enumerate(pairs) if top == -1 or i < top + inclusive]
 
 
-def completion_logprobs(positions: Sequence[TokenLogprobs | None], top: int, texts: TokenTexts,
-                        offset: int = 0, token_ids: Sequence[int] = ()) -> dict[str, list]:
-    """/v1/completions' `logprobs` object; `offset`: the text's length before the first token.
-    A position None (an echoed prompt's first) has no logprobs: its token is `token_ids`' there."""
+def completion_logprobs(positions: Sequence[TokenLogprobs | None], decoded: Sequence[list[str] | None], top: int,
+                        texts: TokenTexts, offset: int = 0, token_ids: Sequence[int] = ()) -> dict[str, list]:
+    """/v1/completions' `logprobs` object; `decoded`: TokenTexts.of(positions); `offset`: the
+    text's length before the first token. A position None (an echoed prompt's first) has no
+    logprobs: its token is `token_ids`' there."""
     out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for i, position in enumerate(positions):
+    for i, (position, strings) in enumerate(zip(positions, decoded)):
         if position is None:
             token, logprob, alternatives = texts.plain(token_ids[i]), None, None
         else:
-            token = texts(position.token_ids[0])  # the sampled (or prompt) token is the position's first entry
+            token = strings[0]  # the sampled (or prompt) token is the position's first entry
             logprob = max(position.logprobs[0], FLOOR)
-            alternatives = {texts(t): lp for t, lp in _pairs(position, top, inclusive=True)}
+            alternatives = {s: lp for s, (_, lp) in zip(strings, _pairs(position, top, inclusive=True))}
         out["text_offset"].append(offset)
         out["token_logprobs"].append(logprob)
         out["tokens"].append(token)
@@ -129,22 +163,21 @@ def completion_logprobs(positions: Sequence[TokenLogprobs | None], top: int, tex
     return out
 
 
-def prompt_logprobs(positions: Sequence[TokenLogprobs | None], texts: TokenTexts) -> list[dict | None]:
+def prompt_logprobs(positions: Sequence[TokenLogprobs | None], decoded: Sequence[list[str] | None]) -> list[dict | None]:
     """The `prompt_logprobs` list, as vLLM's server writes its dict[int, Logprob] per position:
     each entry the prompt token first, then the top ones, -inf as -9999.0."""
     return [None if p is None else
-            {str(t): {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": texts(t)}
-             for t, lp, rank in zip(p.token_ids, p.logprobs, p.ranks or (None,) * len(p.token_ids))}
-            for p in positions]
+            {str(t): {"logprob": max(lp, FLOOR), "rank": rank, "decoded_token": text}
+             for t, lp, rank, text in zip(p.token_ids, p.logprobs, p.ranks or (None,) * len(p.token_ids), strings)}
+            for p, strings in zip(positions, decoded)]
 
 
-def chat_logprobs(positions: Sequence[TokenLogprobs], top: int, texts: TokenTexts) -> dict[str, list]:
+def chat_logprobs(positions: Sequence[TokenLogprobs], decoded: Sequence[list[str]], top: int) -> dict[str, list]:
     """/v1/chat/completions' `logprobs` object."""
 
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = texts(token_id)
+    def entry(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
 
-    return {"content": [entry(p.token_ids[0], max(p.logprobs[0], FLOOR))
-                        | {"top_logprobs": [entry(t, lp) for t, lp in _pairs(p, top, inclusive=False)]}
-                        for p in positions]}
+    return {"content": [entry(strings[0], max(p.logprobs[0], FLOOR))
+                        | {"top_logprobs": [entry(s, lp) for s, (_, lp) in zip(strings, _pairs(p, top, inclusive=False))]}
+                        for p, strings in zip(positions, decoded)]}

@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -93,12 +94,17 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     app = HttpApp(limits)
     texts = TokenTexts(tokenizer)
 
-    def logprobs_of(job: Job, positions: list[TokenLogprobs | None], token_ids: list[int] = ()) -> dict | None:
+    def logprobs_of(job: Job, positions: Sequence[TokenLogprobs], context: Sequence[int] = (),
+                    echoed: Sequence[TokenLogprobs | None] = ()) -> dict | None:
+        """The `logprobs` of generated `positions` (after `context`, the ids generated before them),
+        behind an echoed prompt's (`echoed`, its first position None)."""
         top = job.sampling.logprobs
         if top is None:
             return None
-        return chat_logprobs(positions, top, texts) if job.chat else \
-            completion_logprobs(positions, top, texts, token_ids=token_ids)
+        decoded = texts.of(echoed) + texts.of(positions, context)  # each part in its own context, as vLLM's
+        if job.chat:
+            return chat_logprobs(positions, decoded, top)
+        return completion_logprobs([*echoed, *positions], decoded, top, texts, token_ids=job.prompt_ids)
 
     def make_job(req: CommonRequest, chat: bool, prompt_ids: list[int], max_tokens: int | None,
                  max_tokens_param: str, arrival_ns: int, client_id: str | None = None,
@@ -183,17 +189,17 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             text = (job.echo or "") + "".join(d.text for d in pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                       else {"index": 0, "text": text})
-            positions: list[TokenLogprobs | None] = [p for d in pieces for p in d.logprobs]
             generated = [t for d in pieces for t in d.token_ids]
-            if job.echo is not None:  # as vLLM: the prompt's tokens and logprobs, then the answer's
-                positions, ids = [*last.prompt_logprobs, *positions], job.prompt_ids + generated
-            choice |= {"logprobs": logprobs_of(job, positions, ids if job.echo is not None else generated),
+            # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
+            echoed = last.prompt_logprobs if job.echo is not None else ()
+            choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs], echoed=echoed),
                        "finish_reason": last.finish_reason}
             if job.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": generated}
             body = envelope(job, [choice], last.usage, chunk=False)
             if job.sampling.prompt_logprobs is not None:  # vLLM's place for them: the choice, or chat's body
-                (body if job.chat else choice)["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts)
+                (body if job.chat else choice)["prompt_logprobs"] = prompt_logprobs(
+                    last.prompt_logprobs, texts.of(last.prompt_logprobs))
             return json_response(body)
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.

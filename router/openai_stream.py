@@ -95,9 +95,9 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
             if finish == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
                 ids = ids[:-1]  # the eos that ended generation is not text
             if before < min_tokens <= n_out:  # this chunk holds the min_tokens-th token: where stops may end
-                text += detok.add(ids[:min_tokens - before], final=False)
+                text += detok.add(ids[:min_tokens - before])
                 floor, ids = len(text), ids[min_tokens - before:]
-            text += detok.add(ids, final=finish is not None)
+            text += detok.add(ids)
             if n_out <= min_tokens:
                 floor = len(text)
             cut = _find_stop(text, job.stops, max(0, scanned - hold), floor)
@@ -136,9 +136,10 @@ def sse_event(body: dict[str, Any]) -> str:
 
 
 async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
-              logprobs_of: Callable[[Job, list[TokenLogprobs]], dict | None]) -> AsyncIterator[str]:
+              logprobs_of: Callable[[Job, list[TokenLogprobs], list[int]], dict | None]) -> AsyncIterator[str]:
     """OpenAI's SSE stream: chunks, an optional usage chunk, then [DONE]; `logprobs_of` shapes
-    a chunk's logprobs."""
+    a chunk's logprobs (after the ids generated before them)."""
+    generated: list[int] = []
 
     def chunk(delta: Delta, role: bool = False) -> str:
         if job.chat:
@@ -146,8 +147,9 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
             choice = {"index": 0, "delta": msg}
         else:
             choice = {"index": 0, "text": delta.text}
-        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs)),
+        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs), generated),
                    "finish_reason": delta.finish_reason}
+        generated.extend(delta.token_ids)
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return sse_event(envelope(job, [choice], None, chunk=True))

@@ -32,16 +32,16 @@ def vllm_formatters():
 
 
 def vllm_positions(tok, token_ids, top):
-    """What vllm serve's engine hands its server: per position a dict of Logprob, decoded."""
-    from vllm.logprobs import Logprob
-    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    """What vllm serve's engine hands its server: per position a dict of Logprob, decoded by its
+    own LogprobsProcessor (a split UTF-8 character completed from the tokens before it)."""
+    import numpy as np
+    from vllm.v1.engine.logprobs import LogprobsProcessor
 
-    out = []
+    proc = LogprobsProcessor(tok, [], None, 0.0, top, None)
     for t in token_ids:
         p = fake_logprobs(t, top)
-        texts = convert_ids_list_to_tokens(tok, list(p.token_ids))
-        out.append({i: Logprob(lp, None, s) for i, lp, s in zip(p.token_ids, p.logprobs, texts)})
-    return out
+        proc._update_sample_logprobs((np.array([p.token_ids]), np.array([p.logprobs]), np.array([p.ranks[0]]), None))
+    return proc.logprobs
 
 
 def test_token_texts_are_vllms(tok):
@@ -77,20 +77,21 @@ def test_chat_logprobs_are_vllms(fake_router, tok, top):
     assert len(want["content"][0]["top_logprobs"]) == top
 
 
-def test_streamed_chunks_carry_their_tokens_logprobs(fake_router, tok):
+def test_streamed_chunks_carry_their_tokens_logprobs_as_the_whole_answer_has_them(fake_router):
     client, _ = fake_router()
-    generated = tok.encode(TEXT) + [tok.eos_token_id]
-    with client.stream("POST", "/v1/completions", json={"prompt": "a", "logprobs": 2, "stream": True}) as r:
-        r.read()
-    chunks = [e["choices"][0]["logprobs"] for e in sse_events(r) if e["choices"]]
-    assert [t for c in chunks for t in c["tokens"]] == [TokenTexts(tok)(t) for t in generated]
-
-    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "logprobs": True, "stream": True}) as r:
-        r.read()
-    events = [e["choices"][0] for e in sse_events(r) if e["choices"]]
-    assert events[0]["logprobs"] is None  # the role's chunk
-    assert [c["token"] for e in events[1:] for c in e["logprobs"]["content"]] == \
-        [TokenTexts(tok)(t) for t in generated]
+    for path, body, read in [
+        ("/v1/completions", {"prompt": "a", "logprobs": 2}, lambda lp: lp["tokens"]),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 1}, lambda lp: lp["content"]),
+    ]:
+        whole = read(client.post(path, json=body).json()["choices"][0]["logprobs"])
+        with client.stream("POST", path, json={**body, "stream": True}) as r:
+            r.read()
+        chunks = [e["choices"][0]["logprobs"] for e in sse_events(r) if e["choices"]]
+        if "messages" in body:
+            assert chunks[0] is None  # the role's chunk
+            chunks = chunks[1:]
+        # each chunk's split UTF-8 characters completed by the tokens of the chunks before it
+        assert [t for c in chunks for t in read(c)] == whole and len(chunks) == len(whole)
 
 
 def test_without_logprobs_none_are_asked_or_written(fake_router):
@@ -122,13 +123,20 @@ def test_an_engine_without_logits_refuses_logprobs(fake_router):
 
 
 def vllm_prompt_positions(tok, prompt, top):
+    """The prompt's, as vLLM's LogprobsProcessor writes them: each position decoded in the context
+    of the prompt tokens before it (the first, None, aside)."""
     from vllm.entrypoints.generate.base.serving import clamp_prompt_logprobs
+    from vllm.logprobs import Logprob
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    from vllm.v1.engine.logprobs import LogprobsProcessor
 
-    positions = vllm_positions(tok, prompt[1:], top)
-    for p, t in zip(positions, prompt[1:]):
-        for i, (token_id, lp) in enumerate(p.items()):
-            lp.rank = fake_logprobs(t, top).ranks[i]
-    return clamp_prompt_logprobs([None, *positions])
+    proc = LogprobsProcessor(tok, None, [None], None, None, top)
+    for t in prompt[1:]:
+        p = fake_logprobs(t, top)
+        texts = proc._verify_tokens(convert_ids_list_to_tokens(tok, list(p.token_ids)), list(p.token_ids),
+                                    proc._get_sampled_context_ids(proc.prompt_logprobs))
+        proc.prompt_logprobs.append({i: Logprob(lp, r, s) for i, lp, r, s in zip(p.token_ids, p.logprobs, p.ranks, texts)})
+    return clamp_prompt_logprobs(proc.prompt_logprobs)
 
 
 @pytest.mark.parametrize("top", [0, 5])

@@ -20,10 +20,11 @@ def test_detokenizer_in_any_batches_gives_the_whole_decode(tok, seed):
     detok, text, i = _Detokenizer(tok), "", 0
     while i < len(ids):
         n = rng.randrange(1, 5)
-        text += detok.add(ids[i:i + n], final=i + n >= len(ids))
-        assert not text.endswith("\ufffd") or i + n >= len(ids), "a split character came out early"
+        text += detok.add(ids[i:i + n])
+        assert not text.endswith("\ufffd"), "a split character came out before it completed"
         i += n
-    assert text == tok.decode(ids, skip_special_tokens=True)
+    # ... and one the answer ends inside never does (vLLM's server flushes none at the end)
+    assert text == tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 @pytest.mark.parametrize("seed", range(10))

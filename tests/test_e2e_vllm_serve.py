@@ -1,0 +1,165 @@
+"""Side by side with vLLM's own server (issue 30): `vllm serve`'s OpenAI server, started from the
+installed vLLM's entry point on the tiny model (one engine, no P/D), and the P1D1 cluster receive
+the same requests, at temperature 0 or with a seed, streamed and not. Their answers must be equal:
+text, token ids, finish reasons, usage's counts, logprobs within 1e-3; ids and timestamps aside;
+and the official `openai` client must parse each of ours into its typed objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from e2e import cluster_spec_for, free_port, shared_cluster, tiny_model_dir, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
+
+MODEL = "tiny-qwen3"
+PROMPT = "The quick brown fox jumps over the lazy dog; " * 12
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes and dogs."}]
+
+# (name, endpoint, body): each answered by both servers, compared by `answer`'s fields.
+CORPUS = [
+    ("plain", "completions", {"prompt": PROMPT, "max_tokens": 12}),
+    ("token ids", "completions", {"prompt": list(range(5, 300)), "max_tokens": 8, "return_token_ids": True}),
+    ("seeded sample", "completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "seed": 7}),
+    ("stop string", "completions", {"prompt": PROMPT, "max_tokens": 24, "stop": ["e"]}),
+    ("logprobs 0", "completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 0}),
+    ("logprobs 3", "completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 3}),
+    ("prompt logprobs 0", "completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 0}),
+    ("prompt logprobs 5", "completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 5}),
+    ("echo with logprobs", "completions", {"prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1}),
+    ("penalties", "completions", {"prompt": PROMPT, "max_tokens": 12, "frequency_penalty": 1.5,
+                                  "presence_penalty": 1.0, "repetition_penalty": 1.3, "min_p": 0.05,
+                                  "min_tokens": 4}),
+    ("logit bias", "completions", {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {"300": 100}}),
+    ("chat", "chat/completions", {"messages": CHAT, "max_tokens": 12}),
+    ("chat logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
+    ("chat list content", "chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Tell me"}, {"type": "text", "text": "about foxes."}]}], "max_tokens": 8}),
+    ("chat continued", "chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "Foxes are"}],
+                                            "max_tokens": 8, "add_generation_prompt": False,
+                                            "continue_final_message": True}),
+    ("chat prompt logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2}),
+]
+STREAMED = ["plain", "seeded sample", "stop string", "logprobs 3", "chat", "chat logprobs"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+
+
+@pytest.fixture(scope="module")
+def vllm_serve():
+    """vLLM's OpenAI server on the tiny model, as the cluster's engines run it (cluster/reference_engine.py
+    sets the same engine arguments and run-time patches), on core 0."""
+    from pdcluster.cluster import vllm_patches
+
+    model, port = tiny_model_dir(), free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+           **vllm_patches.engine_env([*vllm_patches.patch_sets_for_device("cpu"),
+                                      *vllm_patches.patch_sets_for_model(model, "cpu")])}
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", MODEL,
+            "--dtype", "float32", "--max-model-len", "8192", "--max-num-batched-tokens", "8192", "--block-size", "128",
+            "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"vllm serve exited: {proc.stderr.read()[-3000:]}"
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(up, 240, interval=0.5, what="vllm serve answering")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def ask(url: str, endpoint: str, body: dict, stream: bool) -> dict:
+    """The answer, a streamed one merged into the unstreamed shape's fields compared here."""
+    full = {"model": MODEL, "temperature": 0, **body, "stream": stream}
+    if stream:
+        full["stream_options"] = {"include_usage": True}
+    r = httpx.post(f"{url}/v1/{endpoint}", json=full, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    merged: dict = {"usage": events[-1]["usage"], "text": "", "tokens": [], "token_logprobs": [], "content": [],
+                    "finish_reason": None}
+    for e in events:
+        for c in e["choices"]:
+            merged["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            merged["finish_reason"] = c["finish_reason"] or merged["finish_reason"]
+            lp = c.get("logprobs") or {}
+            merged["tokens"] += lp.get("tokens", [])
+            merged["token_logprobs"] += lp.get("token_logprobs", [])
+            merged["content"] += lp.get("content") or []
+    return merged
+
+
+def compared(answer: dict, stream: bool) -> dict:
+    """The fields that must be equal, logprobs rounded to 1e-3's grid at 4 decimals for the eye
+    (the exact comparison is `approx` below)."""
+    if stream:
+        return {k: answer[k] for k in ("text", "finish_reason", "tokens", "content")} | {
+            "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+            "token_logprobs": answer["token_logprobs"]}
+    [choice] = answer["choices"]
+    out = {"usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+           "finish_reason": choice["finish_reason"],
+           "text": choice["text"] if "text" in choice else choice["message"]["content"],
+           "logprobs": choice.get("logprobs"), "token_ids": choice.get("token_ids"),
+           "prompt_token_ids": choice.get("prompt_token_ids"),
+           "prompt_logprobs": choice.get("prompt_logprobs", answer.get("prompt_logprobs"))}
+    return out
+
+
+def numbers_apart(x, y, path="") -> list[str]:
+    """Where two JSON values differ: numbers by more than 1e-3, anything else at all."""
+    if isinstance(x, float | int) and isinstance(y, float | int) and not isinstance(x, bool):
+        return [] if abs(x - y) <= 1e-3 else [f"{path}: {x} != {y}"]
+    if isinstance(x, dict) and isinstance(y, dict):
+        if list(x) != list(y):
+            return [f"{path}: keys {list(x)[:8]} != {list(y)[:8]}"]
+        return [d for k in x for d in numbers_apart(x[k], y[k], f"{path}.{k}")]
+    if isinstance(x, list) and isinstance(y, list):
+        if len(x) != len(y):
+            return [f"{path}: {len(x)} items != {len(y)}"]
+        return [d for i, (a, b) in enumerate(zip(x, y)) for d in numbers_apart(a, b, f"{path}[{i}]")]
+    return [] if x == y else [f"{path}: {str(x)[:80]!r} != {str(y)[:80]!r}"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_cluster_answers_as_vllm_serve_does(cluster, vllm_serve, stream):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none")
+    apart = {}
+    for name, endpoint, body in CORPUS:
+        if stream and name not in STREAMED:
+            continue
+        ours, theirs = ask(cluster.url, endpoint, body, stream), ask(vllm_serve, endpoint, body, stream)
+        if diff := numbers_apart(compared(ours, stream), compared(theirs, stream)):
+            apart[name] = diff[:4]
+        if not stream:  # the SDK's typed objects take ours
+            kind = client.chat.completions if endpoint.startswith("chat") else client.completions
+            kind.create(model=MODEL, temperature=0, **{k: v for k, v in body.items()
+                                                         if k in ("prompt", "messages", "max_tokens", "logprobs",
+                                                                  "top_logprobs", "echo", "stop", "seed")})
+    assert not apart, json.dumps(apart, indent=1)
