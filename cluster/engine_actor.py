@@ -300,7 +300,8 @@ class EngineActor(ServesRequestChannel, Engine):
                               finish_reason=completion.finish_reason if out.finished else None,
                               transfer=transfer, num_cached_tokens=out.num_cached_tokens or 0,
                               engine=EngineTimes.from_vllm(out.metrics) if out.finished else None,
-                              logprobs=tuple(pending_lp), prompt_logprobs=prompt_lp)
+                              logprobs=tuple(pending_lp), prompt_logprobs=prompt_lp,
+                              stop_reason=completion.stop_reason if isinstance(completion.stop_reason, int) else None)
             pending, pending_ns, pending_lp, prompt_lp = [], [], [], ()
 
     async def open_pool(self, req: PoolRequest) -> PoolOffer:

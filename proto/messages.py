@@ -222,6 +222,7 @@ class DecodeDelta:
     num_cached_tokens: int = 0  # D's count: local hit + transferred
     engine: EngineTimes | None = None  # set on the last delta
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingSpec.logprobs asked
+    stop_reason: int | None = None  # on the last: the stop token id that ended it (vLLM's; None: eos or none)
     # D prefilling alone, asked for them: the prompt's (on the first delta)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     # When each new token was made (engine's time.monotonic_ns), if the engine sends

@@ -35,6 +35,7 @@ class GenerationChunk:
     pd: PdUsage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last chunk, when the request asked
+    stop_reason: int | None = None  # on the last: the stop token id that ended it (None: eos or none)
 
 
 class BackendError(Exception):

@@ -327,7 +327,8 @@ class Lifecycle(PoolSteps[I], Generic[I]):
             if a.so_far is None or a.so_far.p_cached_tokens != p_cached:
                 a.so_far = pd_so_far(route, p_cached, moves)
             pd = a.so_far
-        chunk = GenerationChunk(delta.new_token_ids, delta.finish_reason, pd, delta.logprobs)
+        chunk = GenerationChunk(delta.new_token_ids, delta.finish_reason, pd, delta.logprobs,
+                                stop_reason=delta.stop_reason)
         self.sent += chunk.new_token_ids
         if delta.finish_reason is None:
             return [Emit(chunk)]

@@ -193,7 +193,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
             echoed = last.prompt_logprobs if job.echo is not None else ()
             choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs], echoed=echoed),
-                       "finish_reason": last.finish_reason}
+                       "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
             if job.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": generated}
             body = envelope(job, [choice], last.usage, chunk=False)

@@ -50,13 +50,15 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)  # generated ids this delta covers
     logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asked
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last, when the request asked
+    stop_reason: int | str | None = None  # on the last, as vLLM's: the stop string or stop token id that ended it
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> int | None:
-    """The first stop string in text[start:] that ends past `floor` (the text of the first
-    min_tokens tokens, where vLLM's detokenizer looks for none)."""
-    hits = [i for s in stops if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> tuple[str, int] | None:
+    """The stop string in text[start:] that completes first past `floor` (the text of the first
+    min_tokens tokens, where vLLM's detokenizer looks for none), ties in the list's order (vLLM's
+    check_stop_strings), and where it starts."""
+    hits = [(i + len(s), n, s, i) for n, s in enumerate(stops) if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
+    return min(hits)[2:] if hits else None
 
 
 def _usage(job: Job, completion_tokens: int, last: GenerationChunk | None) -> Usage:
@@ -100,9 +102,11 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
             text += detok.add(ids)
             if n_out <= min_tokens:
                 floor = len(text)
-            cut = _find_stop(text, job.stops, max(0, scanned - hold), floor)
+            hit = _find_stop(text, job.stops, max(0, scanned - hold), floor)
             scanned = len(text)
-            if cut is not None:
+            cut = None
+            if hit is not None:
+                text_stop, cut = hit
                 text, finish = text[:cut], "stop"
             end = len(text) if finish else max(sent, len(text) - hold)
             delta, sent = text[sent:end], end
@@ -110,7 +114,8 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
                 yield Delta(delta, token_ids=chunk.new_token_ids, logprobs=chunk.logprobs)
                 continue
             final = Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids,
-                          logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
+                          logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
+                          stop_reason=text_stop if cut is not None else chunk.stop_reason)
             if cut is not None:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
         if final is None:
@@ -148,7 +153,7 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
         else:
             choice = {"index": 0, "text": delta.text}
         choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs), generated),
-                   "finish_reason": delta.finish_reason}
+                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
         generated.extend(delta.token_ids)
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids

@@ -27,7 +27,8 @@ CORPUS = [
     ("plain", "completions", {"prompt": PROMPT, "max_tokens": 12}),
     ("token ids", "completions", {"prompt": list(range(5, 300)), "max_tokens": 8, "return_token_ids": True}),
     ("seeded sample", "completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "seed": 7}),
-    ("stop string", "completions", {"prompt": PROMPT, "max_tokens": 24, "stop": ["e"]}),
+    ("stop string", "completions", {"prompt": PROMPT, "max_tokens": 24, "stop": ["e", " t"]}),
+    ("stop token", "completions", {"prompt": PROMPT, "max_tokens": 24, "stop_token_ids": "the plain answer's 3rd"}),
     ("logprobs 0", "completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 0}),
     ("logprobs 3", "completions", {"prompt": PROMPT, "max_tokens": 6, "logprobs": 3}),
     ("prompt logprobs 0", "completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 0}),
@@ -46,7 +47,7 @@ CORPUS = [
                                             "continue_final_message": True}),
     ("chat prompt logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2}),
 ]
-STREAMED = ["plain", "seeded sample", "stop string", "logprobs 3", "chat", "chat logprobs"]
+STREAMED = ["plain", "seeded sample", "stop string", "stop token", "logprobs 3", "chat", "chat logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +104,12 @@ def ask(url: str, endpoint: str, body: dict, stream: bool) -> tuple[dict, httpx.
         return r.json(), r
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     merged: dict = {"usage": events[-1]["usage"], "text": "", "tokens": [], "token_logprobs": [], "content": [],
-                    "finish_reason": None}
+                    "finish_reason": None, "stop_reason": None}
     for e in events:
         for c in e["choices"]:
             merged["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
             merged["finish_reason"] = c["finish_reason"] or merged["finish_reason"]
+            merged["stop_reason"] = c.get("stop_reason", "(none)") if c["finish_reason"] else merged["stop_reason"]
             lp = c.get("logprobs") or {}
             merged["tokens"] += lp.get("tokens", [])
             merged["token_logprobs"] += lp.get("token_logprobs", [])
@@ -135,12 +137,12 @@ def compared(answer: dict, stream: bool) -> dict:
     """The fields that must be equal, logprobs rounded to 1e-3's grid at 4 decimals for the eye
     (the exact comparison is `approx` below)."""
     if stream:
-        return {k: answer[k] for k in ("text", "finish_reason", "tokens", "content")} | {
+        return {k: answer[k] for k in ("text", "finish_reason", "stop_reason", "tokens", "content")} | {
             "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
             "token_logprobs": answer["token_logprobs"]}
     [choice] = answer["choices"]
     out = {"usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-           "finish_reason": choice["finish_reason"],
+           "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"],
            "text": choice["text"] if "text" in choice else choice["message"]["content"],
            "logprobs": choice.get("logprobs"), "token_ids": choice.get("token_ids"),
            "prompt_token_ids": choice.get("prompt_token_ids"),
@@ -165,10 +167,14 @@ def numbers_apart(x, y, path="") -> list[str]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_cluster_answers_as_vllm_serve_does(cluster, vllm_serve, stream):
+    plain = ask(vllm_serve, "completions", {"prompt": PROMPT, "max_tokens": 12, "return_token_ids": True}, False)[0]
+    third = plain["choices"][0]["token_ids"][2]
     apart = {}
     for name, endpoint, body in CORPUS:
         if stream and name not in STREAMED:
             continue
+        if name == "stop token":
+            body = {**body, "stop_token_ids": [third]}
         (ours, response), (theirs, _) = ask(cluster.url, endpoint, body, stream), ask(vllm_serve, endpoint, body, stream)
         if diff := numbers_apart(compared(ours, stream), compared(theirs, stream)):
             apart[name] = diff[:4]

@@ -26,7 +26,8 @@ def test_completion_text_prompt(fake_router, tok):
                                     ignore_eos=True, stop_token_ids=(5,), final_only=True)
     assert body["id"] == rid and rid.startswith("cmpl-") and len(rid) == 5 + 32
     assert body["object"] == "text_completion" and body["model"] == MODEL and isinstance(body["created"], int)
-    assert body["choices"] == [{"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop",
+                                "stop_reason": None}]
     n_out = len(tok.encode(TEXT)) + 1  # the eos counts as a completion token but is not text
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n_out,
                              "total_tokens": len(ids) + n_out, "prompt_tokens_details": {"cached_tokens": 3},
@@ -95,7 +96,7 @@ def test_chat(fake_router, tok):
     body = r.json()
     assert body["id"] == rid and rid.startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": TEXT},
-                                "logprobs": None, "finish_reason": "stop"}]
+                                "logprobs": None, "finish_reason": "stop", "stop_reason": None}]
     assert body["usage"]["prompt_tokens"] == len(expected)
     # Without max_tokens, chat may use the rest of the context (OpenAI / vLLM).
     client.post("/v1/chat/completions", json={"messages": messages})
@@ -320,3 +321,14 @@ def test_sse_events_are_ascii_so_unicode_line_breaks_do_not_split_them():
     line = _event({"choices": [{"text": text}]})
     assert line.isascii() and line.endswith("\n\n") and line.count("\n") == 2
     assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+def test_stop_reason_names_the_stop_string_as_vllm_does(fake_router):
+    from pdcluster.router.openai_stream import _find_stop
+
+    client, _ = fake_router()
+    [choice] = client.post("/v1/completions", json={"prompt": "a", "stop": ["zzz", "world"]}).json()["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("Hello ", "stop", "world")
+    # the one that completes first, ties in the list's order (vLLM's check_stop_strings)
+    assert _find_stop("xab", ("ab", "b"), 0) == ("ab", 1) and _find_stop("xab", ("b", "ab"), 0) == ("b", 2)
+    assert _find_stop("xabc", ("abc", "ab"), 0) == ("ab", 1)
