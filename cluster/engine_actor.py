@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from pdcluster.cluster.instance_plan import plan_instance
+from pdcluster.cluster.parallel_sampling import parallel_samples
 from pdcluster.cluster.start_diagnosis import check_ports_free, engine_core_cause, listen_ports, own_stderr_tail
 from pdcluster.cluster.vllm_patches import (
     check_model_runs_here,
@@ -267,10 +268,26 @@ class EngineActor(ServesRequestChannel, Engine):
         )
 
     async def decode(self, req: DecodeRequest) -> AsyncIterator[DecodeDelta]:
+        if req.sampling.n == 1:
+            deltas = self._decode_one(req, req.sampling, req.request_id)
+        else:  # n choices from one prefill: the first loads (or prefills) the prompt, the rest read it from D's cache
+            seed = req.sampling.seed
+            deltas = parallel_samples(req.sampling.n, lambda index, first_output: self._decode_one(
+                req if index == 0 else replace(req, handle=None, connector_params=None),
+                replace(req.sampling, seed=None if seed is None else seed + index),
+                req.request_id if index == 0 else f"{req.request_id}-{index}", first_output))
+        try:
+            async for delta in deltas:
+                yield delta
+        finally:
+            await deltas.aclose()
+
+    async def _decode_one(self, req: DecodeRequest, sampling: SamplingSpec, request_id: str,
+                          first_output: asyncio.Event | None = None) -> AsyncIterator[DecodeDelta]:
         from pdcluster.transfer.connector import D_STATS_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 
-        sp = sampling_params(req.sampling, kv_transfer_params=decode_kv_params(self.connector, req))
+        sp = sampling_params(sampling, kv_transfer_params=decode_kv_params(self.connector, req))
         pending: list[int] = []  # tokens not sent yet, when vLLM handed each over, their logprobs
         pending_ns: list[int] = []
         pending_lp: list[TokenLogprobs] = []
@@ -278,19 +295,21 @@ class EngineActor(ServesRequestChannel, Engine):
         last_sent = 0
         stream = self._stream_pacing
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
-                                           request_id=req.request_id):
+                                           request_id=request_id):
             completion = out.outputs[0]
             now = time.monotonic_ns()
+            if first_output is not None and completion.token_ids:  # its prompt computed (or loaded)
+                first_output.set()
             pending += completion.token_ids
             pending_ns += [now] * len(completion.token_ids)
-            if req.sampling.logprobs is not None:
+            if sampling.logprobs is not None:
                 pending_lp += map(TokenLogprobs.from_vllm, completion.logprobs or ())
             if out.prompt_logprobs and not prompt_lp:  # vLLM gives them with the first output
                 prompt_lp = TokenLogprobs.prompt_from_vllm(out.prompt_logprobs)
             # Per step by default, as vLLM streams; router.stream_interval / stream_coalesce_ms
             # coalesce, since every message costs the router CPU. final_only: the last alone. The
             # first token goes at once; token_ns keeps every token's time either way.
-            if not out.finished and (req.sampling.final_only or last_sent and not stream.due(len(pending), now - last_sent)):
+            if not out.finished and (sampling.final_only or last_sent and not stream.due(len(pending), now - last_sent)):
                 continue
             last_sent = now
             # Our connector's report; absent without a handle, or with vLLM's NixlConnector.

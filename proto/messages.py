@@ -50,6 +50,9 @@ class SamplingSpec:
     # vLLM's logprobs: each generated token's, with so many top alternatives (-1: the whole
     # vocabulary); None: none. D computes them (router/logprobs.py shapes them for the client).
     logprobs: int | None = None
+    # vLLM's n: so many sequences sampled from the prompt, which is prefilled once (D's
+    # cluster/parallel_sampling.py); each choice's seed is `seed` + its index, as vLLM's.
+    n: int = 1
     # vLLM's prompt_logprobs: each prompt token's, as logprobs. Whoever prefills computes them (P,
     # or D prefilling alone), every prompt token anew: vLLM reads no cached prefix for them.
     prompt_logprobs: int | None = None
@@ -223,6 +226,10 @@ class DecodeDelta:
     engine: EngineTimes | None = None  # set on the last delta
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when SamplingSpec.logprobs asked
     stop_reason: int | None = None  # on the last: the stop token id that ended it (vLLM's; None: eos or none)
+    # With n > 1 (SamplingSpec.n): the choice these tokens are of, and its end when this delta
+    # ends it; `finish_reason` is set on the request's last delta alone.
+    index: int = 0
+    choice_finish: str | None = None
     # D prefilling alone, asked for them: the prompt's (on the first delta)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
     # When each new token was made (engine's time.monotonic_ns), if the engine sends
@@ -230,14 +237,20 @@ class DecodeDelta:
     # per-message cost off 90 streams); empty: the router stamps arrival times.
     token_ns: tuple[int, ...] = ()
 
+    def joins(self, later: DecodeDelta) -> bool:
+        """`later` can be merged into this one (`then`): the same choice, which this one does not end."""
+        return self.finish_reason is None and self.choice_finish is None and later.index == self.index
+
     def then(self, later: DecodeDelta) -> DecodeDelta:
         """This delta and the next as one, as vLLM's RequestOutputCollector merges outputs its
         consumer has not taken yet. Token times are kept only if both carry them (else the
         router stamps the merged tokens' arrival)."""
-        assert self.finish_reason is None, "a finished delta is the last: nothing can follow it"
+        assert self.joins(later), "a delta that ends its choice is its last; another choice's is not merged in"
         stamped = len(self.token_ns) == len(self.new_token_ids) and len(later.token_ns) == len(later.new_token_ids)
         return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                       token_ns=self.token_ns + later.token_ns if stamped else ())
+                       token_ns=self.token_ns + later.token_ns if stamped else (),
+                       logprobs=self.logprobs + later.logprobs,
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ class GenerationChunk:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last chunk, when the request asked
     stop_reason: int | None = None  # on the last: the stop token id that ended it (None: eos or none)
+    # n > 1: the choice these tokens are of, and its end when this chunk ends it (finish_reason:
+    # the request's last chunk alone); n = 1: 0, and choice_finish as finish_reason or None.
+    index: int = 0
+    choice_finish: str | None = None
 
 
 class BackendError(Exception):

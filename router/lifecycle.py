@@ -328,7 +328,7 @@ class Lifecycle(PoolSteps[I], Generic[I]):
                 a.so_far = pd_so_far(route, p_cached, moves)
             pd = a.so_far
         chunk = GenerationChunk(delta.new_token_ids, delta.finish_reason, pd, delta.logprobs,
-                                stop_reason=delta.stop_reason)
+                                stop_reason=delta.stop_reason, index=delta.index, choice_finish=delta.choice_finish)
         self.sent += chunk.new_token_ids
         if delta.finish_reason is None:
             return [Emit(chunk)]
@@ -351,6 +351,9 @@ class Lifecycle(PoolSteps[I], Generic[I]):
             moved = f" (off {', '.join(m.lost for m in rec.migrations)})" if rec.migrations else ""
             return out + self._fail(BackendError(f"{lost}; the request was already moved {len(rec.migrations)} times"
                                                  f"{moved}: router.migration_limit", 503, "service_unavailable"))
+        if self.sent and self.sampling.n > 1:  # a move goes on from one sequence, and n have begun
+            return out + self._fail(BackendError(f"{lost}; a request of n={self.sampling.n} choices that has begun "
+                                                 f"is not moved to another instance", 502))
         self.avoid.add(lost.instance)
         picker = self.dispatch.picker
         d_alone = lost.role == "prefill" and picker.local is not None  # D prefills it (router/local_prefill.py)

@@ -59,7 +59,7 @@ from pdcluster.router.openai_models import (
     parse_body,
     refuse_unsupported,
 )
-from pdcluster.router.openai_stream import Job, envelope, run_job, sse
+from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse
 from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
 from pdcluster.router.text_codec import PromptTokenizer
@@ -68,6 +68,7 @@ from pdcluster.router.vllm_params import refuse_vllm_only
 log = logging.getLogger(__name__)
 _encode_json = msgspec.json.Encoder().encode
 
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: choices a request may ask for
 # Decoding and validating a JSON body costs about what tokenizing an eighth of its bytes does
 # (2.9 MB of chat messages: ~110 ms here): bodies past ~64 KB are parsed off the event loop.
 PARSE_BYTES_PER_CHAR = 8
@@ -114,8 +115,12 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
         what = "messages" if chat else "prompt"
-        if req.n not in (None, 1):
-            raise ApiError(f"n must be 1 (got {req.n}): only one choice per request is supported", param="n")
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:  # vLLM's bounds and words (VLLM_MAX_N_SEQUENCES)
+            raise ApiError(f"n must be at least 1, got {n}." if n < 1 else f"n must be at most {MAX_N}, got {n}.",
+                           param="n")
+        if n > 1 and not card.logits:
+            raise ApiError("n > 1: the simulated engine samples one sequence a request", param="n")
         if not prompt_ids:
             raise ApiError(f"the {what} is empty", param=what)
         if not (0 <= min(prompt_ids) and max(prompt_ids) < card.vocab_size):  # C-speed scans: 128K ids in 2.5 ms
@@ -135,6 +140,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         temperature = 1.0 if req.temperature is None else req.temperature
         if not 0 <= temperature <= 2:  # OpenAI's range; written so that NaN fails too (1e400 parses as inf)
             raise ApiError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+        if n > 1 and temperature < 1e-5:  # vLLM's greedy threshold (_SAMPLING_EPS) and words
+            raise ApiError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
         top_p = 1.0 if req.top_p is None else req.top_p
         if not 0 < top_p <= 1:
             raise ApiError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
@@ -162,7 +169,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
-                                retain_s=retain_s, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                retain_s=retain_s, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
                                 **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
@@ -186,20 +193,11 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             finally:
                 await aclose(deltas)
             last = pieces[-1]
-            text = (job.echo or "") + "".join(d.text for d in pieces)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
-                      else {"index": 0, "text": text})
-            generated = [t for d in pieces for t in d.token_ids]
-            # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
-            echoed = last.prompt_logprobs if job.echo is not None else ()
-            choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs], echoed=echoed),
-                       "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
-            if job.return_token_ids:
-                choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": generated}
-            body = envelope(job, [choice], last.usage, chunk=False)
-            if job.sampling.prompt_logprobs is not None:  # vLLM's place for them: the choice, or chat's body
-                (body if job.chat else choice)["prompt_logprobs"] = prompt_logprobs(
-                    last.prompt_logprobs, texts.of(last.prompt_logprobs))
+            choices = [answer_choice(job, index, [d for d in pieces if d.index == index], last)
+                       for index in range(job.sampling.n)]
+            body = envelope(job, choices, last.usage, chunk=False)
+            if job.sampling.prompt_logprobs is not None and job.chat:  # vLLM's place for them on chat
+                body["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts.of(last.prompt_logprobs))
             return json_response(body)
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
@@ -209,6 +207,22 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             await aclose(deltas)
             raise
         return StreamResponse(sse(job, first, deltas, logprobs_of), headers={"cache-control": "no-cache"})
+
+    def answer_choice(job: Job, index: int, pieces: list[Delta], last: Delta) -> dict[str, Any]:
+        """Choice `index` of an unstreamed answer, from its deltas (`last`: the request's last)."""
+        end = next(d for d in reversed(pieces) if d.finish_reason is not None)
+        text = (job.echo or "") + "".join(d.text for d in pieces)
+        choice = ({"index": index, "message": {"role": "assistant", "content": text}} if job.chat
+                  else {"index": index, "text": text})
+        # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
+        echoed = last.prompt_logprobs if job.echo is not None else ()
+        choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs], echoed=echoed),
+                   "finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
+        if job.return_token_ids:
+            choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
+        if job.sampling.prompt_logprobs is not None and not job.chat:  # vLLM's place for them: each choice
+            choice["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts.of(last.prompt_logprobs))
+        return choice
 
     formats: dict[str, str] = {}  # the chat template's content format (chat_content.py), once a request needs it
 

@@ -51,6 +51,7 @@ class Delta:
     logprobs: tuple[TokenLogprobs, ...] = ()  # theirs, when the request asked
     prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()  # on the last, when the request asked
     stop_reason: int | str | None = None  # on the last, as vLLM's: the stop string or stop token id that ended it
+    index: int = 0  # the choice (n > 1); `finish_reason` is its end, `usage` comes on the request's last delta
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int, floor: int = 0) -> tuple[str, int] | None:
@@ -73,52 +74,80 @@ def _usage(job: Job, completion_tokens: int, last: GenerationChunk | None) -> Us
                  pd=pd)
 
 
+class _ChoiceText:
+    """One choice's text as its tokens come: detokenized, stop strings matched past the text of
+    its first min_tokens tokens (vLLM's detokenizer looks for none there), streamed text held back
+    by len(longest stop)-1 characters so that a stop split across tokens never reaches the client."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], min_tokens: int):
+        self._detok, self._eos = Detokenizer(tokenizer), tokenizer.eos_token_id
+        self._stops, self._min_tokens = stops, min_tokens
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._text, self._sent, self._scanned, self._floor = "", 0, 0, 0
+        self.tokens = 0  # generated tokens taken (vLLM's count: up to the one that stopped it)
+        self.done = False
+
+    def take(self, ids: list[int], finish: str | None) -> tuple[str, str | None, str | None]:
+        """(the text the client gets now, the choice's finish, the stop string that ended it)."""
+        before, self.tokens = self.tokens, self.tokens + len(ids)
+        if finish == "stop" and ids and ids[-1] == self._eos:
+            ids = ids[:-1]  # the eos that ended generation is not text
+        min_tokens = self._min_tokens
+        if before < min_tokens <= self.tokens:  # this chunk holds the min_tokens-th token: where stops may end
+            self._text += self._detok.add(ids[:min_tokens - before])
+            self._floor, ids = len(self._text), ids[min_tokens - before:]
+        self._text += self._detok.add(ids)
+        if self.tokens <= min_tokens:
+            self._floor = len(self._text)
+        hit = _find_stop(self._text, self._stops, max(0, self._scanned - self._hold), self._floor)
+        self._scanned = len(self._text)
+        stop = None
+        if hit is not None:
+            stop, cut = hit
+            self._text, finish = self._text[:cut], "stop"
+        end = len(self._text) if finish else max(self._sent, len(self._text) - self._hold)
+        delta, self._sent = self._text[self._sent:end], end
+        self.done = finish is not None
+        return delta, finish, stop
+
+
 async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncIterator[Delta]:
-    """The one generation path: backend chunks -> text deltas, stop strings applied."""
+    """The one generation path: backend chunks -> text deltas, stop strings applied, per choice
+    (`n`); the last delta has `usage`."""
     gen = backend.generate(job.request_id, job.prompt_ids, job.sampling, arrival_ns=job.arrival_ns,
                            traceparent=job.traceparent)
-    detok = Detokenizer(tokenizer)
-    # Streamed text keeps the last len(longest stop)-1 characters back, so a
-    # stop string split across tokens never reaches the client.
-    hold = max((len(s) for s in job.stops), default=1) - 1
-    text, sent, scanned, n_out = "", 0, 0, 0
-    min_tokens = job.sampling.min_tokens
-    floor = 0  # stop strings end past the text of the first min_tokens tokens (once it is known)
+    choices = [_ChoiceText(tokenizer, job.stops, job.sampling.min_tokens) for _ in range(job.sampling.n)]
+    # The prompt's logprobs come with the backend's last chunk: a stop string does not end the wait for it.
+    wait_for_last = job.sampling.prompt_logprobs is not None
     last: GenerationChunk | None = None
-    final: Delta | None = None
+    final: Delta | None = None  # the last delta, once every choice has ended
     try:
         async for chunk in gen:
-            if final is not None:
+            if final is not None and (not wait_for_last or last is not None and last.finish_reason is not None):
                 break  # by contract nothing follows the finish chunk
-            last, ids, finish = chunk, chunk.new_token_ids, chunk.finish_reason
-            if not ids and finish is None:
+            last, ids = chunk, chunk.new_token_ids
+            ends = chunk.choice_finish or chunk.finish_reason
+            if ends in ("error", "abort"):  # a choice of n failed (a single one's failure is the backend's error)
+                raise BackendError(f"choice {chunk.index} of {job.sampling.n} ended with {ends!r}", 502)
+            choice = choices[chunk.index]
+            if final is not None or choice.done:  # ended by a stop string: the rest of its tokens are not its
+                if final is not None and chunk.finish_reason is not None:
+                    final = dataclasses.replace(final, prompt_logprobs=chunk.prompt_logprobs)
                 continue
-            before, n_out = n_out, n_out + len(ids)
-            if finish == "stop" and ids and ids[-1] == tokenizer.eos_token_id:
-                ids = ids[:-1]  # the eos that ended generation is not text
-            if before < min_tokens <= n_out:  # this chunk holds the min_tokens-th token: where stops may end
-                text += detok.add(ids[:min_tokens - before])
-                floor, ids = len(text), ids[min_tokens - before:]
-            text += detok.add(ids)
-            if n_out <= min_tokens:
-                floor = len(text)
-            hit = _find_stop(text, job.stops, max(0, scanned - hold), floor)
-            scanned = len(text)
-            cut = None
-            if hit is not None:
-                text_stop, cut = hit
-                text, finish = text[:cut], "stop"
-            end = len(text) if finish else max(sent, len(text) - hold)
-            delta, sent = text[sent:end], end
-            if finish is None:
-                yield Delta(delta, token_ids=chunk.new_token_ids, logprobs=chunk.logprobs)
+            if not ids and ends is None:
                 continue
-            final = Delta(delta, finish, _usage(job, n_out, last), token_ids=chunk.new_token_ids,
-                          logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
-                          stop_reason=text_stop if cut is not None else chunk.stop_reason)
-            if cut is not None:
+            text, finish, stop = choice.take(ids, ends)
+            delta = Delta(text, finish, token_ids=chunk.new_token_ids, logprobs=chunk.logprobs,
+                          stop_reason=stop if stop is not None else chunk.stop_reason if finish else None,
+                          index=chunk.index)
+            if not all(c.done for c in choices):
+                yield delta
+                continue
+            final = dataclasses.replace(delta, usage=_usage(job, sum(c.tokens for c in choices), last),
+                                        prompt_logprobs=chunk.prompt_logprobs)
+            if chunk.finish_reason is None and not wait_for_last:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
-        if final is None:
+        if final is None or wait_for_last and last is not None and last.finish_reason is None:
             raise BackendError("the backend ended the generation without a finish_reason")
         yield final
     finally:
@@ -143,28 +172,33 @@ def sse_event(body: dict[str, Any]) -> str:
 async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
               logprobs_of: Callable[[Job, list[TokenLogprobs], list[int]], dict | None]) -> AsyncIterator[str]:
     """OpenAI's SSE stream: chunks, an optional usage chunk, then [DONE]; `logprobs_of` shapes
-    a chunk's logprobs (after the ids generated before them)."""
-    generated: list[int] = []
+    a chunk's logprobs (after the ids its choice generated before them)."""
+    generated: dict[int, list[int]] = {i: [] for i in range(job.sampling.n)}
+    echoed: set[int] = set()  # the choices whose text has begun with the prompt's (echo)
 
     def chunk(delta: Delta, role: bool = False) -> str:
+        if job.echo is not None and delta.index not in echoed:
+            echoed.add(delta.index)
+            delta = dataclasses.replace(delta, text=job.echo + delta.text)
         if job.chat:
             msg = ({"role": "assistant"} if role else {}) | ({"content": delta.text} if delta.text or role else {})
-            choice = {"index": 0, "delta": msg}
+            choice = {"index": delta.index, "delta": msg}
         else:
-            choice = {"index": 0, "text": delta.text}
-        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs), generated),
+            choice = {"index": delta.index, "text": delta.text}
+        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs), generated[delta.index]),
                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-        generated.extend(delta.token_ids)
+        generated[delta.index].extend(delta.token_ids)
         if job.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return sse_event(envelope(job, [choice], None, chunk=True))
 
     try:
-        if job.chat:
-            yield chunk(Delta(""), role=True)  # the role comes first, as OpenAI sends it
+        if job.chat:  # the role comes first, as OpenAI sends it: each choice's
+            for index in range(job.sampling.n):
+                yield chunk(Delta("", index=index), role=True)
         last = first
-        yield chunk(first if job.echo is None else dataclasses.replace(first, text=job.echo + first.text))
-        if first.finish_reason is None:
+        yield chunk(first)
+        if first.usage is None:  # the request's last delta has it
             async for last in rest:
                 yield chunk(last)
         if job.include_usage:

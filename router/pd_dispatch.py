@@ -326,7 +326,12 @@ class PDDispatcher(TokenBackend):
         delta = await stream.next()
         while delta is not None and delta.finish_reason is None and stream.has_reply:
             later = await stream.next()  # returns at once
-            delta = delta if later is None else delta.then(later)
+            if later is None:
+                break
+            if not delta.joins(later):  # another choice's (n > 1), or this one ended: the next call's
+                stream.push_back(later)
+                break
+            delta = delta.then(later)
         return delta
 
     async def health(self) -> dict[str, bool]:

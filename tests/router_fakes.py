@@ -63,14 +63,20 @@ class FakeBackend(TokenBackend):
         self.traceparents.append(traceparent)
         done = False
         try:
+            n = sampling.n  # n > 1: each choice's tokens in turn, the script's for each
             for i, t in enumerate(self.script):
                 if self.error is not None and i == self.error_after:
                     raise self.error
                 await asyncio.sleep(self.delay)
-                yield GenerationChunk([t], logprobs=self._logprobs([t], sampling))
+                for index in range(n):
+                    yield GenerationChunk([t], logprobs=self._logprobs([t], sampling), index=index)
+            for index in range(n - 1):
+                yield GenerationChunk(self.final, None, None, self._logprobs(self.final, sampling), index=index,
+                                      choice_finish=self.finish)
             yield GenerationChunk(self.final, self.finish, PdUsage(p_cached_tokens=3, d_cached_tokens=1,
                                                                    transferred_tokens=5, prefill_instance="prefill-0"),
-                                  self._logprobs(self.final, sampling), self._prompt_logprobs(prompt_token_ids, sampling))
+                                  self._logprobs(self.final, sampling), self._prompt_logprobs(prompt_token_ids, sampling),
+                                  index=n - 1, choice_finish=self.finish if n > 1 else None)
             done = True
         finally:  # closed (GeneratorExit) or cancelled (CancelledError) before the end
             if not done and self.error is None:

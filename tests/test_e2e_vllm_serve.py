@@ -37,6 +37,11 @@ CORPUS = [
     ("penalties", "completions", {"prompt": PROMPT, "max_tokens": 12, "frequency_penalty": 1.5,
                                   "presence_penalty": 1.0, "repetition_penalty": 1.3, "min_p": 0.05,
                                   "min_tokens": 4}),
+    ("n=3", "completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 0.5, "seed": 3,
+                            "return_token_ids": True}),
+    ("n=3 seeded", "completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 11,
+                                   "logprobs": 1}),
+    ("chat n=2 seeded", "chat/completions", {"messages": CHAT, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 5}),
     ("logit bias", "completions", {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {"300": 100}}),
     ("chat", "chat/completions", {"messages": CHAT, "max_tokens": 12}),
     ("chat logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
@@ -47,7 +52,7 @@ CORPUS = [
                                             "continue_final_message": True}),
     ("chat prompt logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2}),
 ]
-STREAMED = ["plain", "seeded sample", "stop string", "stop token", "logprobs 3", "chat", "chat logprobs"]
+STREAMED = ["plain", "seeded sample", "stop string", "stop token", "n=3 seeded", "chat n=2 seeded", "logprobs 3", "chat", "chat logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +108,11 @@ def ask(url: str, endpoint: str, body: dict, stream: bool) -> tuple[dict, httpx.
     if not stream:
         return r.json(), r
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    merged: dict = {"usage": events[-1]["usage"], "text": "", "tokens": [], "token_logprobs": [], "content": [],
-                    "finish_reason": None, "stop_reason": None}
+    choices: dict[int, dict] = {}
     for e in events:
         for c in e["choices"]:
+            merged = choices.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "content": [],
+                                                     "finish_reason": None, "stop_reason": None})
             merged["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
             merged["finish_reason"] = c["finish_reason"] or merged["finish_reason"]
             merged["stop_reason"] = c.get("stop_reason", "(none)") if c["finish_reason"] else merged["stop_reason"]
@@ -114,7 +120,7 @@ def ask(url: str, endpoint: str, body: dict, stream: bool) -> tuple[dict, httpx.
             merged["tokens"] += lp.get("tokens", [])
             merged["token_logprobs"] += lp.get("token_logprobs", [])
             merged["content"] += lp.get("content") or []
-    return merged, r
+    return {"usage": events[-1]["usage"], "choices": [choices[i] for i in sorted(choices)]}, r
 
 
 def sdk_parses(endpoint: str, body: dict, response: httpx.Response) -> None:
@@ -134,20 +140,16 @@ def sdk_parses(endpoint: str, body: dict, response: httpx.Response) -> None:
 
 
 def compared(answer: dict, stream: bool) -> dict:
-    """The fields that must be equal, logprobs rounded to 1e-3's grid at 4 decimals for the eye
-    (the exact comparison is `approx` below)."""
+    """The fields that must be equal: usage's counts, and each choice's text, finish, stop reason,
+    token ids, logprobs and prompt logprobs (a streamed answer's merged per choice)."""
+    usage = {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     if stream:
-        return {k: answer[k] for k in ("text", "finish_reason", "stop_reason", "tokens", "content")} | {
-            "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-            "token_logprobs": answer["token_logprobs"]}
-    [choice] = answer["choices"]
-    out = {"usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-           "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"],
-           "text": choice["text"] if "text" in choice else choice["message"]["content"],
-           "logprobs": choice.get("logprobs"), "token_ids": choice.get("token_ids"),
-           "prompt_token_ids": choice.get("prompt_token_ids"),
-           "prompt_logprobs": choice.get("prompt_logprobs", answer.get("prompt_logprobs"))}
-    return out
+        return {"usage": usage, "choices": answer["choices"]}
+    return {"usage": usage, "prompt_logprobs": answer.get("prompt_logprobs"), "choices": [
+        {"index": c["index"], "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+         "text": c["text"] if "text" in c else c["message"]["content"], "logprobs": c.get("logprobs"),
+         "token_ids": c.get("token_ids"), "prompt_token_ids": c.get("prompt_token_ids"),
+         "prompt_logprobs": c.get("prompt_logprobs")} for c in answer["choices"]]}
 
 
 def numbers_apart(x, y, path="") -> list[str]:

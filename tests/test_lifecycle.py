@@ -165,6 +165,17 @@ def test_a_decode_lost_mid_stream_goes_on_with_the_tokens_sent_and_the_rest_of_t
     assert rec.token_ns == [20, 20, 50, 50] and rec.migrations[0].tokens_sent == 2 and idle(disp)
 
 
+def test_a_request_of_n_choices_lost_after_its_first_tokens_fails_rather_than_move():
+    disp = dispatch("pull")
+    lc = Lifecycle(disp, "r0", list(PROMPT), SamplingSpec(max_tokens=4, n=2), arrival_ns=100)
+    lc.start(0)
+    lc.prefill_answered(0, answer(), 10)
+    lc.decode_output(0, DecodeDelta([7], index=1), 20)
+    *_, finished = lc.decode_failed(0, Failure("lost", "connection closed"), 30)
+    assert finished.error.status == 502 and "n=2" in str(finished.error)
+    assert "not moved" in lc.close(40).error and idle(disp)
+
+
 def test_lost_after_its_last_token_it_just_finishes():
     disp = dispatch("pull")
     lc = lifecycle(disp, max_tokens=2)

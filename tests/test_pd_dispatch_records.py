@@ -25,6 +25,7 @@ from dispatch_fakes import (
 
 from pdcluster.proto.messages import (
     DecodeDelta,
+    TokenLogprobs,
     TransferStats,
 )
 from pdcluster.router.pd_dispatch import PDDispatcher
@@ -76,8 +77,39 @@ def test_merging_deltas_keeps_times_only_when_every_token_has_one():
     assert DecodeDelta([]).then(b) == b
     fin = DecodeDelta([4], finish_reason="stop", transfer=TransferStats(transferred_tokens=9), token_ns=(8,))
     assert a.then(fin) == DecodeDelta([1, 4], "stop", TransferStats(transferred_tokens=9), token_ns=(5, 8))
-    with pytest.raises(AssertionError, match="finished delta"):
+    with pytest.raises(AssertionError, match="ends its choice"):
         fin.then(a)
+
+
+def test_merging_keeps_every_tokens_logprobs_and_never_mixes_choices():
+    lp = [TokenLogprobs((t,), (-0.5,)) for t in (1, 2)]
+    a, b = DecodeDelta([1], logprobs=(lp[0],)), DecodeDelta([2], logprobs=(lp[1],))
+    assert a.then(b).logprobs == tuple(lp)
+    other, ended = DecodeDelta([9], index=1), DecodeDelta([3], index=0, choice_finish="length")
+    assert not a.joins(other) and not ended.joins(b) and a.joins(ended)
+
+
+def test_a_delta_of_another_choice_waits_for_the_next_read():
+    class Stream:  # a PendingCall whose replies are all here
+        def __init__(self, items):
+            self.items, self.back = list(items), None
+
+        @property
+        def has_reply(self):
+            return self.back is not None or bool(self.items)
+
+        async def next(self):
+            if self.back is not None:
+                item, self.back = self.back, None
+                return item
+            return self.items.pop(0) if self.items else None
+
+        def push_back(self, item):
+            self.back = item
+
+    stream = Stream([DecodeDelta([1]), DecodeDelta([2]), DecodeDelta([9], index=1), DecodeDelta([3], "stop")])
+    got = [run(PDDispatcher._next_delta(stream)) for _ in range(3)]
+    assert [(d.index, d.new_token_ids) for d in got] == [(0, [1, 2]), (1, [9]), (0, [3])]
 
 
 def test_prefix_aware_records_predictions_and_frees_its_counts(cancelled):

@@ -160,7 +160,9 @@ def test_stop_string_never_streamed_in_part(fake_router, tok):
     ({"prompt": "a", "top_p": 0}, "top_p", ["top_p", "(0, 1]"]),
     ({"prompt": "a", "top_p": 1.5}, "top_p", ["top_p"]),
     ({"prompt": "a", "top_k": -2}, "top_k", ["top_k"]),
-    ({"prompt": "a", "n": 2}, "n", ["n must be 1"]),
+    ({"prompt": "a", "n": 0}, "n", ["n must be at least 1, got 0."]),
+    ({"prompt": "a", "n": 2, "temperature": 0}, "n", ["n must be 1 when using greedy sampling, got 2."]),
+    ({"prompt": "a", "n": 16385}, "n", ["n must be at most 16384, got 16385."]),
     ({"prompt": "a", "echo": True, "logprobs": 0, "stream": True}, "echo", ["echo with logprobs is served unstreamed"]),
     ({"prompt": "a", "logprobs": -2}, "logprobs", ["`logprobs` must be a positive value or -1."]),
     ({"prompt": "a", "logprobs": 21}, "logprobs", ["Requested sample logprobs of 21, which is greater than max "

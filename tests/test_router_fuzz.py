@@ -123,7 +123,7 @@ def test_oversized_body_is_413(client):
     assert r.status_code == 413 and str(BODY_LIMIT) in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,param", [({"prompt": "a", "n": 3}, "n"), ({"prompt": "a", "suffix": "z"}, "suffix"),
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "n": -3}, "n"), ({"prompt": "a", "suffix": "z"}, "suffix"),
                                         ({"prompt": "a", "best_of": 2}, "best_of"),
                                         ({"messages": [{"role": "user", "content": "a"}],
                                           "tools": [{"type": "function"}]}, "tools")])

@@ -61,10 +61,14 @@ class PendingCall:
         self.channel, self.call_id = channel, call_id
         self.replies: asyncio.Queue[Reply | BaseException] = asyncio.Queue()
         self.done = False
+        self._back: PrefillResult | DecodeDelta | PoolOffer | None = None  # push_back's item
 
     async def next(self) -> PrefillResult | DecodeDelta | PoolOffer | None:
         """The call's next item; None once it ended without one (decode without a finish).
         Raises EngineUnavailable or EngineCallFailed."""
+        if self._back is not None:
+            item, self._back = self._back, None
+            return item
         if self.done:
             return None
         reply = await self.replies.get()
@@ -81,7 +85,12 @@ class PendingCall:
     @property
     def has_reply(self) -> bool:
         """A reply (or the channel's error) is here: `next()` returns without waiting."""
-        return not self.done and not self.replies.empty()
+        return self._back is not None or not self.done and not self.replies.empty()
+
+    def push_back(self, item: PrefillResult | DecodeDelta | PoolOffer) -> None:
+        """Put back the item `next()` just gave: the next `next()` gives it again."""
+        assert self._back is None, "one item at a time"
+        self._back = item
 
     def cancel(self) -> None:
         """Abort the call in the engine, unless it already ended."""
