@@ -196,3 +196,12 @@ def test_prompt_logprobs_zero_streamed_is_served_as_vllm_serves_it(fake_router):
     with client.stream("POST", "/v1/completions", json={"prompt": "a", "prompt_logprobs": 0, "stream": True}) as r:
         r.read()
     assert r.status_code == 200 and backend.calls[0][2].prompt_logprobs == 0
+
+
+def test_a_stop_string_keeps_the_prompts_logprobs_which_come_with_the_last_chunk(fake_router):
+    client, backend = fake_router()  # the fake sends them on its last chunk, after the stop string's
+    body = client.post("/v1/completions", json={"prompt": "a b c", "prompt_logprobs": 0, "stop": ["world"]}).json()
+    [choice] = body["choices"]
+    assert (choice["text"], choice["stop_reason"]) == ("Hello ", "world")
+    assert len(choice["prompt_logprobs"]) == len(backend.calls[0][1]) and choice["prompt_logprobs"][0] is None
+    assert backend.closed_early == []  # read to its end for them
