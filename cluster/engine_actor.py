@@ -103,6 +103,17 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
         detokenize=False, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
     )
+    if s.structured is not None:  # on D, which loads the model's tokenizer for them (cluster/instance_plan.py)
+        import json
+
+        from vllm.sampling_params import StructuredOutputsParams
+
+        st = s.structured
+        params.structured_outputs = StructuredOutputsParams(
+            json=None if st.json is None else json.loads(st.json), regex=st.regex,
+            choice=None if st.choice is None else list(st.choice), grammar=st.grammar, json_object=st.json_object,
+            disable_any_whitespace=st.disable_any_whitespace,
+            disable_additional_properties=st.disable_additional_properties, whitespace_pattern=st.whitespace_pattern)
     if s.bad_words_token_ids:  # what update_from_tokenizer would set, had the engine a tokenizer
         params._bad_words_token_ids = [list(ids) for ids in s.bad_words_token_ids]
     return params
@@ -244,8 +255,9 @@ class EngineActor(ServesRequestChannel, Engine):
 
         transfer_id = req.transfer_id or req.request_id
         params = prefill_kv_params(self.connector, transfer_id, req.sampling.retain_s, req.pool)
-        # P's one sampled token is thrown away: its logprobs too.
-        sp = sampling_params(replace(req.sampling, logprobs=None), max_tokens=1, kv_transfer_params=params)
+        # P's one sampled token is thrown away: its logprobs and structure too.
+        sp = sampling_params(replace(req.sampling, logprobs=None, structured=None), max_tokens=1,
+                             kv_transfer_params=params)
         final = None
         with self._transfer_ids.taken(transfer_id) if self.connector == "pdc" else contextlib.nullcontext():
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,

@@ -63,7 +63,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
     args: dict[str, Any] = dict(
         model=spec.model.path,
         served_model_name=spec.model.served_name,
-        skip_tokenizer_init=True,  # the router tokenizes
+        # The router tokenizes; D loads the tokenizer only for what vLLM compiles with it (structured outputs).
+        skip_tokenizer_init=role == "prefill",
         block_size=eng.block_size,
         max_model_len=eng.max_model_len,
         max_num_batched_tokens=eng.max_num_batched_tokens,

@@ -18,6 +18,22 @@ Role = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
+class StructuredSpec:
+    """vLLM's StructuredOutputsParams, one constraint of: `json` (a JSON schema, as JSON text),
+    `regex`, `choice`, `grammar` (EBNF), `json_object`; D's vLLM applies it as it samples
+    (router/structured_outputs.py reads it from a request)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """The subset of vLLM SamplingParams the router forwards."""
 
@@ -50,6 +66,7 @@ class SamplingSpec:
     # vLLM's logprobs: each generated token's, with so many top alternatives (-1: the whole
     # vocabulary); None: none. D computes them (router/logprobs.py shapes them for the client).
     logprobs: int | None = None
+    structured: StructuredSpec | None = None  # vLLM's structured outputs (D samples under them)
     # vLLM's n: so many sequences sampled from the prompt, which is prefilled once (D's
     # cluster/parallel_sampling.py); each choice's seed is `seed` + its index, as vLLM's.
     n: int = 1

@@ -183,6 +183,8 @@ class Lifecycle(PoolSteps[I], Generic[I]):
         if failure.kind == "timeout":
             return self._fail(BackendError(f"decode on {d} timed out after {self.dispatch.request_timeout_s:.0f} s",
                                            504, "timeout"))
+        if failure.message.startswith("VLLMValidationError"):  # D's vLLM refused what only it can judge
+            return self._fail(BackendError(failure.message.partition(": ")[2], 400, "invalid_request_error"))
         return self._fail(BackendError(f"decode on {d} failed: {failure.message}", 500))
 
     def timed_out(self, now_ns: int) -> list[Command]:

@@ -62,6 +62,7 @@ from pdcluster.router.openai_models import (
 from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse
 from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
+from pdcluster.router.structured_outputs import structured_spec
 from pdcluster.router.text_codec import PromptTokenizer
 from pdcluster.router.vllm_params import refuse_vllm_only
 
@@ -170,6 +171,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
                                 retain_s=retain_s, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                                structured=structured_spec(req.structured_outputs, req.response_format, card.logits),
                                 **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.

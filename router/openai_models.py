@@ -77,8 +77,10 @@ class CommonRequest(BaseModel):
     prompt_logprobs: StrictInt | None = None
     # Refused unless unset or at their no-op value (UNSUPPORTED); typed loosely so that the
     # refusal, not a type error, is what the client reads.
-    best_of: Any = None
+    # Structured outputs (router/structured_outputs.py reads them): typed loosely, checked there.
     response_format: Any = None
+    structured_outputs: Any = None
+    best_of: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -98,7 +100,7 @@ MAX_STOP_CHARS = 2048
 
 # OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
 }

@@ -19,7 +19,7 @@ _COMMON: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "watermarking": (None, False),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (None,), "truncation_side": (None,),
-    "logprob_token_ids": (None, []), "structured_outputs": (None,), "priority": (0,),
+    "logprob_token_ids": (None, []), "priority": (0,),
     "return_tokens_as_token_ids": (None, False), "routed_experts_prompt_start": (0,),
     "return_token_offsets": (None, False), "cache_salt": (None,), "kv_transfer_params": (None,),
     "ec_transfer_params": (None,), "vllm_xargs": (None,), "repetition_detection": (None,),

@@ -42,6 +42,13 @@ CORPUS = [
     ("n=3 seeded", "completions", {"prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 11,
                                    "logprobs": 1}),
     ("chat n=2 seeded", "chat/completions", {"messages": CHAT, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 5}),
+    ("json schema", "chat/completions", {"messages": CHAT, "max_tokens": 40, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "animal", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "legs": {"type": "integer"}},
+            "required": ["name", "legs"], "additionalProperties": False}}}}),
+    ("json object", "completions", {"prompt": PROMPT, "max_tokens": 16, "response_format": {"type": "json_object"}}),
+    ("choice", "completions", {"prompt": PROMPT, "max_tokens": 8, "structured_outputs": {"choice": ["fox", "dog", "cat"]}}),
+    ("regex", "completions", {"prompt": PROMPT, "max_tokens": 12, "structured_outputs": {"regex": "[a-z]{3,6}-[0-9]{2}"}}),
     ("logit bias", "completions", {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {"300": 100}}),
     ("chat", "chat/completions", {"messages": CHAT, "max_tokens": 12}),
     ("chat logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
@@ -52,7 +59,7 @@ CORPUS = [
                                             "continue_final_message": True}),
     ("chat prompt logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2}),
 ]
-STREAMED = ["plain", "seeded sample", "stop string", "stop token", "n=3 seeded", "chat n=2 seeded", "logprobs 3", "chat", "chat logprobs"]
+STREAMED = ["plain", "seeded sample", "stop string", "stop token", "n=3 seeded", "chat n=2 seeded", "json schema", "logprobs 3", "chat", "chat logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +189,25 @@ def test_the_cluster_answers_as_vllm_serve_does(cluster, vllm_serve, stream):
             apart[name] = diff[:4]
         sdk_parses(endpoint, {**body, "stream": stream}, response)
     assert not apart, json.dumps(apart, indent=1)
+
+
+REFUSED = [  # what vllm serve answers 400, the router before dispatch or D's vLLM as the request reaches it
+    {"structured_outputs": {"regex": "("}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}},
+    {"structured_outputs": {"grammar": "root ::= ("}},
+    {"structured_outputs": {"choice": []}},
+    {"n": 2, "temperature": 0},
+    {"logprobs": 21},
+    {"prompt_logprobs": 1, "stream": True},
+]
+
+
+def test_what_vllm_serve_refuses_the_cluster_refuses_and_serves_on(cluster, vllm_serve):
+    for body in REFUSED:
+        full = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, **body}
+        theirs = httpx.post(f"{vllm_serve}/v1/completions", json=full, timeout=60)
+        ours = httpx.post(f"{cluster.url}/v1/completions", json=full, timeout=60)
+        assert (ours.status_code, theirs.status_code) == (400, 400), (body, ours.text, theirs.text)
+        assert ours.json()["error"]["message"], body
+    assert ask(cluster.url, "completions", {"prompt": PROMPT, "max_tokens": 4}, False)[0]["choices"][0]["text"]

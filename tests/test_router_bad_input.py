@@ -40,7 +40,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("allowed_token_ids", [3, -1], ["token_id(s) [-1] in allowed_token_ids contain out-of-vocab token ids"]),
     ("bad_words", ["ok", ""], ["bad_words cannot contain an empty string."]),
     ("bad_words", ["w"] * 200, ["'bad_words' has 200 items, at most 128"]),
-    ("response_format", {"type": "json_object"}, ["'response_format' is not supported"]),
+    ("response_format", {"type": "json_schema"}, ["When response_format type is 'json_schema', the 'json_schema' "
+                                                  "field must be provided."]),
+    ("response_format", {"type": "xml"}, ["response_format type 'xml' is not supported"]),
+    ("structured_outputs", {"regex": "a+", "choice": ["a"]}, ["You can only use one kind of structured outputs"]),
+    ("structured_outputs", {"choice": []}, ["structured_outputs.choice must be a non-empty list of strings"]),
+    ("structured_outputs", {"json": "{not json"}, ["structured_outputs.json is not valid JSON"]),
     ("tools", [{"type": "function", "function": {"name": "f"}}], ["'tools' is not supported"]),
     ("suffix", "tail", ["'suffix'"]),
     ("prompt_logprobs", -2, ["`prompt_logprobs` must be a positive value or -1."]),

@@ -1,0 +1,93 @@
+"""Structured outputs: a request's `structured_outputs` (vLLM's) and `response_format` (OpenAI's)
+read into one constraint for D's vLLM (proto StructuredSpec), as vLLM's server reads them
+(vllm/entrypoints/openai/*/protocol.py, vllm/entrypoints/generate/base/protocol.py, 0.32):
+`response_format` json_object / json_schema overrides `structured_outputs`' constraint; at most
+one of json, regex, choice. What only vLLM's grammar compiler can judge (a schema it does not
+support, a regex it cannot compile) D's vLLM refuses as the request reaches it: a 400 still
+(router/lifecycle.py), after P's prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdcluster.proto.messages import StructuredSpec
+from pdcluster.router.openai_models import ApiError
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar as JSON text: D compiles it
+
+
+def structured_spec(structured_outputs: Any, response_format: Any, logits: bool) -> StructuredSpec | None:
+    """The request's constraint, or None; ApiError naming the field for what vLLM refuses."""
+    given = _given(structured_outputs)
+    override = _from_response_format(response_format)
+    if given is None and override is None:
+        return None
+    if not logits:
+        raise ApiError("structured outputs: the simulated engine's tokens are synthetic",
+                       param="response_format" if override else "structured_outputs")
+    fields = {**(given or {}), **(override or {})}
+    if override:  # response_format's constraint replaces structured_outputs' (vLLM's dataclass replace)
+        fields = {k: v for k, v in fields.items() if k not in KINDS or k in override}
+    if sum(fields.get(k) is not None for k in KINDS) != 1:
+        raise ApiError("You can only use one kind of structured outputs constraint ('json', 'regex', 'choice', "
+                       "'grammar' or 'json_object')", param="structured_outputs")
+    choice = fields.get("choice")
+    if choice is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
+        raise ApiError("structured_outputs.choice must be a non-empty list of strings", param="structured_outputs")
+    for key in ("regex", "grammar", "whitespace_pattern"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise ApiError(f"structured_outputs.{key} must be a string", param="structured_outputs")
+    schema = fields.get("json")
+    if schema is not None:
+        if isinstance(schema, str):  # vLLM takes a schema as a dict or as its JSON text
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise ApiError(f"structured_outputs.json is not valid JSON: {err}", param="structured_outputs") from None
+        if not isinstance(schema, dict | bool):
+            raise ApiError("a JSON schema must be an object", param="structured_outputs")
+        schema = json.dumps(schema)
+    text = sum(len(x) for x in (schema, fields.get("regex"), fields.get("grammar")) if x) + sum(map(len, choice or ()))
+    if text > MAX_SPEC_CHARS:
+        raise ApiError(f"the structured outputs constraint is {text} characters, at most {MAX_SPEC_CHARS}",
+                       param="structured_outputs")
+    return StructuredSpec(json=schema, regex=fields.get("regex"), choice=None if choice is None else tuple(choice),
+                          grammar=fields.get("grammar"), json_object=fields.get("json_object"),
+                          disable_any_whitespace=bool(fields.get("disable_any_whitespace")),
+                          disable_additional_properties=bool(fields.get("disable_additional_properties")),
+                          whitespace_pattern=fields.get("whitespace_pattern"))
+
+
+def _given(structured_outputs: Any) -> dict[str, Any] | None:
+    if structured_outputs is None:
+        return None
+    if not isinstance(structured_outputs, dict):
+        raise ApiError("structured_outputs must be an object", param="structured_outputs")
+    unknown = set(structured_outputs) - set(KINDS) - set(OPTIONS)
+    if unknown - {"structural_tag"}:
+        raise ApiError(f"structured_outputs: unknown field(s) {sorted(unknown)}", param="structured_outputs")
+    if structured_outputs.get("structural_tag") is not None:
+        raise ApiError("structured_outputs.structural_tag is not supported by this server", param="structured_outputs")
+    return {k: v for k, v in structured_outputs.items() if k != "structural_tag"}
+
+
+def _from_response_format(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError("When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+                           param="response_format")
+        return {"json": spec.get("schema")}
+    raise ApiError(f"response_format type {kind!r} is not supported: 'text', 'json_object' or 'json_schema'",
+                   param="response_format")

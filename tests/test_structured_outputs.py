@@ -1,0 +1,44 @@
+"""Structured outputs read from a request (router/structured_outputs.py) as vLLM's server reads
+them, and carried to D in the SamplingSpec."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdcluster.proto.messages import StructuredSpec
+from pdcluster.router.openai_models import ApiError
+from pdcluster.router.structured_outputs import structured_spec
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize("structured, response_format, want", [
+    (None, None, None),
+    (None, {"type": "text"}, None),
+    (None, {"type": "json_object"}, StructuredSpec(json_object=True)),
+    (None, {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}, StructuredSpec(json=json.dumps(SCHEMA))),
+    ({"json": json.dumps(SCHEMA)}, None, StructuredSpec(json=json.dumps(SCHEMA))),
+    ({"choice": ["yes", "no"], "disable_any_whitespace": True}, None,
+     StructuredSpec(choice=("yes", "no"), disable_any_whitespace=True)),
+    ({"regex": "[a-z]+"}, {"type": "json_object"}, StructuredSpec(json_object=True)),  # response_format wins
+    ({"grammar": "root ::= \"a\""}, None, StructuredSpec(grammar="root ::= \"a\"")),
+])
+def test_the_constraint_d_gets(structured, response_format, want):
+    assert structured_spec(structured, response_format, logits=True) == want
+
+
+def test_the_simulated_engine_refuses_them():
+    with pytest.raises(ApiError, match="simulated engine"):
+        structured_spec({"regex": "a"}, None, logits=False)
+    assert structured_spec(None, {"type": "text"}, logits=False) is None
+
+
+def test_the_request_carries_it_to_the_backend(fake_router):
+    client, backend = fake_router()
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "response_format": {"type": "json_schema",
+                                                                      "json_schema": {"name": "n", "schema": SCHEMA}}})
+    assert r.status_code == 200, r.text
+    assert json.loads(backend.calls[0][2].structured.json) == SCHEMA
