@@ -181,6 +181,14 @@ USES: tuple[Symbol, ...] = (
     Symbol("vllm.v1.engine.llm_engine", "LLMEngine.has_unfinished_requests"),
     Symbol("vllm.sampling_params", "SamplingParams"),
     Symbol("vllm.sampling_params", "SamplingParams._bad_words_token_ids"),  # cluster/engine_actor.py:sampling_params
+    # issue 30's parameters on D (cluster/engine_actor.py:sampling_params, parallel_sampling.py)
+    Symbol("vllm.sampling_params", "StructuredOutputsParams"),
+    Symbol("vllm.sampling_params", "SamplingParams.structured_outputs"),
+    Symbol("vllm.sampling_params", "SamplingParams.logprobs"),
+    Symbol("vllm.sampling_params", "SamplingParams.prompt_logprobs"),
+    Symbol("vllm.outputs", "CompletionOutput.logprobs"),
+    Symbol("vllm.outputs", "CompletionOutput.stop_reason"),
+    Symbol("vllm.logprobs", "Logprob"),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig"),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
     Symbol("vllm.inputs", "TokensPrompt"),
