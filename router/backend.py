@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.router.openai_models import PdUsage
@@ -22,6 +23,8 @@ class ModelCard:
     vocab_size: int  # valid token ids are 0 .. vocab_size-1
     # The engines compute logits (vLLM's do; the simulated engine's tokens have none): logprobs.
     logits: bool = True
+    # The model's own sampling defaults for what a request leaves unset (router/generation_defaults.py)
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
 from pdcluster.router.chat_content import content_format, template_messages
 from pdcluster.router.chat_template import template_kwargs
+from pdcluster.router.generation_defaults import default_max_tokens, with_defaults
 from pdcluster.router.http_app import (
     BytesResponse,
     HttpApp,
@@ -113,6 +114,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                  traceparent: str | None = None, logprobs: int | None = None,
                  prompt_logprobs: int | None = None, echo: str | None = None) -> Job:
         card: ModelCard = backend.model_card()
+        req = with_defaults(req, card.sampling_defaults)
         if client_id is not None and not (0 < len(client_id) <= 128 and client_id.isprintable()):
             raise ApiError("the X-Request-Id header must be 1 to 128 printable characters")
         what = "messages" if chat else "prompt"
@@ -131,7 +133,9 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(f"{max_tokens_param} must be at least 1, got {max_tokens}", param=max_tokens_param)
         if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
-            max_tokens = max(1, card.max_model_len - len(prompt_ids)) if chat else 16
+            # (within the model's own cap, as vLLM's)
+            max_tokens = max(1, min(card.max_model_len - len(prompt_ids),
+                                    default_max_tokens(card.sampling_defaults) or card.max_model_len)) if chat else 16
         if len(prompt_ids) + max_tokens > card.max_model_len:
             raise ApiError(f"This model's maximum context length is {card.max_model_len} tokens. However, you "
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {what}, "

@@ -20,6 +20,7 @@ from pdcluster.proto.messages import InstanceInfo
 from pdcluster.proto.names import NAMESPACE
 from pdcluster.proto.spec import ClusterSpec
 from pdcluster.router.backend import ModelCard
+from pdcluster.router.generation_defaults import model_sampling_defaults
 from pdcluster.router.http_app import BytesResponse, HttpRequest, error_body, json_response
 from pdcluster.router.http_protocol import bounded_http, connection_cap
 from pdcluster.router.instance_memory import recall_instances, remember_instances
@@ -56,7 +57,8 @@ def model_card(spec: ClusterSpec) -> ModelCard:
     config = json.loads((Path(spec.model.path) / "config.json").read_text())
     max_len = min(spec.role_engine("prefill").max_model_len, spec.role_engine("decode").max_model_len)
     return ModelCard(name=spec.model.served_name, max_model_len=max_len, vocab_size=int(config["vocab_size"]),
-                     logits=spec.role_engine("decode").kind != "sim")
+                     logits=spec.role_engine("decode").kind != "sim",
+                     sampling_defaults=model_sampling_defaults(spec.model.path))
 
 
 PEER_TIMEOUT_S = 10.0  # another router's /metrics share; a live router answers in milliseconds
