@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -88,9 +89,10 @@ def decode_kv_params(connector: str, req: DecodeRequest) -> dict | None:
 
 
 def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_params: dict | None = None):
-    from pdcluster.transfer.vllm_compat import RequestOutputKind, SamplingParams
+    from pdcluster.transfer.vllm_compat import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     max_tokens = max_tokens if max_tokens is not None else s.max_tokens
+    st = s.structured  # on D, which loads the model's tokenizer for them (cluster/instance_plan.py)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
@@ -100,20 +102,14 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
         logit_bias=dict(s.logit_bias) or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
         logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
-        detokenize=False, output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
-    )
-    if s.structured is not None:  # on D, which loads the model's tokenizer for them (cluster/instance_plan.py)
-        import json
-
-        from vllm.sampling_params import StructuredOutputsParams
-
-        st = s.structured
-        params.structured_outputs = StructuredOutputsParams(
+        structured_outputs=None if st is None else StructuredOutputsParams(
             json=None if st.json is None else json.loads(st.json), regex=st.regex,
             choice=None if st.choice is None else list(st.choice), grammar=st.grammar, json_object=st.json_object,
             disable_any_whitespace=st.disable_any_whitespace,
-            disable_additional_properties=st.disable_additional_properties, whitespace_pattern=st.whitespace_pattern)
+            disable_additional_properties=st.disable_additional_properties, whitespace_pattern=st.whitespace_pattern),
+        detokenize=False, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
+    )
     if s.bad_words_token_ids:  # what update_from_tokenizer would set, had the engine a tokenizer
         params._bad_words_token_ids = [list(ids) for ids in s.bad_words_token_ids]
     return params

@@ -259,6 +259,7 @@ _LAZY = {
     "get_kv_transfer_group": "vllm.distributed.kv_transfer", "has_kv_transfer_group": "vllm.distributed.kv_transfer",
     # the engine actor, the reference engine, the stat logger
     "AsyncEngineArgs": "vllm", "SamplingParams": "vllm", "RequestOutputKind": "vllm.sampling_params",
+    "StructuredOutputsParams": "vllm.sampling_params",
     "AsyncLLM": "vllm.v1.engine.async_llm", "KVTransferConfig": "vllm.config", "KVEventsConfig": "vllm.config.kv_events",
     "TokensPrompt": "vllm.inputs", "StatLoggerBase": "vllm.v1.metrics.loggers",
     "EngineArgs": "vllm.engine.arg_utils", "LLMEngine": "vllm.v1.engine.llm_engine",
