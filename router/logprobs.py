@@ -25,6 +25,19 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, which the engines run with
 
 def check_logprobs(value: int | None, param: str, card: ModelCard) -> int | None:
     """The number of alternatives asked for (-1: the vocabulary), checked as vLLM checks it."""
+    return _checked_count(value, param, "sample", card)
+
+
+def check_prompt_logprobs(value: int | None, stream: bool, card: ModelCard) -> int | None:
+    """The prompt's logprobs asked for: vLLM's checks, and its bound."""
+    if value is not None and stream and (value > 0 or value == -1):
+        raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    return _checked_count(value, "prompt_logprobs", "prompt", card)
+
+
+def _checked_count(value: int | None, param: str, what: str, card: ModelCard) -> int | None:
+    """A logprobs count (None: none asked): -1 or at least 0, the engines computing logits, at
+    most MAX_LOGPROBS once -1 is the vocabulary; vLLM's words."""
     if value is None:
         return None
     if value < 0 and value != -1:
@@ -33,26 +46,8 @@ def check_logprobs(value: int | None, param: str, card: ModelCard) -> int | None
         raise ApiError(f"'{param}': the simulated engine computes no logits, so no logprobs", param=param)
     wanted = card.vocab_size if value == -1 else value
     if wanted > MAX_LOGPROBS:
-        raise ApiError(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+        raise ApiError(f"Requested {what} logprobs of {wanted}, which is greater than max allowed: "
                        f"{MAX_LOGPROBS}", param=param)
-    return value
-
-
-def check_prompt_logprobs(value: int | None, stream: bool, card: ModelCard) -> int | None:
-    """The prompt's logprobs asked for: vLLM's checks, and its bound."""
-    if value is None:
-        return None
-    if stream and (value > 0 or value == -1):
-        raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
-    if value < 0 and value != -1:
-        raise ApiError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
-    if not card.logits:
-        raise ApiError("'prompt_logprobs': the simulated engine computes no logits, so no logprobs",
-                       param="prompt_logprobs")
-    wanted = card.vocab_size if value == -1 else value
-    if wanted > MAX_LOGPROBS:
-        raise ApiError(f"Requested prompt logprobs of {wanted}, which is greater than max allowed: "
-                       f"{MAX_LOGPROBS}", param="prompt_logprobs")
     return value
 
 
