@@ -98,13 +98,14 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
     texts = TokenTexts(tokenizer)
 
     def logprobs_of(job: Job, positions: Sequence[TokenLogprobs], context: Sequence[int] = (),
-                    echoed: Sequence[TokenLogprobs | None] = ()) -> dict | None:
+                    echoed: Sequence[TokenLogprobs | None] = (),
+                    echoed_texts: Sequence[list[str] | None] = ()) -> dict | None:
         """The `logprobs` of generated `positions` (after `context`, the ids generated before them),
-        behind an echoed prompt's (`echoed`, its first position None)."""
+        behind an echoed prompt's (`echoed`, its first position None; `echoed_texts`: texts.of(echoed))."""
         top = job.sampling.logprobs
         if top is None:
             return None
-        decoded = texts.of(echoed) + texts.of(positions, context)  # each part in its own context, as vLLM's
+        decoded = [*echoed_texts, *texts.of(positions, context)]  # each part in its own context, as vLLM's
         if job.chat:
             return chat_logprobs(positions, decoded, top)
         return completion_logprobs([*echoed, *positions], decoded, top, texts, token_ids=job.prompt_ids)
@@ -199,11 +200,15 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             finally:
                 await aclose(deltas)
             last = pieces[-1]
-            choices = [answer_choice(job, index, [d for d in pieces if d.index == index], last)
+            # The prompt's logprobs' texts, once for all n choices (a long prompt's are the costly part).
+            prompt_texts = texts.of(last.prompt_logprobs)
+            shown = None if job.sampling.prompt_logprobs is None else prompt_logprobs(last.prompt_logprobs,
+                                                                                      prompt_texts)
+            choices = [answer_choice(job, index, [d for d in pieces if d.index == index], last, prompt_texts, shown)
                        for index in range(job.sampling.n)]
             body = envelope(job, choices, last.usage, chunk=False)
-            if job.sampling.prompt_logprobs is not None and job.chat:  # vLLM's place for them on chat
-                body["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts.of(last.prompt_logprobs))
+            if shown is not None and job.chat:  # vLLM's place for them on chat
+                body["prompt_logprobs"] = shown
             return json_response(body)
         # The first delta is awaited before the response starts, so errors the
         # backend raises up front (overload, bad request) keep their HTTP status.
@@ -214,20 +219,24 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             raise
         return StreamResponse(sse(job, first, deltas, logprobs_of), headers={"cache-control": "no-cache"})
 
-    def answer_choice(job: Job, index: int, pieces: list[Delta], last: Delta) -> dict[str, Any]:
-        """Choice `index` of an unstreamed answer, from its deltas (`last`: the request's last)."""
+    def answer_choice(job: Job, index: int, pieces: list[Delta], last: Delta, prompt_texts: list[list[str] | None],
+                      shown_prompt_logprobs: list | None) -> dict[str, Any]:
+        """Choice `index` of an unstreamed answer, from its deltas (`last`: the request's last;
+        the prompt's logprobs' texts and shape, worked out once for all choices)."""
         end = next(d for d in reversed(pieces) if d.finish_reason is not None)
         text = (job.echo or "") + "".join(d.text for d in pieces)
         choice = ({"index": index, "message": {"role": "assistant", "content": text}} if job.chat
                   else {"index": index, "text": text})
         # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
-        echoed = last.prompt_logprobs if job.echo is not None else ()
-        choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs], echoed=echoed),
+        echo = job.echo is not None
+        choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs],
+                                           echoed=last.prompt_logprobs if echo else (),
+                                           echoed_texts=prompt_texts if echo else ()),
                    "finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
         if job.return_token_ids:
             choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
-        if job.sampling.prompt_logprobs is not None and not job.chat:  # vLLM's place for them: each choice
-            choice["prompt_logprobs"] = prompt_logprobs(last.prompt_logprobs, texts.of(last.prompt_logprobs))
+        if shown_prompt_logprobs is not None and not job.chat:  # vLLM's place for them: each choice
+            choice["prompt_logprobs"] = shown_prompt_logprobs
         return choice
 
     formats: dict[str, str] = {}  # the chat template's content format (chat_content.py), once a request needs it
