@@ -303,8 +303,9 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         req = await parse(request, ChatCompletionRequest)
         check_model(req)
         backend.admit()
-        logprobs = chat_logprobs_asked(req.logprobs, req.top_logprobs, backend.model_card())
-        asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), backend.model_card())
+        card = backend.model_card()
+        logprobs = chat_logprobs_asked(req.logprobs, req.top_logprobs, card)
+        asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), card)
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
         ids = await chat_ids(req)
