@@ -123,7 +123,7 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
     final: Delta | None = None  # the last delta, once every choice has ended
     try:
         async for chunk in gen:
-            if final is not None and (not wait_for_last or last is not None and last.finish_reason is not None):
+            if last is not None and last.finish_reason is not None:
                 break  # by contract nothing follows the finish chunk
             last, ids = chunk, chunk.new_token_ids
             ends = chunk.choice_finish or chunk.finish_reason
@@ -147,7 +147,7 @@ async def run_job(backend: TokenBackend, tokenizer: Any, job: Job) -> AsyncItera
                                         prompt_logprobs=chunk.prompt_logprobs)
             if chunk.finish_reason is None and not wait_for_last:
                 break  # a stop string: stop consuming; the finally closes gen so the backend aborts
-        if final is None or wait_for_last and last is not None and last.finish_reason is None:
+        if final is None or wait_for_last and last.finish_reason is None:
             raise BackendError("the backend ended the generation without a finish_reason")
         yield final
     finally:
