@@ -139,27 +139,29 @@ class ChatMessage(BaseModel):
     content: str | Annotated[list[StrictStr | dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
 
 
-class ChatCompletionRequest(CommonRequest):
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: StrictInt | None = None
-    # The chat template's arguments (router/chat_template.py), with vLLM's defaults.
+class TemplateArgs(BaseModel):
+    """The chat template's arguments (router/chat_template.py), with vLLM's defaults: chat and
+    /tokenize take them alike."""
+
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class ChatCompletionRequest(CommonRequest, TemplateArgs):
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
+
+
+class TokenizeRequest(TemplateArgs):
     """vLLM's /tokenize: a prompt, or chat messages (with the chat template applied)."""
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
