@@ -14,13 +14,40 @@ from pathlib import Path
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML, as Qwen models use; `add_generation_prompt` opens the assistant turn.
+# Qwen3's markup tokens, added as Qwen3 adds them (not special: they stay in decoded text), so
+# that vLLM's tool and reasoning parsers (hermes, qwen3, deepseek_r1...) find them in the vocabulary.
+MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+# ChatML, as Qwen models use; `add_generation_prompt` opens the assistant turn. As Qwen3's: `tools`
+# go in a system turn of their own, an assistant's tool calls and the tool's answers are rendered
+# in hermes' <tool_call>/<tool_response> markup, and `enable_thinking` opens (true) or closes
+# (false) a <think> block. Messages without them render as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}{{ '\n<tool_call>\n{\"name\": \"' + call['function']['name'] "
+    "+ '\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking %}{{ '<think>\n' }}"
+    "{% elif enable_thinking is defined %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
 )
+
+
+# Bumped whenever the same (arch, seed) starts writing other files: 2 added MARKUP_TOKENS and the
+# template's tools and thinking. A cached checkpoint of another format is written anew.
+TINY_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -55,7 +82,7 @@ DSV4_COMPRESS_RATIOS = (4, 128, 0)
 
 def train_tokenizer(vocab_size: int = 2048):
     """A byte-level BPE tokenizer trained on the shipped corpus (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -69,7 +96,21 @@ def train_tokenizer(vocab_size: int = 2048):
     texts = [p.read_text() for p in sorted(CORPUS_DIR.glob("*.txt"))]
     assert texts, f"no corpus text in {CORPUS_DIR}: the package data is missing"
     tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     return tok
+
+
+def cached_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0) -> Path:
+    """`out_dir`, holding make_tiny_model's (arch, seed) checkpoint of this TINY_FORMAT: written
+    there unless it already is (the checkpoint is deterministic, so a cached one is as good)."""
+    out = Path(out_dir)
+    try:
+        meta = json.loads((out / "pdcluster_tiny.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if (meta.get("arch"), meta.get("seed"), meta.get("format")) != (arch, seed, TINY_FORMAT):
+        make_tiny_model(out, arch=arch, seed=seed)
+    return out
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
@@ -105,7 +146,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     vocab_size = len(tokenizer)
     if arch == "dsv4":
         meta = write_dsv4(out, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed)
-        (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **meta}, indent=1))
+        (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "format": TINY_FORMAT, **meta}, indent=1))
         return out
     common = dict(
         vocab_size=vocab_size,
@@ -143,7 +184,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, **shape.__dict__}, indent=1))
+    (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "format": TINY_FORMAT, **shape.__dict__},
+                                                         indent=1))
     return out
 
 

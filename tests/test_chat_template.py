@@ -31,7 +31,7 @@ def test_each_argument_reaches_the_template_as_hf_applies_it(fake_router, tok):
 
 
 def test_kwargs_the_template_does_not_read_are_dropped_and_the_explicit_fields_win(tok):
-    got = template_kwargs(tok, {"enable_thinking": False, "add_generation_prompt": False, "return_tensors": "pt"},
+    got = template_kwargs(tok, {"thinking": False, "add_generation_prompt": False, "return_tensors": "pt"},
                           add_generation_prompt=True, continue_final_message=False)
     assert got == {"add_generation_prompt": True, "continue_final_message": False}
     reads = type("T", (), {"chat_template": "{{ enable_thinking }}", "apply_chat_template": tok.apply_chat_template})()

@@ -27,7 +27,7 @@ from e2e import (
 )
 
 from pdcluster.cluster.reference_engine import ReferenceEngine
-from pdcluster.cluster.tiny_model import make_tiny_model
+from pdcluster.cluster.tiny_model import cached_tiny_model
 from pdcluster.cluster.vllm_patches_dsv4 import missing_cpu_kernels
 from pdcluster.router.run_store import load_run
 
@@ -53,10 +53,7 @@ def expected_blocks(n: int, d_hit: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir():
-    path = MODEL_CACHE / "tiny-dsv4"
-    if not (path / "model.safetensors").exists():
-        make_tiny_model(path, arch="dsv4", seed=0)
-    return str(path)
+    return str(cached_tiny_model(MODEL_CACHE / "tiny-dsv4", arch="dsv4"))
 
 
 @pytest.fixture(scope="module")

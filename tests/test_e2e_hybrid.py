@@ -32,7 +32,7 @@ from e2e import (
 )
 
 from pdcluster.cluster.reference_engine import GreedyReference
-from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, make_tiny_model
+from pdcluster.cluster.tiny_model import GEMMA3_WINDOW, GPTOSS_WINDOW, cached_tiny_model
 from pdcluster.proto.handle import TransferHandle
 from pdcluster.proto.messages import DecodeRequest, PoolRequest, SamplingSpec
 from pdcluster.router.run_store import load_run
@@ -65,10 +65,7 @@ def hybrid(request) -> Hybrid:
 
 @pytest.fixture(scope="module")
 def model_dir(hybrid):
-    path = MODEL_CACHE / f"tiny-{hybrid.arch}"
-    if not (path / "model.safetensors").exists():
-        make_tiny_model(path, arch=hybrid.arch, seed=0)
-    return str(path)
+    return str(cached_tiny_model(MODEL_CACHE / f"tiny-{hybrid.arch}", arch=hybrid.arch))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from pdcluster.cluster.tiny_model import ARCHS, CORPUS_DIR, make_tiny_model
+from pdcluster.cluster.tiny_model import (
+    ARCHS,
+    CORPUS_DIR,
+    MARKUP_TOKENS,
+    TINY_FORMAT,
+    cached_tiny_model,
+    make_tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +47,50 @@ def test_different_seed_different_weights(models):
 def test_metadata_file(models):
     meta = json.loads((models("c", 1) / "pdcluster_tiny.json").read_text())
     assert (meta["arch"], meta["seed"]) == ("qwen3", 1)
+
+
+def test_a_cached_checkpoint_of_another_format_is_written_anew(models, tmp_path):
+    path = cached_tiny_model(tmp_path / "m")
+    meta = json.loads((path / "pdcluster_tiny.json").read_text())
+    assert meta["format"] == TINY_FORMAT
+    assert (path / "model.safetensors").read_bytes() == (models("a", 0) / "model.safetensors").read_bytes()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert cached_tiny_model(path).samefile(path) and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    (path / "pdcluster_tiny.json").write_text(json.dumps({**meta, "format": TINY_FORMAT - 1}))
+    cached_tiny_model(path)
+    assert json.loads((path / "pdcluster_tiny.json").read_text())["format"] == TINY_FORMAT
+
+
+def test_markup_tokens_are_single_tokens_kept_in_decoded_text(models):
+    """As Qwen3's: <think> and <tool_call> are one token each and, not being special, stay in the
+    text a detokenizer that skips special tokens writes (the tool and reasoning parsers read it)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models("a", 0))
+    text = "".join(f"x{t}" for t in MARKUP_TOKENS)
+    ids = tok.encode(text)
+    assert [tok.convert_ids_to_tokens(i) for i in ids if tok.convert_ids_to_tokens(i) in MARKUP_TOKENS] == MARKUP_TOKENS
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_the_template_renders_tools_calls_and_thinking_as_qwen3(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models("a", 0))
+    plain = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    turns = [*plain, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    text = tok.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n\n<tools>\n" + json.dumps(tools[0]))
+    assert '<|im_start|>assistant\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>' in text
+    assert text.endswith("<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, enable_thinking=False) \
+        .endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_tokenizer_round_trips_the_corpus(models):
