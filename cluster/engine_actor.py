@@ -106,7 +106,8 @@ def sampling_params(s: SamplingSpec, max_tokens: int | None = None, kv_transfer_
             json=None if st.json is None else json.loads(st.json), regex=st.regex,
             choice=None if st.choice is None else list(st.choice), grammar=st.grammar, json_object=st.json_object,
             disable_any_whitespace=st.disable_any_whitespace,
-            disable_additional_properties=st.disable_additional_properties, whitespace_pattern=st.whitespace_pattern),
+            disable_additional_properties=st.disable_additional_properties, whitespace_pattern=st.whitespace_pattern,
+            structural_tag=st.structural_tag),
         detokenize=False, output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
     )
@@ -302,8 +303,11 @@ class EngineActor(ServesRequestChannel, Engine):
         prompt_lp: tuple[TokenLogprobs | None, ...] = ()  # the router asks D for them only when D prefills
         last_sent = 0
         stream = self._stream_pacing
+        # Only when set: vLLM before 0.32 takes no reasoning_ended (the router asks it of a reasoning model's
+        # structured request alone).
+        ended = {} if sampling.reasoning_ended is None else {"reasoning_ended": sampling.reasoning_ended}
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
-                                           request_id=request_id):
+                                           request_id=request_id, **ended):
             completion = out.outputs[0]
             now = time.monotonic_ns()
             if first_output is not None and completion.token_ids:  # its prompt computed (or loaded)

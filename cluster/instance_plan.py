@@ -65,6 +65,8 @@ def plan_instance(spec: ClusterSpec, role: Role, index: int,
         served_model_name=spec.model.served_name,
         # The router tokenizes; D loads the tokenizer only for what vLLM compiles with it (structured outputs).
         skip_tokenizer_init=role == "prefill",
+        # D's structured outputs start where its reasoning ends, as vllm serve's --reasoning-parser has them.
+        **({"reasoning_parser": spec.model.reasoning_parser} if role == "decode" and spec.model.reasoning_parser else {}),
         block_size=eng.block_size,
         max_model_len=eng.max_model_len,
         max_num_batched_tokens=eng.max_num_batched_tokens,

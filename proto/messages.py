@@ -31,6 +31,9 @@ class StructuredSpec:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # xgrammar's structural tag (JSON text): what vLLM's tool parsers constrain tool calls with
+    # (router/chat_parsers.py); not taken from clients.
+    structural_tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ class SamplingSpec:
     # vLLM's prompt_logprobs: each prompt token's, as logprobs. Whoever prefills computes them (P,
     # or D prefilling alone), every prompt token anew: vLLM reads no cached prefix for them.
     prompt_logprobs: int | None = None
+    # vLLM's reasoning_ended, for a structured constraint under a reasoning parser: True, sample
+    # under it from the first token; None, from where D's reasoning parser sees reasoning end.
+    reasoning_ended: bool | None = None
 
 
 @dataclass(frozen=True)

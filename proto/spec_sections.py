@@ -34,6 +34,21 @@ class ModelSpec(_Strict):
     path: str = Field(description="checkpoint directory (config, weights, tokenizer)")
     name: str | None = Field(None, description="served model name; default: the directory name")
     tiny: TinyModelSpec | None = None
+    # The model family's output formats, as vllm serve's flags of the same names: the router runs
+    # vLLM's parsers of these names on D's answers (router/chat_parsers.py).
+    tool_call_parser: str | None = Field(None, description="vLLM's tool parser for the model (--tool-call-parser: "
+                                                            "hermes, qwen3_xml, deepseek_v4...)")
+    enable_auto_tool_choice: bool = Field(False, description="parse the model's own tool calls (tool_choice auto, "
+                                                             "as --enable-auto-tool-choice); needs tool_call_parser")
+    reasoning_parser: str | None = Field(None, description="vLLM's reasoning parser for the model "
+                                                           "(--reasoning-parser: qwen3, deepseek_r1...): the answer's "
+                                                           "reasoning comes apart, as reasoning")
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> ModelSpec:
+        if self.enable_auto_tool_choice and not self.tool_call_parser:  # vllm serve's own check
+            raise ValueError("model.enable_auto_tool_choice needs model.tool_call_parser")
+        return self
 
     @property
     def served_name(self) -> str:
