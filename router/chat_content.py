@@ -17,6 +17,7 @@ process, when the first request with list content comes.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import subprocess
 import sys
@@ -52,15 +53,48 @@ def content_format(chat_template: str | None) -> str:
 
 
 def template_messages(messages: list[Any], fmt: str) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them; `fmt`: content_format's answer."""
+    """The messages as the chat template takes them; `fmt`: content_format's answer. Besides the
+    content, as vLLM's `_parse_chat_message_content`: an assistant's tool calls (arguments as
+    objects) and reasoning, a tool's call id (its list content joined, whatever `fmt`), any name."""
     out = []
     for i, m in enumerate(messages):
-        content = m.content
+        content = m.content if m.content is not None else []
         if not isinstance(content, str):
             texts = [text for j, part in enumerate(content) if (text := _text(part, i, j)) is not None]
-            content = [{"type": "text", "text": t} for t in texts] if fmt == "openai" else "\n".join(texts)
-        out.append({"role": m.role, "content": content})
+            openai = fmt == "openai" and m.role != "tool"
+            content = [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)
+        message = {"role": m.role, "content": content}
+        if m.role == "assistant":
+            if m.tool_calls:  # an empty list is dropped, as vLLM drops it
+                message["tool_calls"] = [_tool_call(call, i) for call in m.tool_calls]
+            if m.reasoning is not None:
+                message |= {"reasoning": m.reasoning, "reasoning_content": m.reasoning}
+        elif m.role == "tool" and m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
+
+
+def _tool_call(call: Any, i: int) -> dict[str, Any]:
+    """An assistant's tool call as vLLM's `_postprocess_messages` hands templates one: its
+    arguments an object (a JSON text parsed; one that is not an object's text, {})."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict):
+        raise ApiError("assistant tool_calls entries must be objects.", param="tool_calls")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise ApiError("chat completions only support assistant tool_calls of type 'function'.", param="tool_calls")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:  # kept in the history: failing would fail every later turn (vLLM's reason)
+            log.warning("messages[%d]: a tool call's arguments are not JSON; taken as {}", i)
+            arguments = {}
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text(part: Any, i: int, j: int) -> str | None:

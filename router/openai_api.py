@@ -11,6 +11,7 @@ Beyond OpenAI's fields, `usage.pd` reports the P/D cache and transfer counts:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -26,6 +27,7 @@ from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
 from pdcluster.router.chat_content import content_format, template_messages
+from pdcluster.router.chat_parsers import ChatParsers
 from pdcluster.router.chat_template import template_kwargs
 from pdcluster.router.generation_defaults import default_max_tokens, with_defaults
 from pdcluster.router.http_app import (
@@ -48,6 +50,7 @@ from pdcluster.router.logprobs import (
     prompt_logprobs,
 )
 from pdcluster.router.openai_models import (
+    COMPLETION_ONLY_OFF,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ApiError,
@@ -58,13 +61,15 @@ from pdcluster.router.openai_models import (
     M,
     TokenizeRequest,
     parse_body,
+    refuse_unless_off,
     refuse_unsupported,
 )
-from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse
+from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse, with_reasoning_tokens
 from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
 from pdcluster.router.structured_outputs import structured_spec
 from pdcluster.router.text_codec import PromptTokenizer
+from pdcluster.router.tool_choice import tool_request
 from pdcluster.router.vllm_params import refuse_vllm_only
 
 log = logging.getLogger(__name__)
@@ -88,8 +93,10 @@ def load_tokenizer(tokenizer_dir: str):
     return tokenizer
 
 
-def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits()) -> HttpApp:
-    """`tokenizer`: load_tokenizer's, or the directory to load it from."""
+def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(),
+              parsers: ChatParsers | None = None) -> HttpApp:
+    """`tokenizer`: load_tokenizer's, or the directory to load it from; `parsers`: the model's tool
+    and reasoning parsers, when the spec names any."""
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     tokenizer_dir = tokenizer.name_or_path  # as from_pretrained was given it
@@ -142,6 +149,9 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {what}, "
                            f"{max_tokens} for the completion). Please reduce the length of the {what} or completion.")
         refuse_unsupported(req)
+        if not chat:
+            for name, off in COMPLETION_ONLY_OFF.items():
+                refuse_unless_off(name, getattr(req, name), off)
         refuse_vllm_only(req, chat)
         temperature = 1.0 if req.temperature is None else req.temperature
         if not 0 <= temperature <= 2:  # OpenAI's range; written so that NaN fails too (1e400 parses as inf)
@@ -206,7 +216,10 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                                                                       prompt_texts)
             choices = [answer_choice(job, index, [d for d in pieces if d.index == index], last, prompt_texts, shown)
                        for index in range(job.sampling.n)]
-            body = envelope(job, choices, last.usage, chunk=False)
+            usage = last.usage if job.parsing is None else with_reasoning_tokens(
+                last.usage, job.parsing, {i: [t for d in pieces if d.index == i for t in d.token_ids]
+                                          for i in range(job.sampling.n)})
+            body = envelope(job, choices, usage, chunk=False)
             if shown is not None and job.chat:  # vLLM's place for them on chat
                 body["prompt_logprobs"] = shown
             return json_response(body)
@@ -225,26 +238,32 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         the prompt's logprobs' texts and shape, worked out once for all choices)."""
         end = next(d for d in reversed(pieces) if d.finish_reason is not None)
         text = (job.echo or "") + "".join(d.text for d in pieces)
-        choice = ({"index": index, "message": {"role": "assistant", "content": text}} if job.chat
-                  else {"index": index, "text": text})
+        token_ids = [t for d in pieces for t in d.token_ids]
+        finish, hide = end.finish_reason, job.parsing is not None and job.parsing.hide_metadata
+        if job.parsing is not None:  # the model's parsers split reasoning and tool calls off the text
+            message, finish = job.parsing.message(index, text, token_ids, finish)
+            choice = {"index": index, "message": message}
+        else:
+            choice = ({"index": index, "message": {"role": "assistant", "content": text}} if job.chat
+                      else {"index": index, "text": text})
         # As vLLM: with echo, the prompt's tokens and logprobs, then the answer's.
         echo = job.echo is not None
-        choice |= {"logprobs": logprobs_of(job, [p for d in pieces for p in d.logprobs],
-                                           echoed=last.prompt_logprobs if echo else (),
-                                           echoed_texts=prompt_texts if echo else ()),
-                   "finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
-        if job.return_token_ids:
-            choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": [t for d in pieces for t in d.token_ids]}
+        choice |= {"logprobs": None if hide else logprobs_of(job, [p for d in pieces for p in d.logprobs],
+                                                             echoed=last.prompt_logprobs if echo else (),
+                                                             echoed_texts=prompt_texts if echo else ()),
+                   "finish_reason": finish, "stop_reason": end.stop_reason}
+        if job.return_token_ids and not hide:
+            choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": token_ids}
         if shown_prompt_logprobs is not None and not job.chat:  # vLLM's place for them: each choice
             choice["prompt_logprobs"] = shown_prompt_logprobs
         return choice
 
     formats: dict[str, str] = {}  # the chat template's content format (chat_content.py), once a request needs it
 
-    async def chat_ids(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    async def chat_ids(req: ChatCompletionRequest | TokenizeRequest, tools: list | None = None) -> list[int]:
         messages = req.messages
         kwargs = template_kwargs(tokenizer, req.chat_template_kwargs, req.add_generation_prompt,
-                                 req.continue_final_message)
+                                 req.continue_final_message) | {"tools": tools}
         if "fmt" not in formats and any(not isinstance(m.content, str) for m in messages):
             # Off the loop: vLLM's template reader, in a child process (seconds, once).
             formats["fmt"] = await prompts.run(1 << 30, partial(content_format, getattr(tokenizer, "chat_template", None)))
@@ -308,13 +327,22 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), card)
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
-        ids = await chat_ids(req)
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, "tool_choice" in req.model_fields_set,
+                             parsers is not None and parsers.tool_parser)
+        ids = await chat_ids(req, tools.tools)
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
-        return await serve(make_job(req, True, ids, max_tokens, param, arrival_ns,
-                                    request.headers.get("x-request-id"),
-                                    valid_traceparent(request.headers.get("traceparent")), logprobs,
-                                    asked_prompt_logprobs))
+        job = make_job(req, True, ids, max_tokens, param, arrival_ns, request.headers.get("x-request-id"),
+                       valid_traceparent(request.headers.get("traceparent")), logprobs, asked_prompt_logprobs)
+        kwargs = (req.chat_template_kwargs or {}) | {"add_generation_prompt": req.add_generation_prompt,
+                                                     "continue_final_message": req.continue_final_message}
+        # vLLM's parsers' view of the request: a tool call's constraint, where the reasoning ends.
+        if parsers is not None and (parsing := await prompts.run(len(request.body) // PARSE_BYTES_PER_CHAR, partial(
+                parsers.for_request, req.model_dump(exclude_unset=True), kwargs, ids, job.sampling.n,
+                job.sampling.structured))) is not None:
+            job = dataclasses.replace(job, parsing=parsing, sampling=dataclasses.replace(
+                job.sampling, structured=parsing.structured, reasoning_ended=parsing.reasoning_ended))
+        return await serve(job)
 
     async def models(request: HttpRequest) -> Response:
         card = backend.model_card()

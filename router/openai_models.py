@@ -81,8 +81,6 @@ class CommonRequest(BaseModel):
     response_format: Any = None
     structured_outputs: Any = None
     best_of: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     suffix: Any = None
@@ -100,7 +98,7 @@ MAX_STOP_CHARS = 2048
 
 # OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+    "best_of": (None, 1),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,),
 }
@@ -124,6 +122,12 @@ class CompletionRequest(CommonRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr | list[StrictInt]]
     echo: bool | None = None
     logprobs: StrictInt | None = None  # so many alternatives (router/logprobs.py)
+    tools: Any = None  # chat's: refused here unless off (COMPLETION_ONLY_OFF)
+    tool_choice: Any = None
+
+
+# Chat's parameters a completion request cannot honour, and their no-op values.
+COMPLETION_ONLY_OFF: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none")}
 
 
 MAX_MESSAGES = 4096  # a conversation's messages (each costs the chat template work, even empty)
@@ -131,12 +135,20 @@ MAX_ROLE_CHARS = 64  # "system", "user", "assistant", "tool", "developer"
 
 
 MAX_CONTENT_PARTS = 4096  # a message's content parts (router/chat_content.py)
+MAX_TOOLS = 1024  # a request's tools, and an assistant message's tool calls: each is rendered into the prompt
 
 
 class ChatMessage(BaseModel):
     role: str = Field(max_length=MAX_ROLE_CHARS)
-    # A string, or a list of parts (router/chat_content.py reads them, as vLLM does)
-    content: str | Annotated[list[StrictStr | dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
+    # A string, or a list of parts (router/chat_content.py reads them, as vLLM does); none (null or
+    # absent) is empty, as an assistant's that only calls tools.
+    content: str | Annotated[list[StrictStr | dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    # What the chat template gets besides, as vLLM passes them: an assistant's tool calls (and
+    # reasoning), a tool's answer's call id, a participant's name.
+    tool_calls: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
 
 
 class TemplateArgs(BaseModel):
@@ -153,6 +165,11 @@ class ChatCompletionRequest(CommonRequest, TemplateArgs):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = None
+    # Checked by router/tool_choice.py as vLLM checks them; typed loosely so its words are the 400's.
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning (router/chat_parsers.py)
 
 
 class TokenizeRequest(TemplateArgs):
@@ -195,6 +212,8 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     pd: PdUsage
+    # vLLM's, with a reasoning parser: {"reasoning_tokens": n} (router/chat_parsers.py)
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class ApiError(Exception):

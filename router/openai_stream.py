@@ -14,6 +14,7 @@ from typing import Any
 
 from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.router.backend import BackendError, GenerationChunk, TokenBackend
+from pdcluster.router.chat_parsers import RequestParsers
 from pdcluster.router.http_app import aclose, error_body
 from pdcluster.router.openai_models import PdUsage, PromptTokensDetails, Usage
 from pdcluster.router.text_codec import Detokenizer
@@ -37,6 +38,8 @@ class Job:
     arrival_ns: int  # time.monotonic_ns() when the HTTP request arrived
     traceparent: str | None = None  # the client's W3C trace context (router/otlp.py)
     echo: str | None = None  # completions' echo: the prompt's text, put before the answer's
+    # chat's: the model's tool and reasoning parsers on each choice (router/chat_parsers.py)
+    parsing: RequestParsers | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -159,8 +162,18 @@ def envelope(job: Job, choices: list[dict[str, Any]], usage: Usage | None, chunk
     body: dict[str, Any] = {"id": job.request_id, "object": kind, "created": job.created, "model": job.model,
                             "choices": choices}
     if not chunk or job.include_usage:  # OpenAI: with include_usage every chunk has "usage" (null but the last)
-        body["usage"] = usage.model_dump() if usage else None
+        body["usage"] = usage.model_dump(exclude={"completion_tokens_details"}
+                                          if usage.completion_tokens_details is None else None) if usage else None
     return body
+
+
+def with_reasoning_tokens(usage: Usage, parsing: RequestParsers, generated: dict[int, list[int]]) -> Usage:
+    """`usage` with vLLM's completion_tokens_details when the model has a reasoning parser:
+    the choices' reasoning tokens (`generated`: each choice's token ids)."""
+    counts = [parsing.reasoning_tokens(index, ids) for index, ids in generated.items()]
+    if None in counts:
+        return usage
+    return usage.model_copy(update={"completion_tokens_details": {"reasoning_tokens": sum(counts)}})
 
 
 def sse_event(body: dict[str, Any]) -> str:
@@ -176,19 +189,31 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
     generated: dict[int, list[int]] = {i: [] for i in range(job.sampling.n)}
     echoed: set[int] = set()  # the choices whose text has begun with the prompt's (echo)
 
+    parsing = job.parsing
+
     def chunk(delta: Delta, role: bool = False) -> str:
+        """The delta's event; "" when a parser holds its text back and nothing else is new."""
         if job.echo is not None and delta.index not in echoed:
             echoed.add(delta.index)
             delta = dataclasses.replace(delta, text=job.echo + delta.text)
-        if job.chat:
+        logprobs = None if role else logprobs_of(job, list(delta.logprobs), generated[delta.index])
+        generated[delta.index].extend(delta.token_ids)
+        finish, token_ids = delta.finish_reason, job.return_token_ids
+        if parsing is not None and not role:  # as vLLM's stream generator with a parser
+            msg = parsing.delta(delta.index, delta.text, delta.token_ids, finish is not None)
+            if parsing.hide_metadata:
+                logprobs, token_ids = None, False
+            if msg is None and finish is None and logprobs is None and not token_ids:
+                return ""
+            msg, finish = msg or {}, finish and parsing.finish(delta.index, finish)
+            choice = {"index": delta.index, "delta": msg}
+        elif job.chat:
             msg = ({"role": "assistant"} if role else {}) | ({"content": delta.text} if delta.text or role else {})
             choice = {"index": delta.index, "delta": msg}
         else:
             choice = {"index": delta.index, "text": delta.text}
-        choice |= {"logprobs": None if role else logprobs_of(job, list(delta.logprobs), generated[delta.index]),
-                   "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-        generated[delta.index].extend(delta.token_ids)
-        if job.return_token_ids:
+        choice |= {"logprobs": logprobs, "finish_reason": finish, "stop_reason": delta.stop_reason}
+        if token_ids:
             choice["token_ids"] = delta.token_ids
         return sse_event(envelope(job, [choice], None, chunk=True))
 
@@ -197,12 +222,15 @@ async def sse(job: Job, first: Delta, rest: AsyncIterator[Delta],
             for index in range(job.sampling.n):
                 yield chunk(Delta("", index=index), role=True)
         last = first
-        yield chunk(first)
+        if event := chunk(first):
+            yield event
         if first.usage is None:  # the request's last delta has it
             async for last in rest:
-                yield chunk(last)
+                if event := chunk(last):
+                    yield event
         if job.include_usage:
-            yield sse_event(envelope(job, [], last.usage, chunk=True))
+            usage = last.usage if parsing is None else with_reasoning_tokens(last.usage, parsing, generated)
+            yield sse_event(envelope(job, [], usage, chunk=True))
     except BackendError as e:  # headers are sent: the error becomes an event
         yield sse_event(error_body(str(e), e.kind))
     except Exception as e:

@@ -161,8 +161,15 @@ class RouterActor:
             self.dispatcher.sinks.append(self.spans.observe)
         self.dispatcher.rejection_listeners.append(self.metrics.reject)
         self.dispatcher.sink_failure_listeners.append(self.metrics.record_failed)
+        model = spec.model
+        parsers = None
+        if model.tool_call_parser or model.reasoning_parser:  # vLLM's parsers: imported only for them
+            from pdcluster.router.chat_parsers import ChatParsers
+
+            parsers = ChatParsers(model.path, model.tool_call_parser, model.reasoning_parser,
+                                  model.enable_auto_tool_choice)
         self.app = build_app(self.dispatcher, self.tokenizer, HttpLimits(
-            spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s))
+            spec.router.max_body_bytes, spec.router.body_timeout_s, spec.router.client_stall_s), parsers)
         if spec.auth.api_keys:
             self.app.require_api_keys([k.get_secret_value() for k in spec.auth.api_keys],
                                       ("/health", "/metrics") if spec.auth.open_metrics else ("/health",))

@@ -18,12 +18,9 @@ MODEL_CACHE = Path(os.environ.get("PDC_TEST_MODEL_DIR", Path(__file__).resolve()
 
 def tiny_model_dir() -> str:
     """The seed-0 tiny Qwen3, made once per checkout (deterministic, so reuse is safe)."""
-    from pdcluster.cluster.tiny_model import make_tiny_model
+    from pdcluster.cluster.tiny_model import cached_tiny_model
 
-    path = MODEL_CACHE / "tiny-qwen3"
-    if not (path / "model.safetensors").exists():
-        make_tiny_model(path, arch="qwen3", seed=0)
-    return str(path)
+    return str(cached_tiny_model(MODEL_CACHE / "tiny-qwen3"))
 
 
 def free_port() -> int:
@@ -64,6 +61,17 @@ def cluster_spec_for(name: str, prefill: int = 1, decode: int = 1, prefill_engin
     for key, value in overrides.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return parse_spec(data)
+
+
+# The model's output parsers on the shared "p1d1", as test_e2e_vllm_serve starts vllm serve with them:
+# hermes' tool calls, and deepseek_v3's reasoning (apart only when the template thinks, so plain chat
+# answers stay content).
+PARSERS = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "deepseek_v3"}
+
+
+def p1d1_spec() -> ClusterSpec:
+    """The shared "p1d1" every module marked shared_cluster("p1d1") asks for (the first starts it)."""
+    return cluster_spec_for("e2e-p1d1", model=PARSERS)
 
 
 P1_BLOCKS = 70  # P's and D's device KV pool in p1d1-bf16, vLLM's null block included: 69 usable blocks of 128 tokens

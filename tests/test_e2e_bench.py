@@ -7,7 +7,7 @@ expectation after the seed phase, and each request is joined with its timeline.
 from __future__ import annotations
 
 import pytest
-from e2e import cluster_spec_for, run_with, shared_cluster
+from e2e import p1d1_spec, run_with, shared_cluster
 
 from pdcluster.cluster.replay.run import BenchConfig, report, run_bench
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster
 
 @pytest.fixture(scope="module")
 def cluster():
-    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+    return shared_cluster("p1d1", p1d1_spec)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import ray
 from e2e import (
     TRANSPORTS,
     assert_no_kv_in_use,
-    cluster_spec_for,
     complete,
+    p1d1_spec,
     reset_caches,
     run_with,
     seed_prompts_000,
@@ -41,7 +41,7 @@ BLOCK = 128
 
 @pytest.fixture(scope="module")
 def cluster():
-    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+    return shared_cluster("p1d1", p1d1_spec)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,14 @@ import random
 
 import pytest
 import ray
-from e2e import assert_no_kv_in_use, cluster_spec_for, complete, shared_cluster, shared_reference, tiny_model_dir
+from e2e import (
+    assert_no_kv_in_use,
+    complete,
+    p1d1_spec,
+    shared_cluster,
+    shared_reference,
+    tiny_model_dir,
+)
 
 from pdcluster.proto.messages import SamplingSpec
 
@@ -19,7 +26,7 @@ PROMPT = [random.Random(30).randrange(3, 1000) for _ in range(300)]
 
 @pytest.fixture(scope="module")
 def cluster():
-    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+    return shared_cluster("p1d1", p1d1_spec)
 
 
 def answer(cluster, **params) -> list[int]:

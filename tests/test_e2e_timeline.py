@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from e2e import cluster_spec_for, run_with, shared_cluster, transfer_as
+from e2e import p1d1_spec, run_with, shared_cluster, transfer_as
 
 from pdcluster.router.attribution import attribute, critical_path
 from pdcluster.router.timeline import EVENT_ORDER, OPTIONAL_EVENTS
@@ -27,7 +27,7 @@ TTFT_TOLERANCE_MS = 20.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+    return shared_cluster("p1d1", p1d1_spec)
 
 
 def stream_ttft(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, float]:

@@ -15,11 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from e2e import cluster_spec_for, free_port, shared_cluster, tiny_model_dir, wait_until
+from e2e import PARSERS, free_port, p1d1_spec, shared_cluster, tiny_model_dir, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
 
 MODEL = "tiny-qwen3"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}, {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
 PROMPT = "The quick brown fox jumps over the lazy dog; " * 12
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes and dogs."}]
 
@@ -59,13 +63,41 @@ CORPUS = [
                                             "max_tokens": 8, "add_generation_prompt": False,
                                             "continue_final_message": True}),
     ("chat prompt logprobs", "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 2}),
+    # hermes' tool parser and deepseek_v3's reasoning parser on both (tests/e2e.py PARSERS)
+    ("tools auto", "chat/completions", {"messages": CHAT, "max_tokens": 16, "tools": TOOLS}),
+    ("tools none", "chat/completions", {"messages": CHAT, "max_tokens": 8, "tools": TOOLS, "tool_choice": "none"}),
+    ("tools required", "chat/completions", {"messages": CHAT, "max_tokens": 60, "tools": TOOLS,
+                                            "tool_choice": "required"}),
+    ("tools named", "chat/completions", {"messages": CHAT, "max_tokens": 60, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}),
+    ("tools one call", "chat/completions", {"messages": CHAT, "max_tokens": 60, "tools": TOOLS,
+                                            "tool_choice": "required", "parallel_tool_calls": False}),
+    ("tool history", "chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny."}], "max_tokens": 8, "tools": TOOLS}),
+    ("reasoning", "chat/completions", {"messages": CHAT, "max_tokens": 12,
+                                       "chat_template_kwargs": {"enable_thinking": True}}),
 ]
-STREAMED = ["plain", "seeded sample", "stop string", "stop token", "n=3 seeded", "chat n=2 seeded", "json schema", "logprobs 3", "chat", "chat logprobs"]
+def _calls(choice: dict) -> list[dict]:
+    calls = choice["tool_calls"]  # a streamed answer's merged by call index
+    return list(calls.values()) if isinstance(calls, dict) else calls
+
+
+SHOWS = {  # what an answer must show, besides being vllm serve's
+    # "tools required" is left out: its grammar lets calls follow calls, and the tiny model's run on
+    # past max_tokens (equal on both, no complete call to parse); one call ends the grammar.
+    "tools named": lambda c: [call["name"] for call in _calls(c)] == ["get_weather"] and c["finish_reason"] == "stop",
+    "tools one call": lambda c: len(_calls(c)) == 1 and c["finish_reason"] == "tool_calls",
+    "reasoning": lambda c: c["reasoning"] and not c["text"],
+}
+STREAMED = ["plain", "seeded sample", "stop string", "stop token", "n=3 seeded", "chat n=2 seeded", "json schema",
+            "logprobs 3", "chat", "chat logprobs", "tools auto", "tools required", "tools named", "tools one call",
+            "reasoning"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    return shared_cluster("p1d1", lambda: cluster_spec_for("e2e-p1d1"))
+    return shared_cluster("p1d1", p1d1_spec)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +112,10 @@ def vllm_serve():
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            **vllm_patches.engine_env([*vllm_patches.patch_sets_for_device("cpu"),
                                       *vllm_patches.patch_sets_for_model(model, "cpu")])}
+    parsers = ["--enable-auto-tool-choice", "--tool-call-parser", PARSERS["tool_call_parser"],
+               "--reasoning-parser", PARSERS["reasoning_parser"]]
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", MODEL,
+            *parsers,
             "--dtype", "float32", "--max-model-len", "8192", "--max-num-batched-tokens", "8192", "--block-size", "128",
             "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -120,8 +155,15 @@ def ask(url: str, endpoint: str, body: dict, stream: bool) -> tuple[dict, httpx.
     for e in events:
         for c in e["choices"]:
             merged = choices.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "content": [],
-                                                     "finish_reason": None, "stop_reason": None})
-            merged["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                                                     "finish_reason": None, "stop_reason": None, "reasoning": "",
+                                                     "tool_calls": {}})
+            delta = c.get("delta") or {}
+            merged["text"] += c.get("text") or delta.get("content") or ""
+            merged["reasoning"] += delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or ():  # a call's name comes once, its arguments in pieces
+                got = merged["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                got["name"] += (call.get("function") or {}).get("name") or ""
+                got["arguments"] += (call.get("function") or {}).get("arguments") or ""
             merged["finish_reason"] = c["finish_reason"] or merged["finish_reason"]
             merged["stop_reason"] = c.get("stop_reason", "(none)") if c["finish_reason"] else merged["stop_reason"]
             lp = c.get("logprobs") or {}
@@ -150,12 +192,15 @@ def sdk_parses(endpoint: str, body: dict, response: httpx.Response) -> None:
 def compared(answer: dict, stream: bool) -> dict:
     """The fields that must be equal: usage's counts, and each choice's text, finish, stop reason,
     token ids, logprobs and prompt logprobs (a streamed answer's merged per choice)."""
-    usage = {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage = {k: answer["usage"].get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens",
+                                                 "completion_tokens_details")}
     if stream:
         return {"usage": usage, "choices": answer["choices"]}
     return {"usage": usage, "prompt_logprobs": answer.get("prompt_logprobs"), "choices": [
         {"index": c["index"], "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
          "text": c["text"] if "text" in c else c["message"]["content"], "logprobs": c.get("logprobs"),
+         "reasoning": (c.get("message") or {}).get("reasoning"),
+         "tool_calls": [call["function"] for call in (c.get("message") or {}).get("tool_calls") or ()],
          "token_ids": c.get("token_ids"), "prompt_token_ids": c.get("prompt_token_ids"),
          "prompt_logprobs": c.get("prompt_logprobs")} for c in answer["choices"]]}
 
@@ -192,6 +237,9 @@ def test_the_cluster_answers_as_vllm_serve_does(cluster, vllm_serve, stream):
         if diff := numbers_apart(compared(ours, stream), compared(theirs, stream)):
             apart[name] = diff[:4]
         sdk_parses(endpoint, {**body, "stream": stream}, response)
+        if name in SHOWS:  # not equal by both lacking it: the call, or the reasoning, is there
+            choice = compared(ours, stream)["choices"][0]
+            assert SHOWS[name](choice), (name, choice)
     assert not apart, json.dumps(apart, indent=1)
 
 

@@ -186,7 +186,7 @@ def test_completion_400(fake_router, body, param, words):
 @pytest.mark.parametrize("body,param,words", [
     ({"model": MODEL}, "messages", ["'messages'", "required"]),
     ({"messages": []}, "messages", ["messages is empty"]),
-    ({"messages": [{"role": "user"}]}, "messages", ["'messages.0.content' is a required field"]),
+    ({"messages": [{"content": "hi"}]}, "messages", ["'messages.0.role' is a required field"]),
     ({"messages": [{"role": "user", "content": 3}]}, "messages", ["messages.0.content"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens", ["max_completion_tokens must be at least 1"]),

@@ -46,7 +46,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("structured_outputs", {"regex": "a+", "choice": ["a"]}, ["You can only use one kind of structured outputs"]),
     ("structured_outputs", {"choice": []}, ["structured_outputs.choice must be a non-empty list of strings"]),
     ("structured_outputs", {"json": "{not json"}, ["structured_outputs.json is not valid JSON"]),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], ["'tools' is not supported"]),
     ("suffix", "tail", ["'suffix'"]),
     ("prompt_logprobs", -2, ["`prompt_logprobs` must be a positive value or -1."]),
 ])
