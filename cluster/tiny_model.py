@@ -45,9 +45,10 @@ CHAT_TEMPLATE = (
 )
 
 
-# Bumped whenever the same (arch, seed) starts writing other files: 2 added MARKUP_TOKENS and the
-# template's tools and thinking. A cached checkpoint of another format is written anew.
-TINY_FORMAT = 2
+# Bumped whenever the same (arch, seed) starts writing other files: 3 added MARKUP_TOKENS (with
+# zero rows: the other weights are format 1's) and the template's tools and thinking. A cached
+# checkpoint of another format is written anew.
+TINY_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
     tokenizer.model_max_length = shape.max_position_embeddings
     tokenizer.save_pretrained(out)
 
-    vocab_size = len(tokenizer)
+    # The weights are drawn for the trained vocabulary, as before the markup tokens came (TINY_FORMAT 1),
+    # and the markup tokens' rows added as zeros after: every other token's logits and every output
+    # the tests know stay as they were, and a zero logit never wins greedy decoding.
+    vocab_size = len(tokenizer) - len(MARKUP_TOKENS)
     if arch == "dsv4":
-        meta = write_dsv4(out, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed)
+        meta = write_dsv4(out, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed,
+                          markup_rows=len(MARKUP_TOKENS))
         (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "format": TINY_FORMAT, **meta}, indent=1))
         return out
     common = dict(
@@ -183,6 +188,10 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
 
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        for layer in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+            layer.weight[vocab_size:] = 0
     model.save_pretrained(out, safe_serialization=True)
     (out / "pdcluster_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "format": TINY_FORMAT, **shape.__dict__},
                                                          indent=1))
@@ -211,11 +220,12 @@ class Dsv4Shape:
     init_gain: float = 4.0
 
 
-def write_dsv4(out: Path, vocab_size: int, bos_token_id: int, eos_token_id: int, seed: int,
+def write_dsv4(out: Path, vocab_size: int, bos_token_id: int, eos_token_id: int, seed: int, markup_rows: int = 0,
                shape: Dsv4Shape = Dsv4Shape()) -> dict:
     """A random-weight DeepSeek-V4 checkpoint in DeepSeek's own weight names (as vLLM loads them):
     bf16 weights; fp32 for the hyper-connection mixers, attention sinks, compressor position
-    biases and router bias; int32 token -> expert table for the hash-routed first layer."""
+    biases and router bias; int32 token -> expert table for the hash-routed first layer. The weights
+    are drawn for `vocab_size` tokens; `markup_rows` more come after them (make_tiny_model)."""
     import torch
     from safetensors.torch import save_file
 
@@ -224,7 +234,7 @@ def write_dsv4(out: Path, vocab_size: int, bos_token_id: int, eos_token_id: int,
     ratios = DSV4_COMPRESS_RATIOS
     config = {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-        "vocab_size": vocab_size, "hidden_size": s.hidden_size, "num_hidden_layers": len(ratios),
+        "vocab_size": vocab_size + markup_rows, "hidden_size": s.hidden_size, "num_hidden_layers": len(ratios),
         "num_attention_heads": s.num_attention_heads, "num_key_value_heads": 1, "head_dim": head_dim,
         "qk_rope_head_dim": rope_dim, "q_lora_rank": s.q_lora_rank, "o_lora_rank": s.o_lora_rank,
         "o_groups": s.o_groups, "sliding_window": DSV4_WINDOW, "compress_ratios": list(ratios),
@@ -298,6 +308,10 @@ def write_dsv4(out: Path, vocab_size: int, bos_token_id: int, eos_token_id: int,
             w[f + e + "w1.weight"], w[f + e + "w2.weight"], w[f + e + "w3.weight"] = (
                 lin(Inter, H), lin(H, Inter), lin(Inter, H))
 
+    for name in [n for n in w if n in ("embed.weight", "head.weight") or n.endswith("gate.tid2eid")]:
+        # the markup tokens' rows (make_tiny_model): zero embeddings and logits, routed as token 0 is
+        rows = w[name][:1].expand(markup_rows, -1) if name.endswith("tid2eid") else w[name].new_zeros(markup_rows, H)
+        w[name] = torch.cat([w[name], rows])
     save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_token_id,

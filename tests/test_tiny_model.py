@@ -61,6 +61,19 @@ def test_a_cached_checkpoint_of_another_format_is_written_anew(models, tmp_path)
     assert json.loads((path / "pdcluster_tiny.json").read_text())["format"] == TINY_FORMAT
 
 
+def test_the_markup_tokens_rows_are_zeros_after_the_drawn_ones(models):
+    """Their embeddings and logits are 0: the drawn tokens' weights, and so the outputs, are those
+    of a checkpoint without them."""
+    from safetensors.torch import load_file
+
+    from pdcluster.cluster.tiny_model import train_tokenizer
+
+    drawn = train_tokenizer().get_vocab_size() - len(MARKUP_TOKENS)
+    embed = load_file(str(models("a", 0) / "model.safetensors"))["model.embed_tokens.weight"]
+    assert embed.shape[0] == drawn + len(MARKUP_TOKENS)
+    assert (embed[drawn:] == 0).all() and int((embed[:drawn] == 0).all(dim=1).sum()) == 1  # and the pad token's
+
+
 def test_markup_tokens_are_single_tokens_kept_in_decoded_text(models):
     """As Qwen3's: <think> and <tool_call> are one token each and, not being special, stay in the
     text a detokenizer that skips special tokens writes (the tool and reasoning parsers read it)."""
