@@ -77,6 +77,29 @@ def template_messages(messages: list[Any], fmt: str) -> list[dict[str, Any]]:
     return out
 
 
+def developer_as_system(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:
+    """As vLLM's renderer (vllm/renderers/hf.py, 0.32): for a template that never names the
+    'developer' role (OpenAI's newer word for system), developer messages become system ones, and
+    every system message is then merged into one, first (templates such as Qwen's take a system
+    message first only)."""
+    template = chat_template or ""
+    if '"developer"' in template or "'developer'" in template or all(m["role"] != "developer" for m in messages):
+        return messages
+    turned = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(turned) if m["role"] == "system"]
+    if systems in ([], [0]):
+        return turned
+    texts = [text for i in systems if (text := _joined(turned[i]["content"]))]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in turned if m["role"] != "system")]
+
+
+def _joined(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                         if isinstance(p, str) or isinstance(p, dict) and "text" in p)
+    return content
+
+
 def _tool_call(call: Any, i: int) -> dict[str, Any]:
     """An assistant's tool call as vLLM's `_postprocess_messages` hands templates one: its
     arguments an object (a JSON text parsed; one that is not an object's text, {})."""

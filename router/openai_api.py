@@ -26,7 +26,7 @@ from pdcluster.proto.handle import MAX_RETENTION_S
 from pdcluster.proto.messages import SamplingSpec, TokenLogprobs
 from pdcluster.proto.router_spec import HttpLimits
 from pdcluster.router.backend import BackendError, ModelCard, TokenBackend
-from pdcluster.router.chat_content import content_format, template_messages
+from pdcluster.router.chat_content import content_format, developer_as_system, template_messages
 from pdcluster.router.chat_parsers import ChatParsers
 from pdcluster.router.chat_template import template_kwargs
 from pdcluster.router.generation_defaults import default_max_tokens, with_defaults
@@ -67,9 +67,9 @@ from pdcluster.router.openai_models import (
 from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse, with_reasoning_tokens
 from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
-from pdcluster.router.structured_outputs import structured_spec
+from pdcluster.router.structured_outputs import GUIDED, structured_spec
 from pdcluster.router.text_codec import PromptTokenizer
-from pdcluster.router.tool_choice import tool_request
+from pdcluster.router.tool_choice import template_tools, tool_request
 from pdcluster.router.vllm_params import refuse_vllm_only
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                                 stop_token_ids=tuple(req.stop_token_ids or ()),
                                 final_only=not req.stream and not stops,  # stop strings are matched here, as tokens come
                                 retain_s=retain_s, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-                                structured=structured_spec(req.structured_outputs, req.response_format, card.logits),
+                                structured=structured_spec(req.structured_outputs, req.response_format, card.logits, {
+                                    k: v for k in GUIDED if (v := getattr(req, k)) is not None}),
                                 **extra_sampling(req, card.vocab_size, max_tokens, tokenizer))
         prefix = "chatcmpl-" if chat else "cmpl-"
         # As vLLM's server: the client may name the request (X-Request-Id); ids need not be unique.
@@ -267,7 +268,8 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         if "fmt" not in formats and any(not isinstance(m.content, str) for m in messages):
             # Off the loop: vLLM's template reader, in a child process (seconds, once).
             formats["fmt"] = await prompts.run(1 << 30, partial(content_format, getattr(tokenizer, "chat_template", None)))
-        converted = template_messages(messages, formats.get("fmt", "string"))
+        converted = developer_as_system(template_messages(messages, formats.get("fmt", "string")),
+                                        getattr(tokenizer, "chat_template", None))
         try:
             return await prompts.chat(converted, kwargs)
         except Exception as e:  # the template rejected the conversation (e.g. a role it does not know)
@@ -360,7 +362,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         if req.prompt is not None:
             ids = await prompts.text(req.prompt)
         else:
-            ids = await chat_ids(req)
+            ids = await chat_ids(req, None if req.tools is None else template_tools(req.tools))
         card = backend.model_card()
         # msgspec: 630K ids in ~5 ms; json.dumps held the loop ~150 ms for them.
         return BytesResponse(_encode_json({"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,

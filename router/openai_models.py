@@ -88,6 +88,7 @@ class CommonRequest(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 # Stop strings: OpenAI allows 4, vLLM any number; the router searches each delta's text for
@@ -99,8 +100,7 @@ MAX_STOP_CHARS = 2048
 # OpenAI (and vLLM) parameters the router cannot honour, with the values that mean "off".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
 }
 
 
@@ -179,6 +179,7 @@ class TokenizeRequest(TemplateArgs):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None  # given to the template, as chat's
 
 
 class DetokenizeRequest(BaseModel):

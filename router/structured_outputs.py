@@ -2,7 +2,10 @@
 read into one constraint for D's vLLM (proto StructuredSpec), as vLLM's server reads them
 (vllm/entrypoints/openai/*/protocol.py, vllm/entrypoints/generate/base/protocol.py, 0.32):
 `response_format` json_object / json_schema overrides `structured_outputs`' constraint; at most
-one of json, regex, choice. What only vLLM's grammar compiler can judge (a schema it does not
+one of json, regex, choice, grammar, json_object, structural_tag. The older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `guided_whitespace_pattern` (which vLLM
+before 0.12 read, and which clients written for it still send) mean their `structured_outputs`
+fields: vLLM 0.32 drops them unread, the router does not serve a request without what it asked. What only vLLM's grammar compiler can judge (a schema it does not
 support, a regex it cannot compile) D's vLLM refuses as the request reaches it: a 400 still
 (router/lifecycle.py), after P's prefill.
 """
@@ -15,13 +18,22 @@ from typing import Any
 from pdcluster.proto.messages import StructuredSpec
 from pdcluster.router.openai_models import ApiError
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "guided_whitespace_pattern": "whitespace_pattern"}  # the older field -> structured_outputs' own
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar as JSON text: D compiles it
 
 
-def structured_spec(structured_outputs: Any, response_format: Any, logits: bool) -> StructuredSpec | None:
-    """The request's constraint, or None; ApiError naming the field for what vLLM refuses."""
+def structured_spec(structured_outputs: Any, response_format: Any, logits: bool,
+                    guided: dict[str, Any] | None = None) -> StructuredSpec | None:
+    """The request's constraint, or None; ApiError naming the field for what vLLM refuses.
+    `guided`: the request's guided_* fields (GUIDED's keys) that are set."""
+    if guided:
+        if structured_outputs is not None:
+            raise ApiError(f"give structured_outputs or the older {', '.join(guided)}, not both",
+                           param=next(iter(guided)))
+        structured_outputs = {GUIDED[k]: v for k, v in guided.items()}
     given = _given(structured_outputs)
     override = _from_response_format(response_format)
     if given is None and override is None:
@@ -34,11 +46,11 @@ def structured_spec(structured_outputs: Any, response_format: Any, logits: bool)
         fields = {k: v for k, v in fields.items() if k not in KINDS or k in override}
     if sum(fields.get(k) is not None for k in KINDS) != 1:
         raise ApiError("You can only use one kind of structured outputs constraint ('json', 'regex', 'choice', "
-                       "'grammar' or 'json_object')", param="structured_outputs")
+                       "'grammar', 'json_object' or 'structural_tag')", param="structured_outputs")
     choice = fields.get("choice")
     if choice is not None and not (isinstance(choice, list) and choice and all(isinstance(c, str) for c in choice)):
         raise ApiError("structured_outputs.choice must be a non-empty list of strings", param="structured_outputs")
-    for key in ("regex", "grammar", "whitespace_pattern"):
+    for key in ("regex", "grammar", "whitespace_pattern", "structural_tag"):
         if fields.get(key) is not None and not isinstance(fields[key], str):
             raise ApiError(f"structured_outputs.{key} must be a string", param="structured_outputs")
     schema = fields.get("json")
@@ -51,7 +63,8 @@ def structured_spec(structured_outputs: Any, response_format: Any, logits: bool)
         if not isinstance(schema, dict | bool):
             raise ApiError("a JSON schema must be an object", param="structured_outputs")
         schema = json.dumps(schema)
-    text = sum(len(x) for x in (schema, fields.get("regex"), fields.get("grammar")) if x) + sum(map(len, choice or ()))
+    text = sum(len(x) for x in (schema, fields.get("regex"), fields.get("grammar"), fields.get("structural_tag")) if x) \
+        + sum(map(len, choice or ()))
     if text > MAX_SPEC_CHARS:
         raise ApiError(f"the structured outputs constraint is {text} characters, at most {MAX_SPEC_CHARS}",
                        param="structured_outputs")
@@ -59,7 +72,8 @@ def structured_spec(structured_outputs: Any, response_format: Any, logits: bool)
                           grammar=fields.get("grammar"), json_object=fields.get("json_object"),
                           disable_any_whitespace=bool(fields.get("disable_any_whitespace")),
                           disable_additional_properties=bool(fields.get("disable_additional_properties")),
-                          whitespace_pattern=fields.get("whitespace_pattern"))
+                          whitespace_pattern=fields.get("whitespace_pattern"),
+                          structural_tag=fields.get("structural_tag"))
 
 
 def _given(structured_outputs: Any) -> dict[str, Any] | None:
@@ -67,12 +81,9 @@ def _given(structured_outputs: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(structured_outputs, dict):
         raise ApiError("structured_outputs must be an object", param="structured_outputs")
-    unknown = set(structured_outputs) - set(KINDS) - set(OPTIONS)
-    if unknown - {"structural_tag"}:
+    if unknown := set(structured_outputs) - set(KINDS) - set(OPTIONS):
         raise ApiError(f"structured_outputs: unknown field(s) {sorted(unknown)}", param="structured_outputs")
-    if structured_outputs.get("structural_tag") is not None:
-        raise ApiError("structured_outputs.structural_tag is not supported by this server", param="structured_outputs")
-    return {k: v for k, v in structured_outputs.items() if k != "structural_tag"}
+    return dict(structured_outputs)
 
 
 def _from_response_format(response_format: Any) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_
     if tools == []:
         raise ApiError("`tools` must not be an empty array. Either provide at least one tool or omit the field "
                        "entirely.", param="tools")
-    dumped = None if tools is None else _dumped(tools)
+    dumped = None if tools is None else template_tools(tools)
     if not choice_given or tool_choice is None:
         tool_choice = "auto" if dumped else "none"
     if not isinstance(parallel_tool_calls, (bool, type(None))):
@@ -60,9 +60,11 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_
     return ToolRequest(dumped, "named" if function is not None else tool_choice, function, parallel)
 
 
-def _dumped(tools: Any) -> list[dict[str, Any]]:
-    """vLLM's ChatCompletionToolsParam.model_dump of each tool: type, and the function's name,
-    description and parameters (None where not given); other keys dropped."""
+def template_tools(tools: Any) -> list[dict[str, Any]]:
+    """The tools as the chat template gets them (chat, and /tokenize's messages): vLLM's
+    ChatCompletionToolsParam.model_dump of each tool: type, and the function's name,
+    description and parameters (None where not given), strict and defer_loading where given (the
+    tool's defer_loading its function's too, unless that has its own); other keys dropped."""
     if not isinstance(tools, list):
         raise ApiError("invalid 'tools': Input should be a valid list", param="tools")
     out = []
@@ -77,8 +79,19 @@ def _dumped(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(description, (str, type(None))) or not isinstance(parameters, (dict, type(None))):
             raise ApiError(f"invalid 'tools.{i}.function': description is a string, parameters an object",
                            param="tools")
-        out.append({"type": "function", "function": {"name": function["name"], "description": description,
-                                                      "parameters": parameters}})
+        dumped = {"name": function["name"], "description": description, "parameters": parameters}
+        # strict and defer_loading only when given (defer_loading may be the tool's), as vLLM's serializer
+        for key, value in (("strict", function.get("strict")),
+                           ("defer_loading", function.get("defer_loading", tool.get("defer_loading")))):
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise ApiError(f"invalid 'tools.{i}.function.{key}': Input should be a valid boolean",
+                                   param="tools")
+                dumped[key] = value
+        tool_level = tool.get("defer_loading")
+        if not isinstance(tool_level, (bool, type(None))):
+            raise ApiError(f"invalid 'tools.{i}.defer_loading': Input should be a valid boolean", param="tools")
+        out.append({"type": "function", "function": dumped} | ({} if tool_level is None else {"defer_loading": tool_level}))
     return out
 
 

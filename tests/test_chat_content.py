@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from router_fakes import bad_request
 
-from pdcluster.router.chat_content import content_format, template_messages
+from pdcluster.cluster.tiny_model import CHAT_TEMPLATE as TEMPLATE
+from pdcluster.router.chat_content import content_format, developer_as_system, template_messages
 from pdcluster.router.openai_models import ChatMessage
 
 ITERATES = "{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}"
@@ -62,3 +63,24 @@ def test_too_many_parts_are_refused_before_the_template(fake_router):
     client, backend = fake_router()
     err = bad_request(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": ["a"] * 5000}]})
     assert "messages.0.content" in err["message"] and backend.calls == []
+
+
+def test_developer_messages_are_system_ones_merged_first_for_a_template_without_the_role():
+    developer = [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
+                 {"role": "developer", "content": [{"type": "text", "text": "B"}, "C"]}]
+    assert developer_as_system(developer, TEMPLATE) == [{"role": "system", "content": "A\n\nB\nC"},
+                                                        {"role": "user", "content": "Hi"}]
+    first = [{"role": "developer", "content": "B", "name": "n"}, {"role": "user", "content": "Hi"}]
+    assert developer_as_system(first, TEMPLATE) == [{"role": "system", "content": "B", "name": "n"}, first[1]]
+    assert developer_as_system(developer, TEMPLATE + "{% if m == 'developer' %}{% endif %}") is developer
+
+
+def test_vllm_converts_developer_messages_the_same_way():
+    from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system
+
+    cases = [[{"role": "developer", "content": "B"}, {"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"}, {"role": "developer", "content": "B"},
+              {"role": "system", "content": ""}, {"role": "assistant", "content": "ok"}]]
+    for messages in cases:
+        assert developer_as_system(messages, TEMPLATE) == _consolidate_system_messages(
+            _convert_developer_to_system(messages))

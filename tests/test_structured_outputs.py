@@ -12,6 +12,7 @@ from pdcluster.router.openai_models import ApiError
 from pdcluster.router.structured_outputs import structured_spec
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+TAG = json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}})
 
 
 @pytest.mark.parametrize("structured, response_format, want", [
@@ -24,6 +25,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "require
      StructuredSpec(choice=("yes", "no"), disable_any_whitespace=True)),
     ({"regex": "[a-z]+"}, {"type": "json_object"}, StructuredSpec(json_object=True)),  # response_format wins
     ({"grammar": "root ::= \"a\""}, None, StructuredSpec(grammar="root ::= \"a\"")),
+    ({"structural_tag": TAG}, None, StructuredSpec(structural_tag=TAG)),
 ])
 def test_the_constraint_d_gets(structured, response_format, want):
     assert structured_spec(structured, response_format, logits=True) == want
@@ -42,3 +44,24 @@ def test_the_request_carries_it_to_the_backend(fake_router):
                                                                       "json_schema": {"name": "n", "schema": SCHEMA}}})
     assert r.status_code == 200, r.text
     assert json.loads(backend.calls[0][2].structured.json) == SCHEMA
+
+
+@pytest.mark.parametrize("guided, want", [
+    ({"guided_json": SCHEMA}, StructuredSpec(json=json.dumps(SCHEMA))),
+    ({"guided_regex": "[a-z]+", "guided_whitespace_pattern": " "}, StructuredSpec(regex="[a-z]+", whitespace_pattern=" ")),
+    ({"guided_choice": ["a", "b"]}, StructuredSpec(choice=("a", "b"))),
+    ({"guided_grammar": "root ::= \"a\""}, StructuredSpec(grammar="root ::= \"a\"")),
+])
+def test_the_older_guided_fields_mean_their_structured_outputs_fields(fake_router, guided, want):
+    client, backend = fake_router()
+    r = client.post("/v1/completions", json={"prompt": "a", **guided})
+    assert r.status_code == 200, r.text
+    assert backend.calls[0][2].structured == want
+
+
+def test_guided_fields_beside_structured_outputs_are_a_400(fake_router):
+    client, backend = fake_router()
+    r = client.post("/v1/completions", json={"prompt": "a", "guided_regex": "a", "structured_outputs": {"regex": "b"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex" and backend.calls == []
+    with pytest.raises(ApiError, match="only use one kind"):
+        structured_spec(None, None, True, {"guided_regex": "a", "guided_choice": ["a"]})

@@ -130,3 +130,41 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tok, tok_dir, parsers): 
     assert len(client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"]) == 2
     calls = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
     assert [c["function"]["arguments"] for c in calls["choices"][0]["message"]["tool_calls"]] == ['{"city": "Paris"}']
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.26.0"])
+def test_before_vllm_032_the_parsers_are_refused_naming_the_version(version, tok_dir, monkeypatch):  # noqa: F811
+    from pdcluster.router.chat_parsers import ChatParsers
+    from pdcluster.transfer import vllm_compat
+
+    why = vllm_compat.parsers_refusal(version)
+    assert f"vLLM {version} is installed" in why and "need vLLM 0.32.0 or later" in why
+    monkeypatch.setattr(vllm_compat, "installed_version", lambda: version)
+    with pytest.raises(ValueError, match=f"vLLM {version} is installed"):
+        ChatParsers(tok_dir, "hermes", None, True)
+
+
+def test_from_vllm_032_the_parsers_run():
+    from pdcluster.transfer.vllm_compat import PARSERS_SINCE, SUPPORTED, parsers_refusal
+
+    assert [v for v in SUPPORTED if parsers_refusal(v) is None] == list(SUPPORTED[SUPPORTED.index(PARSERS_SINCE):])
+
+
+def test_the_template_gets_the_tools_as_vllm_dumps_them():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    from pdcluster.router.tool_choice import template_tools
+
+    shapes = [*TOOLS, {"function": {"name": "bare"}}, {"type": "function", "function": {
+        "name": "extra", "description": "d", "strict": True, "x": 1}, "y": 2},
+              {"defer_loading": True, "function": {"name": "later", "strict": False}},
+              {"defer_loading": False, "function": {"name": "own", "defer_loading": True}}]
+    assert template_tools(shapes) == [ChatCompletionToolsParam.model_validate(t).model_dump() for t in shapes]
+
+
+def test_tokenize_renders_the_tools_as_chat_does(tok, tok_dir):  # noqa: F811
+    client, backend = router(tok, tok_dir, None, "x")
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    r = client.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS})
+    assert r.json()["tokens"] == backend.calls[-1][1]
