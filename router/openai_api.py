@@ -50,7 +50,6 @@ from pdcluster.router.logprobs import (
     prompt_logprobs,
 )
 from pdcluster.router.openai_models import (
-    COMPLETION_ONLY_OFF,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     ApiError,
@@ -61,7 +60,6 @@ from pdcluster.router.openai_models import (
     M,
     TokenizeRequest,
     parse_body,
-    refuse_unless_off,
     refuse_unsupported,
 )
 from pdcluster.router.openai_stream import Delta, Job, envelope, run_job, sse, with_reasoning_tokens
@@ -148,10 +146,7 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             raise ApiError(f"This model's maximum context length is {card.max_model_len} tokens. However, you "
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {what}, "
                            f"{max_tokens} for the completion). Please reduce the length of the {what} or completion.")
-        refuse_unsupported(req)
-        if not chat:
-            for name, off in COMPLETION_ONLY_OFF.items():
-                refuse_unless_off(name, getattr(req, name), off)
+        refuse_unsupported(req, chat)
         refuse_vllm_only(req, chat)
         temperature = 1.0 if req.temperature is None else req.temperature
         if not 0 <= temperature <= 2:  # OpenAI's range; written so that NaN fails too (1e400 parses as inf)

@@ -104,9 +104,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def refuse_unsupported(req: CommonRequest) -> None:
-    for name, off in UNSUPPORTED.items():
-        refuse_unless_off(name, getattr(req, name), off)
+def refuse_unsupported(req: CommonRequest, chat: bool) -> None:
+    """UNSUPPORTED's parameters (and on completions COMPLETION_ONLY_OFF's) not at a no-op value: a 400."""
+    for table in (UNSUPPORTED,) if chat else (UNSUPPORTED, COMPLETION_ONLY_OFF):
+        for name, off in table.items():
+            if (value := getattr(req, name)) is not None:  # None is every one's no-op: the common case, checked first
+                refuse_unless_off(name, value, off)
 
 
 def refuse_unless_off(name: str, value: Any, off: tuple[Any, ...]) -> None:
