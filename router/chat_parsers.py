@@ -66,8 +66,9 @@ class ChatParsers:
         if request.structured_outputs is not before:  # the parser's own constraint replaces the request's
             structured = _spec(request.structured_outputs)
         parsers = [make() for _ in range(n)]
-        for parser in parsers:
-            parser.set_prompt_token_ids(prompt_ids)
+        if not request.stream:  # as vLLM's full generator; its stream generator hands parse_delta the prompt instead
+            for parser in parsers:
+                parser.set_prompt_token_ids(prompt_ids)
         ended = request.resolve_reasoning_ended(adjuster, prompt_ids) if structured is not None else None
         return RequestParsers(self, request, parsers, prompt_ids, structured, ended)
 

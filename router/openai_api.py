@@ -331,14 +331,15 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         job = make_job(req, True, ids, max_tokens, param, arrival_ns, request.headers.get("x-request-id"),
                        valid_traceparent(request.headers.get("traceparent")), logprobs, asked_prompt_logprobs)
-        kwargs = (req.chat_template_kwargs or {}) | {"add_generation_prompt": req.add_generation_prompt,
-                                                     "continue_final_message": req.continue_final_message}
-        # vLLM's parsers' view of the request: a tool call's constraint, where the reasoning ends.
-        if parsers is not None and (parsing := await prompts.run(len(request.body) // PARSE_BYTES_PER_CHAR, partial(
+        if parsers is not None:  # vLLM's parsers' view of the request: a tool call's constraint, where reasoning ends
+            kwargs = (req.chat_template_kwargs or {}) | {"add_generation_prompt": req.add_generation_prompt,
+                                                         "continue_final_message": req.continue_final_message}
+            parsing = await prompts.run(len(request.body) // PARSE_BYTES_PER_CHAR, partial(
                 parsers.for_request, req.model_dump(exclude_unset=True), kwargs, ids, job.sampling.n,
-                job.sampling.structured))) is not None:
-            job = dataclasses.replace(job, parsing=parsing, sampling=dataclasses.replace(
-                job.sampling, structured=parsing.structured, reasoning_ended=parsing.reasoning_ended))
+                job.sampling.structured))
+            if parsing is not None:
+                job = dataclasses.replace(job, parsing=parsing, sampling=dataclasses.replace(
+                    job.sampling, structured=parsing.structured, reasoning_ended=parsing.reasoning_ended))
         return await serve(job)
 
     async def models(request: HttpRequest) -> Response:
