@@ -303,11 +303,8 @@ class EngineActor(ServesRequestChannel, Engine):
         prompt_lp: tuple[TokenLogprobs | None, ...] = ()  # the router asks D for them only when D prefills
         last_sent = 0
         stream = self._stream_pacing
-        # Only when set: vLLM before 0.32 takes no reasoning_ended (the router asks it of a reasoning model's
-        # structured request alone).
-        ended = {} if sampling.reasoning_ended is None else {"reasoning_ended": sampling.reasoning_ended}
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids), sp,
-                                           request_id=request_id, **ended):
+                                           request_id=request_id, reasoning_ended=sampling.reasoning_ended):
             completion = out.outputs[0]
             now = time.monotonic_ns()
             if first_output is not None and completion.token_ids:  # its prompt computed (or loaded)

@@ -31,8 +31,8 @@ class StructuredSpec:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    # xgrammar's structural tag (JSON text): what vLLM's tool parsers constrain tool calls with
-    # (router/chat_parsers.py); not taken from clients.
+    # xgrammar's structural tag (JSON text): a client's structured_outputs.structural_tag, or what
+    # vLLM's tool parsers force a tool call with (router/chat_parsers.py).
     structural_tag: str | None = None
 
 

@@ -103,9 +103,9 @@ def _joined(content: Any) -> str:
 def _tool_call(call: Any, i: int) -> dict[str, Any]:
     """An assistant's tool call as vLLM's `_postprocess_messages` hands templates one: its
     arguments an object (a JSON text parsed; one that is not an object's text, {})."""
-    function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(call, dict):
         raise ApiError("assistant tool_calls entries must be objects.", param="tool_calls")
+    function = call.get("function")
     if call.get("type", "function") != "function" or not isinstance(function, dict):
         raise ApiError("chat completions only support assistant tool_calls of type 'function'.", param="tool_calls")
     arguments = function.get("arguments")

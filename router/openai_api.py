@@ -67,7 +67,7 @@ from pdcluster.router.otlp import valid_traceparent
 from pdcluster.router.sampling_checks import extra_sampling
 from pdcluster.router.structured_outputs import GUIDED, structured_spec
 from pdcluster.router.text_codec import PromptTokenizer
-from pdcluster.router.tool_choice import template_tools, tool_request
+from pdcluster.router.tool_choice import checked_tools, template_tools
 from pdcluster.router.vllm_params import refuse_vllm_only
 
 log = logging.getLogger(__name__)
@@ -210,11 +210,10 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
             prompt_texts = texts.of(last.prompt_logprobs)
             shown = None if job.sampling.prompt_logprobs is None else prompt_logprobs(last.prompt_logprobs,
                                                                                       prompt_texts)
-            choices = [answer_choice(job, index, [d for d in pieces if d.index == index], last, prompt_texts, shown)
-                       for index in range(job.sampling.n)]
+            per_choice = [[d for d in pieces if d.index == index] for index in range(job.sampling.n)]
+            choices = [answer_choice(job, index, mine, last, prompt_texts, shown) for index, mine in enumerate(per_choice)]
             usage = last.usage if job.parsing is None else with_reasoning_tokens(
-                last.usage, job.parsing, {i: [t for d in pieces if d.index == i for t in d.token_ids]
-                                          for i in range(job.sampling.n)})
+                last.usage, job.parsing, {i: [t for d in mine for t in d.token_ids] for i, mine in enumerate(per_choice)})
             body = envelope(job, choices, usage, chunk=False)
             if shown is not None and job.chat:  # vLLM's place for them on chat
                 body["prompt_logprobs"] = shown
@@ -324,9 +323,9 @@ def build_app(backend: TokenBackend, tokenizer, limits: HttpLimits = HttpLimits(
         asked_prompt_logprobs = check_prompt_logprobs(req.prompt_logprobs, bool(req.stream), card)
         if not req.messages:
             raise ApiError("messages is empty", param="messages")
-        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, "tool_choice" in req.model_fields_set,
-                             parsers is not None and parsers.tool_parser)
-        ids = await chat_ids(req, tools.tools)
+        tools = checked_tools(req.tools, req.tool_choice, req.parallel_tool_calls, "tool_choice" in req.model_fields_set,
+                              parsers is not None and parsers.tool_parser)
+        ids = await chat_ids(req, tools)
         max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens")
                              if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
         job = make_job(req, True, ids, max_tokens, param, arrival_ns, request.headers.get("x-request-id"),

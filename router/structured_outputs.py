@@ -5,9 +5,10 @@ read into one constraint for D's vLLM (proto StructuredSpec), as vLLM's server r
 one of json, regex, choice, grammar, json_object, structural_tag. The older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and `guided_whitespace_pattern` (which vLLM
 before 0.12 read, and which clients written for it still send) mean their `structured_outputs`
-fields: vLLM 0.32 drops them unread, the router does not serve a request without what it asked. What only vLLM's grammar compiler can judge (a schema it does not
-support, a regex it cannot compile) D's vLLM refuses as the request reaches it: a 400 still
-(router/lifecycle.py), after P's prefill.
+fields: vLLM 0.32 drops them unread, the router does not serve a request without what it asked.
+What only vLLM's grammar compiler can judge (a schema it does not support, a regex it cannot
+compile) D's vLLM refuses as the request reaches it: a 400 still (router/lifecycle.py), after P's
+prefill.
 """
 
 from __future__ import annotations

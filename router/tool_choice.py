@@ -1,6 +1,8 @@
 """A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked as vLLM's server
 checks them (0.32: ChatCompletionRequest.check_tool_usage, then OnlineRenderer.render_chat), with
 its words and statuses, and the tools as its chat template gets them (each tool's model_dump).
+What the choice then means (the call forced, the answer parsed) vLLM's parser reads from the
+request itself.
 
 What a tool call needs past this (the constraint D samples under, the parse of D's answer) is
 vLLM's own tool parser's work (router/chat_parsers.py): without one configured, only
@@ -9,7 +11,6 @@ vLLM's own tool parser's work (router/chat_parsers.py): without one configured, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.router.openai_models import ApiError
@@ -17,21 +18,11 @@ from pdcluster.router.openai_models import ApiError
 _USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
-@dataclass(frozen=True)
-class ToolRequest:
-    """`tools` as the template gets them (None: none); `choice`: "none", "auto", "required", or
-    "named" (then `function` names it); `parallel`: False keeps only a call's first tool call."""
-
-    tools: list[dict[str, Any]] | None
-    choice: str
-    function: str | None = None
-    parallel: bool = True
-
-
-def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_given: bool,
-                 tool_parser: bool) -> ToolRequest:
-    """`choice_given`: the body has a `tool_choice` (an absent one is "auto" with tools, as
-    vLLM's); `tool_parser`: the spec runs a tool parser (model.enable_auto_tool_choice)."""
+def checked_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_given: bool,
+                  tool_parser: bool) -> list[dict[str, Any]] | None:
+    """The tools as the template gets them (None: none), once the three are as vLLM takes them.
+    `choice_given`: the body has a `tool_choice` (an absent one is "auto" with tools, as vLLM's);
+    `tool_parser`: the spec runs a tool parser (model.enable_auto_tool_choice)."""
     if tools == []:
         raise ApiError("`tools` must not be an empty array. Either provide at least one tool or omit the field "
                        "entirely.", param="tools")
@@ -40,9 +31,8 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_
         tool_choice = "auto" if dumped else "none"
     if not isinstance(parallel_tool_calls, (bool, type(None))):
         raise ApiError("invalid 'parallel_tool_calls': Input should be a valid boolean", param="parallel_tool_calls")
-    parallel = parallel_tool_calls is not False
     if tool_choice == "none":
-        return ToolRequest(dumped, "none", parallel=parallel)
+        return dumped
     if dumped is None:
         raise ApiError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
     function = _named(tool_choice, dumped) if isinstance(tool_choice, dict) else None
@@ -57,7 +47,7 @@ def tool_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any, choice_
         what = f'function "{function}"' if function is not None else f'"{tool_choice}"'
         raise ApiError(f"tool_choice={what} requires model.tool_call_parser to be set (vllm serve's "
                        "--tool-call-parser)", param="tool_choice")
-    return ToolRequest(dumped, "named" if function is not None else tool_choice, function, parallel)
+    return dumped
 
 
 def template_tools(tools: Any) -> list[dict[str, Any]]:
