@@ -1,7 +1,7 @@
 """Structured outputs: a request's `structured_outputs` (vLLM's) and `response_format` (OpenAI's)
 read into one constraint for D's vLLM (proto StructuredSpec), as vLLM's server reads them
 (vllm/entrypoints/openai/*/protocol.py, vllm/entrypoints/generate/base/protocol.py, 0.32):
-`response_format` json_object / json_schema overrides `structured_outputs`' constraint; at most
+`response_format` json_object / json_schema / structural_tag overrides `structured_outputs`' constraint; at most
 one of json, regex, choice, grammar, json_object, structural_tag. The older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and `guided_whitespace_pattern` (which vLLM
 before 0.12 read, and which clients written for it still send) mean their `structured_outputs`
@@ -101,5 +101,22 @@ def _from_response_format(response_format: Any) -> dict[str, Any] | None:
             raise ApiError("When response_format type is 'json_schema', the 'json_schema' field must be provided.",
                            param="response_format")
         return {"json": spec.get("schema")}
-    raise ApiError(f"response_format type {kind!r} is not supported: 'text', 'json_object' or 'json_schema'",
-                   param="response_format")
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(_structural_tag_format(response_format))}
+    raise ApiError(f"response_format type {kind!r} is not supported: 'text', 'json_object', 'json_schema' "
+                   "or 'structural_tag'", param="response_format")
+
+
+def _structural_tag_format(response_format: dict[str, Any]) -> dict[str, Any]:
+    """The tag as vLLM dumps its response format model (by alias, extra fields kept): xgrammar's
+    own (`format`) or the older `structures` + `triggers`, whose structures' `schema` defaults to null."""
+    structures, triggers = response_format.get("structures"), response_format.get("triggers")
+    legacy = (isinstance(structures, list) and isinstance(triggers, list) and all(isinstance(t, str) for t in triggers)
+              and all(isinstance(x, dict) and isinstance(x.get("begin"), str) and isinstance(x.get("end"), str)
+                      and isinstance(x.get("schema"), dict | None) for x in structures))
+    if legacy:
+        return {"type": "structural_tag", **response_format,
+                "structures": [{"begin": x["begin"], "schema": x.get("schema"), "end": x["end"], **x} for x in structures]}
+    if "format" in response_format:
+        return {"type": "structural_tag", **response_format}
+    raise ApiError("Invalid response_format structural_tag specification.", param="response_format")

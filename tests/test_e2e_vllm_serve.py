@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,12 @@ CORPUS = [
     ("structural tag", "completions", {"prompt": PROMPT, "max_tokens": 12, "structured_outputs": {
         "structural_tag": json.dumps({"type": "structural_tag", "format": {
             "type": "tag", "begin": "<n>", "content": {"type": "regex", "pattern": "[0-9]{1,3}"}, "end": "</n>"}})}}),
+    ("response_format structural tag", "chat/completions", {"messages": CHAT, "max_tokens": 12, "response_format": {
+        "type": "structural_tag", "format": {
+            "type": "tag", "begin": "<n>", "content": {"type": "regex", "pattern": "[0-9]{1,3}"}, "end": "</n>"}}}),
+    ("response_format legacy tag", "completions", {"prompt": PROMPT, "max_tokens": 12, "response_format": {
+        "type": "structural_tag", "structures": [{"begin": "<n>", "schema": {"type": "integer"}, "end": "</n>"}],
+        "triggers": ["<"]}}),
     ("logit bias", "completions", {"prompt": PROMPT, "max_tokens": 4, "logit_bias": {"300": 100}}),
     ("allowed ids", "completions", {"prompt": PROMPT, "max_tokens": 6, "allowed_token_ids": [300, 301, 302, 303]}),
     ("bad words", "completions", {"prompt": PROMPT, "max_tokens": 12, "bad_words": ["the", " fox", "e"]}),
@@ -99,6 +106,7 @@ SHOWS = {  # what an answer must show, besides being vllm serve's
     "tools named": lambda c: [call["name"] for call in _calls(c)] == ["get_weather"] and c["finish_reason"] == "stop",
     "tools one call": lambda c: len(_calls(c)) == 1 and c["finish_reason"] == "tool_calls",
     "reasoning": lambda c: c["reasoning"] and not c["text"],
+    "response_format structural tag": lambda c: re.fullmatch("<n>[0-9]{1,3}</n>", c["text"]),
 }
 # What vllm serve gets instead, where the router serves a field vLLM 0.32 drops unread: the same meaning.
 THEIRS = {"guided json": {"prompt": PROMPT, "max_tokens": 30, "structured_outputs": {"json": SMALL_SCHEMA}}}
@@ -262,6 +270,8 @@ REFUSED = [  # what vllm serve answers 400, the router before dispatch or D's vL
         "type": "object", "properties": {"a": {"type": "strin"}}}}}},
     {"structured_outputs": {"grammar": "root ::= ("}},
     {"structured_outputs": {"choice": []}},
+    {"response_format": {"type": "structural_tag", "structures": "none"}},
+    {"response_format": {"type": "structural_tag", "format": {"type": "no such format"}}},
     {"n": 2, "temperature": 0},
     {"logprobs": 21},
     {"prompt_logprobs": 1, "stream": True},

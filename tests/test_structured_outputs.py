@@ -31,6 +31,32 @@ def test_the_constraint_d_gets(structured, response_format, want):
     assert structured_spec(structured, response_format, logits=True) == want
 
 
+LEGACY = {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}
+XGRAMMARS = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}, "extra": 1}
+
+
+@pytest.mark.parametrize("response_format", [LEGACY, XGRAMMARS], ids=["legacy", "xgrammar's"])
+def test_a_structural_tag_response_format_is_the_tag_vllm_makes_of_it(response_format):
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.generate.base.protocol import AnyResponseFormat, structured_outputs_from_response_format
+
+    theirs = structured_outputs_from_response_format(None, TypeAdapter(AnyResponseFormat).validate_python(response_format))
+    ours = structured_spec({"regex": "x"}, response_format, logits=True)
+    assert json.loads(ours.structural_tag) == json.loads(theirs.structural_tag)
+    assert ours == StructuredSpec(structural_tag=ours.structural_tag)  # it replaces structured_outputs' regex
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "structural_tag"},
+    {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<a"]},
+    {"type": "structural_tag", "structures": [], "triggers": "<a"},
+])
+def test_a_malformed_structural_tag_is_vllms_400(response_format):
+    with pytest.raises(ApiError, match="Invalid response_format structural_tag specification") as err:
+        structured_spec(None, response_format, logits=True)
+    assert err.value.param == "response_format"
+
+
 def test_the_simulated_engine_refuses_them():
     with pytest.raises(ApiError, match="simulated engine"):
         structured_spec({"regex": "a"}, None, logits=False)
