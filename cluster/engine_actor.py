@@ -293,6 +293,23 @@ class EngineActor(ServesRequestChannel, Engine):
 
     async def _decode_one(self, req: DecodeRequest, sampling: SamplingSpec, request_id: str,
                           first_output: asyncio.Event | None = None) -> AsyncIterator[DecodeDelta]:
+        deltas = self._deltas(req, sampling, request_id, first_output)
+        try:
+            async for delta in deltas:
+                yield delta
+        except Exception as err:
+            if type(err).__name__ == "VLLMValidationError" and req.handle is not None and self.connector == "pdc":
+                # vLLM's input checks refused it before our connector saw it (a constraint only
+                # D's grammar compiler judges): P's blocks would wait for transfer.lease_s.
+                from pdcluster.transfer.grpc_client import release_at_p
+
+                await asyncio.to_thread(release_at_p, req.handle, self.spec.secret())
+            raise
+        finally:
+            await deltas.aclose()
+
+    async def _deltas(self, req: DecodeRequest, sampling: SamplingSpec, request_id: str,
+                      first_output: asyncio.Event | None) -> AsyncIterator[DecodeDelta]:
         from pdcluster.transfer.connector import D_STATS_KEY
         from pdcluster.transfer.vllm_compat import TokensPrompt
 

@@ -16,7 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from e2e import PARSERS, free_port, p1d1_spec, shared_cluster, tiny_model_dir, wait_until
+from e2e import (
+    PARSERS,
+    assert_no_kv_in_use,
+    free_port,
+    p1d1_spec,
+    shared_cluster,
+    tiny_model_dir,
+    transfer_as,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.local_ray, pytest.mark.shared_cluster("p1d1")]
 
@@ -298,3 +307,17 @@ def test_what_vllm_serve_refuses_the_cluster_refuses_and_serves_on(cluster, vllm
         assert (ours.status_code, theirs.status_code) == (400, 400), (body, ours.text, theirs.text)
         assert ours.json()["error"]["message"], body
     assert ask(cluster.url, "completions", {"prompt": PROMPT, "max_tokens": 4}, False)[0]["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_constraint_only_ds_vllm_refuses_leaves_no_block_on_p(cluster, mode):
+    """D's vLLM refuses a bad regex as the request reaches it, after P's prefill (pull) or during
+    it (push): P's blocks are freed then, not after transfer.lease_s (60 s)."""
+    assert cluster.spec.transfer.lease_s >= 60
+    with transfer_as(cluster, mode):
+        for i in range(3):
+            r = httpx.post(f"{cluster.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": f"{i} {mode} " + PROMPT * 4, "max_tokens": 4,
+                "structured_outputs": {"regex": "("}})
+            assert r.status_code == 400, r.text
+    assert_no_kv_in_use(cluster, timeout=10)

@@ -90,6 +90,20 @@ def kv_stub(address: str, auth: GrpcAuth, server: str) -> tuple[grpc.Channel, pb
     return channel, frames.framed_stub(grpc_authenticated_channel(channel, auth, server))
 
 
+def release_at_p(handle: TransferHandle, secret: str, timeout_s: float = RELEASE_AFTER_FAILURE_S) -> bool:
+    """End P's lease on `handle`'s blocks now, for a request D's connector never saw (vLLM's input
+    checks refused it on D): they would wait for transfer.lease_s. False if P knew no such
+    transfer or could not be reached (its lease then ends on its own)."""
+    channel, stub = kv_stub(handle.address, GrpcAuth(secret), handle.engine_id)
+    try:
+        return stub.Release(pb.ReleaseRequest(transfer_id=handle.transfer_id), timeout=timeout_s).known
+    except grpc.RpcError as err:
+        log.warning("could not release %s on %s: %s", handle.transfer_id, handle.address, err.code())
+        return False
+    finally:
+        channel.close()
+
+
 class KvFetcher:
     """A job whose handle asks for transport torch_dist receives its bytes over a
     torch.distributed pair channel to its P (opened on first use), which the gRPC
