@@ -25,7 +25,7 @@ I = TypeVar("I")  # noqa: E741  (the instance type)
 @dataclass
 class InstanceLoad:
     tokens: int = 0
-    requests: int = 0
+    requests: int = 0  # D: sequences, as vLLM counts them running (a request of n choices is n)
     seconds: float = 0.0  # P: predicted prefill time of its requests (each as predicted when picked)
     local: int = 0  # D: requests it prefills itself, until their first token
 
@@ -81,9 +81,10 @@ class LoadCounts(Generic[I]):
             self._finished(route.decode.name, route)
 
     @contextlib.contextmanager
-    def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int) -> Iterator[None]:
-        """D's load while it holds the request: the KV it must keep."""
-        with self._counted(route.decode.name, prompt_tokens + max_tokens):
+    def decoding(self, route: Route[I], prompt_tokens: int, max_tokens: int, n: int = 1) -> Iterator[None]:
+        """D's load while it holds the request: the KV it must keep, and its n sequences (D runs
+        each choice as a request of its own, sharing the prompt's blocks)."""
+        with self._counted(route.decode.name, prompt_tokens + n * max_tokens, count=n):
             yield
 
     def _finished(self, instance: str, route: Route[I]) -> None:
@@ -92,16 +93,16 @@ class LoadCounts(Generic[I]):
                                   self.lookup.removals(instance))
 
     @contextlib.contextmanager
-    def _counted(self, name: str, tokens: int, seconds: float = 0.0) -> Iterator[None]:
+    def _counted(self, name: str, tokens: int, seconds: float = 0.0, count: int = 1) -> Iterator[None]:
         load = self._load[name]
         load.tokens += tokens
-        load.requests += 1
+        load.requests += count
         load.seconds += seconds
         try:
             yield
         finally:
             load.tokens -= tokens
-            load.requests -= 1
+            load.requests -= count
             load.seconds = max(0.0, load.seconds - seconds) if load.requests else 0.0  # no float residue
 
     def in_flight(self) -> dict[str, int]:

@@ -285,7 +285,8 @@ class Lifecycle(PoolSteps[I], Generic[I]):
     def _send_decode(self, a: Attempt[I], handle: TransferHandle | None,
                      connector_params: dict | None = None) -> list[Command]:
         a.d_running = True
-        a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens))
+        a.decoding.enter_context(self.dispatch.picker.decoding(a.route, len(a.prompt), a.sampling.max_tokens,
+                                                                a.sampling.n))
         sampling = a.sampling  # the prompt's logprobs are the prefiller's to compute: D's only alone
         if not a.route.local_prefill and sampling.prompt_logprobs is not None:
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)

@@ -165,6 +165,16 @@ def test_least_load_spreads_and_counts_return_to_zero():
     assert set(pk.queued_tokens().values()) == {0} and set(pk.in_flight().values()) == {0}
 
 
+def test_a_request_of_n_choices_weighs_on_d_as_n_sequences():
+    pk = picker("least_load")
+    a, b = pk.pick(family(1), max_tokens=10), pk.pick(family(2), max_tokens=10)
+    assert (a.decode.name, b.decode.name) == ("d0", "d1")
+    with pk.decoding(a, 16, 10, n=3), pk.decoding(b, 20, 10):
+        assert (pk.in_flight()["d0"], pk.queued_tokens()["d0"]) == (3, 16 + 3 * 10)
+        assert pk.pick(family(3), max_tokens=10).decode.name == "d1"  # 30 tokens' KV to keep, not 46
+    assert set(pk.in_flight().values()) == {0} and set(pk.queued_tokens().values()) == {0}
+
+
 def test_counts_return_to_zero_when_the_request_fails():
     pk = picker("least_load")
     route = pk.pick(family(1), 4)
