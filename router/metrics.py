@@ -87,7 +87,8 @@ class RouterMetrics:
         self._predicted = {side: self.predicted.labels(side=side) for side in sides}
         self._predictions = {(side, o): self.predictions.labels(side=side, outcome=o)
                              for side in sides for o in ("exact", "over", "under")}
-        in_flight_gauge = Gauge("pdc_in_flight", "requests in flight per instance", ["instance"], registry=r)
+        in_flight_gauge = Gauge("pdc_in_flight", "requests in flight per instance (on D: sequences, n per request)",
+                               ["instance"], registry=r)
         for name in in_flight():
             in_flight_gauge.labels(instance=name).set_function(lambda name=name: in_flight().get(name, 0))
         if pending_blocks is not None:
