@@ -131,6 +131,31 @@ def test_release_twice_or_unknown_is_false(table):
     assert table.release("nobody") is False
 
 
+def test_a_transfer_released_before_ps_first_step_starts_released_and_ends_with_its_prefill(table):
+    """D refused the request before P scheduled it (push): P's blocks go when its prefill ends."""
+    assert table.release("t1") is False
+    table.step("t1", "r1", 40, TABLE, 40)
+    with pytest.raises(SourceError, match="released"):
+        table.acquire("t1", 0)
+    assert table.take_finished() == set()  # the running request owns its blocks
+    table.step_done()
+    table.finish("t1", 30.0)
+    assert table.take_finished() == {"r1"}  # at once, not after the lease
+    finished(table, "t1", "r2")  # remembered once: a source made again is not released
+    assert table.take_finished() == set()
+
+
+def test_early_releases_are_bounded(table, monkeypatch):
+    monkeypatch.setattr("pdcluster.transfer.sources.EARLY_RELEASES", 2)
+    for name in ("a", "b", "c"):
+        table.release(name)
+    for name in ("a", "c"):
+        table.step(name, f"r-{name}", 40, TABLE, 40)
+    assert [table.acquire(n, 0).transfer_id for n in ("a",)] == ["a"]  # forgotten: not released
+    with pytest.raises(SourceError):
+        table.acquire("c", 0)
+
+
 def test_expired_source_reported(table, clock):
     finished(table)
     clock.advance(30)

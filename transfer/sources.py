@@ -5,7 +5,8 @@ runs the request (every step, the connector passes the worker the request's
 block table and the prompt tokens the step computes), grows layer by layer as
 the forward pass writes KV (`layer_done` after each attention layer,
 `step_done` after the step), and ends when D releases it, when its lease
-expires after the prefill finished, or when P aborted the request.
+expires after the prefill finished, or when P aborted the request. A D may release it
+before P's first step (it refused the request at once): it then starts released.
 
     running --finish()--> finished --release / expiry / abort--> ended
     (the running request   (vLLM keeps the blocks        (reported once by
@@ -42,6 +43,9 @@ def ready_blocks(ready_tokens: int, num_tokens: int, block_size: int) -> int:
     computed: the full ones, and the partial last one once the prompt is done. The virtual clock
     (cluster/sim/virtual/kv.py) paces its arrivals by the same rule."""
     return -(-num_tokens // block_size) if ready_tokens >= num_tokens else ready_tokens // block_size
+
+
+EARLY_RELEASES = 4096  # releases of transfers P has not seen yet, remembered
 
 
 class SourceError(KeyError):
@@ -88,6 +92,10 @@ class SourceTable:
         self._cond = threading.Condition()
         self._sources: dict[str, Source] = {}  # transfer_id -> source
         self._stepping: list[Source] = []  # sources the running step computes
+        # Transfers a D released before P's first step made their source (D refused the request at
+        # once; with push, P may not have scheduled it yet): each starts released. Bounded, oldest
+        # forgotten first (ids are never reused; only an authenticated D can release).
+        self._released_early: dict[str, None] = {}
         self.waiting = 0  # readers waiting for a transfer this P has not seen yet (a D that asked first)
 
     # ------------------------------------------------------------ the forward pass (P's worker thread)
@@ -99,6 +107,9 @@ class SourceTable:
             src = self._sources.get(transfer_id)
             if src is None:
                 src = self._sources[transfer_id] = Source(transfer_id, request_id, num_tokens, self._block_sizes)
+                if transfer_id in self._released_early:
+                    del self._released_early[transfer_id]
+                    src.released = True
             assert src.request_id == request_id, (
                 f"transfer {transfer_id} produced by {src.request_id} and {request_id}: the router reused an id")
             src.block_ids = block_ids
@@ -193,10 +204,16 @@ class SourceTable:
             src.tier.close()
 
     def release(self, transfer_id: str) -> bool:
-        """D is done with it. False if there was no live source."""
+        """D is done with it. False if there was no live source (one P has not made yet starts
+        released)."""
         with self._cond:
             src = self._sources.get(transfer_id)
-            if src is None or src.released:
+            if src is None:
+                self._released_early[transfer_id] = None
+                if len(self._released_early) > EARLY_RELEASES:
+                    del self._released_early[next(iter(self._released_early))]
+                return False
+            if src.released:
                 return False
             src.released = True
             self._cond.notify_all()
