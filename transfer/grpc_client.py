@@ -90,16 +90,22 @@ def kv_stub(address: str, auth: GrpcAuth, server: str) -> tuple[grpc.Channel, pb
     return channel, frames.framed_stub(grpc_authenticated_channel(channel, auth, server))
 
 
-def release_at_p(handle: TransferHandle, secret: str, timeout_s: float = RELEASE_AFTER_FAILURE_S) -> bool:
-    """End P's lease on `handle`'s blocks now, for a request D's connector never saw (vLLM's input
-    checks refused it on D): they would wait for transfer.lease_s. False if P knew no such
-    transfer or could not be reached (its lease then ends on its own)."""
-    channel, stub = kv_stub(handle.address, GrpcAuth(secret), handle.engine_id)
+def release_on(stub: pb_grpc.KvTransferStub, handle: TransferHandle, timeout_s: float) -> bool:
+    """End P's lease on `handle`'s blocks now. False if P knew no such transfer or could not be
+    reached: its lease then ends on its own; nothing is lost but time."""
     try:
         return stub.Release(pb.ReleaseRequest(transfer_id=handle.transfer_id), timeout=timeout_s).known
     except grpc.RpcError as err:
         log.warning("could not release %s on %s: %s", handle.transfer_id, handle.address, err.code())
         return False
+
+
+def release_at_p(handle: TransferHandle, secret: str, timeout_s: float = RELEASE_AFTER_FAILURE_S) -> bool:
+    """`release_on` over a channel of its own, for a request D's connector never saw (vLLM's input
+    checks refused it on D): its blocks would wait for transfer.lease_s."""
+    channel, stub = kv_stub(handle.address, GrpcAuth(secret), handle.engine_id)
+    try:
+        return release_on(stub, handle, timeout_s)
     finally:
         channel.close()
 
@@ -345,12 +351,7 @@ class KvFetcher:
         return channel.recv_async(buf, tag).then(lambda: view.index_copy_(0, idx, buf), keep=buf)
 
     def _release(self, job: LoadJob, timeout_s: float) -> None:
-        try:
-            self._stub(job.handle).Release(pb.ReleaseRequest(transfer_id=job.handle.transfer_id),
-                                                   timeout=timeout_s)
-        except grpc.RpcError as err:
-            # P's lease expires on its own; nothing is lost but time.
-            log.warning("could not release %s on %s: %s", job.handle.transfer_id, job.handle.address, err.code())
+        release_on(self._stub(job.handle), job.handle, timeout_s)
 
     def stop(self) -> None:
         """End every load (running ones as cancelled), then close the channels: a channel closed
