@@ -21,6 +21,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from pdcluster.bench.serving_layer import measure_cpu
 from pdcluster.proto.messages import SamplingSpec
 from pdcluster.router.backend import GenerationChunk, ModelCard, TokenBackend
 from pdcluster.router.http_app import HttpRequest, StreamResponse
@@ -65,15 +66,6 @@ def case(model: str, parsers, body: dict):
     return one
 
 
-async def _measure(one, n: int) -> float:
-    for _ in range(30):  # warm
-        await one()
-    c0 = time.process_time()
-    for _ in range(n):
-        await one()
-    return (time.process_time() - c0) / n * 1e6
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=".pdcluster/models/tiny-qwen3", help="the tiny model's directory")
@@ -93,7 +85,7 @@ def main(argv=None) -> int:
     print(f"{'case':32} {'round':>5} {'CPU us/request':>15}")
     for r in range(1, a.rounds + 1):
         for name, one in cases.items():
-            print(f"{name:32} {r:5} {asyncio.run(_measure(one, a.requests)):15.0f}", flush=True)
+            print(f"{name:32} {r:5} {asyncio.run(measure_cpu(one, a.requests, warm=30))[0]:15.0f}", flush=True)
     return 0
 
 
